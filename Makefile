@@ -1,0 +1,35 @@
+# Everything runs in a local virtual environment (.venv); `make demo` and `make test` set it up.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Dev and CI machines have no GPU: pin the CPU build of torch that lies on their disk. On a
+# machine without it, pass any pip spec, e.g. TORCH_SPEC="torch --index-url <PyTorch CPU index>".
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.autoprec-installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/autoprec probe --model examples.tiny_gpt:make_model
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/probe_time.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

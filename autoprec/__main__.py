@@ -1,0 +1,5 @@
+import sys
+
+from autoprec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""The one place that knows autoprec's optional backends and the extras that install them.
+
+Detection never imports a backend: ``find_spec`` on a top-level package and the installed
+distribution's metadata are enough, so ``autoprec probe`` stays quick and quiet. Only
+:func:`require` imports, and it turns any failure (a CUDA-less Transformer Engine raises
+``RuntimeError`` or ``OSError`` on import, not ``ImportError``) into a
+:class:`~autoprec.errors.MissingBackendError` that names the pip extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+from pydantic import BaseModel, ConfigDict
+
+from autoprec.errors import MissingBackendError
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An optional package autoprec can use."""
+
+    name: str
+    """Import name of the top-level package."""
+    distributions: tuple[str, ...]
+    """Distribution names that provide it, most common first (for the version)."""
+    extra: str
+    """The autoprec extra that installs it."""
+    purpose: str
+
+
+BACKENDS: dict[str, Backend] = {
+    backend.name: backend
+    for backend in (
+        Backend(
+            "transformer_engine",
+            ("transformer-engine", "transformer_engine", "transformer-engine-torch"),
+            "te",
+            "FP8 training with Transformer Engine (fp8_te)",
+        ),
+        Backend("torchao", ("torchao",), "torchao", "FP8 training with torchao (fp8_torchao)"),
+        Backend("bitsandbytes", ("bitsandbytes",), "bnb", "8-bit optimizer states"),
+        Backend("torchastic", ("torchastic",), "lowbit", "stochastic rounding (bf16_sr)"),
+        Backend("optimi", ("torch-optimi",), "lowbit", "Kahan summation (bf16_kahan)"),
+    )
+}
+
+
+def _backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        known = ", ".join(sorted(BACKENDS))
+        raise ValueError(f"Unknown backend {name!r}; known backends: {known}.") from None
+
+
+def install_hint(name: str) -> str:
+    """The pip command that installs backend ``name``."""
+    return f"pip install 'autoprec[{_backend(name).extra}]'"
+
+
+def is_installed(name: str) -> bool:
+    """True when backend ``name`` is installed (without importing it)."""
+    _backend(name)
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def installed_version(name: str) -> str | None:
+    """The installed version of backend ``name`` from package metadata, or None."""
+    if not is_installed(name):
+        return None
+    for distribution in _backend(name).distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def require(name: str) -> ModuleType:
+    """Import backend ``name`` or raise MissingBackendError naming the extra to install.
+
+    Any exception during import counts as "not usable" (a broken CUDA build of a backend must
+    become a reason, not a crash).
+    """
+    backend = _backend(name)
+    if not is_installed(name):
+        raise MissingBackendError(
+            f"{backend.name} is not installed; it is needed for {backend.purpose}. "
+            f"Install it with: {install_hint(name)}"
+        )
+    try:
+        return importlib.import_module(name)
+    except Exception as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise MissingBackendError(
+            f"{backend.name} is installed but failed to import "
+            f"({type(error).__name__}: {first_line}); it is needed for {backend.purpose}. "
+            f"Reinstall it with: {install_hint(name)}"
+        ) from error
+
+
+class BackendStatus(BaseModel):
+    """Whether a backend is installed (and, when checked, importable)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    installed: bool
+    version: str | None
+    extra: str
+    purpose: str
+    import_error: str | None = None
+    """Set when an import was attempted and failed."""
+
+    @property
+    def usable(self) -> bool:
+        return self.installed and self.import_error is None
+
+
+def backend_status(name: str, *, try_import: bool = False) -> BackendStatus:
+    """Status of backend ``name``; imports it only when ``try_import`` (slow: seconds)."""
+    backend = _backend(name)
+    installed = is_installed(name)
+    import_error = None
+    if installed and try_import:
+        try:
+            require(name)
+        except MissingBackendError as error:
+            import_error = str(error)
+    return BackendStatus(
+        name=name,
+        installed=installed,
+        version=installed_version(name),
+        extra=backend.extra,
+        purpose=backend.purpose,
+        import_error=import_error,
+    )

@@ -1,0 +1,81 @@
+"""The ``autoprec`` command line. ``main(argv) -> exit code``.
+
+Errors print one line on stderr and exit with code 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from autoprec._version import __version__
+from autoprec.errors import AutoprecError
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoprec",
+        description="Pick the fastest training precision that does not hurt quality.",
+    )
+    parser.add_argument("--version", action="version", version=f"autoprec {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    probe = commands.add_parser(
+        "probe",
+        help="what this machine (and a model) can train in, with reasons",
+        description="Inspect GPUs, CPU, installed backends and optionally a model; give a "
+        "verdict with reasons for every precision mode.",
+    )
+    probe.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="model factory, e.g. examples.tiny_gpt:make_model or path/to/file.py:make_model; "
+        "it returns a model or (model, example_input)",
+    )
+    probe.add_argument("--device", help="cpu, cuda, cuda:N or N (default: first GPU, else cpu)")
+    probe.add_argument("--json", action="store_true", help="print the report as JSON")
+    probe.add_argument(
+        "--import-backends",
+        action="store_true",
+        help="also import each installed backend to check that it works (takes seconds)",
+    )
+    probe.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    return parser
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from autoprec.factories import load_model
+    from autoprec.probing import probe
+
+    model, example_input = load_model(args.model) if args.model else (None, None)
+    report = probe(model, example_input, device=args.device, import_backends=args.import_backends)
+    if args.json:
+        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
+    else:
+        from autoprec.display import print_probe_report
+
+        print_probe_report(report)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="autoprec: %(levelname)s: %(message)s",
+    )
+    try:
+        return _probe(args)
+    except (AutoprecError, ValueError, TypeError) as error:
+        if args.debug:
+            raise
+        sys.stderr.write(f"autoprec: error: {error}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("autoprec: interrupted\n")
+        return 130

@@ -1,0 +1,264 @@
+"""Which precision modes can run here, and which are worth a trial: reasons as data.
+
+Every rule returns short reasons ending in what was found, e.g. ``"fp8_torchao needs compute
+capability >= 8.9 (found: NVIDIA A100-SXM4-80GB, 8.0)"``. An empty reason list means eligible.
+The same strings appear in ``autoprec probe``, in refusals of ``prepare`` and in test skips.
+Notes are advisory: they never block a mode, but may mark it as not worth a trial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+from autoprec._imports import BackendStatus, install_hint
+from autoprec.hardware import FORMAT_MIN_CAPABILITY, FormatName, GpuInfo, HardwareInfo
+from autoprec.layers import BNB_MIN_8BIT_SIZE, FP8_DIM_MULTIPLE, LayerMix
+from autoprec.specs import MODE_NAMES, ModeName
+
+FP8_MIN_FLOP_SHARE = 0.3
+"""Below this share of forward FLOPs in FP8-compatible Linears, FP8 is not worth a trial."""
+
+BYTES_SAVED_PER_8BIT_PARAMETER = 6
+"""Adam keeps two fp32 states (8 bytes); 8-bit states take 2 bytes (plus tiny block scales)."""
+
+
+class Eligibility(BaseModel):
+    """Whether a mode (or knob) can run here, and whether it is worth a trial."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reasons: tuple[str, ...]
+    """Why it cannot run here; empty when it can."""
+    notes: tuple[str, ...]
+    """Advisory facts (expected gain, risks, what the drift gate will check)."""
+    worth_trying: bool
+
+    @property
+    def eligible(self) -> bool:
+        return not self.reasons
+
+
+@dataclass
+class _Verdict:
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    doubtful: bool = False
+
+    def doubt(self, note: str) -> None:
+        self.notes.append(note)
+        self.doubtful = True
+
+    def done(self) -> Eligibility:
+        return Eligibility(
+            reasons=tuple(self.reasons),
+            notes=tuple(self.notes),
+            worth_trying=not self.reasons and not self.doubtful,
+        )
+
+
+@dataclass(frozen=True)
+class Situation:
+    """The facts the rules read: machine, chosen device, model scan, installed backends."""
+
+    hardware: HardwareInfo
+    device: str
+    layers: LayerMix | None
+    backends: tuple[BackendStatus, ...]
+
+    @property
+    def gpu(self) -> GpuInfo | None:
+        if self.device == "cpu":
+            return None
+        return self.hardware.gpu(int(self.device.split(":")[1]))
+
+    def found_device(self) -> str:
+        if self.gpu is not None:
+            return self.gpu.label
+        return f"CPU only, torch {self.hardware.torch_version}"
+
+    def backend(self, name: str) -> BackendStatus | None:
+        return next((backend for backend in self.backends if backend.name == name), None)
+
+
+def _needs_gpu_format(verdict: _Verdict, what: str, fmt: FormatName, situation: Situation) -> None:
+    major, minor = FORMAT_MIN_CAPABILITY[fmt]
+    gpu = situation.gpu
+    if gpu is None:
+        verdict.reasons.append(
+            f"{what} needs a CUDA GPU with compute capability >= {major}.{minor} "
+            f"(found: {situation.found_device()})"
+        )
+    elif not gpu.supports(fmt):
+        verdict.reasons.append(
+            f"{what} needs compute capability >= {major}.{minor} (found: {gpu.label})"
+        )
+
+
+def _needs_backends(
+    verdict: _Verdict, what: str, names: Iterable[str], situation: Situation
+) -> None:
+    for name in names:
+        status = situation.backend(name)
+        if status is None or not status.installed:
+            verdict.reasons.append(
+                f"{what} needs {name} (found: not installed; {install_hint(name)})"
+            )
+        elif status.import_error is not None:
+            verdict.reasons.append(f"{what} needs a working {name} (found: {status.import_error})")
+
+
+def _needs_low_precision(verdict: _Verdict, what: str, dtype: str, situation: Situation) -> None:
+    """bf16/fp16 compute: a capable GPU, or a CPU where autocast in that dtype runs."""
+    if situation.gpu is not None:
+        _needs_gpu_format(
+            verdict, what, "bf16" if dtype == "bfloat16" else "fp16_tensor_cores", situation
+        )
+        return
+    cpu = situation.hardware.cpu
+    check = next((c for c in cpu.autocast if c.dtype == dtype), None)
+    if check is None:
+        verdict.reasons.append(f"{what} needs {dtype} on this CPU (found: not checked)")
+    elif not check.works:
+        verdict.reasons.append(f"{what} needs {dtype} autocast on this CPU (found: {check.error})")
+
+
+def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> None:
+    if layers is None:
+        verdict.notes.append("no model scanned: whether FP8 fits the model is unknown")
+        return
+    if not layers.linears:
+        verdict.reasons.append(
+            f"{what} swaps nn.Linear layers (found: none in {layers.model_class})"
+        )
+        return
+    compatible = layers.fp8_compatible_linears
+    if not compatible:
+        verdict.reasons.append(
+            f"{what} needs nn.Linear layers with both dimensions divisible by "
+            f"{FP8_DIM_MULTIPLE} (found: none of {len(layers.linears)})"
+        )
+        return
+    share = layers.fp8_eligible_flop_share
+    if share is not None and share < FP8_MIN_FLOP_SHARE:
+        verdict.doubt(
+            f"only {share * 100:.0f}% of forward FLOPs are in FP8-compatible Linears: "
+            "little to gain"
+        )
+    if not any(linear.fp8_worthwhile for linear in compatible):
+        largest = max(compatible, key=lambda linear: linear.in_features * linear.out_features)
+        verdict.doubt(
+            f"FP8-compatible Linears are small (largest {largest.in_features}x"
+            f"{largest.out_features}): casting and scaling overhead likely exceeds the gain"
+        )
+    raw = layers.kind("raw_param").flop_share
+    if raw:
+        verdict.notes.append(
+            f"{raw * 100:.0f}% of FLOPs are matmuls on raw nn.Parameter tensors, which FP8 "
+            "module swapping cannot reach"
+        )
+
+
+def _fp32(situation: Situation, verdict: _Verdict) -> None:
+    verdict.notes.append("the reference every other mode is measured against")
+
+
+def _tf32(situation: Situation, verdict: _Verdict) -> None:
+    _needs_gpu_format(verdict, "tf32", "tf32", situation)
+
+
+def _amp_fp16(situation: Situation, verdict: _Verdict) -> None:
+    _needs_low_precision(verdict, "amp_fp16", "float16", situation)
+    if situation.gpu is None and not verdict.reasons:
+        verdict.doubt(
+            "PyTorch has no fast fp16 kernels on most CPUs: expect amp_fp16 to be far slower "
+            "than fp32 here"
+        )
+    verdict.notes.append("dynamic loss scaling; forward activations above 65504 overflow")
+
+
+def _amp_bf16(situation: Situation, verdict: _Verdict) -> None:
+    _needs_low_precision(verdict, "amp_bf16", "bfloat16", situation)
+
+
+def _pure_bf16(mode: ModeName, backends: tuple[str, ...]) -> Callable[[Situation, _Verdict], None]:
+    def rule(situation: Situation, verdict: _Verdict) -> None:
+        _needs_low_precision(verdict, mode, "bfloat16", situation)
+        _needs_backends(verdict, mode, backends, situation)
+        if mode == "bf16_pure":
+            verdict.notes.append(
+                "nearest rounding loses updates smaller than half a bf16 ulp (loss can look "
+                "fine while outputs degrade); the drift gate measures lost updates"
+            )
+
+    return rule
+
+
+def _fp8_te(situation: Situation, verdict: _Verdict) -> None:
+    _needs_gpu_format(verdict, "fp8_te", "fp8", situation)
+    _needs_backends(verdict, "fp8_te", ("transformer_engine",), situation)
+    _fp8_model_fit(verdict, "fp8_te", situation.layers)
+    gpu = situation.gpu
+    if gpu is not None and gpu.supports("mxfp8"):
+        verdict.notes.append("MXFP8 recipe available (compute capability >= 10.0)")
+
+
+def _fp8_torchao(situation: Situation, verdict: _Verdict) -> None:
+    _needs_gpu_format(verdict, "fp8_torchao", "fp8", situation)
+    hardware_ok = not verdict.reasons
+    _needs_backends(verdict, "fp8_torchao", ("torchao",), situation)
+    _fp8_model_fit(verdict, "fp8_torchao", situation.layers)
+    gpu = situation.gpu
+    if gpu is not None and hardware_ok and gpu.capability < (9, 0):
+        verdict.notes.append(
+            f"rowwise scaling needs compute capability >= 9.0 (found: {gpu.label}): tensorwise only"
+        )
+    if not hardware_ok and len(verdict.reasons) == 1:
+        verdict.notes.append(
+            "fp8_torchao with emulate=True runs FP8 numerics on this machine: it screens "
+            "quality only, never speed"
+        )
+
+
+_RULES: dict[ModeName, Callable[[Situation, _Verdict], None]] = {
+    "fp32": _fp32,
+    "tf32": _tf32,
+    "amp_fp16": _amp_fp16,
+    "amp_bf16": _amp_bf16,
+    "bf16_pure": _pure_bf16("bf16_pure", ()),
+    "bf16_sr": _pure_bf16("bf16_sr", ("torchastic",)),
+    "bf16_kahan": _pure_bf16("bf16_kahan", ("optimi",)),
+    "bf16_sr_kahan": _pure_bf16("bf16_sr_kahan", ("torchastic", "optimi")),
+    "fp8_te": _fp8_te,
+    "fp8_torchao": _fp8_torchao,
+}
+
+
+def mode_eligibility(mode: ModeName, situation: Situation) -> Eligibility:
+    """Whether ``mode`` can run in ``situation``, with every reason and note."""
+    if mode not in _RULES:
+        raise ValueError(f"Unknown mode {mode!r}; modes: {', '.join(MODE_NAMES)}.")
+    verdict = _Verdict()
+    _RULES[mode](situation, verdict)
+    return verdict.done()
+
+
+def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
+    """Whether 8-bit optimizer states (bitsandbytes) can run here and are worth a trial."""
+    verdict = _Verdict()
+    _needs_backends(verdict, "optimizer_bits=8", ("bitsandbytes",), situation)
+    layers = situation.layers
+    if layers is not None and layers.parameters:
+        large = layers.parameters_in_large_tensors
+        saved = large * BYTES_SAVED_PER_8BIT_PARAMETER / 2**20
+        message = (
+            f"saves about {saved:.1f} MiB of Adam state ({large:,} parameters in tensors of "
+            f">= {BNB_MIN_8BIT_SIZE} elements)"
+        )
+        if large / layers.parameters < 0.5:
+            verdict.doubt(message + ": most parameters sit in small tensors kept in 32 bit")
+        else:
+            verdict.notes.append(message)
+    return verdict.done()

@@ -1,0 +1,28 @@
+"""The exceptions autoprec raises on purpose.
+
+Bad arguments raise the built-in ``ValueError`` / ``TypeError``; refusals that belong to
+autoprec's domain raise a subclass of :class:`AutoprecError`. Every message says what was
+found and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class AutoprecError(Exception):
+    """Base class of every error autoprec raises on purpose."""
+
+
+class MissingBackendError(AutoprecError):
+    """An optional backend (torchao, bitsandbytes, ...) is absent or fails to import."""
+
+
+class UnsupportedModeError(AutoprecError):
+    """A precision mode cannot run here; the message lists every reason."""
+
+
+class ModelLoadError(AutoprecError):
+    """A ``module.path:attr`` model factory could not be imported, called or understood."""
+
+
+class ProfileError(AutoprecError):
+    """A profile file is unreadable, invalid, or from a newer schema version."""

@@ -1,0 +1,117 @@
+"""Load user objects named on the command line: ``module.path:attr`` or ``file.py:attr``.
+
+Every failure becomes a one-line :class:`~autoprec.errors.ModelLoadError` naming what was
+wrong, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from autoprec.errors import ModelLoadError
+
+_FORM = "'module.path:factory' or 'path/to/file.py:factory'"
+
+
+def _split(reference: str, option: str) -> tuple[str, str]:
+    module_part, colon, attribute = reference.rpartition(":")
+    if not colon or not module_part or not attribute or not attribute.isidentifier():
+        raise ModelLoadError(f"{option} must look like {_FORM}, but got {reference!r}.")
+    return module_part, attribute
+
+
+def _import_file(path_text: str, option: str) -> ModuleType:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelLoadError(f"{option}: file {path_text!r} does not exist.")
+    name = f"_autoprec_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"{option}: cannot load {path_text!r} as a Python module.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(name, None)
+        raise ModelLoadError(
+            f"{option}: importing {path_text!r} raised {type(error).__name__}: {error}"
+        ) from error
+    return module
+
+
+def _import_module(module_name: str, option: str) -> ModuleType:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: modules next to the user
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ModelLoadError(
+            f"{option}: cannot import module {module_name!r} ({error}); run from the folder "
+            "that contains it, or install it."
+        ) from error
+    except Exception as error:
+        raise ModelLoadError(
+            f"{option}: importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from error
+
+
+def load_object(reference: str, *, option: str = "--model") -> Any:
+    """Import ``module.path:attr`` (or ``file.py:attr``) and return the attribute."""
+    module_part, attribute = _split(reference, option)
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
+        module = _import_file(module_part, option)
+    else:
+        module = _import_module(module_part, option)
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        public = sorted(
+            name
+            for name, value in vars(module).items()
+            if callable(value)
+            and not name.startswith("_")
+            and getattr(value, "__module__", None) == module.__name__
+        )
+        hint = f"; it defines: {', '.join(public)}" if public else ""
+        raise ModelLoadError(
+            f"{option}: module {module_part!r} has no attribute {attribute!r}{hint}."
+        ) from None
+
+
+def load_model(reference: str, *, option: str = "--model") -> tuple[nn.Module, Any]:
+    """Load ``(model, example_input)`` from a factory reference.
+
+    The attribute may be an ``nn.Module`` or a callable taking no arguments that returns an
+    ``nn.Module`` or a ``(model, example_input)`` pair.
+    """
+    target = load_object(reference, option=option)
+    if isinstance(target, nn.Module):
+        return target, None
+    if not callable(target):
+        raise ModelLoadError(
+            f"{option}: {reference!r} is a {type(target).__name__}, not a model or a factory "
+            "function."
+        )
+    try:
+        made = target()
+    except Exception as error:
+        raise ModelLoadError(
+            f"{option}: calling {reference!r}() raised {type(error).__name__}: {error}"
+        ) from error
+    if isinstance(made, nn.Module):
+        return made, None
+    if isinstance(made, tuple | list) and len(made) == 2 and isinstance(made[0], nn.Module):
+        return made[0], made[1]
+    raise ModelLoadError(
+        f"{option}: {reference!r}() returned {type(made).__name__}; expected an nn.Module or a "
+        "(model, example_input) pair."
+    )

@@ -1,0 +1,400 @@
+"""Hardware facts: GPUs (NVML, else torch), the CPU, and what each can compute in.
+
+NVML missing or failing (no driver, no GPU, a container without the library) is normal and
+recorded as a status line, never raised. Readers take the ``pynvml`` module and ``torch.cuda``
+as arguments so tests inject any device (V100 ... B200) without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+FormatName = Literal["fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8", "mxfp8", "fp4"]
+
+FORMAT_MIN_CAPABILITY: dict[FormatName, tuple[int, int]] = {
+    "fp16_tensor_cores": (7, 0),  # Volta
+    "bf16": (8, 0),  # Ampere
+    "tf32": (8, 0),  # Ampere
+    "sparse_2_4": (8, 0),  # Ampere sparse tensor cores
+    "fp8": (8, 9),  # Ada (8.9), Hopper (9.0)
+    "mxfp8": (10, 0),  # Blackwell
+    "fp4": (10, 0),  # Blackwell
+}
+"""Minimum CUDA compute capability of each number format on tensor cores."""
+
+
+class FormatSupport(BaseModel):
+    """Whether one number format runs on tensor cores of a GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: FormatName
+    supported: bool
+    reason: str
+
+
+class GpuInfo(BaseModel):
+    """One CUDA device."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int
+    name: str
+    capability: tuple[int, int]
+    memory_total_bytes: int | None
+    memory_free_bytes: int | None
+    driver_version: str | None
+    uuid: str | None
+    source: Literal["nvml", "torch"]
+    """Where the facts came from: NVML when it works, else torch."""
+    usable_by_torch: bool
+    """False when NVML sees the GPU but this torch build or process cannot use it."""
+
+    @property
+    def capability_str(self) -> str:
+        return f"{self.capability[0]}.{self.capability[1]}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}, {self.capability_str}"
+
+    def formats(self) -> tuple[FormatSupport, ...]:
+        return capability_formats(self.capability, self.name)
+
+    def supports(self, format_name: FormatName) -> bool:
+        return self.capability >= FORMAT_MIN_CAPABILITY[format_name]
+
+
+class AutocastCheck(BaseModel):
+    """Result of a tiny autocast matmul (forward and backward) on the CPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: Literal["bfloat16", "float16"]
+    works: bool
+    error: str | None = None
+
+
+class CpuInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_name: str
+    logical_cores: int
+    usable_cores: int
+    memory_total_bytes: int | None
+    autocast: tuple[AutocastCheck, ...]
+
+    def autocast_works(self, dtype: Literal["bfloat16", "float16"]) -> bool:
+        return any(check.dtype == dtype and check.works for check in self.autocast)
+
+
+class HardwareInfo(BaseModel):
+    """Everything autoprec needs to know about the machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    torch_version: str
+    torch_cuda_runtime: str | None
+    """CUDA runtime torch was built with (torch.version.cuda); None for CPU builds."""
+    cuda_available: bool
+    nvml_status: str
+    """"ok" or why NVML could not be used."""
+    driver_version: str | None
+    gpus: tuple[GpuInfo, ...]
+    cpu: CpuInfo
+    platform: str
+    python_version: str
+    warnings: tuple[str, ...] = ()
+
+    def gpu(self, index: int) -> GpuInfo:
+        for gpu in self.gpus:
+            if gpu.index == index:
+                return gpu
+        raise ValueError(f"No CUDA device {index}; {self.describe_gpus()}.")
+
+    def describe_gpus(self) -> str:
+        usable = [gpu for gpu in self.gpus if gpu.usable_by_torch]
+        if not usable:
+            return f"this machine has no CUDA device usable by torch {self.torch_version}"
+        listed = ", ".join(f"cuda:{gpu.index}: {gpu.name}" for gpu in usable)
+        return f"this machine has {len(usable)} CUDA device(s) ({listed})"
+
+    def resolve_device(self, device: str | int | None) -> str:
+        """Normalise a device choice to ``"cpu"`` or ``"cuda:N"``, checking that it exists.
+
+        None picks ``cuda:0`` when torch can use a GPU, else ``cpu``.
+        """
+        if device is None:
+            return "cuda:0" if any(gpu.usable_by_torch for gpu in self.gpus) else "cpu"
+        text = str(device).strip().lower()
+        if text == "cpu":
+            return "cpu"
+        if text == "cuda":
+            text = "cuda:0"
+        index_text = text.removeprefix("cuda:")
+        if not index_text.isdigit():
+            raise ValueError(
+                f"device must be 'cpu', 'cuda', 'cuda:N' or a GPU index, but got {device!r}."
+            )
+        index = int(index_text)
+        if not any(gpu.index == index and gpu.usable_by_torch for gpu in self.gpus):
+            raise ValueError(f"Device {device!r} is not available: {self.describe_gpus()}.")
+        return f"cuda:{index}"
+
+
+def capability_formats(capability: tuple[int, int], name: str = "GPU") -> tuple[FormatSupport, ...]:
+    """Which number formats a GPU of this compute capability runs on tensor cores, with reasons."""
+    found = f"{name}, {capability[0]}.{capability[1]}"
+    return tuple(
+        FormatSupport(
+            format=format_name,
+            supported=capability >= minimum,
+            reason=f"compute capability >= {minimum[0]}.{minimum[1]} (found: {found})",
+        )
+        for format_name, minimum in FORMAT_MIN_CAPABILITY.items()
+    )
+
+
+# -- NVML ------------------------------------------------------------------------------------
+
+
+def load_pynvml() -> tuple[ModuleType | None, str]:
+    """Import pynvml (from nvidia-ml-py) quietly; returns (module or None, status)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the deprecated `pynvml` shim warns on import
+            import pynvml
+    except Exception as error:  # noqa: BLE001 - any failure means "no NVML"
+        return None, f"pynvml not importable ({type(error).__name__}); install nvidia-ml-py"
+    return pynvml, "ok"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def read_nvml(pynvml: ModuleType) -> tuple[list[GpuInfo], str | None, str]:
+    """Read every GPU NVML sees. Returns (gpus, driver version, status); never raises."""
+    try:
+        pynvml.nvmlInit()
+    except Exception as error:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return [], None, f"NVML unavailable ({_nvml_error(error)})"
+    try:
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        except Exception:  # noqa: BLE001
+            driver = None
+        gpus: list[GpuInfo] = []
+        problems: list[str] = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                gpus.append(_read_nvml_device(pynvml, index, driver))
+            except Exception as error:  # noqa: BLE001 - one broken GPU must not hide the others
+                problems.append(f"GPU {index}: {_nvml_error(error)}")
+        status = "ok" if not problems else "partial (" + "; ".join(problems) + ")"
+        return gpus, driver, status
+    except Exception as error:  # noqa: BLE001
+        return [], None, f"NVML failed ({_nvml_error(error)})"
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def _read_nvml_device(pynvml: ModuleType, index: int, driver: str | None) -> GpuInfo:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    try:
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        total, free = int(memory.total), int(memory.free)
+    except Exception:  # noqa: BLE001 - NotSupported on some MIG and virtual GPUs
+        total, free = None, None
+    try:
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+    except Exception:  # noqa: BLE001
+        uuid = None
+    return GpuInfo(
+        index=index,
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        capability=(int(major), int(minor)),
+        memory_total_bytes=total,
+        memory_free_bytes=free,
+        driver_version=driver,
+        uuid=uuid,
+        source="nvml",
+        usable_by_torch=False,
+    )
+
+
+# -- torch -----------------------------------------------------------------------------------
+
+
+def read_torch_cuda(cuda: Any, *, free_memory: bool = True) -> tuple[list[GpuInfo], str]:
+    """Read the GPUs this torch process can use. Returns (gpus, status); never raises.
+
+    ``free_memory`` asks torch for free memory, which creates a CUDA context on every GPU:
+    only worth it when NVML cannot tell.
+    """
+    try:
+        if not cuda.is_available():
+            return [], "torch sees no CUDA device"
+        gpus = []
+        for index in range(cuda.device_count()):
+            props = cuda.get_device_properties(index)
+            free = None
+            if free_memory:
+                try:
+                    free, _ = cuda.mem_get_info(index)
+                except Exception:  # noqa: BLE001
+                    free = None
+            uuid = getattr(props, "uuid", None)
+            gpus.append(
+                GpuInfo(
+                    index=index,
+                    name=str(props.name),
+                    capability=(int(props.major), int(props.minor)),
+                    memory_total_bytes=int(props.total_memory),
+                    memory_free_bytes=None if free is None else int(free),
+                    driver_version=None,
+                    uuid=None if uuid is None else str(uuid),
+                    source="torch",
+                    usable_by_torch=True,
+                )
+            )
+        return gpus, "ok"
+    except Exception as error:  # noqa: BLE001 - a broken CUDA setup is a fact, not a crash
+        return [], f"torch CUDA query failed ({type(error).__name__}: {error})"
+
+
+def _uuid_key(uuid: str | None) -> str | None:
+    return None if uuid is None else uuid.lower().removeprefix("gpu-")
+
+
+def merge_gpus(
+    nvml_gpus: list[GpuInfo], torch_gpus: list[GpuInfo], torch_version: str
+) -> tuple[list[GpuInfo], list[str]]:
+    """Combine NVML and torch views: torch decides which GPUs are usable, NVML adds facts."""
+    notes: list[str] = []
+    if not torch_gpus:
+        if nvml_gpus:
+            notes.append(
+                f"NVML sees {len(nvml_gpus)} GPU(s) but torch {torch_version} cannot use them "
+                "(a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them): install a CUDA "
+                "build of torch to train on the GPU"
+            )
+        return list(nvml_gpus), notes
+    by_uuid = {_uuid_key(gpu.uuid): gpu for gpu in nvml_gpus if gpu.uuid}
+    same_view = "CUDA_VISIBLE_DEVICES" not in os.environ and len(nvml_gpus) == len(torch_gpus)
+    merged = []
+    for torch_gpu in torch_gpus:
+        nvml_gpu = by_uuid.get(_uuid_key(torch_gpu.uuid))
+        if nvml_gpu is None and same_view:
+            nvml_gpu = nvml_gpus[torch_gpu.index]
+        if nvml_gpu is None:
+            merged.append(torch_gpu)
+        else:
+            merged.append(
+                nvml_gpu.model_copy(update={"index": torch_gpu.index, "usable_by_torch": True})
+            )
+    return merged, notes
+
+
+# -- CPU -------------------------------------------------------------------------------------
+
+
+def check_cpu_autocast(dtype: Literal["bfloat16", "float16"]) -> AutocastCheck:
+    """Run a tiny autocast matmul forward and backward on the CPU in ``dtype``."""
+    torch_dtype = getattr(torch, dtype)
+    try:
+        weight = torch.ones(8, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch_dtype):
+            out = torch.ones(4, 8) @ weight
+        if out.dtype != torch_dtype:
+            return AutocastCheck(
+                dtype=dtype, works=False, error=f"autocast produced {out.dtype}, not {torch_dtype}"
+            )
+        out.float().sum().backward()
+        if weight.grad is None or not bool(torch.isfinite(weight.grad).all()):
+            return AutocastCheck(dtype=dtype, works=False, error="backward gave no finite gradient")
+    except Exception as error:  # noqa: BLE001 - whatever fails, the dtype does not work here
+        return AutocastCheck(dtype=dtype, works=False, error=f"{type(error).__name__}: {error}")
+    return AutocastCheck(dtype=dtype, works=True)
+
+
+def _cpu_model_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _memory_total() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def read_cpu(*, check_autocast: bool = True) -> CpuInfo:
+    logical = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    checks = (
+        (check_cpu_autocast("bfloat16"), check_cpu_autocast("float16")) if check_autocast else ()
+    )
+    return CpuInfo(
+        model_name=_cpu_model_name(),
+        logical_cores=logical,
+        usable_cores=usable,
+        memory_total_bytes=_memory_total(),
+        autocast=checks,
+    )
+
+
+def detect_hardware(
+    *,
+    pynvml: ModuleType | Literal["auto"] | None = "auto",
+    cuda: Any = None,
+    cpu: CpuInfo | None = None,
+) -> HardwareInfo:
+    """Describe this machine. Arguments exist for tests: inject NVML, torch.cuda or the CPU."""
+    if pynvml == "auto":
+        pynvml, nvml_status = load_pynvml()
+    else:
+        nvml_status = "ok" if pynvml is not None else "pynvml not given"
+    nvml_gpus: list[GpuInfo] = []
+    driver = None
+    if pynvml is not None:
+        nvml_gpus, driver, nvml_status = read_nvml(pynvml)
+    cuda = torch.cuda if cuda is None else cuda
+    torch_gpus, torch_status = read_torch_cuda(cuda, free_memory=not nvml_gpus)
+    gpus, notes = merge_gpus(nvml_gpus, torch_gpus, torch.__version__)
+    if torch_status.startswith("torch CUDA query failed"):
+        notes.append(torch_status)
+    return HardwareInfo(
+        torch_version=torch.__version__,
+        torch_cuda_runtime=torch.version.cuda,
+        cuda_available=bool(torch_gpus),
+        nvml_status=nvml_status,
+        driver_version=driver,
+        gpus=tuple(gpus),
+        cpu=cpu if cpu is not None else read_cpu(),
+        platform=platform.platform(),
+        python_version=sys.version.split()[0],
+        warnings=tuple(notes),
+    )

@@ -1,0 +1,434 @@
+"""Model scan: parameters and forward FLOPs by layer kind, FP8 fit, fp32 keep-list defaults.
+
+One forward pass under a dispatch mode attributes every matmul, convolution and attention FLOP
+(``torch.utils.flop_counter`` formulas) to the innermost module kind it ran in. Matmuls outside
+any Linear/Conv module whose operand is a parameter held directly by a custom module
+(``x @ self.W``) are counted as ``raw_param``: FP8 module swapping cannot reach them. Matmuls
+between activations (attention scores) are ``other``.
+
+The scan runs in eval mode under ``torch.no_grad()`` and restores the training flag, so the
+model's parameters, buffers (BatchNorm statistics) and gradients are left as they were. It
+runs wherever the model lives: CPU, or the meta device for models too big to materialise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+logger = logging.getLogger(__name__)
+
+LayerKind = Literal["linear", "conv", "embedding", "norm", "raw_param", "other"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "conv", "embedding", "norm", "raw_param", "other")
+
+FP8_DIM_MULTIPLE = 16
+"""FP8 GEMM kernels (torch._scaled_mm, Transformer Engine) need both Linear dims divisible by 16."""
+
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes keeps optimizer state of tensors smaller than this in 32 bit (min_8bit_size)."""
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def module_kind(module: nn.Module) -> LayerKind | None:
+    """The layer kind of a module, or None for containers and custom modules."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        return "embedding"
+    if isinstance(module, _NORM_TYPES):
+        return "norm"
+    if type(module).__name__.endswith("Norm") and next(module.children(), None) is None:
+        # Custom norms (LlamaRMSNorm, T5LayerNorm, ...) are recognised by name; a wrapper such
+        # as ``PreNorm(dim, fn)`` has children and is not a norm itself.
+        return "norm"
+    return None
+
+
+def fp8_worthwhile(in_features: int, out_features: int) -> bool:
+    """Whether an FP8 Linear of this shape is likely to be faster than bf16 on an H100.
+
+    torchao's own auto-filter for tensorwise scaling (``_auto_filter_for_tensorwise``, from its
+    H100 benchmarks): skip when K <= 4096 and N <= 1024, K = in_features, N = out_features.
+    """
+    return not (in_features <= 4096 and out_features <= 1024)
+
+
+class KindShare(BaseModel):
+    """Parameters and forward FLOPs of one layer kind."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: LayerKind
+    parameters: int
+    parameter_share: float
+    flops: int | None
+    flop_share: float | None
+
+
+class LinearInfo(BaseModel):
+    """One nn.Linear and its fit for FP8."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fqn: str
+    in_features: int
+    out_features: int
+    flops: int | None
+    fp8_compatible: bool
+    """Both dimensions divisible by 16 (what FP8 kernels take)."""
+    fp8_worthwhile: bool
+    """Compatible and big enough that FP8 is likely to gain (torchao's auto-filter rule)."""
+
+
+class KeepFp32(BaseModel):
+    """A module kept in full precision by default, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fqn: str
+    reason: str
+
+
+class LayerMix(BaseModel):
+    """What a model is made of, as far as precision choices care."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_class: str
+    parameters: int
+    trainable_parameters: int
+    parameters_in_large_tensors: int
+    """Parameters in tensors of >= 4096 elements (those bitsandbytes keeps in 8 bit)."""
+    by_kind: tuple[KindShare, ...]
+    forward_flops: int | None
+    """FLOPs of one forward pass on the example input (matmul, conv, attention); None if not run."""
+    forward_error: str | None = None
+    linears: tuple[LinearInfo, ...]
+    fp8_eligible_flop_share: float | None
+    """Share of forward FLOPs in FP8-compatible Linears; None when no forward pass ran."""
+    raw_param_matmuls: tuple[str, ...]
+    """Names of parameters used directly in matmuls (outside Linear/Conv modules)."""
+    keep_fp32: tuple[KeepFp32, ...]
+    findings: tuple[str, ...]
+
+    def kind(self, kind: LayerKind) -> KindShare:
+        """The share of one layer kind."""
+        return next(share for share in self.by_kind if share.kind == kind)
+
+    @property
+    def fp8_compatible_linears(self) -> tuple[LinearInfo, ...]:
+        return tuple(linear for linear in self.linears if linear.fp8_compatible)
+
+
+class _FlopAttribution(TorchDispatchMode):
+    """Credits each FLOP-counted aten op to a layer kind, using a module stack kept by hooks."""
+
+    def __init__(self, parameter_storages: dict[int, str]) -> None:
+        super().__init__()
+        self.parameter_storages = parameter_storages
+        self.stack: list[tuple[str, LayerKind | None]] = []
+        self.flops_by_kind: dict[LayerKind, int] = dict.fromkeys(LAYER_KINDS, 0)
+        self.flops_by_module: dict[str, int] = {}
+        self.raw_params: dict[str, None] = {}
+        self.compute_order: list[str] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in a dynamo-disable shim that imports torch._dynamo
+        # (~2 s) on first use. The scan never compiles, so the shim buys nothing here.
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = self._flops(func, args, kwargs, out)
+        if flops:
+            self._credit(flops, args)
+        return out
+
+    @staticmethod
+    def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            return int(flop_registry[packet](*args, **kwargs, out_val=out))
+        if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+            # CPU SDPA kernel; torch's flop registry knows only the CUDA ones.
+            query, key, value = args[:3]
+            return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+        return 0
+
+    def _credit(self, flops: int, args: Any) -> None:
+        for fqn, kind in reversed(self.stack):
+            if kind is not None:
+                self.flops_by_kind[kind] += flops
+                self.flops_by_module[fqn] = self.flops_by_module.get(fqn, 0) + flops
+                return
+        raw = [
+            self.parameter_storages[key]
+            for key in (_storage_key(arg) for arg in args if isinstance(arg, torch.Tensor))
+            if key in self.parameter_storages
+        ]
+        if raw:
+            self.flops_by_kind["raw_param"] += flops
+            self.raw_params.update(dict.fromkeys(raw))
+        else:
+            self.flops_by_kind["other"] += flops
+
+    @contextmanager
+    def tracking(self, model: nn.Module) -> Iterator[None]:
+        handles = []
+        for fqn, module in model.named_modules():
+            kind = module_kind(module)
+
+            def push(_module: nn.Module, _args: Any, fqn: str = fqn, kind: Any = kind) -> None:
+                self.stack.append((fqn, kind))
+                if kind in ("linear", "conv", "embedding") and fqn not in self.compute_order:
+                    self.compute_order.append(fqn)
+
+            def pop(_module: nn.Module, _args: Any, _out: Any) -> None:
+                self.stack.pop()
+
+            handles.append(module.register_forward_pre_hook(push))
+            handles.append(module.register_forward_hook(pop))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None  # tensor subclasses without storage
+
+
+def _call(model: nn.Module, example_input: Any) -> Any:
+    if isinstance(example_input, dict):
+        return model(**example_input)
+    if isinstance(example_input, tuple | list):
+        return model(*example_input)
+    return model(example_input)
+
+
+def _run_forward(model: nn.Module, example_input: Any, attribution: _FlopAttribution) -> None:
+    was_training = model.training
+    model.eval()  # no BatchNorm statistic updates, no dropout randomness
+    try:
+        with torch.no_grad(), attribution.tracking(model), attribution:
+            _call(model, example_input)
+    finally:
+        model.train(was_training)
+
+
+def _parameter_kinds(model: nn.Module) -> dict[str, tuple[LayerKind, int]]:
+    """fqn -> (kind of the owning module, element count), each shared parameter once."""
+    seen: set[int] = set()
+    result: dict[str, tuple[LayerKind, int]] = {}
+    for module_fqn, module in model.named_modules():
+        kind = module_kind(module) or "raw_param"
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            result[fqn] = (kind, parameter.numel())
+    return result
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
+    """Scan ``model``: parameter and FLOP shares by layer kind, FP8 fit, fp32 keep-list.
+
+    Args:
+        model: the model to scan. It is run once in eval mode without gradients; its state is
+            left unchanged.
+        example_input: a tensor, a tuple of positional arguments or a dict of keyword
+            arguments, on the model's device. Without it only parameters are counted.
+
+    Example: ``scan_model(*examples.tiny_gpt.make_model())``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"scan_model needs a torch.nn.Module but got {type(model).__name__}.")
+    parameter_kinds = _parameter_kinds(model)
+    named_parameters = dict(model.named_parameters())
+    storages = {
+        key: fqn
+        for fqn, parameter in named_parameters.items()
+        if (key := _storage_key(parameter)) is not None
+    }
+    attribution = _FlopAttribution(storages)
+    forward_error: str | None = None
+    ran = False
+    if example_input is not None:
+        try:
+            _run_forward(model, example_input, attribution)
+            ran = True
+        except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
+            forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
+            logger.warning("forward pass for the model scan failed: %s", forward_error)
+
+    total_params = sum(count for _, count in parameter_kinds.values())
+    forward_flops = sum(attribution.flops_by_kind.values()) if ran else None
+    by_kind = tuple(
+        KindShare(
+            kind=kind,
+            parameters=(n := sum(c for k, c in parameter_kinds.values() if k == kind)),
+            parameter_share=_share(n, total_params),
+            flops=attribution.flops_by_kind[kind] if ran else None,
+            flop_share=_share(attribution.flops_by_kind[kind], forward_flops or 0) if ran else None,
+        )
+        for kind in LAYER_KINDS
+    )
+    linears = tuple(
+        LinearInfo(
+            fqn=fqn,
+            in_features=module.in_features,
+            out_features=module.out_features,
+            flops=attribution.flops_by_module.get(fqn, 0) if ran else None,
+            fp8_compatible=(compatible := _fp8_compatible(module)),
+            fp8_worthwhile=compatible and fp8_worthwhile(module.in_features, module.out_features),
+        )
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    )
+    eligible_flops = sum(linear.flops or 0 for linear in linears if linear.fp8_compatible)
+    mix_without_findings = LayerMix(
+        model_class=type(model).__name__,
+        parameters=total_params,
+        trainable_parameters=sum(p.numel() for p in named_parameters.values() if p.requires_grad),
+        parameters_in_large_tensors=sum(
+            p.numel() for p in named_parameters.values() if p.numel() >= BNB_MIN_8BIT_SIZE
+        ),
+        by_kind=by_kind,
+        forward_flops=forward_flops,
+        forward_error=forward_error,
+        linears=linears,
+        fp8_eligible_flop_share=_share(eligible_flops, forward_flops or 0) if ran else None,
+        raw_param_matmuls=tuple(attribution.raw_params),
+        keep_fp32=_default_keep_fp32(model, attribution.compute_order),
+        findings=(),
+    )
+    return mix_without_findings.model_copy(
+        update={"findings": tuple(_findings(mix_without_findings))}
+    )
+
+
+def _fp8_compatible(linear: nn.Linear) -> bool:
+    return (
+        linear.in_features % FP8_DIM_MULTIPLE == 0 and linear.out_features % FP8_DIM_MULTIPLE == 0
+    )
+
+
+def _default_keep_fp32(model: nn.Module, compute_order: list[str]) -> tuple[KeepFp32, ...]:
+    keep: dict[str, str] = {}
+    compute_layers = compute_order or [
+        fqn for fqn, module in model.named_modules() if module_kind(module) in ("linear", "conv")
+    ]
+    matmul_layers = [
+        fqn for fqn in compute_layers if module_kind(model.get_submodule(fqn)) != "embedding"
+    ]
+    for fqn, module in model.named_modules():
+        kind = module_kind(module)
+        if kind == "norm":
+            keep[fqn] = "normalisation: statistics need full precision"
+        elif kind == "embedding":
+            keep[fqn] = "embedding: a lookup, nothing for low precision to speed up"
+    if matmul_layers:
+        keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
+        keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not _fp8_compatible(module):
+            keep.setdefault(
+                fqn,
+                f"Linear {module.in_features}x{module.out_features}: dimensions not divisible "
+                f"by {FP8_DIM_MULTIPLE}, FP8 kernels cannot take it",
+            )
+    return tuple(KeepFp32(fqn=fqn, reason=reason) for fqn, reason in keep.items())
+
+
+def _percent(share: float) -> str:
+    return f"{share * 100:.0f}%"
+
+
+def _findings(mix: LayerMix) -> list[str]:
+    findings: list[str] = []
+    if mix.parameters == 0:
+        findings.append("the model has no parameters: there is nothing to train")
+        return findings
+    if mix.forward_flops is None:
+        reason = f" ({mix.forward_error})" if mix.forward_error else ""
+        findings.append(
+            "no forward pass ran" + reason + ": FLOP shares are unknown; give an example input"
+        )
+        return findings
+    if mix.forward_flops == 0:
+        findings.append(
+            "the forward pass ran no matmuls or convolutions: low precision has "
+            "little compute to speed up"
+        )
+        return findings
+    conv, linear = mix.kind("conv"), mix.kind("linear")
+    raw, other = mix.kind("raw_param"), mix.kind("other")
+    if (conv.flop_share or 0) >= 0.5:
+        findings.append(
+            f"conv layers carry {_percent(conv.flop_share or 0)} of FLOPs: FP8 and 2:4 sparsity "
+            "accelerate only Linear layers — little to gain from them; AMP bf16/fp16 does speed "
+            "up convolutions"
+        )
+    if (raw.flop_share or 0) >= 0.05:
+        findings.append(
+            f"{_percent(raw.flop_share or 0)} of FLOPs are matmuls on raw nn.Parameter tensors "
+            f"({', '.join(mix.raw_param_matmuls[:3])}"
+            f"{', ...' if len(mix.raw_param_matmuls) > 3 else ''}): FP8 module swapping cannot "
+            "reach them"
+        )
+    if (other.flop_share or 0) >= 0.2:
+        findings.append(
+            f"{_percent(other.flop_share or 0)} of FLOPs are matmuls between activations "
+            "(e.g. attention scores): autocast lowers their precision, FP8 Linear swaps do not"
+        )
+    if mix.linears:
+        compatible = mix.fp8_compatible_linears
+        share = mix.fp8_eligible_flop_share or 0.0
+        findings.append(
+            f"{len(compatible)} of {len(mix.linears)} Linear layers fit FP8 kernels (both dims "
+            f"divisible by {FP8_DIM_MULTIPLE}), carrying {_percent(share)} of FLOPs"
+        )
+        if compatible and not any(linear.fp8_worthwhile for linear in compatible):
+            largest = max(compatible, key=lambda linear: linear.in_features * linear.out_features)
+            findings.append(
+                f"all FP8-compatible Linears are small (largest {largest.in_features}x"
+                f"{largest.out_features}): FP8 casting overhead likely exceeds the gain"
+            )
+    elif (linear.flop_share or 0) == 0 and (conv.flop_share or 0) < 0.5:
+        findings.append("the model has no nn.Linear layers: FP8 module swapping has nothing to do")
+    large_share = _share(mix.parameters_in_large_tensors, mix.parameters)
+    if large_share < 0.5:
+        findings.append(
+            f"only {_percent(large_share)} of parameters sit in tensors of >= {BNB_MIN_8BIT_SIZE} "
+            "elements: 8-bit optimizer states save little (bitsandbytes keeps small tensors in "
+            "32 bit)"
+        )
+    return findings

@@ -1,0 +1,130 @@
+"""ProbeReport: hardware + backends + model scan + a verdict for every mode, with reasons."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from autoprec._imports import BACKENDS, BackendStatus, backend_status
+from autoprec._version import __version__
+from autoprec.eligibility import (
+    Eligibility,
+    Situation,
+    mode_eligibility,
+    optimizer_8bit_eligibility,
+)
+from autoprec.hardware import HardwareInfo, detect_hardware
+from autoprec.layers import LayerMix, scan_model
+from autoprec.specs import MODE_DESCRIPTIONS, MODE_NAMES, ModeName
+
+
+class ModeVerdict(BaseModel):
+    """Whether one mode (or knob) can run here, is worth a trial, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    description: str
+    eligible: bool
+    worth_trying: bool
+    reasons: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+class ProbeReport(BaseModel):
+    """What ``autoprec probe`` found: the first stage of the pipeline."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    autoprec_version: str
+    created_at: datetime
+    device: str
+    """The device verdicts are for: ``cpu`` or ``cuda:N``."""
+    hardware: HardwareInfo
+    backends: tuple[BackendStatus, ...]
+    layers: LayerMix | None
+    modes: tuple[ModeVerdict, ...]
+    optimizer_8bit: ModeVerdict
+    """The ``optimizer_bits=8`` knob (bitsandbytes), which composes with any mode."""
+    seconds: float
+    """How long the probe took."""
+
+    def verdict(self, mode: ModeName) -> ModeVerdict:
+        for verdict in self.modes:
+            if verdict.name == mode:
+                return verdict
+        raise ValueError(f"Unknown mode {mode!r}; modes: {', '.join(MODE_NAMES)}.")
+
+    @property
+    def eligible_modes(self) -> tuple[str, ...]:
+        return tuple(verdict.name for verdict in self.modes if verdict.eligible)
+
+
+def probe(
+    model: nn.Module | None = None,
+    example_input: Any = None,
+    *,
+    device: str | int | None = None,
+    import_backends: bool = False,
+    hardware: HardwareInfo | None = None,
+    backends: tuple[BackendStatus, ...] | None = None,
+) -> ProbeReport:
+    """Inspect this machine (and a model) and say which precision modes are worth a trial.
+
+    Args:
+        model: optional model to scan (left unchanged: one eval-mode forward without grads).
+        example_input: a tensor, tuple of positional args or dict of kwargs for that forward.
+        device: ``"cpu"``, ``"cuda:N"`` or a GPU index the verdicts are for; default the
+            first GPU torch can use, else the CPU.
+        import_backends: also import each installed backend to check it works (seconds).
+        hardware: facts to use instead of detecting them (tests, reports for another machine).
+        backends: backend statuses to use instead of detecting them.
+
+    Example::
+
+        from examples.tiny_gpt import make_model
+        report = autoprec.probe(*make_model())
+        print(report.eligible_modes)
+    """
+    start = time.perf_counter()
+    hardware = hardware if hardware is not None else detect_hardware()
+    chosen = hardware.resolve_device(device)
+    if backends is None:
+        backends = tuple(backend_status(name, try_import=import_backends) for name in BACKENDS)
+    layers = scan_model(model, example_input) if model is not None else None
+    situation = Situation(hardware=hardware, device=chosen, layers=layers, backends=backends)
+    modes = tuple(
+        _verdict(mode, MODE_DESCRIPTIONS[mode], mode_eligibility(mode, situation))
+        for mode in MODE_NAMES
+    )
+    optimizer_8bit = _verdict(
+        "optimizer_bits=8",
+        "8-bit optimizer states (bitsandbytes), composes with any mode",
+        optimizer_8bit_eligibility(situation),
+    )
+    return ProbeReport(
+        autoprec_version=__version__,
+        created_at=datetime.now(timezone.utc),
+        device=chosen,
+        hardware=hardware,
+        backends=backends,
+        layers=layers,
+        modes=modes,
+        optimizer_8bit=optimizer_8bit,
+        seconds=round(time.perf_counter() - start, 3),
+    )
+
+
+def _verdict(name: str, description: str, eligibility: Eligibility) -> ModeVerdict:
+    return ModeVerdict(
+        name=name,
+        description=description,
+        eligible=eligibility.eligible,
+        worth_trying=eligibility.worth_trying,
+        reasons=eligibility.reasons,
+        notes=eligibility.notes,
+    )

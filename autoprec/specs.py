@@ -1,0 +1,90 @@
+"""The vocabulary every stage shares: canonical mode names, FP8 recipes, ModeSpec."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+ModeName = Literal[
+    "fp32",
+    "tf32",
+    "amp_fp16",
+    "amp_bf16",
+    "bf16_pure",
+    "bf16_sr",
+    "bf16_kahan",
+    "bf16_sr_kahan",
+    "fp8_te",
+    "fp8_torchao",
+]
+"""Canonical, stable mode names used in profiles, reports and on the command line."""
+
+MODE_NAMES: tuple[ModeName, ...] = get_args(ModeName)
+
+MODE_DESCRIPTIONS: dict[ModeName, str] = {
+    "fp32": "full fp32, TF32 off (the reference)",
+    "tf32": "fp32 weights, TF32 tensor-core matmuls",
+    "amp_fp16": "autocast fp16 with dynamic loss scaling, fp32 weights",
+    "amp_bf16": "autocast bf16, fp32 weights",
+    "bf16_pure": "bf16 weights, grads and optimizer, nearest rounding",
+    "bf16_sr": "bf16 weights, stochastic rounding of updates (torchastic)",
+    "bf16_kahan": "bf16 weights, Kahan-compensated updates (torch-optimi)",
+    "bf16_sr_kahan": "bf16 weights, stochastic rounding and Kahan compensation",
+    "fp8_te": "FP8 matmuls with Transformer Engine",
+    "fp8_torchao": "FP8 matmuls with torchao float8 training",
+}
+
+Fp8Recipe = Literal[
+    "te_delayed_hybrid",
+    "te_delayed_e4m3",
+    "te_current",
+    "te_mxfp8",
+    "torchao_tensorwise",
+    "torchao_rowwise",
+]
+"""FP8 scaling recipes. ``te_*`` belong to ``fp8_te``, ``torchao_*`` to ``fp8_torchao``."""
+
+FP8_RECIPES: tuple[Fp8Recipe, ...] = get_args(Fp8Recipe)
+
+OptimizerBits = Literal[32, 8]
+"""Optimizer-state precision: 32-bit (the optimizer's own) or 8-bit (bitsandbytes)."""
+
+
+class ModeSpec(BaseModel):
+    """One complete precision setup: a mode and its knobs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: ModeName
+    optimizer_bits: OptimizerBits = 32
+    fp8_recipe: Fp8Recipe | None = None
+    keep_fp32: tuple[str, ...] = ()
+    """Module-name patterns kept in full precision."""
+    emulate: bool = False
+    """fp8_torchao only: run FP8 numerics without FP8 hardware (quality screening, no speed)."""
+
+    @model_validator(mode="after")
+    def _knobs_fit_mode(self) -> ModeSpec:
+        if self.fp8_recipe is not None:
+            family = self.fp8_recipe.split("_", 1)[0]
+            if self.mode != f"fp8_{family}":
+                raise ValueError(
+                    f"fp8_recipe {self.fp8_recipe!r} belongs to mode 'fp8_{family}', "
+                    f"not {self.mode!r}."
+                )
+        if self.emulate and self.mode != "fp8_torchao":
+            raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")
+        return self
+
+    @property
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``amp_bf16+adam8bit``."""
+        parts = [self.mode]
+        if self.fp8_recipe:
+            parts.append(self.fp8_recipe.split("_", 1)[1])
+        if self.emulate:
+            parts.append("emulated")
+        if self.optimizer_bits == 8:
+            parts.append("8bit-optim")
+        return "+".join(parts)

@@ -1,0 +1,85 @@
+"""A nanoGPT-style decoder-only transformer, small enough for a CPU.
+
+Factory for the CLI: ``autoprec probe --model examples.tiny_gpt:make_model``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, channels = x.shape
+        q, k, v = self.c_attn(x).split(channels, dim=2)
+        shape = (batch, time, self.n_head, channels // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(batch, time, channels))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT with learned positions, pre-norm blocks and a weight-tied head (as nanoGPT)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        for name, parameter in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def make_model(batch_size: int = 8, seed: int = 0) -> tuple[TinyGPT, torch.Tensor]:
+    """A TinyGPT and a batch of token ids to run it on."""
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    tokens = torch.randint(0, 512, (batch_size, model.block_size))
+    return model, tokens

@@ -1,0 +1,178 @@
+"""Shared test helpers: fake NVML / torch.cuda and hardware built from known GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+import pytest
+
+from autoprec._imports import BACKENDS, BackendStatus
+from autoprec.hardware import AutocastCheck, CpuInfo, GpuInfo, HardwareInfo
+
+# name, compute capability, memory GiB: the GPUs the capability table must get right.
+KNOWN_GPUS: dict[str, tuple[str, tuple[int, int], int]] = {
+    "V100": ("Tesla V100-SXM2-32GB", (7, 0), 32),
+    "T4": ("Tesla T4", (7, 5), 16),
+    "A100": ("NVIDIA A100-SXM4-80GB", (8, 0), 80),
+    "RTX3090": ("NVIDIA GeForce RTX 3090", (8, 6), 24),
+    "RTX4090": ("NVIDIA GeForce RTX 4090", (8, 9), 24),
+    "L4": ("NVIDIA L4", (8, 9), 24),
+    "H100": ("NVIDIA H100 80GB HBM3", (9, 0), 80),
+    "H200": ("NVIDIA H200", (9, 0), 141),
+    "B200": ("NVIDIA B200", (10, 0), 180),
+}
+
+
+@dataclass
+class FakeNvmlDevice:
+    name: str
+    capability: tuple[int, int]
+    total: int = 80 * 2**30
+    free: int = 70 * 2**30
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    broken: Exception | None = None
+    memory_error: Exception | None = None
+
+
+@dataclass
+class FakeNvml:
+    """Stands in for the pynvml module; raises the real pynvml exception classes."""
+
+    devices: list[FakeNvmlDevice] = field(default_factory=list)
+    init_error: Exception | None = None
+    driver: str = "570.86.15"
+    shutdowns: int = 0
+
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise self.init_error
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeNvmlDevice:
+        device = self.devices[index]
+        if device.broken is not None:
+            raise device.broken
+        return device
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeNvmlDevice) -> tuple[int, int]:
+        return handle.capability
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeNvmlDevice) -> Any:
+        if handle.memory_error is not None:
+            raise handle.memory_error
+        return SimpleNamespace(
+            total=handle.total, free=handle.free, used=handle.total - handle.free
+        )
+
+    def nvmlDeviceGetName(self, handle: FakeNvmlDevice) -> bytes:
+        return handle.name.encode()  # older nvidia-ml-py versions return bytes
+
+    def nvmlDeviceGetUUID(self, handle: FakeNvmlDevice) -> str:
+        return handle.uuid
+
+
+@dataclass
+class FakeCuda:
+    """Stands in for torch.cuda."""
+
+    devices: list[FakeNvmlDevice] = field(default_factory=list)
+    error: Exception | None = None
+
+    def is_available(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return bool(self.devices)
+
+    def device_count(self) -> int:
+        return len(self.devices)
+
+    def get_device_properties(self, index: int) -> Any:
+        device = self.devices[index]
+        return SimpleNamespace(
+            name=device.name,
+            major=device.capability[0],
+            minor=device.capability[1],
+            total_memory=device.total,
+            uuid=device.uuid.removeprefix("GPU-"),
+        )
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        device = self.devices[index]
+        return device.free, device.total
+
+
+def nvml_error(name: str) -> Exception:
+    """A real pynvml exception, e.g. nvml_error('LibraryNotFound')."""
+    return getattr(pynvml, f"NVMLError_{name}")()
+
+
+CPU = CpuInfo(
+    model_name="Test CPU",
+    logical_cores=2,
+    usable_cores=2,
+    memory_total_bytes=24 * 2**30,
+    autocast=(
+        AutocastCheck(dtype="bfloat16", works=True),
+        AutocastCheck(dtype="float16", works=True),
+    ),
+)
+
+
+def make_gpu(key: str, index: int = 0) -> GpuInfo:
+    name, capability, memory = KNOWN_GPUS[key]
+    return GpuInfo(
+        index=index,
+        name=name,
+        capability=capability,
+        memory_total_bytes=memory * 2**30,
+        memory_free_bytes=memory * 2**30,
+        driver_version="570.86.15",
+        uuid=None,
+        source="nvml",
+        usable_by_torch=True,
+    )
+
+
+def make_hardware(*gpu_keys: str, cpu: CpuInfo = CPU) -> HardwareInfo:
+    return HardwareInfo(
+        torch_version="2.13.0+cu128" if gpu_keys else "2.13.0+cpu",
+        torch_cuda_runtime="12.8" if gpu_keys else None,
+        cuda_available=bool(gpu_keys),
+        nvml_status="ok" if gpu_keys else "NVML unavailable (NVMLError_LibraryNotFound)",
+        driver_version="570.86.15" if gpu_keys else None,
+        gpus=tuple(make_gpu(key, index) for index, key in enumerate(gpu_keys)),
+        cpu=cpu,
+        platform="Linux-test",
+        python_version="3.11.7",
+    )
+
+
+def make_backends(*installed: str) -> tuple[BackendStatus, ...]:
+    """Backend statuses with exactly ``installed`` present (use 'all' for every one)."""
+    names = set(BACKENDS) if installed == ("all",) else set(installed)
+    return tuple(
+        BackendStatus(
+            name=name,
+            installed=name in names,
+            version="1.0" if name in names else None,
+            extra=backend.extra,
+            purpose=backend.purpose,
+        )
+        for name, backend in BACKENDS.items()
+    )
+
+
+@pytest.fixture
+def fake_nvml() -> type[FakeNvml]:
+    return FakeNvml

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoprec.cli import main
+
+REPO = Path(__file__).parents[1]
+
+
+def test_probe_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--model", "examples.tiny_gpt:make_model"]) == 0
+    out = capsys.readouterr().out
+    assert "Precision modes" in out
+    assert "TinyGPT" in out
+    assert "amp_bf16" in out and "fp8_te" in out
+    assert "pip install 'autoprec[te]'" in out or "transformer_engine" in out
+    assert "Worth a trial here:" in out
+
+
+def test_probe_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--model", "examples.raw_param_mlp:make_model"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layers"]["raw_param_matmuls"] == ["w1", "w2"]
+    assert [mode["name"] for mode in report["modes"]][:2] == ["fp32", "tf32"]
+    assert report["device"] in ("cpu", "cuda:0")
+
+
+def test_probe_file_path_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--json", "--model", "examples/small_convnet.py:make_model"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"]["model_class"] == "SmallConvNet"
+
+
+def test_factory_returning_a_bare_module(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    factory = tmp_path / "bare.py"
+    factory.write_text("import torch\nmodel = torch.nn.Linear(32, 32)\n")
+    assert main(["probe", "--json", "--model", f"{factory}:model"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert layers["parameters"] == 32 * 32 + 32 and layers["forward_flops"] is None
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("examples.tiny_gpt", "--model must look like 'module.path:factory'"),
+        ("examples.tiny_gpt:", "--model must look like"),
+        ("no_such_module:make", "cannot import module 'no_such_module'"),
+        (
+            "examples.tiny_gpt:nope",
+            "has no attribute 'nope'; it defines: Block, CausalSelfAttention",
+        ),
+        ("examples.tiny_gpt:math", "is a module, not a model or a factory function"),
+        ("examples/missing.py:make", "file 'examples/missing.py' does not exist"),
+        ("examples.tiny_gpt:TinyGPT.forward", "--model must look like"),
+    ],
+)
+def test_bad_model_is_one_line_exit_2(
+    model: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["probe", "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("autoprec: error: ")
+    assert message in err
+
+
+def test_factory_that_raises_or_returns_junk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    factory = tmp_path / "factories.py"
+    factory.write_text("def boom():\n    raise KeyError('weights')\n\ndef junk():\n    return 42\n")
+    assert main(["probe", "--model", f"{factory}:boom"]) == 2
+    assert "raised KeyError: 'weights'" in capsys.readouterr().err
+    assert main(["probe", "--model", f"{factory}:junk"]) == 2
+    assert "returned int; expected an nn.Module or a (model, example_input) pair" in (
+        capsys.readouterr().err
+    )
+
+
+def test_bad_device(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--device", "cuda:7"]) == 2
+    assert "Device 'cuda:7' is not available" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback() -> None:
+    with pytest.raises(Exception, match="cannot import module"):
+        main(["probe", "--debug", "--model", "no_such_module:make"])
+
+
+def test_console_script_end_to_end() -> None:
+    """The installed `autoprec` entry point, as a user runs it: no traceback, exit 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "autoprec", "probe", "--model", "nowhere:make"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("autoprec: error: --model: cannot import module 'nowhere'")
+    ok = subprocess.run(
+        [sys.executable, "-m", "autoprec", "probe", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["layers"] is None
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tune-everything"])
+    assert exit_info.value.code == 2

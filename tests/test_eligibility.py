@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import pytest
+
+from autoprec.eligibility import (
+    Situation,
+    mode_eligibility,
+    optimizer_8bit_eligibility,
+)
+from autoprec.hardware import AutocastCheck
+from autoprec.layers import scan_model
+from autoprec.specs import MODE_NAMES
+from examples import raw_param_mlp, small_convnet, tiny_gpt
+from tests.conftest import CPU, make_backends, make_hardware
+
+ALL_BACKENDS = make_backends("all")
+
+
+def situation(*gpus: str, layers=None, backends=ALL_BACKENDS, cpu=CPU) -> Situation:
+    hardware = make_hardware(*gpus, cpu=cpu)
+    return Situation(
+        hardware=hardware, device=hardware.resolve_device(None), layers=layers, backends=backends
+    )
+
+
+def eligible_modes(s: Situation) -> set[str]:
+    return {mode for mode in MODE_NAMES if mode_eligibility(mode, s).eligible}
+
+
+BF16 = {"amp_bf16", "bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan"}
+
+
+@pytest.mark.parametrize(
+    ("gpu", "expected"),
+    [
+        ("V100", {"fp32", "amp_fp16"}),
+        ("T4", {"fp32", "amp_fp16"}),
+        ("A100", {"fp32", "tf32", "amp_fp16", *BF16}),
+        ("RTX3090", {"fp32", "tf32", "amp_fp16", *BF16}),
+        ("RTX4090", {"fp32", "tf32", "amp_fp16", *BF16, "fp8_te", "fp8_torchao"}),
+        ("L4", {"fp32", "tf32", "amp_fp16", *BF16, "fp8_te", "fp8_torchao"}),
+        ("H100", set(MODE_NAMES)),
+        ("H200", set(MODE_NAMES)),
+        ("B200", set(MODE_NAMES)),
+    ],
+)
+def test_modes_by_gpu_with_every_backend(gpu: str, expected: set[str]) -> None:
+    assert eligible_modes(situation(gpu)) == expected
+
+
+def test_reasons_name_what_was_found() -> None:
+    a100 = situation("A100")
+    assert mode_eligibility("fp8_torchao", a100).reasons == (
+        "fp8_torchao needs compute capability >= 8.9 (found: NVIDIA A100-SXM4-80GB, 8.0)",
+    )
+    v100 = mode_eligibility("amp_bf16", situation("V100"))
+    assert v100.reasons == (
+        "amp_bf16 needs compute capability >= 8.0 (found: Tesla V100-SXM2-32GB, 7.0)",
+    )
+
+
+def test_cpu_verdicts() -> None:
+    cpu = situation()
+    assert eligible_modes(cpu) == {"fp32", "amp_fp16", *BF16}
+    tf32 = mode_eligibility("tf32", cpu)
+    assert tf32.reasons == (
+        "tf32 needs a CUDA GPU with compute capability >= 8.0 (found: CPU only, torch 2.13.0+cpu)",
+    )
+    fp16 = mode_eligibility("amp_fp16", cpu)
+    assert fp16.eligible and not fp16.worth_trying
+    assert any("no fast fp16 kernels" in note for note in fp16.notes)
+    fp8 = mode_eligibility("fp8_torchao", cpu)
+    assert any("emulate=True" in note for note in fp8.notes)
+
+
+def test_cpu_without_working_bf16_autocast() -> None:
+    cpu = CPU.model_copy(
+        update={
+            "autocast": (
+                AutocastCheck(dtype="bfloat16", works=False, error="no bf16 kernel"),
+                AutocastCheck(dtype="float16", works=True),
+            )
+        }
+    )
+    verdict = mode_eligibility("bf16_kahan", situation(cpu=cpu))
+    assert verdict.reasons == (
+        "bf16_kahan needs bfloat16 autocast on this CPU (found: no bf16 kernel)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "backend", "extra"),
+    [
+        ("bf16_sr", "torchastic", "lowbit"),
+        ("bf16_kahan", "optimi", "lowbit"),
+        ("fp8_torchao", "torchao", "torchao"),
+        ("fp8_te", "transformer_engine", "te"),
+    ],
+)
+def test_missing_backend_names_the_extra(mode: str, backend: str, extra: str) -> None:
+    others = [
+        name
+        for name in ("torchastic", "optimi", "torchao", "transformer_engine", "bitsandbytes")
+        if name != backend
+    ]
+    verdict = mode_eligibility(mode, situation("H100", backends=make_backends(*others)))  # type: ignore[arg-type]
+    assert verdict.reasons == (
+        f"{mode} needs {backend} (found: not installed; pip install 'autoprec[{extra}]')",
+    )
+
+
+def test_sr_kahan_needs_both_backends() -> None:
+    verdict = mode_eligibility("bf16_sr_kahan", situation("H100", backends=make_backends()))
+    assert len(verdict.reasons) == 2
+
+
+def test_broken_backend_is_a_reason() -> None:
+    backends = tuple(
+        b.model_copy(update={"import_error": "transformer_engine failed to import (OSError: x)"})
+        if b.name == "transformer_engine"
+        else b
+        for b in ALL_BACKENDS
+    )
+    verdict = mode_eligibility("fp8_te", situation("H100", backends=backends))
+    assert verdict.reasons == (
+        "fp8_te needs a working transformer_engine (found: transformer_engine failed to import "
+        "(OSError: x))",
+    )
+
+
+def test_fp8_model_fit() -> None:
+    conv = situation("H100", layers=scan_model(*small_convnet.make_model()))
+    verdict = mode_eligibility("fp8_torchao", conv)
+    assert verdict.reasons == (
+        "fp8_torchao needs nn.Linear layers with both dimensions divisible by 16 "
+        "(found: none of 1)",
+    )
+    raw = mode_eligibility(
+        "fp8_te", situation("H100", layers=scan_model(*raw_param_mlp.make_model()))
+    )
+    assert raw.eligible and not raw.worth_trying
+    assert any("only 14% of forward FLOPs" in note for note in raw.notes)
+    gpt = mode_eligibility("fp8_te", situation("H100", layers=scan_model(*tiny_gpt.make_model())))
+    assert gpt.eligible and not gpt.worth_trying
+    assert any("Linears are small" in note for note in gpt.notes)
+    # AMP accelerates the conv net: no model-fit objection
+    assert mode_eligibility("amp_bf16", conv).worth_trying
+
+
+def test_rowwise_note_on_ada() -> None:
+    verdict = mode_eligibility("fp8_torchao", situation("L4"))
+    assert any("rowwise scaling needs compute capability >= 9.0" in note for note in verdict.notes)
+    assert not any("rowwise" in n for n in mode_eligibility("fp8_torchao", situation("H100")).notes)
+
+
+def test_optimizer_8bit() -> None:
+    assert optimizer_8bit_eligibility(situation(backends=make_backends())).reasons == (
+        "optimizer_bits=8 needs bitsandbytes (found: not installed; pip install 'autoprec[bnb]')",
+    )
+    gpt = optimizer_8bit_eligibility(situation(layers=scan_model(*tiny_gpt.make_model())))
+    assert gpt.worth_trying and "saves about 2.7 MiB" in gpt.notes[0]
+
+
+def test_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="Unknown mode 'fp64'"):
+        mode_eligibility("fp64", situation())  # type: ignore[arg-type]

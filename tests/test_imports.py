@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+
+from autoprec import _imports
+from autoprec._imports import BACKENDS, backend_status, install_hint, is_installed, require
+from autoprec.errors import MissingBackendError
+
+
+def test_every_backend_names_an_extra_declared_in_pyproject() -> None:
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    pyproject = tomllib.loads(Path(__file__).parents[1].joinpath("pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    for backend in BACKENDS.values():
+        assert backend.extra in extras, backend.name
+
+
+def test_install_hint() -> None:
+    assert install_hint("bitsandbytes") == "pip install 'autoprec[bnb]'"
+    with pytest.raises(ValueError, match="Unknown backend 'apex'"):
+        install_hint("apex")
+
+
+def test_absent_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torchastic" else real_find_spec(name, *a),
+    )
+    assert not is_installed("torchastic")
+    status = backend_status("torchastic", try_import=True)
+    assert not status.installed and status.version is None and not status.usable
+    with pytest.raises(MissingBackendError, match=r"pip install 'autoprec\[lowbit\]'"):
+        require("torchastic")
+
+
+def test_backend_that_fails_to_import_becomes_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transformer Engine without CUDA raises RuntimeError/OSError on import, not ImportError."""
+    monkeypatch.setattr(_imports, "is_installed", lambda name: True)
+
+    def failing_import(name: str) -> types.ModuleType:
+        raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setattr(_imports.importlib, "import_module", failing_import)
+    with pytest.raises(MissingBackendError) as caught:
+        require("transformer_engine")
+    message = str(caught.value)
+    assert "installed but failed to import (OSError: libcudnn.so.9" in message
+    assert "pip install 'autoprec[te]'" in message
+    status = backend_status("transformer_engine", try_import=True)
+    assert status.installed and not status.usable and "OSError" in (status.import_error or "")
+
+
+def test_installed_backends_report_a_version() -> None:
+    installed = [name for name in BACKENDS if is_installed(name)]
+    for name in installed:
+        assert backend_status(name).version not in (None, "")

@@ -1,0 +1,208 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.layers import LAYER_KINDS, fp8_worthwhile, module_kind, scan_model
+from examples import raw_param_mlp, small_convnet, tiny_gpt
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_tiny_gpt_is_linear_dominated_and_fp8_compatible() -> None:
+    mix = scan_model(*tiny_gpt.make_model())
+    assert mix.model_class == "TinyGPT"
+    assert mix.parameters == sum(p.numel() for p in tiny_gpt.make_model()[0].parameters())
+    assert mix.kind("linear").flop_share == pytest.approx(0.933, abs=0.01)
+    # attention scores: matmuls between activations (CPU SDPA kernel counted)
+    assert mix.kind("other").flop_share == pytest.approx(0.067, abs=0.01)
+    assert mix.kind("raw_param").flops == 0
+    assert len(mix.linears) == 9 and all(linear.fp8_compatible for linear in mix.linears)
+    assert not any(linear.fp8_worthwhile for linear in mix.linears)  # all small
+    assert mix.fp8_eligible_flop_share == pytest.approx(mix.kind("linear").flop_share)
+    keep = {k.fqn for k in mix.keep_fp32}
+    assert {"wte", "wpe", "ln_f", "blocks.0.ln_1", "lm_head", "blocks.0.attn.c_attn"} <= keep
+    assert "blocks.1.mlp.0" not in keep
+    assert any("9 of 9 Linear layers fit FP8" in finding for finding in mix.findings)
+    assert any("small" in finding for finding in mix.findings)
+
+
+def test_tied_weights_are_counted_once() -> None:
+    model, tokens = tiny_gpt.make_model()
+    mix = scan_model(model, tokens)
+    assert mix.parameters == sum(p.numel() for p in model.parameters())
+    assert sum(share.parameters for share in mix.by_kind) == mix.parameters
+    assert sum(share.parameter_share for share in mix.by_kind) == pytest.approx(1.0)
+    assert sum(share.flop_share or 0 for share in mix.by_kind) == pytest.approx(1.0)
+
+
+def test_convnet_is_conv_dominated() -> None:
+    mix = scan_model(*small_convnet.make_model())
+    assert (mix.kind("conv").flop_share or 0) > 0.99
+    assert any(f.startswith("conv layers carry 100% of FLOPs") for f in mix.findings)
+    (head,) = mix.linears
+    assert head.fqn == "head" and not head.fp8_compatible  # 64 -> 10
+    reasons = {k.fqn: k.reason for k in mix.keep_fp32}
+    assert "stem.0" in reasons and "first layer" in reasons["stem.0"]
+    assert "head" in reasons
+    assert "stem.1" in reasons and "normalisation" in reasons["stem.1"]
+
+
+def test_raw_parameter_matmuls_are_found() -> None:
+    mix = scan_model(*raw_param_mlp.make_model())
+    assert mix.raw_param_matmuls == ("w1", "w2")
+    assert mix.kind("raw_param").parameters == 2 * 256 * 256
+    assert mix.kind("raw_param").flop_share == pytest.approx(0.865, abs=0.01)
+    assert any("matmuls on raw nn.Parameter tensors (w1, w2)" in f for f in mix.findings)
+    assert mix.fp8_eligible_flop_share == pytest.approx(0.135, abs=0.01)
+
+
+def test_hugging_face_gpt2_conv1d_counts_as_raw_parameters() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    mix = scan_model(model, {"input_ids": torch.randint(0, 256, (2, 32))})
+    # GPT-2's projections are transformers' Conv1D (weight used in addmm), not nn.Linear
+    assert "transformer.h.0.attn.c_attn.weight" in mix.raw_param_matmuls
+    assert (mix.kind("raw_param").flop_share or 0) > 0.5
+    assert [linear.fqn for linear in mix.linears] == ["lm_head"]
+    assert any("FP8 module swapping cannot reach them" in f for f in mix.findings)
+
+
+def test_hugging_face_llama_uses_linears_and_custom_norms() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    mix = scan_model(model, {"input_ids": torch.randint(0, 256, (2, 16))})
+    assert (mix.kind("linear").flop_share or 0) > 0.8
+    assert mix.kind("norm").parameters == 64 * (2 * 2 + 1)  # LlamaRMSNorm found by name
+    assert mix.raw_param_matmuls == ()
+    assert "model.embed_tokens" in {k.fqn for k in mix.keep_fp32}
+
+
+def test_scan_leaves_the_model_unchanged() -> None:
+    model, images = small_convnet.make_model()
+    model.train()
+    before = _state(model)
+    scan_model(model, images)
+    assert model.training
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name  # BatchNorm statistics untouched
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_scan_on_meta_device() -> None:
+    with torch.device("meta"):
+        model = tiny_gpt.TinyGPT()
+        tokens = torch.zeros(8, 64, dtype=torch.long)
+    mix = scan_model(model, tokens)
+    reference = scan_model(*tiny_gpt.make_model())
+    assert mix.forward_flops == reference.forward_flops
+    assert mix.by_kind == reference.by_kind
+
+
+def test_without_example_input_only_parameters_are_counted() -> None:
+    model, _ = tiny_gpt.make_model()
+    mix = scan_model(model)
+    assert mix.forward_flops is None and mix.fp8_eligible_flop_share is None
+    assert all(share.flops is None for share in mix.by_kind)
+    assert any("no forward pass ran" in finding for finding in mix.findings)
+    # first/last layers fall back to registration order
+    assert {"blocks.0.attn.c_attn", "lm_head"} <= {k.fqn for k in mix.keep_fp32}
+
+
+def test_failing_forward_is_reported_not_raised() -> None:
+    model, _ = tiny_gpt.make_model()
+    mix = scan_model(model, torch.zeros(2, 3, 4))  # floats where token ids belong
+    assert mix.forward_flops is None
+    assert mix.forward_error is not None and mix.forward_error.startswith("RuntimeError")
+    assert any(mix.forward_error in finding for finding in mix.findings)
+
+
+def test_model_without_parameters() -> None:
+    mix = scan_model(nn.ReLU(), torch.ones(3))
+    assert mix.parameters == 0
+    assert mix.findings == ("the model has no parameters: there is nothing to train",)
+
+
+def test_scan_rejects_non_modules() -> None:
+    with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module but got function"):
+        scan_model(tiny_gpt.make_model)  # type: ignore[arg-type]
+
+
+def test_prenorm_wrapper_is_not_a_norm() -> None:
+    class PreNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(32)
+            self.fn = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fn(self.norm(x))
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+
+    assert module_kind(PreNorm()) is None
+    assert module_kind(RMSNorm()) == "norm"
+    mix = scan_model(PreNorm(), torch.ones(4, 32))
+    assert mix.kind("linear").flop_share == 1.0
+
+
+def test_kinds_cover_every_parameter() -> None:
+    model = nn.Sequential(nn.Embedding(10, 16), nn.Conv1d(16, 16, 3), nn.BatchNorm1d(16))
+    mix = scan_model(copy.deepcopy(model))
+    assert [share.kind for share in mix.by_kind] == list(LAYER_KINDS)
+    assert mix.kind("embedding").parameters == 160
+    assert mix.kind("conv").parameters == 16 * 16 * 3 + 16
+    assert mix.kind("norm").parameters == 32
+
+
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "worthwhile"),
+    [
+        (4096, 1024, False),
+        (4096, 1040, True),
+        (4112, 1024, True),
+        (128, 512, False),
+        (8192, 8192, True),
+    ],
+)
+def test_fp8_worthwhile_follows_torchao_tensorwise_filter(
+    in_features: int, out_features: int, worthwhile: bool
+) -> None:
+    assert fp8_worthwhile(in_features, out_features) is worthwhile
+
+
+def test_fp8_compatibility_needs_both_dims_divisible_by_16() -> None:
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40), nn.Linear(40, 16))
+    mix = scan_model(model, torch.ones(2, 64))
+    assert [linear.fp8_compatible for linear in mix.linears] == [True, False, False]
+    assert {"1", "2"} <= {k.fqn for k in mix.keep_fp32}

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+
+import autoprec
+from autoprec.probing import ProbeReport
+from autoprec.specs import MODE_NAMES
+from examples import tiny_gpt
+from tests.conftest import make_backends, make_hardware
+
+
+def test_probe_this_machine_without_a_model() -> None:
+    report = autoprec.probe()
+    assert [verdict.name for verdict in report.modes] == list(MODE_NAMES)
+    assert report.layers is None
+    assert report.verdict("fp32").eligible
+    assert report.autoprec_version == autoprec.__version__
+    assert {backend.name for backend in report.backends} == {
+        "transformer_engine",
+        "torchao",
+        "bitsandbytes",
+        "torchastic",
+        "optimi",
+    }
+
+
+def test_probe_with_model_on_injected_h100() -> None:
+    report = autoprec.probe(
+        *tiny_gpt.make_model(), hardware=make_hardware("H100"), backends=make_backends("all")
+    )
+    assert report.device == "cuda:0"
+    assert report.eligible_modes == MODE_NAMES
+    assert report.layers is not None and report.layers.model_class == "TinyGPT"
+    fp8 = report.verdict("fp8_te")
+    assert fp8.eligible and not fp8.worth_trying
+    assert report.optimizer_8bit.eligible
+
+
+def test_report_round_trips_through_json() -> None:
+    report = autoprec.probe(
+        *tiny_gpt.make_model(),
+        hardware=make_hardware("A100", "H100"),
+        backends=make_backends("torchao"),
+        device=1,
+    )
+    again = ProbeReport.model_validate_json(report.model_dump_json())
+    assert again == report
+    assert again.device == "cuda:1"
+
+
+def test_unknown_mode_lookup() -> None:
+    report = autoprec.probe(hardware=make_hardware(), backends=make_backends())
+    with pytest.raises(ValueError, match="Unknown mode 'int8'"):
+        report.verdict("int8")  # type: ignore[arg-type]
+
+
+def test_probe_does_not_import_gpu_backends() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, autoprec; autoprec.probe(); "
+        "print(sorted(m for m in ('torchao', 'bitsandbytes', 'torchastic', 'optimi', "
+        "'transformer_engine', 'optuna', 'rich') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

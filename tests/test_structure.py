@@ -1,0 +1,118 @@
+"""Keep the shape honest: the public API and the one-way import layers of DESIGN.md."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import autoprec
+
+PACKAGE = Path(autoprec.__file__).parent
+
+# The one-way flow, in order. A module may import only modules listed before it.
+# Layers: base | facts | runtime (apply path) | pipeline | artifact | drivers.
+ORDER = [
+    "_version",
+    "errors",
+    "_imports",
+    "specs",
+    "hardware",
+    "layers",
+    "eligibility",
+    "modes",
+    "optim",
+    "plan",
+    "probing",
+    "candidates",
+    "trial",
+    "drift",
+    "search",
+    "choice",
+    "profile",
+    "integrations",
+    "factories",
+    "tuning",
+    "display",
+    "cli",
+]
+EXEMPT = {"__init__", "__main__"}
+
+
+def _unit(path: Path) -> str:
+    """The ORDER entry a file belongs to: its module, or its top-level subpackage."""
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def _imported_units(path: Path) -> set[str]:
+    units: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import inside a subpackage: same unit
+                continue
+            module = node.module or ""
+            names = (
+                [module]
+                if module != "autoprec"
+                else [f"autoprec.{alias.name}" for alias in node.names]
+            )
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "autoprec" and len(parts) > 1:
+                units.add(parts[1])
+    return units
+
+
+def test_public_api_is_complete_sorted_and_public() -> None:
+    exported = autoprec.__all__
+    assert exported == sorted(exported)
+    assert len(set(exported)) == len(exported)
+    assert all(not name.startswith("_") or name == "__version__" for name in exported)
+    public = {
+        name
+        for name, value in vars(autoprec).items()
+        if not name.startswith("_") and not isinstance(value, type(autoprec))
+    }
+    assert public == set(exported) - {"__version__"}
+    for name in exported:
+        assert hasattr(autoprec, name)
+
+
+def test_every_module_has_a_place_in_the_flow() -> None:
+    units = {_unit(path) for path in PACKAGE.rglob("*.py")} - EXEMPT
+    assert units <= set(ORDER), f"place these in ORDER: {sorted(units - set(ORDER))}"
+
+
+def test_no_module_imports_a_later_stage() -> None:
+    violations = []
+    for path in PACKAGE.rglob("*.py"):
+        unit = _unit(path)
+        if unit in EXEMPT:
+            continue
+        for imported in _imported_units(path):
+            if imported in EXEMPT or imported == unit:
+                continue
+            if ORDER.index(imported) > ORDER.index(unit):
+                violations.append(f"{path.relative_to(PACKAGE)} imports autoprec.{imported}")
+    assert not violations, violations
+
+
+def test_layer_check_catches_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from autoprec.cli import main\n    from autoprec import tuning\n")
+    assert _imported_units(bad) == {"cli", "tuning"}
+
+
+def test_library_never_prints() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        if _unit(path) in {"cli", "display"}:
+            continue
+        tree = ast.parse(path.read_text())
+        calls = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+        ]
+        assert not calls, f"{path.name} prints; log instead"
