@@ -12,10 +12,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
+from torch import nn
 
-from autoprec._imports import BackendStatus, install_hint
-from autoprec.hardware import FORMAT_MIN_CAPABILITY, FormatName, GpuInfo, HardwareInfo
-from autoprec.layers import BNB_MIN_8BIT_SIZE, FP8_DIM_MULTIPLE, LayerMix
+from autoprec._imports import BACKENDS, BackendStatus, backend_status, install_hint
+from autoprec.hardware import (
+    FORMAT_MIN_CAPABILITY,
+    FormatName,
+    GpuInfo,
+    HardwareInfo,
+    detect_hardware,
+)
+from autoprec.layers import BNB_MIN_8BIT_SIZE, FP8_DIM_MULTIPLE, LayerMix, scan_model
 from autoprec.specs import MODE_NAMES, ModeName
 
 FP8_MIN_FLOP_SHARE = 0.3
@@ -67,6 +74,8 @@ class Situation:
     device: str
     layers: LayerMix | None
     backends: tuple[BackendStatus, ...]
+    emulate_fp8: bool = False
+    """Judge fp8_torchao as emulated: FP8 numerics without FP8 hardware."""
 
     @property
     def gpu(self) -> GpuInfo | None:
@@ -206,6 +215,11 @@ def _fp8_te(situation: Situation, verdict: _Verdict) -> None:
 
 
 def _fp8_torchao(situation: Situation, verdict: _Verdict) -> None:
+    if situation.emulate_fp8:
+        _needs_backends(verdict, "fp8_torchao", ("torchao",), situation)
+        _fp8_model_fit(verdict, "fp8_torchao", situation.layers)
+        verdict.notes.append("emulated: FP8 numerics for quality screening, no speed figures")
+        return
     _needs_gpu_format(verdict, "fp8_torchao", "fp8", situation)
     hardware_ok = not verdict.reasons
     _needs_backends(verdict, "fp8_torchao", ("torchao",), situation)
@@ -262,3 +276,27 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
         else:
             verdict.notes.append(message)
     return verdict.done()
+
+
+def model_device(model: nn.Module) -> str:
+    """``"cpu"`` or ``"cuda:N"``: where the model's first parameter lives."""
+    parameter = next(model.parameters(), None)
+    if parameter is None:
+        raise ValueError("The model has no parameters: there is nothing to train.")
+    device = parameter.device
+    if device.type == "cuda":
+        return f"cuda:{device.index or 0}"
+    if device.type != "cpu":
+        raise ValueError(f"autoprec trains on CPU or CUDA, but the model is on {device}.")
+    return "cpu"
+
+
+def situation_for_model(model: nn.Module, *, emulate_fp8: bool = False) -> Situation:
+    """The facts about this machine and ``model`` (where it lives, what it is made of)."""
+    return Situation(
+        hardware=detect_hardware(),
+        device=model_device(model),
+        layers=scan_model(model),
+        backends=tuple(backend_status(name) for name in BACKENDS),
+        emulate_fp8=emulate_fp8,
+    )

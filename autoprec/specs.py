@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ModeName = Literal[
     "fp32",
@@ -50,6 +50,22 @@ FP8_RECIPES: tuple[Fp8Recipe, ...] = get_args(Fp8Recipe)
 OptimizerBits = Literal[32, 8]
 """Optimizer-state precision: 32-bit (the optimizer's own) or 8-bit (bitsandbytes)."""
 
+DEFAULT_FP8_RECIPE: dict[str, Fp8Recipe] = {
+    "fp8_te": "te_delayed_hybrid",
+    "fp8_torchao": "torchao_tensorwise",
+}
+
+
+class TeDelayedScaling(BaseModel):
+    """Transformer Engine delayed-scaling settings, stored in full (wrappers disagree on the
+    defaults: TE 1024/max, Accelerate 1024/most_recent, Composer 16/max)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    amax_history_len: int = Field(default=1024, ge=1)
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: int = Field(default=0, ge=0)
+
 
 class ModeSpec(BaseModel):
     """One complete precision setup: a mode and its knobs."""
@@ -63,6 +79,22 @@ class ModeSpec(BaseModel):
     """Module-name patterns kept in full precision."""
     emulate: bool = False
     """fp8_torchao only: run FP8 numerics without FP8 hardware (quality screening, no speed)."""
+    te_delayed_scaling: TeDelayedScaling | None = None
+    """Filled in for the ``te_delayed_*`` recipes so a profile never relies on TE defaults."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _complete_fp8_recipe(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        mode = data.get("mode")
+        if mode in DEFAULT_FP8_RECIPE and data.get("fp8_recipe") is None:
+            data["fp8_recipe"] = DEFAULT_FP8_RECIPE[mode]
+        recipe = data.get("fp8_recipe")
+        if isinstance(recipe, str) and recipe.startswith("te_delayed"):
+            data.setdefault("te_delayed_scaling", TeDelayedScaling())
+        return data
 
     @model_validator(mode="after")
     def _knobs_fit_mode(self) -> ModeSpec:
@@ -75,6 +107,10 @@ class ModeSpec(BaseModel):
                 )
         if self.emulate and self.mode != "fp8_torchao":
             raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")
+        if self.te_delayed_scaling is not None and not (self.fp8_recipe or "").startswith(
+            "te_delayed"
+        ):
+            raise ValueError("te_delayed_scaling applies only to the te_delayed_* recipes.")
         return self
 
     @property

@@ -11,30 +11,16 @@ PACKAGE = Path(autoprec.__file__).parent
 
 # The one-way flow, in order. A module may import only modules listed before it.
 # Layers: base | facts | runtime (apply path) | pipeline | artifact | drivers.
+# fmt: off
 ORDER = [
-    "_version",
-    "errors",
-    "_imports",
-    "specs",
-    "hardware",
-    "layers",
-    "eligibility",
-    "modes",
-    "optim",
-    "plan",
-    "probing",
-    "candidates",
-    "trial",
-    "drift",
-    "search",
-    "choice",
-    "profile",
-    "integrations",
-    "factories",
-    "tuning",
-    "display",
-    "cli",
+    "_version", "errors", "_imports", "specs",                      # base
+    "hardware", "layers", "eligibility",                             # facts
+    "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
+    "probing", "candidates", "trial", "drift", "search", "choice",  # pipeline
+    "integrations", "profile",                                       # artifact
+    "factories", "tuning", "display", "cli",                         # drivers
 ]
+# fmt: on
 EXEMPT = {"__init__", "__main__"}
 
 

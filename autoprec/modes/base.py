@@ -1,0 +1,182 @@
+"""The mode interface. The base class *is* fp32 training: every hook is a no-op or plain fp32.
+
+A concrete mode overrides only what it changes (modelled on Lightning Fabric's precision
+plugins). ``keep_fp32`` is honoured through one predicate, :meth:`PrecisionMode.keeps_fp32`,
+and :func:`install_fp32_islands`, which makes the kept modules run in fp32 whatever the
+surrounding precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from typing_extensions import override
+
+from autoprec.eligibility import Situation, mode_eligibility, optimizer_8bit_eligibility
+from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer
+from autoprec.specs import ModeName, ModeSpec
+
+__all__ = ["PrecisionMode", "install_fp32_islands", "override"]
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(tf32: bool) -> Iterator[None]:
+    """Allow (or forbid) TF32 for fp32 matmuls and convolutions inside the block only."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        saved = (matmul.fp32_precision, conv.fp32_precision)
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision, conv.fp32_precision = saved
+    else:  # pragma: no cover - older torch
+        saved = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+        try:
+            yield
+        finally:
+            matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _cast_floats(tree: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype in source:
+            return value.to(target)
+        return value
+
+    return tree_map(cast, tree)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def install_fp32_islands(
+    model: nn.Module, fqns: list[str], device_type: str, output_dtype: torch.dtype | None = None
+) -> None:
+    """Run the named modules in fp32: autocast off, low-precision inputs cast to fp32.
+
+    ``output_dtype`` casts their fp32 outputs back (pure bf16 models need bf16 downstream).
+    Hooks, not wrapped ``forward`` methods, so ``copy.deepcopy(plan.model)`` keeps working.
+    """
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        saved: list[bool] = []
+
+        def enter(
+            _module: nn.Module, args: Any, kwargs: Any, saved: list[bool] = saved
+        ) -> tuple[Any, Any]:
+            saved.append(torch.is_autocast_enabled(device_type))
+            torch.set_autocast_enabled(device_type, False)
+            return _cast_floats(args, _LOW, torch.float32), _cast_floats(
+                kwargs, _LOW, torch.float32
+            )
+
+        def leave(_module: nn.Module, _args: Any, output: Any, saved: list[bool] = saved) -> Any:
+            torch.set_autocast_enabled(device_type, saved.pop() if saved else False)
+            if output_dtype is None:
+                return output
+            return _cast_floats(output, (torch.float32,), output_dtype)
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave)
+
+
+class PrecisionMode:
+    """Full fp32 training, TF32 off: the reference every other mode is measured against."""
+
+    name: ClassVar[ModeName] = "fp32"
+    optimizer_target: ClassVar[OptimizerTarget | None] = None
+    """Which optimizer implementation the mode needs; None keeps the user's."""
+    allows_8bit_optimizer: ClassVar[bool] = True
+
+    def __init__(self, spec: ModeSpec) -> None:
+        if spec.mode != self.name:
+            raise ValueError(f"{type(self).__name__} runs mode {self.name!r}, not {spec.mode!r}.")
+        self.spec = spec
+        self.device_type = "cpu"
+
+    # -- eligibility --------------------------------------------------------------------------
+
+    def requirements(self, situation: Situation) -> list[str]:
+        """Every reason this mode (with its knobs) cannot run in ``situation``; empty if it can."""
+        reasons = list(mode_eligibility(self.name, situation).reasons)
+        if self.spec.optimizer_bits == 8:
+            if not self.allows_8bit_optimizer:
+                reasons.append(
+                    f"optimizer_bits=8 does not compose with {self.name} (found: {self.name} "
+                    "brings its own optimizer implementation)"
+                )
+            reasons.extend(optimizer_8bit_eligibility(situation).reasons)
+        return reasons
+
+    # -- keep_fp32 ----------------------------------------------------------------------------
+
+    def keeps_fp32(self, fqn: str) -> bool:
+        """True when module ``fqn`` (or an ancestor) matches a ``keep_fp32`` pattern."""
+        for pattern in self.spec.keep_fp32:
+            if fqn == pattern or fqn.startswith(pattern + ".") or fnmatch.fnmatchcase(fqn, pattern):
+                return True
+        return False
+
+    def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        """torchao's idiom: True when the mode may convert this module."""
+        return not self.keeps_fp32(fqn)
+
+    def kept_roots(self, model: nn.Module) -> list[str]:
+        """The outermost modules kept in fp32 (hooking those covers their children)."""
+        roots: list[str] = []
+        for fqn, _ in model.named_modules():
+            if fqn and self.keeps_fp32(fqn) and not any(fqn.startswith(r + ".") for r in roots):
+                roots.append(fqn)
+        return roots
+
+    # -- conversion ---------------------------------------------------------------------------
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """Cast and swap modules in place; returns the model to train."""
+        parameter = next(model.parameters(), None)
+        self.device_type = "cpu" if parameter is None else parameter.device.type
+        return model
+
+    def convert_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, groups: list[NamedGroup]
+    ) -> torch.optim.Optimizer:
+        """The optimizer this mode trains with, over ``model``'s (possibly new) parameters."""
+        target = "bnb_8bit" if self.spec.optimizer_bits == 8 else self.optimizer_target
+        if target is None:
+            current = {id(p) for p in model.parameters()}
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if held <= current:
+                return optimizer  # nothing swapped: keep the user's optimizer as it is
+            target = "same"
+        return rebuild_optimizer(optimizer, groups, model, target)
+
+    # -- training step ------------------------------------------------------------------------
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return float32_matmul_precision(tf32=False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with float32_matmul_precision(tf32=False):
+            loss.backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``.grad`` hold true gradients (before clipping). No-op without loss scaling."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; False when the step was skipped (loss scaler found inf/nan)."""
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""

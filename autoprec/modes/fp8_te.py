@@ -1,0 +1,82 @@
+"""fp8_te: Transformer Engine FP8 Linears under ``te.autocast`` and bf16 autocast.
+
+Needs a CUDA GPU with compute capability >= 8.9 and ``transformer_engine`` (2.x names
+``te.autocast``; 1.x ``fp8_autocast`` is used when that is what is installed). The recipe is
+stored in full in the profile: delayed scaling (HYBRID or E4M3, with amax history length,
+algorithm and margin), current scaling, or MXFP8 (compute capability >= 10.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec._imports import require
+from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+from autoprec.modes.fp8_torchao import fp8_linear_fits
+from autoprec.specs import TeDelayedScaling
+
+
+class Fp8TeMode(PrecisionMode):
+    name = "fp8_te"
+
+    @override
+    def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        return fp8_linear_fits(module) and not self.keeps_fp32(fqn)
+
+    def te_recipe(self) -> Any:
+        """The Transformer Engine recipe object this spec describes, field by field."""
+        recipe = require("transformer_engine").common.recipe
+        name = self.spec.fp8_recipe
+        if name in ("te_delayed_hybrid", "te_delayed_e4m3"):
+            delayed = self.spec.te_delayed_scaling or TeDelayedScaling()
+            fp8_format = recipe.Format.HYBRID if name == "te_delayed_hybrid" else recipe.Format.E4M3
+            return recipe.DelayedScaling(
+                fp8_format=fp8_format,
+                amax_history_len=delayed.amax_history_len,
+                amax_compute_algo=delayed.amax_compute_algo,
+                margin=delayed.margin,
+            )
+        if name == "te_current":
+            return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
+        if name == "te_mxfp8":
+            return recipe.MXFP8BlockScaling()
+        raise ValueError(f"fp8_te cannot run recipe {name!r}.")
+
+    @override
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        model = super().convert_module(model)
+        te = require("transformer_engine").pytorch
+        for fqn, module in list(model.named_modules()):
+            if not fqn or not self.module_filter_fn(module, fqn):
+                continue
+            parent_name, _, child_name = fqn.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            replacement = te.Linear(
+                module.in_features,
+                module.out_features,
+                bias=module.bias is not None,
+                params_dtype=module.weight.dtype,
+                device=module.weight.device,
+            )
+            with torch.no_grad():
+                replacement.weight.copy_(module.weight)
+                if module.bias is not None:
+                    replacement.bias.copy_(module.bias)
+            setattr(parent, child_name, replacement)
+        install_fp32_islands(model, self.kept_roots(model), self.device_type)
+        return model
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        te = require("transformer_engine").pytorch
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.device_type, dtype=torch.bfloat16))
+        if hasattr(te, "autocast"):  # Transformer Engine 2.x
+            stack.enter_context(te.autocast(enabled=True, recipe=self.te_recipe()))
+        else:  # pragma: no cover - Transformer Engine 1.x
+            stack.enter_context(te.fp8_autocast(enabled=True, fp8_recipe=self.te_recipe()))
+        return stack

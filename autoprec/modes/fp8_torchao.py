@@ -1,0 +1,64 @@
+"""fp8_torchao: torchao float8 training (tensorwise or rowwise scaling) under bf16 autocast.
+
+nn.Linear layers whose dimensions FP8 kernels take (both divisible by 16) and that are not in
+``keep_fp32`` become ``Float8Linear``; everything else runs in bf16 autocast with fp32 master
+weights, and ``keep_fp32`` modules in fp32. ``emulate=True`` runs the same FP8 numerics
+without FP8 hardware: a quality screen, never a speed figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+from autoprec._imports import require
+from autoprec.eligibility import Situation
+from autoprec.layers import FP8_DIM_MULTIPLE
+from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+
+_TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
+
+
+def fp8_linear_fits(module: nn.Module) -> bool:
+    """An nn.Linear whose both dimensions FP8 GEMM kernels take."""
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % FP8_DIM_MULTIPLE == 0
+        and module.out_features % FP8_DIM_MULTIPLE == 0
+    )
+
+
+class Fp8TorchaoMode(PrecisionMode):
+    name = "fp8_torchao"
+
+    @override
+    def requirements(self, situation: Situation) -> list[str]:
+        return super().requirements(dataclasses.replace(situation, emulate_fp8=self.spec.emulate))
+
+    @override
+    def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        # torchao on CPU does not enforce the multiple-of-16 rule; autoprec does.
+        return fp8_linear_fits(module) and not self.keeps_fp32(fqn)
+
+    def float8_config(self) -> object:
+        float8 = require("torchao").float8
+        recipe = _TORCHAO_RECIPES[self.spec.fp8_recipe or "torchao_tensorwise"]
+        config = float8.Float8LinearConfig.from_recipe_name(recipe)
+        return dataclasses.replace(config, emulate=self.spec.emulate)
+
+    @override
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        model = super().convert_module(model)
+        float8 = require("torchao").float8
+        float8.convert_to_float8_training(
+            model, config=self.float8_config(), module_filter_fn=self.module_filter_fn
+        )
+        install_fp32_islands(model, self.kept_roots(model), self.device_type)
+        return model
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)

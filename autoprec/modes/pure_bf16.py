@@ -1,0 +1,75 @@
+"""Pure bf16: weights, gradients and optimizer state in bf16 (no fp32 master copy).
+
+``bf16_pure`` rounds every update to nearest (updates below half a bf16 ulp vanish);
+``bf16_sr`` rounds them stochastically, ``bf16_kahan`` carries the rounding error in a Kahan
+buffer (torch-optimi), ``bf16_sr_kahan`` does both. ``keep_fp32`` modules keep fp32 weights,
+run in fp32 and hand bf16 outputs on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+
+
+def _cast_own_tensors(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast a module's own floating parameters and buffers (not its children's) in place."""
+    for parameter in module.parameters(recurse=False):
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)  # keeps the Parameter object
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer is not None and buffer.is_floating_point():
+            setattr(module, name, buffer.to(dtype))
+
+
+def _inputs_to_bf16(_module: nn.Module, args: object, kwargs: object) -> tuple[object, object]:
+    def cast(value: object) -> object:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+            return value.to(torch.bfloat16)
+        return value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+class Bf16PureMode(PrecisionMode):
+    """bf16 weights with the user's own optimizer (its states become bf16 too)."""
+
+    name = "bf16_pure"
+
+    @override
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        model = super().convert_module(model)
+        kept = self.kept_roots(model)
+        for fqn, module in model.named_modules():
+            if not self.keeps_fp32(fqn):
+                _cast_own_tensors(module, torch.bfloat16)
+        model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+        install_fp32_islands(model, kept, self.device_type, output_dtype=torch.bfloat16)
+        return model
+
+
+class Bf16SrMode(Bf16PureMode):
+    """bf16 weights; AdamW/Adam updates computed in fp32 and rounded stochastically."""
+
+    name = "bf16_sr"
+    optimizer_target = "stochastic"
+    allows_8bit_optimizer = False
+
+
+class Bf16KahanMode(Bf16PureMode):
+    """bf16 weights; torch-optimi's Kahan-compensated updates (AdamW, Adam, SGD)."""
+
+    name = "bf16_kahan"
+    optimizer_target = "optimi_kahan"
+    allows_8bit_optimizer = False
+
+
+class Bf16SrKahanMode(Bf16PureMode):
+    """bf16 weights; stochastic rounding plus a Kahan buffer (AdamW, Adam)."""
+
+    name = "bf16_sr_kahan"
+    optimizer_target = "stochastic_kahan"
+    allows_8bit_optimizer = False

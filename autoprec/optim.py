@@ -1,0 +1,197 @@
+"""Rebuild the user's optimizer for a mode: same parameter groups, same hyper-parameters.
+
+A mode may need another optimizer implementation (bitsandbytes 8-bit states, torch-optimi's
+Kahan summation, stochastic rounding) or new parameter objects (a module swap). Parameters are
+found by name, so groups survive swaps, and every hyper-parameter is copied per group and
+translated to the target's own names: torch-optimi, for one, reads ``beta1``/``beta2`` and
+silently ignores a group's ``betas``; its defaults (betas (0.9, 0.99), eps 1e-6) differ from
+torch's. An option the target cannot honour is an error, never dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from autoprec._imports import require
+from autoprec.stochastic_adamw import StochasticAdamW
+
+OptimizerTarget = Literal["same", "bnb_8bit", "optimi_kahan", "stochastic", "stochastic_kahan"]
+"""What to rebuild into: the user's own class (new parameter objects only), bitsandbytes
+8-bit states, torch-optimi with Kahan summation, stochastic rounding (with Kahan)."""
+
+SourceKind = Literal["adamw", "adam", "sgd"]
+
+SUPPORTED_SOURCES = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+
+_TARGET_NAMES: dict[OptimizerTarget, str] = {
+    "same": "the same optimizer class",
+    "bnb_8bit": "bitsandbytes 8-bit states",
+    "optimi_kahan": "torch-optimi with Kahan summation",
+    "stochastic": "stochastic-rounding AdamW",
+    "stochastic_kahan": "stochastic-rounding AdamW with Kahan summation",
+}
+
+
+@dataclass(frozen=True)
+class NamedGroup:
+    """One parameter group, its parameters named by their fqn in the model."""
+
+    names: tuple[str, ...]
+    options: dict[str, Any]
+
+
+def named_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[NamedGroup]:
+    """The optimizer's groups with parameters named after the model's (before any swap)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"Optimizer group {index} holds {len(missing)} parameter(s) that are not in the "
+                "model; build the optimizer from model.parameters() (or named groups of them)."
+            )
+        options = {key: value for key, value in group.items() if key != "params"}
+        groups.append(NamedGroup(tuple(names[id(p)] for p in group["params"]), options))
+    return groups
+
+
+def source_kind(optimizer: torch.optim.Optimizer) -> SourceKind:
+    """Which supported family the user's optimizer belongs to, or a clear error."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        decoupled = optimizer.defaults.get("decoupled_weight_decay", False)
+        return "adamw" if decoupled else "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise TypeError(
+        f"autoprec cannot translate {type(optimizer).__module__}.{type(optimizer).__name__} into "
+        f"another implementation; supported: {SUPPORTED_SOURCES}. Modes that keep your "
+        "optimizer class (fp32, tf32, amp_*, bf16_pure, fp8_* with optimizer_bits=32) work with "
+        "any optimizer."
+    )
+
+
+def _refuse(options: dict[str, Any], target: OptimizerTarget, **forbidden: Any) -> None:
+    for key, allowed in forbidden.items():
+        value = options.get(key, allowed)
+        if value != allowed:
+            raise ValueError(
+                f"Optimizer option {key}={value!r} has no equivalent in "
+                f"{_TARGET_NAMES[target]}; use {key}={allowed!r} or another mode."
+            )
+
+
+def _adam_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {key: options[key] for key in ("lr", "betas", "eps", "weight_decay")}
+
+
+def _translate(
+    kind: SourceKind, options: dict[str, Any], target: OptimizerTarget
+) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+    """(constructor, group options in the target's names) for one group."""
+    if kind in ("adam", "adamw"):
+        _refuse(options, target, amsgrad=False, maximize=False)
+    else:
+        _refuse(options, target, nesterov=False, maximize=False, dampening=0)
+    if target == "bnb_8bit":
+        bnb = require("bitsandbytes")
+        if kind == "sgd":
+            if not options["momentum"]:
+                raise ValueError(
+                    "SGD without momentum keeps no optimizer state: 8-bit states have nothing to "
+                    "save. Use optimizer_bits=32."
+                )
+            keys = ("lr", "momentum", "weight_decay")
+            return bnb.optim.SGD8bit, {key: options[key] for key in keys}
+        if kind == "adam" and options["weight_decay"]:
+            raise ValueError(
+                "torch.optim.Adam applies weight_decay as an L2 gradient term, but bitsandbytes' "
+                "Adam8bit decays weights directly (as AdamW does); use AdamW, or weight_decay=0."
+            )
+        cls = bnb.optim.AdamW8bit if kind == "adamw" else bnb.optim.Adam8bit
+        return cls, _adam_options(options)
+    if target == "optimi_kahan":
+        optimi = require("optimi")
+        if kind == "sgd":
+            translated = {
+                "lr": options["lr"],
+                "momentum": options["momentum"],
+                "weight_decay": options["weight_decay"],
+                "dampening": False,
+                "torch_init": True,
+                "kahan_sum": True,
+            }
+            return optimi.SGD, translated
+        beta1, beta2 = options["betas"]
+        translated = {
+            "lr": options["lr"],
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": options["eps"],
+            "weight_decay": options["weight_decay"],
+            "kahan_sum": True,
+        }
+        if kind == "adam":
+            translated["decouple_wd"] = False
+        return (optimi.AdamW if kind == "adamw" else optimi.Adam), translated
+    if target in ("stochastic", "stochastic_kahan"):
+        if kind == "sgd":
+            raise TypeError(
+                "Stochastic-rounding modes (bf16_sr, bf16_sr_kahan) support torch.optim.AdamW "
+                "and torch.optim.Adam, not SGD; try bf16_kahan (torch-optimi supports SGD)."
+            )
+        translated = _adam_options(options)
+        translated["decoupled_weight_decay"] = kind == "adamw"
+        translated["kahan"] = target == "stochastic_kahan"
+        return StochasticAdamW, translated
+    raise ValueError(f"Unknown optimizer target {target!r}.")
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    groups: list[NamedGroup],
+    model: nn.Module,
+    target: OptimizerTarget,
+) -> torch.optim.Optimizer:
+    """A new optimizer over ``model``'s parameters (found by name) for ``target``.
+
+    Group-level extras that are not hyper-parameters (``initial_lr`` set by LR schedulers, a
+    group's ``name``) are carried over unchanged.
+    """
+    if optimizer.state:
+        raise ValueError(
+            "The optimizer has already stepped (it holds state). Apply the precision profile "
+            "before training starts, then load optimizer checkpoints into plan.optimizer."
+        )
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted({name for group in groups for name in group.names} - set(parameters))
+    if missing:
+        raise RuntimeError(f"After conversion the model lacks parameters {missing[:5]}.")
+    if target == "same":
+        new_groups = [
+            {**group.options, "params": [parameters[name] for name in group.names]}
+            for group in groups
+        ]
+        return type(optimizer)(new_groups, **optimizer.defaults)
+    kind = source_kind(optimizer)
+    translations = [_translate(kind, group.options, target) for group in groups]
+    constructor, first = translations[0]
+    defaults = {k: v for k, v in first.items() if k not in ("beta1", "beta2")}
+    if "beta1" in first:  # torch-optimi: constructor takes betas, groups hold beta1/beta2
+        defaults["betas"] = (first["beta1"], first["beta2"])
+    new_groups = [
+        {
+            **{k: v for k, v in group.options.items() if k not in optimizer.defaults},
+            **translated,
+            "params": [parameters[name] for name in group.names],
+        }
+        for group, (_, translated) in zip(groups, translations, strict=True)
+    ]
+    return constructor(new_groups, **defaults)

@@ -1,0 +1,161 @@
+"""PrecisionPlan: what training code touches. ``prepare(spec, model, optimizer)`` builds one.
+
+plan = autoprec.load_profile("profiles/example-cpu-amp_bf16.json").apply(model, optimizer)
+for batch in loader:
+    with plan.autocast():
+        loss = loss_fn(plan.model(batch))
+    plan.step(loss)   # backward, unscale, clip, optimizer step, scaler update, zero_grad
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.eligibility import Situation, situation_for_model
+from autoprec.errors import UnsupportedModeError
+from autoprec.modes import PrecisionMode, mode_for
+from autoprec.optim import named_groups
+from autoprec.specs import ModeSpec
+
+
+class PrecisionPlan:
+    """A model and optimizer set up for one precision mode, and the training-step verbs.
+
+    Attributes:
+        model: the model to train (converted in place: the object you passed).
+        optimizer: the optimizer to step (rebuilt when the mode needs another implementation).
+        mode: the :class:`~autoprec.modes.PrecisionMode` doing the work.
+    """
+
+    def __init__(
+        self,
+        mode: PrecisionMode,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_accumulation_steps: int = 1,
+        clip_grad_norm: float | None = None,
+    ) -> None:
+        if grad_accumulation_steps < 1:
+            raise ValueError(
+                f"grad_accumulation_steps must be >= 1 but got {grad_accumulation_steps}."
+            )
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm must be positive but got {clip_grad_norm}.")
+        self.mode = mode
+        self.model = model
+        self.optimizer = optimizer
+        self.grad_accumulation_steps = grad_accumulation_steps
+        self.clip_grad_norm = clip_grad_norm
+        self.micro_step = 0
+        self.last_grad_norm: float | None = None
+
+    @property
+    def spec(self) -> ModeSpec:
+        return self.mode.spec
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Context for the forward pass (and the loss): the mode's precision."""
+        return self.mode.forward_context()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass; the loss is divided by ``grad_accumulation_steps`` and scaled if the
+        mode uses loss scaling."""
+        if self.grad_accumulation_steps > 1:
+            loss = loss / self.grad_accumulation_steps
+        self.mode.backward(loss)
+
+    def step(
+        self, loss: torch.Tensor | None = None, *, clip_grad_norm: float | None = None
+    ) -> bool:
+        """Finish a micro-batch: backward (if ``loss`` is given), then every
+        ``grad_accumulation_steps`` micro-batches unscale, clip, step, update the scaler and
+        zero the gradients.
+
+        Returns:
+            True when the optimizer stepped; False on accumulation micro-batches and when the
+            loss scaler skipped a step after inf/nan gradients.
+        """
+        if loss is not None:
+            self.backward(loss)
+        self.micro_step += 1
+        if self.micro_step % self.grad_accumulation_steps:
+            return False
+        clip = clip_grad_norm if clip_grad_norm is not None else self.clip_grad_norm
+        if clip is not None:
+            self.mode.unscale_gradients(self.optimizer)
+            parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip))
+        stepped = self.mode.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    def state_dict(self) -> dict[str, Any]:
+        """Mode state (loss scaler, step counters) for checkpoints; save it next to the model's
+        and the optimizer's state dicts."""
+        return {
+            "spec": self.spec.model_dump(mode="json"),
+            "mode": self.mode.state_dict(),
+            "micro_step": self.micro_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = ModeSpec.model_validate(state["spec"])
+        if saved != self.spec:
+            raise ValueError(
+                f"This checkpoint was written by a plan for {saved.label}, not {self.spec.label}."
+            )
+        self.mode.load_state_dict(state["mode"])
+        self.micro_step = int(state["micro_step"])
+
+    def __repr__(self) -> str:
+        return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"
+
+
+def prepare(
+    spec: ModeSpec,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    grad_accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    situation: Situation | None = None,
+) -> PrecisionPlan:
+    """Set ``model`` and ``optimizer`` up for ``spec`` and return the plan to train with.
+
+    The model is converted in place (casts, module swaps, hooks); the optimizer is rebuilt when
+    the mode needs another implementation, with the same groups and hyper-parameters. Call it
+    before training starts (and before loading optimizer checkpoints).
+
+    Raises:
+        UnsupportedModeError: the mode cannot run here; the message lists every reason. No
+            other mode is ever substituted.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."
+        )
+    mode = mode_for(spec)
+    situation = situation or situation_for_model(model, emulate_fp8=spec.emulate)
+    reasons = mode.requirements(situation)
+    if reasons:
+        listed = "".join(f"\n  - {reason}" for reason in reasons)
+        raise UnsupportedModeError(
+            f"{spec.label} cannot run here:{listed}\nRun `autoprec probe` to see what can."
+        )
+    groups = named_groups(optimizer, model)
+    model = mode.convert_module(model)
+    optimizer = mode.convert_optimizer(optimizer, model, groups)
+    return PrecisionPlan(
+        mode,
+        model,
+        optimizer,
+        grad_accumulation_steps=grad_accumulation_steps,
+        clip_grad_norm=clip_grad_norm,
+    )

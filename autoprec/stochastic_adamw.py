@@ -1,0 +1,119 @@
+"""Adam/AdamW with torch's exact semantics whose bf16 updates are rounded stochastically.
+
+Used by ``bf16_sr`` and ``bf16_sr_kahan``. The rounding primitive is torchastic's
+``copy_stochastic_``. torchastic's own AdamW is not used: it refuses fp32 parameters (so
+``keep_fp32`` modules could not be trained alongside) and scales weight decay by the
+bias-corrected step size, which would be a silent hyper-parameter change against the user's
+``torch.optim.AdamW``. Here every parameter is updated in fp32 arithmetic exactly as torch's
+(non-amsgrad) Adam/AdamW does; bf16 parameters and their moment estimates are then written back
+with stochastic rounding, optionally with a Kahan compensation buffer that carries what the
+rounding lost into the next step. fp32 parameters are updated normally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from autoprec._imports import require
+
+
+class StochasticAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW / Adam semantics with stochastic rounding (and Kahan) for bf16 params.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        decoupled_weight_decay: True for AdamW (decay the weight by ``lr * weight_decay``),
+            False for Adam (add ``weight_decay * weight`` to the gradient).
+        kahan: keep a bf16 compensation buffer per bf16 parameter.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled_weight_decay: bool = True,
+        kahan: bool = False,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(
+                f"lr, eps and weight_decay must be >= 0 but got {lr}, {eps}, {weight_decay}."
+            )
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"betas must be in [0, 1) but got {betas}.")
+        self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": decoupled_weight_decay,
+            "kahan": kahan,
+        }
+        super().__init__(params, defaults)
+
+    def _write(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        if target.dtype == torch.bfloat16:
+            self._copy_stochastic(target, value)
+        else:
+            target.copy_(value)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("StochasticAdamW does not support sparse gradients.")
+                self._update(param, group, beta1, beta2)
+        return loss
+
+    def _update(
+        self, param: torch.Tensor, group: dict[str, Any], beta1: float, beta2: float
+    ) -> None:
+        state = self.state[param]
+        low_precision = param.dtype == torch.bfloat16
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+            if group["kahan"] and low_precision:
+                state["compensation"] = torch.zeros_like(param)
+        state["step"] += 1
+        step = float(state["step"])
+        lr, weight_decay = group["lr"], group["weight_decay"]
+
+        grad = param.grad.float()
+        weight = param.float()
+        compensation = state.get("compensation")
+        if compensation is not None:
+            weight.add_(compensation.float())
+        if weight_decay:
+            if group["decoupled_weight_decay"]:
+                weight.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(weight, alpha=weight_decay)
+        exp_avg = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+        self._write(state["exp_avg"], exp_avg)
+        self._write(state["exp_avg_sq"], exp_avg_sq)
+        self._write(param, weight)
+        if compensation is not None:
+            compensation.copy_(weight - param.float())
