@@ -30,6 +30,7 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/probe_time.py
+	$(BIN)/python benchmarks/plan_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

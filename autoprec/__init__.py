@@ -6,21 +6,34 @@ Public API only. Optuna and rich are never imported here.
 from autoprec._version import __version__
 from autoprec.errors import (
     AutoprecError,
+    ExportError,
+    HardwareMismatchWarning,
     MissingBackendError,
     ModelLoadError,
     ProfileError,
     UnsupportedModeError,
 )
+from autoprec.plan import PrecisionPlan, prepare
 from autoprec.probing import ModeVerdict, ProbeReport, probe
+from autoprec.profile import Profile, load_profile, profile_for
+from autoprec.specs import ModeSpec
 
 __all__ = [
     "AutoprecError",
+    "ExportError",
+    "HardwareMismatchWarning",
     "MissingBackendError",
+    "ModeSpec",
     "ModeVerdict",
     "ModelLoadError",
+    "PrecisionPlan",
     "ProbeReport",
+    "Profile",
     "ProfileError",
     "UnsupportedModeError",
     "__version__",
+    "load_profile",
+    "prepare",
     "probe",
+    "profile_for",
 ]

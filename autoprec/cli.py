@@ -44,6 +44,23 @@ def _parser() -> argparse.ArgumentParser:
         help="also import each installed backend to check that it works (takes seconds)",
     )
     probe.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    show = commands.add_parser(
+        "show",
+        help="print a profile readably",
+        description="Validate a profile and print its mode, knobs, hardware and evidence.",
+    )
+    show.add_argument("profile", metavar="PROFILE", help="path to a profile JSON file")
+    show.add_argument("--json", action="store_true", help="print the validated profile as JSON")
+    show.add_argument(
+        "--strict", action="store_true", help="fail when this hardware differs from the proven"
+    )
+    show.add_argument("--debug", action="store_true", help="show tracebacks")
+    schema = commands.add_parser(
+        "schema",
+        help="print the profile JSON schema",
+        description="Print the JSON schema of profile files (profiles/profile.schema.json).",
+    )
+    schema.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -62,6 +79,37 @@ def _probe(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _show(args: argparse.Namespace) -> int:
+    import warnings
+
+    from autoprec.errors import HardwareMismatchWarning
+    from autoprec.profile import load_profile
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", HardwareMismatchWarning)
+        profile = load_profile(args.profile, strict=args.strict)
+    mismatch = [str(w.message) for w in caught if issubclass(w.category, HardwareMismatchWarning)]
+    if args.json:
+        sys.stdout.write(profile.model_dump_json(indent=2) + "\n")
+    else:
+        from autoprec.display import print_profile
+
+        print_profile(profile, mismatch)
+    return EXIT_OK
+
+
+def _schema(args: argparse.Namespace) -> int:
+    import json
+
+    from autoprec.profile import Profile
+
+    sys.stdout.write(json.dumps(Profile.model_json_schema(), indent=2) + "\n")
+    return EXIT_OK
+
+
+_COMMANDS = {"probe": _probe, "show": _show, "schema": _schema}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
@@ -70,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="autoprec: %(levelname)s: %(message)s",
     )
     try:
-        return _probe(args)
+        return _COMMANDS[args.command](args)
     except (AutoprecError, ValueError, TypeError) as error:
         if args.debug:
             raise

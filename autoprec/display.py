@@ -10,6 +10,8 @@ from rich.text import Text
 from autoprec.hardware import GpuInfo, HardwareInfo
 from autoprec.layers import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
+from autoprec.profile import Profile, TrialFigures
+from autoprec.specs import MODE_DESCRIPTIONS
 
 
 def _bytes(count: int | None) -> str:
@@ -167,3 +169,74 @@ def print_probe_report(report: ProbeReport, console: Console | None = None) -> N
     console.print(
         f"Worth a trial here: [bold]{summary}[/bold]  (probe took {report.seconds:.2f} s)"
     )
+
+
+def _figures(figures: TrialFigures) -> str:
+    parts = []
+    if figures.samples_per_second is not None:
+        parts.append(f"{figures.samples_per_second:,.1f} samples/s")
+    if figures.peak_memory_bytes is not None:
+        parts.append(f"peak {_bytes(figures.peak_memory_bytes)}")
+    if figures.state_bytes is not None:
+        parts.append(f"state {figures.state_bytes / 2**20:.1f} MiB")
+    if figures.final_loss is not None:
+        parts.append(f"loss {figures.final_loss:.4g}")
+    return ", ".join(parts) or "—"
+
+
+def print_profile(
+    profile: Profile, warnings: list[str] | None = None, console: Console | None = None
+) -> None:
+    """Print a Profile: the recipe, where it was proven, and the evidence."""
+    console = console or Console()
+    spec = profile.spec
+    table = Table(title=f"Profile: {spec.label}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("mode", Text(f"{spec.mode} — {MODE_DESCRIPTIONS[spec.mode]}"))
+    table.add_row("optimizer states", f"{spec.optimizer_bits}-bit")
+    if spec.fp8_recipe:
+        recipe = spec.fp8_recipe + (" (emulated)" if spec.emulate else "")
+        if spec.te_delayed_scaling is not None:
+            delayed = spec.te_delayed_scaling
+            recipe += (
+                f": amax history {delayed.amax_history_len}, "
+                f"{delayed.amax_compute_algo}, margin {delayed.margin}"
+            )
+        table.add_row("FP8 recipe", Text(recipe))
+    table.add_row("keep in fp32", Text(", ".join(spec.keep_fp32) or "none"))
+    hardware = profile.hardware
+    where = (
+        f"{hardware.gpu_name} (capability {hardware.capability[0]}.{hardware.capability[1]})"
+        if hardware.gpu_name and hardware.capability
+        else f"CPU: {hardware.cpu_model}"
+    )
+    table.add_row("proven on", Text(f"{where}; torch {hardware.torch_version}"))
+    if profile.model is not None:
+        table.add_row(
+            "model",
+            f"{profile.model.model_class}, {_count(profile.model.parameters)} "
+            f"parameters (digest {profile.model.layer_mix_digest})",
+        )
+    evidence = profile.evidence
+    if evidence is None:
+        table.add_row("evidence", Text("none (not measured by autoprec tune)", style="yellow"))
+    else:
+        table.add_row("reference (fp32)", _figures(evidence.reference))
+        table.add_row("chosen", _figures(evidence.chosen))
+        drift = ", ".join(f"{name} {value:.4g}" for name, value in evidence.drift.items())
+        table.add_row("drift", drift or "—")
+        budget = f"{evidence.trial_count} trials of {evidence.trial_steps} steps"
+        if evidence.budget_used_seconds is not None:
+            budget += f", {evidence.budget_used_seconds:.0f} s used"
+        table.add_row("search", budget)
+    table.add_row(
+        "created",
+        f"{profile.created_at:%Y-%m-%d %H:%M} UTC by autoprec "
+        f"{profile.autoprec_version} (schema {profile.schema_version})",
+    )
+    if profile.note:
+        table.add_row("note", Text(profile.note))
+    console.print(table)
+    for warning in warnings or []:
+        console.print(Panel(Text(warning), title="hardware differs", style="yellow"))

@@ -26,3 +26,11 @@ class ModelLoadError(AutoprecError):
 
 class ProfileError(AutoprecError):
     """A profile file is unreadable, invalid, or from a newer schema version."""
+
+
+class ExportError(AutoprecError):
+    """A training framework cannot express a profile's mode or knobs exactly."""
+
+
+class HardwareMismatchWarning(UserWarning):
+    """A profile is loaded on hardware other than the one it was proven on."""

@@ -10,6 +10,7 @@ torch's. An option the target cannot honour is an error, never dropped.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -154,6 +155,14 @@ def _translate(
     raise ValueError(f"Unknown optimizer target {target!r}.")
 
 
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor accepts (some defaults are internal)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+
+
 def rebuild_optimizer(
     optimizer: torch.optim.Optimizer,
     groups: list[NamedGroup],
@@ -179,7 +188,7 @@ def rebuild_optimizer(
             {**group.options, "params": [parameters[name] for name in group.names]}
             for group in groups
         ]
-        return type(optimizer)(new_groups, **optimizer.defaults)
+        return type(optimizer)(new_groups, **_constructor_defaults(optimizer))
     kind = source_kind(optimizer)
     translations = [_translate(kind, group.options, target) for group in groups]
     constructor, first = translations[0]

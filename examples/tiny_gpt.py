@@ -62,9 +62,17 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init_weights)  # nanoGPT's initialisation
         for name, parameter in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -74,12 +82,12 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def make_model(batch_size: int = 8, seed: int = 0) -> tuple[TinyGPT, torch.Tensor]:
-    """A TinyGPT and a batch of token ids to run it on."""
+def make_model(batch_size: int = 8, seed: int = 0, **config: int) -> tuple[TinyGPT, torch.Tensor]:
+    """A TinyGPT (``config`` overrides its sizes) and a batch of token ids to run it on."""
     torch.manual_seed(seed)
-    model = TinyGPT()
-    tokens = torch.randint(0, 512, (batch_size, model.block_size))
+    model = TinyGPT(**config)
+    tokens = torch.randint(0, model.wte.num_embeddings, (batch_size, model.block_size))
     return model, tokens

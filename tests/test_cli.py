@@ -117,3 +117,33 @@ def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["tune-everything"])
     assert exit_info.value.code == 2
+
+
+def test_show_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(REPO / "profiles/example-l4-fp8_te.json")]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_te+delayed_hybrid" in out
+    assert "amax history 1024, max, margin 0" in out
+    assert "NVIDIA L4" in out
+
+
+def test_show_json_and_strict(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(REPO / "profiles/example-h100-fp8_torchao.json")
+    assert main(["show", "--json", path]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["mode"] == "fp8_torchao"
+    assert main(["show", "--strict", path]) == 2
+    assert "proven on other hardware" in capsys.readouterr().err
+
+
+def test_show_bad_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoprec: error: Profile") and "not valid JSON" in err
+
+
+def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema == json.loads((REPO / "profiles/profile.schema.json").read_text())

@@ -129,13 +129,32 @@ class PrecisionMode:
         """torchao's idiom: True when the mode may convert this module."""
         return not self.keeps_fp32(fqn)
 
+    def kept_modules(self, model: nn.Module) -> set[str]:
+        """Modules kept in fp32: those matching a pattern, plus every module that shares a
+        parameter with one (a tied ``lm_head`` must run in fp32 if its ``wte`` is kept)."""
+        kept = {fqn for fqn, _ in model.named_modules() if fqn and self.keeps_fp32(fqn)}
+        kept_parameters = {
+            id(p) for fqn in kept for p in model.get_submodule(fqn).parameters(recurse=False)
+        }
+        for fqn, module in model.named_modules():
+            if fqn and any(id(p) in kept_parameters for p in module.parameters(recurse=False)):
+                kept.add(fqn)
+        return kept
+
     def kept_roots(self, model: nn.Module) -> list[str]:
-        """The outermost modules kept in fp32 (hooking those covers their children)."""
+        """The outermost kept modules (hooking those covers their children)."""
+        kept = self.kept_modules(model)
         roots: list[str] = []
         for fqn, _ in model.named_modules():
-            if fqn and self.keeps_fp32(fqn) and not any(fqn.startswith(r + ".") for r in roots):
+            if fqn in kept and not any(fqn.startswith(root + ".") for root in roots):
                 roots.append(fqn)
         return roots
+
+    def kept_parameter_ids(self, model: nn.Module) -> set[int]:
+        """ids of the parameters of kept modules (and their children)."""
+        return {
+            id(p) for fqn in self.kept_roots(model) for p in model.get_submodule(fqn).parameters()
+        }
 
     # -- conversion ---------------------------------------------------------------------------
 

@@ -15,10 +15,10 @@ from torch.utils._pytree import tree_map
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
 
 
-def _cast_own_tensors(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast a module's own floating parameters and buffers (not its children's) in place."""
+def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
+    """Cast a module's own floating parameters (but those in ``skip``) and buffers in place."""
     for parameter in module.parameters(recurse=False):
-        if parameter.is_floating_point():
+        if parameter.is_floating_point() and id(parameter) not in skip:
             parameter.data = parameter.data.to(dtype)  # keeps the Parameter object
     for name, buffer in module.named_buffers(recurse=False):
         if buffer is not None and buffer.is_floating_point():
@@ -43,9 +43,10 @@ class Bf16PureMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         kept = self.kept_roots(model)
+        kept_parameters = self.kept_parameter_ids(model)
         for fqn, module in model.named_modules():
-            if not self.keeps_fp32(fqn):
-                _cast_own_tensors(module, torch.bfloat16)
+            if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
+                _cast_own_tensors(module, torch.bfloat16, kept_parameters)
         model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
         install_fp32_islands(model, kept, self.device_type, output_dtype=torch.bfloat16)
         return model

@@ -1,0 +1,33 @@
+"""Translate a ModeSpec into other frameworks' settings.
+
+Each function returns exactly what the framework needs for the same recipe, or raises
+:class:`~autoprec.errors.ExportError` saying what the framework cannot express and what to do
+instead (usually: use ``profile.apply(model, optimizer)`` in your own loop). Nothing is ever
+approximated silently.
+"""
+
+from __future__ import annotations
+
+from autoprec.errors import ExportError
+from autoprec.specs import ModeSpec
+
+# Modes whose numerics do not depend on where keep_fp32 modules run.
+_FULL_PRECISION = ("fp32", "tf32")
+
+
+def refuse_keep_fp32(spec: ModeSpec, target: str, ignore_keep_fp32: bool) -> None:
+    """keep_fp32 cannot be expressed by framework flags: refuse unless told to drop it."""
+    if spec.keep_fp32 and spec.mode not in _FULL_PRECISION and not ignore_keep_fp32:
+        raise ExportError(
+            f"{target} cannot keep modules {list(spec.keep_fp32)} in fp32 under {spec.mode}. "
+            "Use profile.apply(model, optimizer), or pass ignore_keep_fp32=True to export the "
+            "mode without them (a different recipe from the one that was proven)."
+        )
+
+
+def refuse_8bit_optimizer(spec: ModeSpec, target: str, how: str) -> None:
+    if spec.optimizer_bits == 8:
+        raise ExportError(f"{target} does not build the optimizer from a precision setting; {how}")
+
+
+__all__ = ["refuse_8bit_optimizer", "refuse_keep_fp32"]

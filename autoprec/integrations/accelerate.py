@@ -1,0 +1,79 @@
+"""Hugging Face Accelerate: ``Accelerator(**accelerate_settings(spec))``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from autoprec._imports import install_hint
+from autoprec.errors import ExportError, MissingBackendError
+from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.specs import ModeSpec, TeDelayedScaling
+
+_MIXED = {"fp32": "no", "amp_fp16": "fp16", "amp_bf16": "bf16"}
+
+
+def _accelerate_utils() -> Any:
+    try:
+        return importlib.import_module("accelerate.utils")
+    except Exception as error:
+        raise MissingBackendError(
+            f"Exporting FP8 for Accelerate needs accelerate ({type(error).__name__}: {error}); "
+            "install it with: pip install accelerate"
+        ) from error
+
+
+def accelerate_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``accelerate.Accelerator``."""
+    refuse_keep_fp32(spec, "Accelerate's mixed_precision", ignore_keep_fp32)
+    refuse_8bit_optimizer(
+        spec,
+        "Accelerate",
+        "create bitsandbytes.optim.AdamW8bit yourself and pass it to accelerator.prepare().",
+    )
+    if spec.mode in _MIXED:
+        return {"mixed_precision": _MIXED[spec.mode]}
+    if spec.mode == "fp8_te":
+        if spec.fp8_recipe == "te_current":
+            raise ExportError(
+                "Accelerate's TERecipeKwargs has no current-scaling recipe; use profile.apply()."
+            )
+        if spec.fp8_recipe == "te_mxfp8":
+            recipe: dict[str, Any] = {"use_mxfp8_block_scaling": True}
+        else:
+            delayed = spec.te_delayed_scaling or TeDelayedScaling()
+            recipe = {
+                "fp8_format": "HYBRID" if spec.fp8_recipe == "te_delayed_hybrid" else "E4M3",
+                "amax_history_len": delayed.amax_history_len,
+                "amax_compute_algo": delayed.amax_compute_algo,
+                "margin": delayed.margin,
+            }
+        try:
+            handler = _accelerate_utils().TERecipeKwargs(**recipe)
+        except ImportError as error:  # accelerate checks for Transformer Engine here
+            raise MissingBackendError(
+                f"Accelerate's TERecipeKwargs needs Transformer Engine ({error}); install it "
+                f"with: {install_hint('transformer_engine')}"
+            ) from error
+        return {"mixed_precision": "fp8", "kwargs_handlers": [handler]}
+    if spec.mode == "fp8_torchao":
+        if spec.emulate:
+            raise ExportError(
+                "This profile emulates FP8 (a quality screen on hardware without FP8); "
+                "Accelerate would run real FP8 kernels. Re-tune on an FP8-capable GPU."
+            )
+        float8 = importlib.import_module("torchao.float8")
+        recipe = (spec.fp8_recipe or "torchao_tensorwise").removeprefix("torchao_")
+        config = float8.Float8LinearConfig.from_recipe_name(recipe)
+        handler = _accelerate_utils().AORecipeKwargs(config=config)
+        return {"mixed_precision": "fp8", "kwargs_handlers": [handler]}
+    if spec.mode == "tf32":
+        raise ExportError(
+            "Accelerator has no TF32 argument: use mixed_precision='no' and call "
+            "torch.set_float32_matmul_precision('high') before training."
+        )
+    raise ExportError(
+        f"Accelerate has no mixed_precision setting for {spec.mode}: cast the model and build "
+        "the optimizer with profile.apply(model, optimizer), then accelerator.prepare() them "
+        "with mixed_precision='no'."
+    )

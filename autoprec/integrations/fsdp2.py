@@ -1,0 +1,43 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): MixedPrecisionPolicy arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoprec.errors import ExportError
+from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.specs import ModeSpec
+
+
+def fsdp2_policy_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+    """``MixedPrecisionPolicy(**fsdp2_policy_args(spec))`` keyword arguments.
+
+    FSDP2 casts the sharded fp32 parameters to ``param_dtype`` for forward/backward and reduces
+    gradients in ``reduce_dtype``: the FSDP counterpart of autocast with fp32 master weights.
+    """
+    refuse_keep_fp32(spec, "MixedPrecisionPolicy", ignore_keep_fp32)
+    refuse_8bit_optimizer(
+        spec, "FSDP2", "build bitsandbytes.optim.AdamW8bit over the sharded parameters."
+    )
+    if spec.mode == "fp32":
+        return {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
+    if spec.mode == "amp_bf16":
+        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    if spec.mode == "amp_fp16":
+        raise ExportError(
+            "MixedPrecisionPolicy has no loss scaling, which fp16 needs: use "
+            "param_dtype=torch.float16, reduce_dtype=torch.float32 together with "
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler in your loop."
+        )
+    if spec.mode == "tf32":
+        raise ExportError(
+            "MixedPrecisionPolicy has no TF32 setting: use param_dtype=torch.float32 and call "
+            "torch.set_float32_matmul_precision('high')."
+        )
+    raise ExportError(
+        f"MixedPrecisionPolicy cannot express {spec.mode}: apply the profile to the model "
+        "before fully_shard (pure bf16 weights, FP8 module swaps) and build the optimizer with "
+        "profile.apply()."
+    )

@@ -1,0 +1,36 @@
+"""Hugging Face Trainer: ``TrainingArguments(..., **hf_training_args(spec))``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoprec.errors import ExportError
+from autoprec.integrations import refuse_keep_fp32
+from autoprec.specs import ModeSpec
+
+_FLAGS = {
+    "fp32": {"bf16": False, "fp16": False, "tf32": False},
+    "tf32": {"bf16": False, "fp16": False, "tf32": True},
+    "amp_fp16": {"bf16": False, "fp16": True},
+    "amp_bf16": {"bf16": True, "fp16": False},
+}
+
+
+def hf_training_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+    """TrainingArguments fields (bf16, fp16, tf32, optim) for the spec."""
+    refuse_keep_fp32(spec, "TrainingArguments", ignore_keep_fp32)
+    if spec.mode not in _FLAGS:
+        hint = (
+            "TrainingArguments has no FP8 flag: use to_accelerate() with an Accelerate config"
+            if spec.mode.startswith("fp8")
+            else "the Trainer's only Kahan path is optim='adamw_anyprecision' on a model you "
+            "cast to bf16 yourself, and it has no stochastic rounding"
+        )
+        raise ExportError(
+            f"The Hugging Face Trainer cannot express {spec.mode} ({hint}); use "
+            "profile.apply(model, optimizer) and pass optimizers=(plan.optimizer, None)."
+        )
+    args = dict(_FLAGS[spec.mode])
+    if spec.optimizer_bits == 8:
+        args["optim"] = "adamw_bnb_8bit"  # the Trainer's default optimizer is AdamW
+    return args

@@ -1,0 +1,47 @@
+"""Lightning (Trainer or Fabric): the ``precision`` argument for a ModeSpec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoprec.errors import ExportError
+from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.specs import ModeSpec
+
+_PRECISION = {
+    "fp32": "32-true",
+    "amp_fp16": "16-mixed",
+    "amp_bf16": "bf16-mixed",
+    "bf16_pure": "bf16-true",  # Lightning's bf16-true is pure bf16 with nearest rounding
+}
+
+
+def lightning_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+    """``Trainer(**lightning_settings(spec))`` / ``Fabric(**...)`` keyword arguments."""
+    refuse_keep_fp32(spec, "Lightning's precision flag", ignore_keep_fp32)
+    refuse_8bit_optimizer(
+        spec,
+        "Lightning",
+        "return bitsandbytes.optim.AdamW8bit (same hyper-parameters) from configure_optimizers.",
+    )
+    if spec.mode in _PRECISION:
+        return {"precision": _PRECISION[spec.mode]}
+    if spec.mode == "tf32":
+        raise ExportError(
+            "Lightning's precision flag has no TF32 setting: use precision='32-true' and call "
+            "torch.set_float32_matmul_precision('high') before training."
+        )
+    if spec.mode == "fp8_te":
+        raise ExportError(
+            "Lightning's precision='transformer-engine' keeps bf16 weights and TE's default "
+            "recipe, not this profile's fp32 weights and recipe "
+            f"({spec.fp8_recipe}, {spec.te_delayed_scaling}). Pass "
+            "plugins=TransformerEnginePrecision(weights_dtype=torch.float32, recipe=...) with "
+            "that recipe, or use profile.apply()."
+        )
+    raise ExportError(
+        f"Lightning has no precision setting for {spec.mode} (stochastic rounding, Kahan "
+        "summation and torchao float8 need autoprec's optimizer or module conversion): use "
+        "profile.apply(model, optimizer) inside a LightningModule with manual optimization, "
+        "or Fabric."
+    )

@@ -1,0 +1,286 @@
+"""Profile: the versioned JSON artifact, proven on named hardware, loaded in two lines.
+
+    plan = autoprec.load_profile("profiles/example-cpu-amp_bf16.json").apply(model, optimizer)
+
+Saving is atomic (temporary file + rename); loading validates and turns every problem into a
+one-paragraph :class:`~autoprec.errors.ProfileError` naming the file, the field and the issue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import nn
+
+from autoprec._version import __version__
+from autoprec.errors import HardwareMismatchWarning, ProfileError
+from autoprec.hardware import HardwareInfo, detect_hardware
+from autoprec.integrations.accelerate import accelerate_settings
+from autoprec.integrations.fsdp2 import fsdp2_policy_args
+from autoprec.integrations.hf_trainer import hf_training_args
+from autoprec.integrations.lightning import lightning_settings
+from autoprec.layers import LayerMix
+from autoprec.plan import PrecisionPlan, prepare
+from autoprec.specs import ModeSpec
+
+SCHEMA_VERSION = 1
+"""Bump on any change that an older autoprec could not read correctly."""
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class HardwareFingerprint(BaseModel):
+    """Where a profile was proven."""
+
+    model_config = _FROZEN
+
+    device_kind: Literal["cpu", "cuda"]
+    gpu_name: str | None = None
+    capability: tuple[int, int] | None = None
+    driver_version: str | None = None
+    torch_version: str
+    cuda_runtime: str | None = None
+    cpu_model: str
+
+    @classmethod
+    def from_hardware(
+        cls, hardware: HardwareInfo, device: str | None = None
+    ) -> HardwareFingerprint:
+        chosen = hardware.resolve_device(device)
+        gpu = None if chosen == "cpu" else hardware.gpu(int(chosen.split(":")[1]))
+        return cls(
+            device_kind="cpu" if gpu is None else "cuda",
+            gpu_name=None if gpu is None else gpu.name,
+            capability=None if gpu is None else gpu.capability,
+            driver_version=hardware.driver_version,
+            torch_version=hardware.torch_version,
+            cuda_runtime=hardware.torch_cuda_runtime,
+            cpu_model=hardware.cpu.model_name,
+        )
+
+    def differences(self, other: HardwareFingerprint) -> list[str]:
+        """What differs between this (the proven) and ``other`` (the current) hardware."""
+        found = []
+        for field in ("device_kind", "gpu_name", "capability"):
+            proven, current = getattr(self, field), getattr(other, field)
+            if proven != current:
+                found.append(f"{field}: proven on {proven!r}, running on {current!r}")
+        return found
+
+
+class ModelFingerprint(BaseModel):
+    """Which model a profile was proven for."""
+
+    model_config = _FROZEN
+
+    model_class: str
+    parameters: int
+    layer_mix_digest: str
+    """sha256 (first 16 hex digits) of the parameter counts by kind and the Linear shapes."""
+
+    @classmethod
+    def from_layers(cls, layers: LayerMix) -> ModelFingerprint:
+        payload = json.dumps(
+            {
+                "kinds": [(share.kind, share.parameters) for share in layers.by_kind],
+                "linears": [(lin.in_features, lin.out_features) for lin in layers.linears],
+            }
+        )
+        return cls(
+            model_class=layers.model_class,
+            parameters=layers.parameters,
+            layer_mix_digest=hashlib.sha256(payload.encode()).hexdigest()[:16],
+        )
+
+
+class TrialFigures(BaseModel):
+    """What one measured trial showed."""
+
+    model_config = _FROZEN
+
+    samples_per_second: float | None = None
+    median_step_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    state_bytes: int | None = None
+    """Exact bytes of parameters, gradients and optimizer state."""
+    final_loss: float | None = None
+
+
+class Evidence(BaseModel):
+    """Why this mode was chosen: reference vs chosen figures and the drift measured."""
+
+    model_config = _FROZEN
+
+    trial_steps: int = Field(ge=1)
+    trial_count: int = Field(ge=1)
+    budget_seconds: float | None = None
+    budget_used_seconds: float | None = None
+    reference: TrialFigures
+    chosen: TrialFigures
+    drift: dict[str, float] = Field(default_factory=dict)
+    """Drift metrics of the chosen mode against the fp32 reference (name -> value)."""
+
+
+class Profile(BaseModel):
+    """A precision recipe, the hardware it was proven on and the evidence."""
+
+    model_config = _FROZEN
+
+    schema_version: int = SCHEMA_VERSION
+    autoprec_version: str = __version__
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    spec: ModeSpec
+    hardware: HardwareFingerprint
+    model: ModelFingerprint | None = None
+    evidence: Evidence | None = None
+    note: str | None = None
+    """Free text, e.g. "hand-written example, not measured"."""
+
+    # -- files --------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the profile as JSON atomically: a crash never leaves a half-written file."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = self.model_dump_json(indent=2) + "\n"
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(text)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        return target
+
+    # -- use ----------------------------------------------------------------------------------
+
+    def check_hardware(self, current: HardwareFingerprint | None = None, *, strict: bool) -> None:
+        """Warn (or with ``strict``, refuse) when running on other hardware than proven on."""
+        current = current or HardwareFingerprint.from_hardware(detect_hardware())
+        differences = self.hardware.differences(current)
+        if not differences:
+            return
+        message = (
+            f"This {self.spec.label} profile was proven on other hardware: "
+            + "; ".join(differences)
+            + ". Its speed and drift evidence may not hold here; re-run `autoprec tune`."
+        )
+        if strict:
+            raise ProfileError(message)
+        warnings.warn(message, HardwareMismatchWarning, stacklevel=3)
+
+    def apply(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_accumulation_steps: int = 1,
+        clip_grad_norm: float | None = None,
+    ) -> PrecisionPlan:
+        """Set ``model`` and ``optimizer`` up for this profile's mode (see ``plan.prepare``)."""
+        return prepare(
+            self.spec,
+            model,
+            optimizer,
+            grad_accumulation_steps=grad_accumulation_steps,
+            clip_grad_norm=clip_grad_norm,
+        )
+
+    # -- exports ------------------------------------------------------------------------------
+
+    def to_lightning(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+        """``Trainer(**profile.to_lightning())`` or ``Fabric(**...)`` arguments."""
+        return lightning_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+
+    def to_accelerate(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+        """``Accelerator(**profile.to_accelerate())`` arguments."""
+        return accelerate_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+
+    def to_hf_training_args(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+        """``TrainingArguments(..., **profile.to_hf_training_args())`` fields."""
+        return hf_training_args(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+
+    def to_fsdp2(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+        """``MixedPrecisionPolicy(**profile.to_fsdp2())`` arguments."""
+        return fsdp2_policy_args(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+
+
+def profile_for(
+    spec: ModeSpec,
+    *,
+    model_layers: LayerMix | None = None,
+    hardware: HardwareInfo | None = None,
+    device: str | None = None,
+    evidence: Evidence | None = None,
+    note: str | None = None,
+) -> Profile:
+    """A Profile for ``spec`` on this machine (or the given hardware facts)."""
+    hardware = hardware or detect_hardware()
+    return Profile(
+        spec=spec,
+        hardware=HardwareFingerprint.from_hardware(hardware, device),
+        model=None if model_layers is None else ModelFingerprint.from_layers(model_layers),
+        evidence=evidence,
+        note=note,
+    )
+
+
+def _field_errors(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:3]:
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        got = f" (got {item['input']!r})" if item["type"] != "missing" else ""
+        parts.append(f"{location}: {item['msg']}{got}")
+    more = len(error.errors()) - 3
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profile:
+    """Read and validate a profile; warn when this hardware differs from where it was proven.
+
+    Args:
+        path: the JSON file ``autoprec tune`` (or ``Profile.save``) wrote.
+        strict: refuse (ProfileError) instead of warning on a hardware mismatch.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(f"Profile {str(file)!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ProfileError(f"Profile {str(file)!r} cannot be read: {error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProfileError(
+            f"Profile {str(file)!r} is not valid JSON (line {error.lineno}, column "
+            f"{error.colno}: {error.msg}); it may be truncated. Re-run `autoprec tune`."
+        ) from None
+    if not isinstance(data, dict):
+        raise ProfileError(
+            f"Profile {str(file)!r} must hold a JSON object, not {type(data).__name__}."
+        )
+    version = data.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise ProfileError(
+            f"Profile {str(file)!r} has schema version {version}; autoprec {__version__} reads "
+            f"up to version {SCHEMA_VERSION}. Upgrade autoprec to load it."
+        )
+    try:
+        profile = Profile.model_validate(data)
+    except ValidationError as error:
+        raise ProfileError(f"Profile {str(file)!r} is invalid: {_field_errors(error)}.") from None
+    profile.check_hardware(strict=strict)
+    return profile

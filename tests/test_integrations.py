@@ -1,0 +1,126 @@
+"""Exports: exact equivalents or a clear refusal. Checked against the real libraries where
+they are installed (accelerate, transformers, torch FSDP2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprec._imports import is_installed
+from autoprec.errors import ExportError, MissingBackendError
+from autoprec.profile import profile_for
+from autoprec.specs import ModeSpec
+
+
+def _profile(**spec: object):
+    return profile_for(ModeSpec(**spec))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("mode", "lightning", "accelerate", "hf"),
+    [
+        ("fp32", "32-true", "no", {"bf16": False, "fp16": False, "tf32": False}),
+        ("amp_bf16", "bf16-mixed", "bf16", {"bf16": True, "fp16": False}),
+        ("amp_fp16", "16-mixed", "fp16", {"bf16": False, "fp16": True}),
+    ],
+)
+def test_expressible_modes(mode: str, lightning: str, accelerate: str, hf: dict) -> None:
+    profile = _profile(mode=mode)
+    assert profile.to_lightning() == {"precision": lightning}
+    assert profile.to_accelerate() == {"mixed_precision": accelerate}
+    assert profile.to_hf_training_args() == hf
+
+
+def test_bf16_pure_is_lightnings_bf16_true() -> None:
+    assert _profile(mode="bf16_pure").to_lightning() == {"precision": "bf16-true"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "export", "message"),
+    [
+        (
+            {"mode": "bf16_kahan"},
+            "to_lightning",
+            "Lightning has no precision setting for bf16_kahan",
+        ),
+        ({"mode": "tf32"}, "to_lightning", "no TF32 setting"),
+        ({"mode": "fp8_te"}, "to_lightning", "keeps bf16 weights and TE's default recipe"),
+        ({"mode": "bf16_sr"}, "to_accelerate", "no mixed_precision setting for bf16_sr"),
+        ({"mode": "bf16_pure"}, "to_hf_training_args", "adamw_anyprecision"),
+        ({"mode": "fp8_torchao"}, "to_hf_training_args", "has no FP8 flag"),
+        ({"mode": "amp_fp16"}, "to_fsdp2", "ShardedGradScaler"),
+        ({"mode": "amp_bf16", "optimizer_bits": 8}, "to_lightning", "configure_optimizers"),
+        (
+            {"mode": "amp_bf16", "keep_fp32": ("lm_head",)},
+            "to_accelerate",
+            r"cannot keep modules \['lm_head'\] in fp32",
+        ),
+        ({"mode": "fp8_te", "fp8_recipe": "te_current"}, "to_accelerate", "no current-scaling"),
+        ({"mode": "fp8_torchao", "emulate": True}, "to_accelerate", "emulates FP8"),
+    ],
+)
+def test_inexpressible_modes_are_refused_clearly(spec: dict, export: str, message: str) -> None:
+    with pytest.raises(ExportError, match=message):
+        getattr(_profile(**spec), export)()
+
+
+def test_keep_fp32_can_be_dropped_on_request() -> None:
+    profile = _profile(mode="amp_bf16", keep_fp32=("lm_head",))
+    assert profile.to_lightning(ignore_keep_fp32=True) == {"precision": "bf16-mixed"}
+    assert _profile(mode="fp32", keep_fp32=("x",)).to_accelerate() == {"mixed_precision": "no"}
+
+
+def test_8bit_optimizer_in_hf_trainer() -> None:
+    args = _profile(mode="amp_bf16", optimizer_bits=8).to_hf_training_args()
+    assert args == {"bf16": True, "fp16": False, "optim": "adamw_bnb_8bit"}
+
+
+def test_fsdp2_policy_is_accepted_by_torch() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(**_profile(mode="amp_bf16").to_fsdp2())
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert MixedPrecisionPolicy(**_profile(mode="fp32").to_fsdp2()).param_dtype == torch.float32
+
+
+def test_accelerate_fp8_te_without_transformer_engine() -> None:
+    pytest.importorskip("accelerate")
+    if is_installed("transformer_engine"):
+        pytest.skip("Transformer Engine is installed")
+    with pytest.raises(MissingBackendError, match=r"pip install 'autoprec\[te\]'"):
+        _profile(mode="fp8_te").to_accelerate()
+
+
+def test_accelerate_fp8_recipes_are_complete() -> None:
+    pytest.importorskip("accelerate")
+    if not is_installed("transformer_engine"):
+        pytest.skip("accelerate's TERecipeKwargs needs transformer_engine (not installed)")
+    settings = _profile(mode="fp8_te", fp8_recipe="te_delayed_e4m3").to_accelerate()
+    (handler,) = settings["kwargs_handlers"]
+    assert settings["mixed_precision"] == "fp8"
+    assert (
+        handler.fp8_format,
+        handler.amax_history_len,
+        handler.amax_compute_algo,
+        handler.margin,
+    ) == ("E4M3", 1024, "max", 0)
+
+
+def test_accelerate_fp8_torchao() -> None:
+    pytest.importorskip("accelerate")
+    ao = _profile(mode="fp8_torchao", fp8_recipe="torchao_rowwise").to_accelerate()
+    assert type(ao["kwargs_handlers"][0]).__name__ == "AORecipeKwargs"
+
+
+def test_accelerator_takes_the_export() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True, **_profile(mode="amp_bf16").to_accelerate())
+    assert str(accelerator.mixed_precision) == "bf16"
+
+
+def test_hf_training_arguments_take_the_export(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, **_profile(mode="amp_bf16").to_hf_training_args()
+    )
+    assert args.bf16 is True and args.fp16 is False

@@ -1,0 +1,222 @@
+"""Every CPU-capable mode trains an example model 60 steps through a saved-and-loaded profile,
+with falling loss, and does what it says: dtypes, optimizer, hyper-parameters, groups, scaler,
+keep_fp32."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.modes.amp import AmpFp16Mode
+from autoprec.specs import ModeSpec
+from examples import tiny_gpt
+
+SMALL = {"vocab_size": 128, "block_size": 32, "n_layer": 1, "n_embd": 64}
+LR, BETAS, EPS = 3e-3, (0.8, 0.95), 1e-7  # deliberately not any library's defaults
+DECAY, NO_DECAY = 0.1, 0.0
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable next-token task: token t+1 = (3 * token t + 1) mod vocab."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        start = torch.randint(0, SMALL["vocab_size"], (8, 1), generator=generator)
+        sequence = [start]
+        for _ in range(SMALL["block_size"]):
+            sequence.append((sequence[-1] * 3 + 1) % SMALL["vocab_size"])
+        tokens = torch.cat(sequence, dim=1)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def _nanogpt_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    """nanoGPT's configure_optimizers: decay for matrices, none for biases and norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": NO_DECAY}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
+
+
+def train(spec: ModeSpec, tmp_path: Path, steps: int = 60):
+    path = autoprec.profile_for(spec).save(tmp_path / f"{spec.label}.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a profile made here must load without a mismatch
+        profile = autoprec.load_profile(path)
+    model, _ = tiny_gpt.make_model(**SMALL)
+    user_optimizer = _nanogpt_optimizer(model)
+    plan = profile.apply(model, user_optimizer)
+    losses = []
+    for tokens, targets in _batches(steps):
+        with plan.autocast():
+            loss = plan.model(tokens, targets)
+        plan.step(loss)
+        losses.append(loss.item())
+    return plan, user_optimizer, losses
+
+
+def assert_learns(losses: list[float]) -> None:
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert last < 0.6 * first, f"loss {first:.3f} -> {last:.3f}"
+
+
+def group_options(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def parameter_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    return {name: p.dtype for name, p in model.named_parameters()}
+
+
+def test_fp32(tmp_path: Path) -> None:
+    plan, user_optimizer, losses = train(ModeSpec(mode="fp32"), tmp_path)
+    assert_learns(losses)
+    assert plan.optimizer is user_optimizer  # nothing to rebuild
+    assert set(parameter_dtypes(plan.model).values()) == {torch.float32}
+    assert plan.state_dict()["mode"] == {}
+
+
+def test_amp_bf16(tmp_path: Path) -> None:
+    plan, user_optimizer, losses = train(ModeSpec(mode="amp_bf16"), tmp_path)
+    assert_learns(losses)
+    assert plan.optimizer is user_optimizer
+    assert set(parameter_dtypes(plan.model).values()) == {torch.float32}  # fp32 master weights
+    tokens, _ = _batches(1)[0]
+    with plan.autocast():
+        assert plan.model(tokens).dtype == torch.bfloat16
+    assert not hasattr(plan.mode, "scaler")
+
+
+def test_amp_fp16_has_a_loss_scaler(tmp_path: Path) -> None:
+    plan, _, losses = train(ModeSpec(mode="amp_fp16"), tmp_path)
+    assert_learns(losses)
+    assert isinstance(plan.mode, AmpFp16Mode)
+    assert isinstance(plan.mode.scaler, torch.amp.GradScaler) and plan.mode.scaler.is_enabled()
+    state = plan.state_dict()["mode"]
+    assert state["scaler"]["scale"] == plan.mode.loss_scale and state["steps"] == 60
+    tokens, _ = _batches(1)[0]
+    with plan.autocast():
+        assert plan.model(tokens).dtype == torch.float16
+
+
+def test_bf16_pure_keeps_the_users_optimizer_class(tmp_path: Path) -> None:
+    plan, user_optimizer, losses = train(ModeSpec(mode="bf16_pure"), tmp_path)
+    assert_learns(losses)
+    assert plan.optimizer is user_optimizer
+    assert set(parameter_dtypes(plan.model).values()) == {torch.bfloat16}
+    state = plan.optimizer.state[next(plan.model.parameters())]
+    assert state["exp_avg"].dtype == torch.bfloat16  # no fp32 copy anywhere
+
+
+@pytest.mark.parametrize(("mode", "kahan"), [("bf16_sr", False), ("bf16_sr_kahan", True)])
+def test_stochastic_rounding_modes(mode: str, kahan: bool, tmp_path: Path) -> None:
+    plan, user_optimizer, losses = train(ModeSpec(mode=mode), tmp_path)
+    assert_learns(losses)
+    assert type(plan.optimizer).__name__ == "StochasticAdamW"
+    options = group_options(plan.optimizer)
+    assert [o["weight_decay"] for o in options] == [DECAY, NO_DECAY]
+    assert all(o["lr"] == LR and o["betas"] == BETAS and o["eps"] == EPS for o in options)
+    assert all(o["kahan"] is kahan and o["decoupled_weight_decay"] for o in options)
+    assert [len(g["params"]) for g in plan.optimizer.param_groups] == [
+        len(g["params"]) for g in user_optimizer.param_groups
+    ]
+    weight = plan.model.blocks[0].mlp[0].weight
+    assert weight.dtype == torch.bfloat16
+    assert ("compensation" in plan.optimizer.state[weight]) is kahan
+
+
+def test_bf16_kahan_uses_optimi_with_the_users_hyperparameters(tmp_path: Path) -> None:
+    plan, _, losses = train(ModeSpec(mode="bf16_kahan"), tmp_path)
+    assert_learns(losses)
+    assert type(plan.optimizer).__module__.startswith("optimi")
+    assert type(plan.optimizer).__name__ == "AdamW"
+    for options, weight_decay in zip(group_options(plan.optimizer), (DECAY, NO_DECAY), strict=True):
+        # torch-optimi's own defaults are betas (0.9, 0.99) and eps 1e-6: they must not leak in
+        assert (options["beta1"], options["beta2"], options["eps"]) == (*BETAS, EPS)
+        assert options["lr"] == LR and options["weight_decay"] == weight_decay
+        assert options["kahan_sum"] is True
+    assert set(parameter_dtypes(plan.model).values()) == {torch.bfloat16}
+
+
+def test_fp8_torchao_emulated(tmp_path: Path) -> None:
+    plan, user_optimizer, losses = train(
+        ModeSpec(mode="fp8_torchao", emulate=True, keep_fp32=("blocks.0.attn.c_attn",)), tmp_path
+    )
+    assert_learns(losses)
+    kinds = {fqn: type(m).__name__ for fqn, m in plan.model.named_modules()}
+    assert kinds["blocks.0.mlp.0"] == "Float8Linear"
+    assert kinds["blocks.0.attn.c_proj"] == "Float8Linear"
+    assert kinds["blocks.0.attn.c_attn"] == "Linear"  # kept in fp32
+    assert set(parameter_dtypes(plan.model).values()) == {torch.float32}
+    assert plan.optimizer is user_optimizer  # torchao swaps modules but keeps the Parameters
+
+
+def test_fp8_torchao_rowwise_emulated(tmp_path: Path) -> None:
+    plan, _, losses = train(
+        ModeSpec(mode="fp8_torchao", emulate=True, fp8_recipe="torchao_rowwise"), tmp_path
+    )
+    assert_learns(losses)
+    linear = plan.model.blocks[0].mlp[0]
+    assert type(linear).__name__ == "Float8Linear"
+    assert "rowwise" in str(linear.config).lower() or "AXISWISE" in str(linear.config)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_pure"])
+def test_8bit_optimizer_states(mode: str, tmp_path: Path) -> None:
+    plan, _, losses = train(ModeSpec(mode=mode, optimizer_bits=8), tmp_path)
+    assert_learns(losses)
+    assert type(plan.optimizer).__name__ == "AdamW8bit"
+    options = group_options(plan.optimizer)
+    assert [o["weight_decay"] for o in options] == [DECAY, NO_DECAY]
+    assert all(o["lr"] == LR and o["betas"] == BETAS and o["eps"] == EPS for o in options)
+    big = plan.model.blocks[0].mlp[0].weight  # 64 x 256 = 16384 elements: quantized
+    assert plan.optimizer.state[big]["state1"].dtype == torch.uint8
+    small = plan.model.blocks[0].mlp[0].bias  # 256 elements: bitsandbytes keeps it 32-bit
+    assert plan.optimizer.state[small]["state1"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", ["amp_bf16", "bf16_pure", "bf16_kahan"])
+def test_keep_fp32_modules_really_run_in_fp32(mode: str, tmp_path: Path) -> None:
+    spec = ModeSpec(mode=mode, keep_fp32=("wte", "ln_f", "blocks.*.ln_*"))
+    plan, _, losses = train(spec, tmp_path, steps=60)
+    assert_learns(losses)
+    dtypes = parameter_dtypes(plan.model)
+    # wte is tied to lm_head: keeping one keeps both
+    for name in ("wte.weight", "ln_f.weight", "blocks.0.ln_1.weight", "blocks.0.ln_2.bias"):
+        assert dtypes[name] == torch.float32, name
+    low = torch.float32 if mode == "amp_bf16" else torch.bfloat16
+    assert dtypes["blocks.0.mlp.0.weight"] == low
+    inside: dict[str, tuple[torch.dtype, bool]] = {}
+    for name in ("ln_f", "lm_head", "blocks.0.mlp.0"):
+        # registered after autoprec's hooks: sees what the module's forward will see
+        plan.model.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, name=name: inside.__setitem__(
+                name, (args[0].dtype, torch.is_autocast_enabled("cpu"))
+            )
+        )
+    tokens, _ = _batches(1)[0]
+    with plan.autocast():
+        logits = plan.model(tokens)
+    assert inside["ln_f"] == (torch.float32, False)  # fp32 input, no autocast: an fp32 island
+    assert inside["lm_head"] == (torch.float32, False)  # tied to the kept wte
+    assert inside["blocks.0.mlp.0"] == (
+        (torch.float32, True) if mode == "amp_bf16" else (torch.bfloat16, False)
+    )
+    assert logits.dtype == (torch.float32 if mode == "amp_bf16" else torch.bfloat16)
+
+
+def test_user_model_is_converted_in_place_and_returned(tmp_path: Path) -> None:
+    model, _ = tiny_gpt.make_model(**SMALL)
+    plan = autoprec.prepare(
+        ModeSpec(mode="bf16_pure"), model, torch.optim.AdamW(model.parameters())
+    )
+    assert plan.model is model

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.optim import named_groups, rebuild_optimizer, source_kind
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 64))
+
+
+def _groups_optimizer(model: nn.Module, cls: type = torch.optim.AdamW, **kwargs: object):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return cls(
+        [
+            {"params": decay, "weight_decay": 0.1, "name": "decay"},
+            {"params": other, "weight_decay": 0.0, "lr": 1e-4},
+        ],
+        **kwargs,
+    )
+
+
+def test_named_groups() -> None:
+    model = _model()
+    optimizer = _groups_optimizer(model, lr=1e-3)
+    groups = named_groups(optimizer, model)
+    assert groups[0].names == ("0.weight", "2.weight")
+    assert groups[1].names == ("0.bias", "1.weight", "1.bias", "2.bias")
+    assert groups[1].options["lr"] == 1e-4 and groups[0].options["name"] == "decay"
+
+
+def test_foreign_parameters_are_refused() -> None:
+    model = _model()
+    stranger = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="group 0 holds 1 parameter"):
+        named_groups(torch.optim.SGD([stranger], lr=0.1), model)
+
+
+@pytest.mark.parametrize(
+    ("target", "class_name"),
+    [
+        ("bnb_8bit", "AdamW8bit"),
+        ("optimi_kahan", "AdamW"),
+        ("stochastic", "StochasticAdamW"),
+        ("same", "AdamW"),
+    ],
+)
+def test_rebuild_keeps_groups_and_extras(target: str, class_name: str) -> None:
+    model = _model()
+    optimizer = _groups_optimizer(model, lr=1e-3, betas=(0.85, 0.9), eps=1e-7)
+    rebuilt = rebuild_optimizer(optimizer, named_groups(optimizer, model), model, target)  # type: ignore[arg-type]
+    assert type(rebuilt).__name__ == class_name
+    assert [len(g["params"]) for g in rebuilt.param_groups] == [2, 4]
+    first, second = rebuilt.param_groups
+    assert first["name"] == "decay"  # a non-hyper-parameter extra is carried over
+    assert (first["lr"], second["lr"]) == (1e-3, 1e-4)
+    assert (first["weight_decay"], second["weight_decay"]) == (0.1, 0.0)
+    betas = (first["beta1"], first["beta2"]) if target == "optimi_kahan" else first["betas"]
+    assert betas == (0.85, 0.9) and first["eps"] == 1e-7
+
+
+def test_adam_l2_decay_maps_to_coupled_decay() -> None:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    groups = named_groups(optimizer, model)
+    kahan = rebuild_optimizer(optimizer, groups, model, "optimi_kahan")
+    assert type(kahan).__name__ == "Adam" and kahan.param_groups[0]["decouple_wd"] is False
+    sr = rebuild_optimizer(optimizer, groups, model, "stochastic")
+    assert sr.param_groups[0]["decoupled_weight_decay"] is False
+    with pytest.raises(ValueError, match="Adam8bit decays weights directly"):
+        rebuild_optimizer(optimizer, groups, model, "bnb_8bit")
+
+
+def test_adam_with_decoupled_flag_is_adamw() -> None:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), decoupled_weight_decay=True)
+    assert source_kind(optimizer) == "adamw"
+
+
+def test_sgd() -> None:
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    groups = named_groups(sgd, model)
+    eight = rebuild_optimizer(sgd, groups, model, "bnb_8bit")
+    assert type(eight).__name__ == "SGD8bit" and eight.param_groups[0]["momentum"] == 0.9
+    kahan = rebuild_optimizer(sgd, groups, model, "optimi_kahan")
+    assert kahan.param_groups[0]["torch_init"] is True  # torch's momentum initialisation
+    with pytest.raises(
+        TypeError, match=r"support torch\.optim\.AdamW and torch\.optim\.Adam, not SGD"
+    ):
+        rebuild_optimizer(sgd, groups, model, "stochastic")
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="SGD without momentum keeps no optimizer state"):
+        rebuild_optimizer(plain, named_groups(plain, model), model, "bnb_8bit")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), "amsgrad=True has no equivalent"),
+        (lambda p: torch.optim.AdamW(p, maximize=True), "maximize=True has no equivalent"),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+            "nesterov=True has no equivalent",
+        ),
+    ],
+)
+def test_untranslatable_options_are_refused(make, message: str) -> None:
+    model = _model()
+    optimizer = make(model.parameters())
+    with pytest.raises(ValueError, match=message):
+        rebuild_optimizer(optimizer, named_groups(optimizer, model), model, "bnb_8bit")
+
+
+def test_unsupported_optimizer_class_names_the_supported_ones() -> None:
+    model = _model()
+    optimizer = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(
+        TypeError,
+        match=r"torch\.optim\.rmsprop\.RMSprop .*supported: "
+        r"torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD",
+    ):
+        rebuild_optimizer(optimizer, named_groups(optimizer, model), model, "optimi_kahan")
+    # the same class works where no translation is needed
+    same = rebuild_optimizer(optimizer, named_groups(optimizer, model), model, "same")
+    assert type(same) is torch.optim.RMSprop
+
+
+def test_stepped_optimizer_is_refused() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="already stepped"):
+        rebuild_optimizer(optimizer, named_groups(optimizer, model), model, "bnb_8bit")
+
+
+def test_parameters_found_by_name_after_a_swap() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    groups = named_groups(optimizer, model)
+    replacement = nn.Linear(64, 128)
+    model[0] = replacement  # a module swap creates new Parameter objects
+    rebuilt = rebuild_optimizer(optimizer, groups, model, "same")
+    assert rebuilt.param_groups[0]["params"][0] is replacement.weight
+    assert rebuilt.param_groups[0]["lr"] == 5e-4

@@ -1,0 +1,206 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autoprec
+from autoprec.eligibility import Situation
+from autoprec.errors import UnsupportedModeError
+from autoprec.layers import scan_model
+from autoprec.specs import ModeSpec
+from tests.conftest import make_backends, make_hardware
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _situation(model: nn.Module, *gpus: str, backends: tuple = ()) -> Situation:
+    hardware = make_hardware(*gpus)
+    return Situation(
+        hardware=hardware,
+        device=hardware.resolve_device(None),
+        layers=scan_model(model),
+        backends=backends or make_backends("all"),
+    )
+
+
+def test_ineligible_mode_is_refused_with_every_reason() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(UnsupportedModeError) as caught:
+        autoprec.prepare(
+            ModeSpec(mode="fp8_te"),
+            model,
+            optimizer,
+            situation=_situation(model, backends=make_backends("torchao")),
+        )
+    message = str(caught.value)
+    assert message.startswith("fp8_te+delayed_hybrid cannot run here:")
+    assert "compute capability >= 8.9 (found: CPU only" in message
+    assert "pip install 'autoprec[te]'" in message
+    assert "autoprec probe" in message
+    # nothing was converted: no silent fallback, the model is untouched
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_fp8_on_a100_names_the_capability() -> None:
+    model = _model()
+    with pytest.raises(
+        UnsupportedModeError, match=r"compute capability >= 8\.9 \(found: NVIDIA A100"
+    ):
+        autoprec.prepare(
+            ModeSpec(mode="fp8_torchao"),
+            model,
+            torch.optim.AdamW(model.parameters()),
+            situation=_situation(model, "A100"),
+        )
+
+
+def test_real_cpu_refusals() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks CPU-only refusals")
+    model = _model()
+    for spec in (ModeSpec(mode="tf32"), ModeSpec(mode="fp8_torchao")):
+        with pytest.raises(UnsupportedModeError, match="needs a CUDA GPU"):
+            autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_8bit_does_not_compose_with_kahan() -> None:
+    model = _model()
+    with pytest.raises(
+        UnsupportedModeError, match="optimizer_bits=8 does not compose with bf16_kahan"
+    ):
+        autoprec.prepare(
+            ModeSpec(mode="bf16_kahan", optimizer_bits=8),
+            model,
+            torch.optim.AdamW(model.parameters()),
+        )
+
+
+def test_missing_backend_names_the_extra() -> None:
+    model = _model()
+    with pytest.raises(UnsupportedModeError, match=r"pip install 'autoprec\[bnb\]'"):
+        autoprec.prepare(
+            ModeSpec(mode="amp_bf16", optimizer_bits=8),
+            model,
+            torch.optim.AdamW(model.parameters()),
+            situation=_situation(model, backends=make_backends("torchao")),
+        )
+
+
+def test_gradient_accumulation_matches_one_big_batch() -> None:
+    data, target = torch.randn(8, 16), torch.randn(8, 16)
+    big, small = _model(), _model()
+    big_plan = autoprec.prepare(
+        ModeSpec(mode="fp32"), big, torch.optim.SGD(big.parameters(), lr=0.1)
+    )
+    small_plan = autoprec.prepare(
+        ModeSpec(mode="fp32"),
+        small,
+        torch.optim.SGD(small.parameters(), lr=0.1),
+        grad_accumulation_steps=4,
+    )
+    assert big_plan.step(nn.functional.mse_loss(big(data), target)) is True
+    stepped = [
+        small_plan.step(nn.functional.mse_loss(small(data[i::4]), target[i::4])) for i in range(4)
+    ]
+    assert stepped == [False, False, False, True]
+    for a, b in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert all(p.grad is None for p in small.parameters())  # zeroed after the step
+
+
+def test_fp16_scaler_skips_a_step_on_inf_and_clipping_sees_true_gradients() -> None:
+    model = _model()
+    plan = autoprec.prepare(
+        ModeSpec(mode="amp_fp16"), model, torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    x = torch.randn(4, 16)
+    with plan.autocast():
+        loss = model(x).float().pow(2).mean()
+    reference = _model()
+    reference(x).pow(2).mean().backward()
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    assert plan.step(loss, clip_grad_norm=1e9) is True
+    # the measured norm is of unscaled gradients (fp16 rounding aside), not 65536 times larger
+    assert plan.last_grad_norm == pytest.approx(float(true_norm), rel=1e-2)
+    scale = plan.mode.loss_scale
+    with plan.autocast():
+        loss = model(x).float().pow(2).mean()
+    plan.backward(loss)
+    model[0].weight.grad[0, 0] = float("inf")
+    weights = model[0].weight.detach().clone()
+    assert plan.step() is False
+    assert plan.mode.skipped_steps == 1 and plan.mode.loss_scale == scale / 2
+    assert torch.equal(model[0].weight, weights)
+
+
+def test_state_dict_round_trip_restores_the_scaler() -> None:
+    model = _model()
+    plan = autoprec.prepare(ModeSpec(mode="amp_fp16"), model, torch.optim.AdamW(model.parameters()))
+    for _ in range(3):
+        with plan.autocast():
+            loss = model(torch.randn(4, 16)).float().pow(2).mean()
+        plan.step(loss)
+    state = plan.state_dict()
+    other_model = _model()
+    other = autoprec.prepare(
+        ModeSpec(mode="amp_fp16"), other_model, torch.optim.AdamW(other_model.parameters())
+    )
+    other.load_state_dict(state)
+    assert other.mode.loss_scale == plan.mode.loss_scale
+    assert other.micro_step == 3 and other.mode.steps == 3
+    bf16_model = _model()
+    bf16 = autoprec.prepare(
+        ModeSpec(mode="amp_bf16"), bf16_model, torch.optim.AdamW(bf16_model.parameters())
+    )
+    with pytest.raises(ValueError, match="written by a plan for amp_fp16, not amp_bf16"):
+        bf16.load_state_dict(state)
+
+
+def test_tf32_is_switched_on_only_inside_the_plan() -> None:
+    model = _model()
+    plan = autoprec.prepare(
+        ModeSpec(mode="tf32"),
+        model,
+        torch.optim.AdamW(model.parameters()),
+        situation=_situation(model, "A100"),
+    )
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    with plan.autocast():
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == before
+    other = _model()
+    fp32 = autoprec.prepare(ModeSpec(mode="fp32"), other, torch.optim.AdamW(other.parameters()))
+    with fp32.autocast():
+        assert matmul.fp32_precision == "ieee"  # the reference really is fp32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"grad_accumulation_steps": 0}, "grad_accumulation_steps must be >= 1"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm must be positive"),
+    ],
+)
+def test_bad_plan_arguments(kwargs: dict, message: str) -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=message):
+        autoprec.prepare(
+            ModeSpec(mode="fp32"), model, torch.optim.AdamW(model.parameters()), **kwargs
+        )
+
+
+def test_bad_model_or_optimizer() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        autoprec.prepare(ModeSpec(mode="fp32"), "model", torch.optim.AdamW(model.parameters()))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        autoprec.prepare(ModeSpec(mode="fp32"), model, None)  # type: ignore[arg-type]

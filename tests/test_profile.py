@@ -1,0 +1,175 @@
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+import autoprec
+from autoprec.errors import HardwareMismatchWarning, ProfileError
+from autoprec.layers import scan_model
+from autoprec.profile import (
+    SCHEMA_VERSION,
+    Evidence,
+    HardwareFingerprint,
+    Profile,
+    TrialFigures,
+    load_profile,
+    profile_for,
+)
+from autoprec.specs import ModeSpec
+from examples import tiny_gpt
+from tests.conftest import make_hardware
+
+PROFILES = Path(__file__).parents[1] / "profiles"
+
+
+def _profile(**spec: object) -> Profile:
+    return profile_for(ModeSpec(**spec))  # type: ignore[arg-type]
+
+
+def test_round_trip_with_evidence(tmp_path: Path) -> None:
+    evidence = Evidence(
+        trial_steps=50,
+        trial_count=6,
+        budget_seconds=60.0,
+        budget_used_seconds=41.5,
+        reference=TrialFigures(samples_per_second=100.0, state_bytes=4_000_000, final_loss=2.1),
+        chosen=TrialFigures(samples_per_second=180.0, state_bytes=2_000_000, final_loss=2.11),
+        drift={"loss_gap_in_noise_units": 0.4, "update_fraction": 0.99},
+    )
+    profile = profile_for(
+        ModeSpec(mode="amp_bf16", keep_fp32=("lm_head",)),
+        model_layers=scan_model(*tiny_gpt.make_model()),
+        evidence=evidence,
+    )
+    path = profile.save(tmp_path / "nested" / "p.json")
+    assert load_profile(path) == profile
+    assert profile.model is not None and profile.model.model_class == "TinyGPT"
+    assert len(profile.model.layer_mix_digest) == 16
+
+
+def test_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "p.json"
+    _profile(mode="fp32").save(path)
+    original = path.read_text()
+
+    def crash(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        _profile(mode="amp_bf16").save(path)
+    assert path.read_text() == original  # the old profile is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"schema_version": 1, "spec": {"mode": "fp32"', r"is not valid JSON \(line 1, column"),
+        ("[1, 2]", "must hold a JSON object, not list"),
+        ("", "is not valid JSON"),
+    ],
+)
+def test_corrupt_files(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=message) as caught:
+        load_profile(path)
+    assert str(path) in str(caught.value)
+
+
+def test_hand_edited_invalid_field_names_the_field(tmp_path: Path) -> None:
+    data = json.loads(_profile(mode="fp32").model_dump_json())
+    data["spec"]["mode"] = "fp64"
+    data["spec"]["optimizer_bits"] = 4
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError) as caught:
+        load_profile(path)
+    message = str(caught.value)
+    assert "spec.mode: Input should be 'fp32'" in message and "(got 'fp64')" in message
+    assert "spec.optimizer_bits: Input should be 32 or 8" in message
+    assert "\n" not in message  # one short paragraph, not a pydantic wall
+
+
+def test_missing_field_and_missing_file(tmp_path: Path) -> None:
+    data = json.loads(_profile(mode="fp32").model_dump_json())
+    del data["hardware"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="hardware: Field required"):
+        load_profile(path)
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(tmp_path / "nowhere.json")
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    data = json.loads(_profile(mode="fp32").model_dump_json())
+    data["schema_version"] = SCHEMA_VERSION + 1
+    data["something_new"] = True
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(
+        ProfileError, match=f"schema version {SCHEMA_VERSION + 1}.*Upgrade autoprec"
+    ):
+        load_profile(path)
+
+
+def test_other_hardware_warns_and_strict_refuses(tmp_path: Path) -> None:
+    h100 = profile_for(ModeSpec(mode="amp_bf16"), hardware=make_hardware("H100"))
+    path = h100.save(tmp_path / "h100.json")
+    with pytest.warns(HardwareMismatchWarning, match="gpu_name: proven on 'NVIDIA H100 80GB HBM3'"):
+        load_profile(path)
+    with pytest.raises(ProfileError, match="proven on other hardware"):
+        load_profile(path, strict=True)
+    here = profile_for(ModeSpec(mode="amp_bf16")).save(tmp_path / "here.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_profile(here, strict=True)
+
+
+def test_differences_between_gpus() -> None:
+    a100 = HardwareFingerprint.from_hardware(make_hardware("A100"))
+    h100 = HardwareFingerprint.from_hardware(make_hardware("H100"))
+    assert a100.differences(h100) == [
+        "gpu_name: proven on 'NVIDIA A100-SXM4-80GB', running on 'NVIDIA H100 80GB HBM3'",
+        "capability: proven on (8, 0), running on (9, 0)",
+    ]
+
+
+BUNDLED = sorted(p for p in PROFILES.glob("*.json") if p.name != "profile.schema.json")
+
+
+def test_profiles_are_bundled() -> None:
+    assert len(BUNDLED) >= 3
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.name)
+def test_bundled_profiles_are_valid(path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HardwareMismatchWarning)  # proven elsewhere
+        profile = load_profile(path)
+    assert profile.schema_version == SCHEMA_VERSION
+    assert profile.model_dump_json(indent=2) + "\n" == path.read_text(), "not canonical"
+
+
+def test_schema_file_is_fresh() -> None:
+    on_disk = json.loads((PROFILES / "profile.schema.json").read_text())
+    assert on_disk == Profile.model_json_schema(), (
+        "profiles/profile.schema.json is stale: "
+        "run `autoprec schema > profiles/profile.schema.json`"
+    )
+
+
+def test_apply_returns_a_plan() -> None:
+    model, _ = tiny_gpt.make_model()
+    import torch
+
+    plan = _profile(mode="amp_bf16").apply(
+        model, torch.optim.AdamW(model.parameters()), grad_accumulation_steps=2
+    )
+    assert isinstance(plan, autoprec.PrecisionPlan) and plan.grad_accumulation_steps == 2

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprec.stochastic_adamw import StochasticAdamW
+
+
+@pytest.mark.parametrize(
+    ("cls", "decoupled"), [(torch.optim.AdamW, True), (torch.optim.Adam, False)]
+)
+def test_fp32_parameters_follow_torch_exactly(cls: type, decoupled: bool) -> None:
+    torch.manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(64, 32))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    options = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.05}
+    a = StochasticAdamW([ours], decoupled_weight_decay=decoupled, **options)
+    b = cls([theirs], **options)
+    for step in range(20):
+        grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_stochastic_rounding_keeps_updates_that_nearest_rounding_loses() -> None:
+    """Weights of 1.0 with updates of 1e-4: half a bf16 ulp at 1.0 is 0.0039, so nearest
+    rounding never moves them; stochastic rounding moves them by the right amount on average."""
+    torch.manual_seed(0)
+    steps, lr = 200, 1e-4
+    results = {}
+    for name, make in {
+        "nearest": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0),
+        "sr": lambda p: StochasticAdamW(p, lr=lr, weight_decay=0.0),
+        "sr_kahan": lambda p: StochasticAdamW(p, lr=lr, weight_decay=0.0, kahan=True),
+    }.items():
+        weight = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        optimizer = make([weight])
+        for _ in range(steps):
+            weight.grad = torch.ones_like(weight)  # Adam step = lr each time
+            optimizer.step()
+        results[name] = (1.0 - weight.detach().float()).mean().item()
+    intended = steps * lr  # 0.02
+    assert results["nearest"] == 0.0
+    assert results["sr"] == pytest.approx(intended, rel=0.1)
+    assert results["sr_kahan"] == pytest.approx(intended, rel=0.02)
+
+
+def test_state_is_bf16_for_bf16_parameters() -> None:
+    weight = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
+    optimizer = StochasticAdamW([weight], kahan=True)
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    state = optimizer.state[weight]
+    assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "compensation")} == {torch.bfloat16}
+
+
+def test_invalid_arguments() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="betas must be in"):
+        StochasticAdamW([weight], betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        StochasticAdamW([weight], lr=-1.0)
