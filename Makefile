@@ -29,8 +29,9 @@ test: lint
 	$(BIN)/python -m pytest
 
 bench: setup
-	$(BIN)/python benchmarks/probe_time.py
-	$(BIN)/python benchmarks/plan_overhead.py
+	$(BIN)/python -m benchmarks.probe_time
+	$(BIN)/python -m benchmarks.plan_overhead
+	$(BIN)/python -m benchmarks.drift_gate
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -19,6 +19,10 @@ class MissingBackendError(AutoprecError):
 class UnsupportedModeError(AutoprecError):
     """A precision mode cannot run here; the message lists every reason."""
 
+    def __init__(self, message: str, reasons: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+
 
 class ModelLoadError(AutoprecError):
     """A ``module.path:attr`` model factory could not be imported, called or understood."""

@@ -168,13 +168,16 @@ def rebuild_optimizer(
     groups: list[NamedGroup],
     model: nn.Module,
     target: OptimizerTarget,
+    *,
+    require_fresh: bool = True,
 ) -> torch.optim.Optimizer:
     """A new optimizer over ``model``'s parameters (found by name) for ``target``.
 
     Group-level extras that are not hyper-parameters (``initial_lr`` set by LR schedulers, a
-    group's ``name``) are carried over unchanged.
+    group's ``name``) are carried over unchanged. The new optimizer starts without state;
+    ``require_fresh`` refuses a source that has already stepped (its state would be lost).
     """
-    if optimizer.state:
+    if require_fresh and optimizer.state:
         raise ValueError(
             "The optimizer has already stepped (it holds state). Apply the precision profile "
             "before training starts, then load optimizer checkpoints into plan.optimizer."

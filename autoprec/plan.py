@@ -147,7 +147,8 @@ def prepare(
     if reasons:
         listed = "".join(f"\n  - {reason}" for reason in reasons)
         raise UnsupportedModeError(
-            f"{spec.label} cannot run here:{listed}\nRun `autoprec probe` to see what can."
+            f"{spec.label} cannot run here:{listed}\nRun `autoprec probe` to see what can.",
+            tuple(reasons),
         )
     groups = named_groups(optimizer, model)
     model = mode.convert_module(model)

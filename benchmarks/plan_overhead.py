@@ -7,7 +7,7 @@ slower on our CPU machines (allocator and cache state: up to 10%), so each round
 in both orders (ABBA) and takes the geometric mean of the two ratios; the figure is the median
 over rounds of plan / hand per-step time. Target: <= 1.02.
 
-    python benchmarks/plan_overhead.py [--steps 200] [--rounds 7]
+    python -m benchmarks.plan_overhead [--steps 200] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Prints the median and worst wall time over several runs per example model, and t
 probe itself reports (hardware, backends, model scan, verdicts; without interpreter start and
 imports). Target: under 3 s end to end on a CPU-only machine.
 
-    python benchmarks/probe_time.py [--runs 5]
+    python -m benchmarks.probe_time [--runs 5]
 """
 
 from __future__ import annotations

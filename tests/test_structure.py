@@ -16,7 +16,7 @@ ORDER = [
     "_version", "errors", "_imports", "specs",                      # base
     "hardware", "layers", "eligibility",                             # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
-    "probing", "candidates", "trial", "drift", "search", "choice",  # pipeline
+    "probing", "candidates", "batching", "trial", "drift", "search", "choice",  # pipeline
     "integrations", "profile",                                       # artifact
     "factories", "tuning", "display", "cli",                         # drivers
 ]

@@ -1,0 +1,261 @@
+"""The drift gate: accept a mode only when its short trial does not drift from fp32.
+
+Reference: the fp32 trial. Noise: a second fp32 trial from the same weights with another seed
+and another batch order; every loss and output threshold scales with how far that run lands
+from the reference, with absolute floors for deterministic models (whose noise can be ~0).
+
+Beyond training loss the gate checks what loss hides (../seeds: pure bf16 diffusion training
+with a normal loss curve and garbage images): how much of the reference's weight movement
+actually reached the weights (a Kahan buffer counts as part of its weight; stochastic rounding
+and Kahan are judged by accumulated movement, not by the per-step "unchanged" share, which is
+high for them too), output agreement on held-out batches, fp16 range and loss-scaler health,
+and the user's own ``eval_fn``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from autoprec.trial import TrialRecord, TrialResult
+
+FP16_MAX = 65504.0
+
+
+class DriftThresholds(BaseModel):
+    """Every threshold of the gate, with its default and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    max_loss_gap_units: float = Field(3.0, gt=0)
+    """Reject when the held-out or late training loss is worse than the reference by more than
+    this many noise floors: three standard errors is the usual "not chance" line."""
+    loss_floor_relative: float = Field(0.01, ge=0)
+    """Noise floor of at least 1% of the reference loss: deterministic models have ~0 noise, and
+    a gap below 1% after a short trial is not evidence of harm."""
+    loss_floor_absolute: float = Field(1e-4, ge=0)
+    """Absolute noise floor, for losses near zero."""
+    late_fraction: float = Field(0.25, gt=0, le=1)
+    """The trial's "last part": the final quarter of steps, paired step by step."""
+    min_update_fraction: float = Field(0.8, ge=0)
+    """Reject when less than 80% of the reference's weight movement reached the weights. Measured
+    here: nearest-rounding bf16 reaches ~0.5 at lr 1e-4, stochastic rounding and Kahan ~1.0."""
+    max_output_error_units: float = Field(3.0, gt=0)
+    """Reject when held-out outputs differ from the reference's by more than this many times the
+    noise run's difference..."""
+    output_error_floor: float = Field(0.10, ge=0)
+    """...and by more than 10% relative L2 (a floor for deterministic models). Measured on our
+    CPU regression task: FP8 forward quantization alone moves outputs 7.5% with an unchanged
+    loss, while nearest-rounding bf16 that lost its updates moved them 52%."""
+    fp16_headroom: float = Field(0.25, gt=0, le=1)
+    """Flag fp16 when activations or gradients reach a quarter of the fp16 maximum (65504):
+    a few more steps of growth overflow them, and loss scaling cannot protect the forward pass."""
+    max_skipped_step_rate: float = Field(0.1, ge=0, le=1)
+    """Reject amp_fp16 when the loss scaler skipped more than 10% of steps after warm-up."""
+    min_loss_scale: float = Field(1.0, gt=0)
+    """Reject amp_fp16 when the loss scale collapsed below 1 (gradients overflow even unscaled)."""
+    max_eval_gap_units: float = Field(3.0, gt=0)
+    """Reject when eval_fn (lower is better) is worse than the reference by more than this many
+    times the noise run's difference..."""
+    eval_floor_relative: float = Field(0.02, ge=0)
+    """...and by more than 2% of the reference's score."""
+
+
+class DriftMetrics(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    noise_floor: float | None = None
+    heldout_loss_gap: float | None = None
+    late_loss_gap: float | None = None
+    update_fraction: float | None = None
+    """Projection of the trial's weight movement onto the reference's (1.0 = all arrived)."""
+    never_moved_fraction: float | None = None
+    """Share of sampled weights the reference moved but the trial never did."""
+    output_error: float | None = None
+    output_error_noise: float | None = None
+    top1_agreement: float | None = None
+    skipped_step_rate: float | None = None
+    eval_gap: float | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class DriftVerdict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    accepted: bool
+    reasons: tuple[str, ...]
+    metrics: DriftMetrics
+
+
+def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThresholds) -> float:
+    """Loss units one fp32 run differs from another, floored (see DriftThresholds)."""
+    ref, other = reference.record.heldout_losses, noise.record.heldout_losses
+    if not ref:
+        ref, other = reference.record.losses[-1:], noise.record.losses[-1:]
+    scale = abs(statistics.fmean(ref)) if ref else 0.0
+    floor = max(thresholds.loss_floor_absolute, thresholds.loss_floor_relative * scale)
+    if not ref or len(other) != len(ref):
+        return floor
+    differences = [b - a for a, b in zip(ref, other, strict=True)]
+    spread = abs(statistics.fmean(differences))
+    if len(differences) > 1:
+        spread = max(spread, statistics.stdev(differences) / math.sqrt(len(differences)))
+    return max(floor, spread)
+
+
+def _update_fraction(trial: TrialResult, reference: TrialResult) -> tuple[float, float] | None:
+    dot = norm = 0.0
+    reference_moved = trial_still = 0
+    for name, start in reference.initial_weights.items():
+        if name not in trial.final_weights:
+            return None
+        intended = reference.final_weights[name] - start
+        actual = trial.final_weights[name] - trial.initial_weights[name]
+        dot += float(torch.dot(actual, intended))
+        norm += float(torch.dot(intended, intended))
+        moved = intended != 0
+        reference_moved += int(moved.sum())
+        trial_still += int((moved & (actual == 0)).sum())
+    if norm == 0:
+        return None
+    return dot / norm, trial_still / max(reference_moved, 1)
+
+
+def _relative_error(outputs: list, reference: list) -> tuple[float | None, float | None]:
+    errors, agreements = [], []
+    for output, expected in zip(outputs, reference, strict=False):
+        if output is None or expected is None or output.shape != expected.shape:
+            continue
+        denominator = float(expected.norm()) or 1.0
+        errors.append(float((output - expected).norm()) / denominator)
+        if expected.dim() >= 2 and expected.shape[-1] > 1:
+            agreements.append(float((output.argmax(-1) == expected.argmax(-1)).float().mean()))
+    error = statistics.fmean(errors) if errors else None
+    agreement = statistics.fmean(agreements) if agreements else None
+    return error, agreement
+
+
+def judge(
+    trial: TrialResult,
+    reference: TrialResult,
+    noise: TrialResult,
+    thresholds: DriftThresholds | None = None,
+) -> DriftVerdict:
+    """Every reason ``trial`` drifts from the fp32 ``reference``.
+
+    ``noise`` is the second fp32 run (another seed and batch order) that sets the noise floor.
+    """
+    limits = thresholds or DriftThresholds()
+    record = trial.record
+    reasons: list[str] = []
+    metrics: dict[str, float | None] = {}
+    if record.failure is not None:
+        step = "" if record.failure.step is None else f" at step {record.failure.step}"
+        reasons.append(f"{record.failure.kind.replace('_', ' ')}{step}: {record.failure.message}")
+        return DriftVerdict(accepted=False, reasons=tuple(reasons), metrics=DriftMetrics())
+
+    floor = noise_floor(reference, noise, limits)
+    metrics["noise_floor"] = floor
+    allowed = limits.max_loss_gap_units * floor
+    if record.heldout_losses and len(record.heldout_losses) == len(reference.record.heldout_losses):
+        gap = statistics.fmean(
+            b - a
+            for a, b in zip(reference.record.heldout_losses, record.heldout_losses, strict=True)
+        )
+        metrics["heldout_loss_gap"] = gap
+        if gap > allowed:
+            reasons.append(
+                f"held-out loss {gap:+.4g} worse than fp32, beyond {allowed:.3g} "
+                f"({limits.max_loss_gap_units:g} x noise floor {floor:.3g})"
+            )
+    late = max(1, int(len(record.losses) * limits.late_fraction))
+    if len(record.losses) == len(reference.record.losses) and record.losses:
+        pairs = zip(reference.record.losses[-late:], record.losses[-late:], strict=True)
+        late_gap = statistics.fmean(b - a for a, b in pairs)
+        metrics["late_loss_gap"] = late_gap
+        if late_gap > allowed:
+            reasons.append(
+                f"training loss over the last {late} steps {late_gap:+.4g} worse than "
+                f"fp32 on the same batches, beyond {allowed:.3g}"
+            )
+
+    movement = _update_fraction(trial, reference)
+    if movement is not None:
+        fraction, never = movement
+        metrics["update_fraction"], metrics["never_moved_fraction"] = fraction, never
+        if fraction < limits.min_update_fraction:
+            reasons.append(
+                f"updates lost to rounding: only {fraction:.0%} of the fp32 weight movement "
+                f"reached the weights ({never:.0%} of weights the reference moved never moved)"
+            )
+
+    error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
+    noise_error, _ = _relative_error(noise.heldout_outputs, reference.heldout_outputs)
+    metrics["output_error"], metrics["top1_agreement"] = error, agreement
+    metrics["output_error_noise"] = noise_error
+    if error is not None:
+        allowed_error = max(
+            limits.output_error_floor, limits.max_output_error_units * (noise_error or 0.0)
+        )
+        if error > allowed_error:
+            reasons.append(
+                f"held-out outputs differ from fp32 by {error:.1%} (relative L2), "
+                f"beyond {allowed_error:.1%}"
+            )
+
+    if record.spec.mode == "amp_fp16":
+        reasons.extend(_fp16_risks(record, reference, limits, metrics))
+
+    if record.eval_score is not None and reference.record.eval_score is not None:
+        gap = record.eval_score - reference.record.eval_score
+        metrics["eval_gap"] = gap
+        noise_gap = abs(
+            (noise.record.eval_score or reference.record.eval_score) - reference.record.eval_score
+        )
+        allowed_eval = max(
+            limits.eval_floor_relative * abs(reference.record.eval_score),
+            limits.max_eval_gap_units * noise_gap,
+        )
+        if gap > allowed_eval:
+            reasons.append(
+                f"eval_fn {record.eval_score:.4g} vs fp32 {reference.record.eval_score:.4g}"
+                f" (worse by {gap:.3g}, beyond {allowed_eval:.3g})"
+            )
+    return DriftVerdict(
+        accepted=not reasons, reasons=tuple(reasons), metrics=DriftMetrics(**metrics)
+    )
+
+
+def _fp16_risks(
+    record: TrialRecord,
+    reference: TrialResult,
+    limits: DriftThresholds,
+    metrics: dict[str, float | None],
+) -> list[str]:
+    reasons = []
+    limit = limits.fp16_headroom * FP16_MAX
+    activation = max(reference.record.max_abs_activation or 0.0, record.max_abs_activation or 0.0)
+    if activation > limit:
+        reasons.append(
+            f"fp16 overflow risk: activations reach {activation:.3g} "
+            f"(fp16 max {FP16_MAX:.0f}; loss scaling cannot protect the forward pass)"
+        )
+    gradient = reference.record.max_abs_gradient or 0.0
+    if gradient > limit:
+        reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g} (fp16 max 65504)")
+    measured = max(record.steps_run - record.warmup_steps, 1)
+    rate = record.skipped_steps / measured
+    metrics["skipped_step_rate"] = rate
+    if rate > limits.max_skipped_step_rate:
+        reasons.append(
+            f"loss scaler skipped {record.skipped_steps} of {record.steps_run} steps "
+            f"({rate:.0%} > {limits.max_skipped_step_rate:.0%})"
+        )
+    if record.final_loss_scale is not None and record.final_loss_scale < limits.min_loss_scale:
+        reasons.append(f"loss scale collapsed to {record.final_loss_scale:g}")
+    return reasons

@@ -1,0 +1,1 @@
+"""Scripts that print figures: run them as `python -m benchmarks.NAME`."""

@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprec.drift import DriftThresholds, judge, noise_floor
+from autoprec.specs import ModeSpec
+from autoprec.trial import TrialFailure, TrialResult, run_trial
+from examples import tasks
+
+STEPS = 150
+
+
+def _trial(task: tasks.Task, spec: ModeSpec, **kwargs: object) -> TrialResult:
+    return run_trial(
+        spec,
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        steps=STEPS,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def low_lr() -> dict:
+    """AdamW at lr 1e-4 on a regression MLP: the reference, the noise run and three modes."""
+    task = tasks.regression(lr=1e-4)
+    runs = {
+        "task": task,
+        "reference": _trial(task, ModeSpec(mode="fp32")),
+        "noise": _trial(task, ModeSpec(mode="fp32"), seed=1, shuffle_seed=1),
+    }
+    for mode in ("amp_bf16", "bf16_pure", "bf16_kahan", "bf16_sr"):
+        runs[mode] = _trial(task, ModeSpec(mode=mode))
+    return runs
+
+
+def test_pure_bf16_is_rejected_for_lost_updates(low_lr: dict) -> None:
+    verdict = judge(low_lr["bf16_pure"], low_lr["reference"], low_lr["noise"])
+    assert not verdict.accepted
+    assert any(reason.startswith("updates lost to rounding") for reason in verdict.reasons)
+    assert verdict.metrics.update_fraction is not None and verdict.metrics.update_fraction < 0.5
+    assert verdict.metrics.never_moved_fraction is not None
+    assert verdict.metrics.never_moved_fraction > 0.5
+
+
+@pytest.mark.parametrize("mode", ["amp_bf16", "bf16_kahan", "bf16_sr"])
+def test_amp_and_compensated_bf16_pass(low_lr: dict, mode: str) -> None:
+    verdict = judge(low_lr[mode], low_lr["reference"], low_lr["noise"])
+    assert verdict.accepted, verdict.reasons
+    # the accumulated movement arrived even though bf16 weights rarely change in one step
+    assert verdict.metrics.update_fraction == pytest.approx(1.0, abs=0.05)
+
+
+def test_reference_judged_against_itself_passes(low_lr: dict) -> None:
+    verdict = judge(low_lr["reference"], low_lr["reference"], low_lr["noise"])
+    assert verdict.accepted
+    assert verdict.metrics.heldout_loss_gap == 0 and verdict.metrics.output_error == 0
+
+
+def test_lost_updates_caught_even_when_loss_gate_is_blind(low_lr: dict) -> None:
+    """With the loss and output checks switched off, lost updates alone still reject."""
+    blind = DriftThresholds(
+        max_loss_gap_units=1e9, output_error_floor=1e9, max_output_error_units=1e9
+    )
+    verdict = judge(low_lr["bf16_pure"], low_lr["reference"], low_lr["noise"], blind)
+    assert verdict.reasons and all("updates lost" in r for r in verdict.reasons)
+
+
+def test_noise_floor_has_a_floor(low_lr: dict) -> None:
+    reference = low_lr["reference"]
+    floor = noise_floor(reference, reference, DriftThresholds())
+    mean_loss = sum(reference.record.heldout_losses) / len(reference.record.heldout_losses)
+    assert floor == pytest.approx(0.01 * mean_loss)
+    assert noise_floor(reference, low_lr["noise"], DriftThresholds()) >= floor
+
+
+def test_fp16_near_overflow_is_flagged() -> None:
+    task = tasks.fp16_range(3e4)
+    reference = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+    )
+    fp16 = run_trial(
+        ModeSpec(mode="amp_fp16"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+    )
+    bf16 = run_trial(
+        ModeSpec(mode="amp_bf16"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+    )
+    verdict = judge(fp16, reference, reference)
+    assert not verdict.accepted
+    assert any(r.startswith("fp16 overflow risk: activations reach") for r in verdict.reasons)
+    assert judge(bf16, reference, reference).accepted  # bf16 has fp32's range
+
+
+def test_fp16_overflow_is_rejected_with_the_step() -> None:
+    task = tasks.fp16_range(1e5)
+    reference = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+    )
+    fp16 = run_trial(
+        ModeSpec(mode="amp_fp16"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+    )
+    verdict = judge(fp16, reference, reference)
+    assert verdict.reasons[0].startswith("non finite loss at step 0: loss is")
+
+
+def test_failure_verdict_names_the_step(low_lr: dict) -> None:
+    broken = TrialResult(
+        record=low_lr["amp_bf16"].record.model_copy(
+            update={
+                "failure": TrialFailure(
+                    kind="non_finite_gradient", step=17, message="gradient is nan"
+                )
+            }
+        )
+    )
+    verdict = judge(broken, low_lr["reference"], low_lr["noise"])
+    assert verdict.reasons == ("non finite gradient at step 17: gradient is nan",)
+
+
+def test_loss_scaler_health(low_lr: dict) -> None:
+    record = low_lr["amp_bf16"].record.model_copy(
+        update={
+            "spec": ModeSpec(mode="amp_fp16"),
+            "skipped_steps": 40,
+            "final_loss_scale": 0.25,
+        }
+    )
+    trial = TrialResult(
+        record=record,
+        initial_weights=low_lr["amp_bf16"].initial_weights,
+        final_weights=low_lr["amp_bf16"].final_weights,
+        heldout_outputs=low_lr["amp_bf16"].heldout_outputs,
+    )
+    reasons = judge(trial, low_lr["reference"], low_lr["noise"]).reasons
+    assert any(r.startswith("loss scaler skipped 40 of 150 steps") for r in reasons)
+    assert "loss scale collapsed to 0.25" in reasons
+
+
+def test_eval_fn_beyond_tolerance(low_lr: dict) -> None:
+    task = low_lr["task"]
+    x, y = torch.cat([b[0] for b in task.heldout]), torch.cat([b[1] for b in task.heldout])
+
+    def eval_fn(model: torch.nn.Module) -> float:  # lower is better
+        return float(task.mse(model(x), y))
+
+    trials = {
+        mode: _trial(task, ModeSpec(mode=mode), eval_fn=eval_fn)
+        for mode in ("fp32", "bf16_pure", "bf16_kahan")
+    }
+    noise = _trial(task, ModeSpec(mode="fp32"), seed=1, shuffle_seed=1, eval_fn=eval_fn)
+    only_eval = DriftThresholds(
+        max_loss_gap_units=1e9,
+        min_update_fraction=0.0,
+        output_error_floor=1e9,
+        max_output_error_units=1e9,
+    )
+    pure = judge(trials["bf16_pure"], trials["fp32"], noise, only_eval)
+    assert len(pure.reasons) == 1 and pure.reasons[0].startswith("eval_fn")
+    assert judge(trials["bf16_kahan"], trials["fp32"], noise, only_eval).accepted
+
+
+def test_every_threshold_is_documented() -> None:
+    fields = DriftThresholds.model_fields
+    assert len(fields) >= 10
+    for name, field in fields.items():
+        assert field.description and len(field.description) > 20, name
+        assert field.default is not None, name

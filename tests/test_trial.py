@@ -1,0 +1,308 @@
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from autoprec.specs import ModeSpec
+from autoprec.trial import TIMING_FIELDS, run_trial
+from examples import tasks, tiny_gpt
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {
+            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+        },
+        "training": model.training,
+        "devices": {p.device for p in model.parameters()},
+        "dtypes": {p.dtype for p in model.parameters()},
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (
+        a["training"] == b["training"]
+        and a["devices"] == b["devices"]
+        and a["dtypes"] == b["dtypes"]
+        and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+        and all(
+            (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+            for x, y in zip(a["grads"].values(), b["grads"].values(), strict=True)
+        )
+    )
+
+
+def test_users_model_and_rng_are_untouched() -> None:
+    task = tasks.regression()
+    task.model(task.batches[0][0]).sum().backward()  # the user's model holds gradients
+    before = _snapshot(task.model)
+    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
+    for mode in ("bf16_pure", "bf16_kahan", "amp_fp16"):
+        run_trial(
+            ModeSpec(mode=mode),
+            task.model,
+            task.batches,
+            optimizer=task.optimizer,
+            steps=10,
+            loss_fn=task.mse,
+            heldout=task.heldout,
+        )
+    assert _same(before, _snapshot(task.model))
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == python_rng
+    assert not task.optimizer.state  # the user's optimizer never stepped
+
+
+def test_identical_trials_give_identical_figures_except_timings() -> None:
+    task = tasks.regression()
+    records = [
+        run_trial(
+            ModeSpec(mode="bf16_sr"),
+            task.model,
+            task.batches,
+            optimizer=task.optimizer,
+            steps=30,
+            loss_fn=task.mse,
+            heldout=task.heldout,
+        ).record
+        for _ in range(2)
+    ]
+    first, second = (r.model_dump(exclude=set(TIMING_FIELDS)) for r in records)
+    assert first == second
+    assert records[0].losses and records[0].heldout_losses  # not vacuously equal
+
+
+def test_figures() -> None:
+    task = tasks.regression()
+    record = run_trial(
+        ModeSpec(mode="bf16_kahan"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        steps=12,
+        warmup_steps=2,
+        loss_fn=task.mse,
+        heldout=task.heldout,
+    ).record
+    assert record.completed and record.steps_run == 12 and len(record.losses) == 12
+    assert record.samples_per_second and record.samples_per_second > 0
+    assert record.tokens_per_second is None  # float features are not tokens
+    assert record.median_step_seconds and record.wall_seconds >= record.median_step_seconds * 10
+    assert record.peak_memory_source == "process_rss" and record.peak_memory_bytes
+    parameters = sum(p.numel() for p in task.model.parameters())
+    assert record.state_bytes is not None
+    assert record.state_bytes.parameters == 2 * parameters  # bf16
+    assert record.state_bytes.gradients == 2 * parameters
+    # torch-optimi Kahan: exp_avg, exp_avg_sq and the Kahan buffer, all bf16
+    assert record.state_bytes.optimizer == 3 * 2 * parameters
+    assert len(record.heldout_losses) == len(task.heldout)
+    assert record.max_abs_activation and record.max_abs_activation > 0
+
+
+def test_state_bytes_separate_fp32_bf16_and_8bit() -> None:
+    task = tasks.regression()
+    parameters = sum(p.numel() for p in task.model.parameters())
+    totals = {}
+    for spec in (
+        ModeSpec(mode="fp32"),
+        ModeSpec(mode="bf16_pure"),
+        ModeSpec(mode="fp32", optimizer_bits=8),
+    ):
+        record = run_trial(
+            spec, task.model, task.batches, optimizer=task.optimizer, steps=2, loss_fn=task.mse
+        ).record
+        assert record.state_bytes is not None
+        totals[spec.label] = record.state_bytes
+    assert totals["fp32"].optimizer >= 8 * parameters  # two fp32 moments
+    assert totals["bf16_pure"].optimizer < totals["fp32"].optimizer / 1.9
+    eight = totals["fp32+8bit-optim"].optimizer
+    assert eight < totals["fp32"].optimizer  # 8-bit states for the 4096+ element tensors
+
+
+def test_tokens_per_second_for_token_batches() -> None:
+    model, tokens = tiny_gpt.make_model(vocab_size=64, block_size=16, n_layer=1, n_embd=32)
+    batches = [(tokens, torch.roll(tokens, -1, 1))] * 4
+    record = run_trial(
+        ModeSpec(mode="fp32"),
+        model,
+        batches,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        warmup_steps=1,
+    ).record
+    assert record.completed, record.failure
+    assert record.tokens_per_second == pytest.approx(record.samples_per_second * 16)
+
+
+def test_nan_is_recorded_with_its_step() -> None:
+    task = tasks.fp16_range(1e5)
+    record = run_trial(
+        ModeSpec(mode="amp_fp16"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        loss_fn=task.mse,
+    ).record
+    assert record.failure is not None and record.failure.kind == "non_finite_loss"
+    assert record.failure.step == 0 and record.steps_run == 0
+
+
+def test_exception_in_the_model_is_recorded() -> None:
+    task = tasks.regression()
+
+    def train_step(plan, batch):
+        if plan.optimizer.state and len(plan.optimizer.state[next(plan.model.parameters())]):
+            step = int(plan.optimizer.state[next(plan.model.parameters())]["step"])
+            if step == 3:
+                raise KeyError("layer 7 lost its cache")
+        return task.mse(plan.model(batch[0]), batch[1])
+
+    record = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        steps=10,
+        train_step=train_step,
+    ).record
+    assert record.failure is not None
+    assert (record.failure.kind, record.failure.step) == ("exception", 3)
+    assert record.failure.message == "KeyError: 'layer 7 lost its cache'"
+    assert len(record.losses) == 3
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        RuntimeError(
+            "[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 96000000000 bytes"
+        ),
+        MemoryError(),
+    ],
+    ids=["cuda", "cpu-allocator", "memoryerror"],
+)
+def test_out_of_memory_is_recorded(error: BaseException) -> None:
+    task = tasks.regression()
+    calls = []
+
+    def train_step(plan, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return task.mse(plan.model(batch[0]), batch[1])
+
+    record = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        steps=5,
+        train_step=train_step,
+    ).record
+    assert record.failure is not None
+    assert (record.failure.kind, record.failure.step) == ("out_of_memory", 1)
+
+
+def test_unsupported_mode_is_recorded() -> None:
+    task = tasks.regression()
+    record = run_trial(
+        ModeSpec(mode="fp8_te"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        steps=2,
+        loss_fn=task.mse,
+    ).record
+    assert record.failure is not None and record.failure.kind == "unsupported"
+    assert (
+        "compute capability >= 8.9" in record.failure.message
+        or "CUDA GPU" in record.failure.message
+    )
+
+
+def test_loss_from_model_output_or_clear_error() -> None:
+    model, tokens = tiny_gpt.make_model(vocab_size=64, block_size=16, n_layer=1, n_embd=32)
+    good = run_trial(
+        ModeSpec(mode="fp32"),
+        model,
+        [(tokens, tokens)],
+        optimizer=torch.optim.AdamW(model.parameters()),
+        steps=2,
+    ).record
+    assert good.completed  # TinyGPT returns a scalar loss when given targets
+    bad = run_trial(
+        ModeSpec(mode="fp32"),
+        model,
+        [tokens],
+        optimizer=torch.optim.AdamW(model.parameters()),
+        steps=2,
+    ).record
+    assert bad.failure is not None and "Cannot find a loss" in bad.failure.message
+    assert "Tensor of shape (8, 16, 64)" in bad.failure.message
+
+
+def test_dict_batches_and_hf_style_loss() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (4, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    record = run_trial(
+        ModeSpec(mode="amp_bf16"),
+        model,
+        [batch] * 3,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        warmup_steps=1,
+    ).record
+    assert record.completed, record.failure
+    assert record.tokens_per_second is not None
+
+
+def test_factory_optimizer_and_bad_arguments() -> None:
+    task = tasks.regression()
+    record = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        steps=3,
+        loss_fn=task.mse,
+    ).record
+    assert record.completed
+    with pytest.raises(ValueError, match="batches is empty"):
+        run_trial(ModeSpec(mode="fp32"), task.model, [], optimizer=task.optimizer)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        run_trial(
+            ModeSpec(mode="fp32"), task.model, task.batches, optimizer=task.optimizer, steps=0
+        )
+
+
+def test_model_copy_is_deep() -> None:
+    task = tasks.regression()
+    reference = copy.deepcopy(task.model)
+    run_trial(
+        ModeSpec(mode="bf16_pure"),
+        task.model,
+        task.batches,
+        optimizer=task.optimizer,
+        steps=3,
+        loss_fn=task.mse,
+    )
+    assert all(p.dtype == torch.float32 for p in task.model.parameters())
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(task.model.parameters(), reference.parameters(), strict=True)
+    )
