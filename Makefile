@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/autoprec probe --model examples.tiny_gpt:make_model
+	$(BIN)/autoprec tune examples.tiny_gpt:make_model --data examples.tiny_gpt:make_batches --budget 1 --out runs/tiny_gpt.json
 
 lint: setup
 	$(BIN)/ruff check .
@@ -32,6 +32,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.probe_time
 	$(BIN)/python -m benchmarks.plan_overhead
 	$(BIN)/python -m benchmarks.drift_gate
+	$(BIN)/python -m benchmarks.decision_quality
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

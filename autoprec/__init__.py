@@ -17,6 +17,7 @@ from autoprec.plan import PrecisionPlan, prepare
 from autoprec.probing import ModeVerdict, ProbeReport, probe
 from autoprec.profile import Profile, load_profile, profile_for
 from autoprec.specs import ModeSpec
+from autoprec.tuning import TuneResult, tune
 
 __all__ = [
     "AutoprecError",
@@ -30,10 +31,12 @@ __all__ = [
     "ProbeReport",
     "Profile",
     "ProfileError",
+    "TuneResult",
     "UnsupportedModeError",
     "__version__",
     "load_profile",
     "prepare",
     "probe",
     "profile_for",
+    "tune",
 ]

@@ -55,6 +55,50 @@ def _parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help="fail when this hardware differs from the proven"
     )
     show.add_argument("--debug", action="store_true", help="show tracebacks")
+    tune = commands.add_parser(
+        "tune",
+        help="find the fastest precision that passes the drift gate, write a profile",
+        description="Run short measured trials of every eligible mode within a time budget, "
+        "reject those that drift from fp32, and write the winner as a profile. Interrupted runs "
+        "resume from the study file next to the output.",
+    )
+    tune.add_argument(
+        "model", metavar="MODEL_FACTORY", help="module.path:factory or file.py:factory"
+    )
+    tune.add_argument(
+        "--data",
+        required=True,
+        metavar="LOADER_FACTORY",
+        help="factory returning an iterable of batches (a DataLoader, a list)",
+    )
+    tune.add_argument(
+        "--budget",
+        required=True,
+        type=float,
+        metavar="MINUTES",
+        help="hard wall for the whole search, in minutes",
+    )
+    tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
+    tune.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
+    tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
+    tune.add_argument("--modes", help="comma-separated canonical modes to consider")
+    tune.add_argument(
+        "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
+    )
+    tune.add_argument("--study", metavar="NAME", help="study name (default: the --out file name)")
+    tune.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    report = commands.add_parser(
+        "report",
+        help="plot speed vs memory of every trial",
+        description="Draw samples/s against memory for every trial of a tune run (its "
+        "*.trials.json) or an Optuna study (a .db file or storage URL).",
+    )
+    report.add_argument("source", metavar="STUDY_OR_RESULT")
+    report.add_argument("--out", required=True, metavar="FILE.png")
+    report.add_argument("--study", metavar="NAME", help="study name inside a storage")
+    report.add_argument("--debug", action="store_true", help="show tracebacks")
     schema = commands.add_parser(
         "schema",
         help="print the profile JSON schema",
@@ -107,7 +151,70 @@ def _schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"probe": _probe, "show": _show, "schema": _schema}
+def _tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autoprec._files import write_text_atomically
+    from autoprec.display import TuneProgress, print_profile, tune_table
+    from autoprec.factories import load_model, load_object
+    from autoprec.tuning import tune
+
+    model, _ = load_model(args.model)
+    data = load_object(args.data, option="--data")
+    loader = data() if callable(data) else data
+    loss_fn = load_object(args.loss, option="--loss") if args.loss else None
+    out = Path(args.out)
+    storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+    with TuneProgress() as progress:
+        result = tune(
+            model,
+            loader,
+            args.budget,
+            loss_fn=loss_fn,
+            objective=args.objective,
+            modes=modes,
+            device=args.device,
+            storage=storage,
+            study_name=args.study or out.stem,
+            seed=args.seed,
+            on_event=progress,
+        )
+    from rich.console import Console
+
+    console = Console()
+    console.print(tune_table(result))
+    result.profile.save(out)
+    trials = out.with_suffix(".trials.json")
+    write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
+    print_profile(result.profile, console=console)
+    console.print(f"wrote {out} (trials: {trials}; study: {storage})")
+    return EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autoprec.report import outcomes_from_result, outcomes_from_study, plot_outcomes
+
+    source = args.source
+    if source.endswith(".json"):
+        outcomes, chosen = outcomes_from_result(source)
+    else:
+        storage = f"sqlite:///{source}" if Path(source).exists() else source
+        outcomes, chosen = outcomes_from_study(storage, args.study)
+    written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
+    sys.stdout.write(f"wrote {written} ({len(outcomes)} trials, chosen: {chosen or 'none'})\n")
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "probe": _probe,
+    "show": _show,
+    "schema": _schema,
+    "tune": _tune,
+    "report": _report,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return _COMMANDS[args.command](args)
-    except (AutoprecError, ValueError, TypeError) as error:
+    except (AutoprecError, ValueError, TypeError, FileNotFoundError) as error:
         if args.debug:
             raise
         sys.stderr.write(f"autoprec: error: {error}\n")

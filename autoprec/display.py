@@ -11,7 +11,9 @@ from autoprec.hardware import GpuInfo, HardwareInfo
 from autoprec.layers import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
 from autoprec.profile import Profile, TrialFigures
+from autoprec.search import SearchEvent
 from autoprec.specs import MODE_DESCRIPTIONS
+from autoprec.tuning import TuneResult
 
 
 def _bytes(count: int | None) -> str:
@@ -240,3 +242,88 @@ def print_profile(
     console.print(table)
     for warning in warnings or []:
         console.print(Panel(Text(warning), title="hardware differs", style="yellow"))
+
+
+_STATUS_STYLE = {"accepted": "green", "rejected": "red", "pruned": "yellow", "failed": "red"}
+
+
+class TuneProgress:
+    """Live progress for ``autoprec tune``: trial i of n, mode, elapsed vs budget, best so far."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        from rich.live import Live
+
+        self.console = console or Console(stderr=True)
+        self.live = Live(
+            Text("calibrating the fp32 reference..."),
+            console=self.console,
+            refresh_per_second=4,
+            transient=True,
+        )
+
+    def __enter__(self) -> TuneProgress:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.__exit__(*exc)  # type: ignore[arg-type]
+
+    def __call__(self, event: SearchEvent) -> None:
+        head = (
+            f"trial {event.index + 1} of {event.total}: {event.label}  |  "
+            f"{event.elapsed_seconds:.0f} s of {event.budget_seconds:.0f} s  |  "
+            f"best so far: {event.best or 'fp32'}"
+        )
+        if event.kind == "start":
+            self.live.update(Text(head + "  (running)"))
+            return
+        outcome = event.outcome
+        if outcome is not None:
+            reasons = "; ".join(outcome.reasons)
+            self.console.print(
+                Text.assemble(
+                    (f"{outcome.label:32} ", "bold"),
+                    (f"{outcome.status:9}", _STATUS_STYLE[outcome.status]),
+                    f" {reasons}" if reasons else "",
+                )
+            )
+        self.live.update(Text(head))
+
+
+def tune_table(result: TuneResult) -> Table:
+    """Every trial with its verdict and reasons; the chosen one marked."""
+    table = Table(
+        title=f"Trials (objective: {result.objective})", title_justify="left", show_lines=True
+    )
+    for column in ("mode", "status", "samples/s", "memory", "why"):
+        table.add_column(column, justify="right" if column in ("samples/s", "memory") else "left")
+    for outcome in (result.reference, *result.trials):
+        chosen = outcome.spec == result.chosen
+        label = Text(
+            ("★ " if chosen else "  ") + outcome.label, style="bold green" if chosen else ""
+        )
+        speed = f"{outcome.samples_per_second:,.1f}" if outcome.samples_per_second else "—"
+        memory = f"{outcome.memory_bytes / 2**20:,.2f} MiB" if outcome.memory_bytes else "—"
+        table.add_row(
+            label,
+            Text(outcome.status, style=_STATUS_STYLE[outcome.status]),
+            speed,
+            memory,
+            Text("\n".join(outcome.reasons)),
+        )
+    for skipped in result.skipped:
+        table.add_row(
+            Text("  " + skipped.spec.label, style="dim"),
+            Text("skipped", style="dim"),
+            "—",
+            "—",
+            Text("\n".join(skipped.reasons), style="dim"),
+        )
+    budget = result.budget
+    table.caption = (
+        f"{budget.used_seconds:.0f} s of {budget.budget_seconds:.0f} s budget: "
+        f"calibration {budget.calibration_seconds:.0f} s, fp32 reference + noise "
+        f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
+        f"{budget.trials_run} trials of {budget.trial_steps} steps"
+    )
+    return table

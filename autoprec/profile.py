@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
+from autoprec._files import write_text_atomically
 from autoprec._version import __version__
 from autoprec.errors import HardwareMismatchWarning, ProfileError
 from autoprec.hardware import HardwareInfo, detect_hardware
@@ -149,20 +149,7 @@ class Profile(BaseModel):
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the profile as JSON atomically: a crash never leaves a half-written file."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        text = self.model_dump_json(indent=2) + "\n"
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        return target
+        return write_text_atomically(path, self.model_dump_json(indent=2) + "\n")
 
     # -- use ----------------------------------------------------------------------------------
 

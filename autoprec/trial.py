@@ -51,6 +51,22 @@ MOVEMENT_SAMPLE_ELEMENTS = 2**20
 _COMPENSATION_KEYS = ("kahan_comp", "compensation")  # torch-optimi, StochasticAdamW
 
 
+@dataclass(frozen=True)
+class TrialProgress:
+    """What a stop check sees after each step."""
+
+    step: int
+    steps_planned: int
+    step_seconds: tuple[float, ...]
+    warmup_steps: int
+    state_bytes: int | None
+    """Exact parameter + gradient + optimizer-state bytes, known after the first step."""
+
+
+StopCheck = Callable[[TrialProgress], "str | None"]
+"""Returns a reason to stop the trial early (budget, cannot win), or None to go on."""
+
+
 class TrialFailure(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -84,6 +100,8 @@ class TrialRecord(BaseModel):
     steps_run: int
     warmup_steps: int
     failure: TrialFailure | None = None
+    stopped: str | None = None
+    """Why a stop check ended the trial early (it is then not judged), or None."""
     losses: tuple[float, ...] = ()
     samples_per_second: float | None = None
     tokens_per_second: float | None = None
@@ -105,7 +123,8 @@ class TrialRecord(BaseModel):
 
     @property
     def completed(self) -> bool:
-        return self.failure is None
+        """Ran every planned step without failing."""
+        return self.failure is None and self.stopped is None
 
 
 TIMING_FIELDS = (
@@ -270,6 +289,7 @@ def run_trial(
     seed: int = 0,
     shuffle_seed: int | None = None,
     situation: Situation | None = None,
+    stop: StopCheck | None = None,
 ) -> TrialResult:
     """Train a deep copy of ``model`` in ``spec`` for ``steps`` steps and measure it.
 
@@ -282,6 +302,7 @@ def run_trial(
         eval_fn: ``eval_fn(model) -> float`` called on the trained copy (lower is better).
         warmup_steps: first steps left out of speed figures (compilation, allocator growth).
         shuffle_seed: train on the batches in a seeded random order (the noise reference).
+        stop: called after every step; a returned reason ends the trial early (not judged).
     """
     if not batches:
         raise ValueError("batches is empty: a trial needs at least one batch.")
@@ -302,6 +323,7 @@ def run_trial(
     )
     step: int | None = None
     failure: TrialFailure | None = None
+    stopped: str | None = None
     plan: PrecisionPlan | None = None
     cuda_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda_devices):
@@ -347,6 +369,19 @@ def run_trial(
                 figures["samples"].append(count_samples(batch))
                 figures["tokens"].append(count_tokens(batch))
                 figures["rss"].append(_rss_bytes())
+                if step == 0:
+                    figures["state"] = _state_bytes(plan)
+                if stop is not None:
+                    progress = TrialProgress(
+                        step=step,
+                        steps_planned=steps,
+                        step_seconds=tuple(figures["times"]),
+                        warmup_steps=warmup_steps,
+                        state_bytes=figures["state"].total,
+                    )
+                    stopped = stop(progress)
+                    if stopped is not None:
+                        break
             if failure is None and not all(
                 bool(torch.isfinite(p).all()) for p in plan.model.parameters()
             ):
@@ -356,7 +391,7 @@ def run_trial(
                     message=f"weights are not finite after step {step}",
                 )
             figures["max_gradient"] = max_gradient
-            if failure is None:
+            if failure is None and stopped is None:
                 result.final_weights = _sampled(plan, result.sample_indices)
                 losses, outputs, activation = _heldout_pass(
                     plan, heldout, device, loss_fn, train_step
@@ -386,9 +421,10 @@ def run_trial(
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    result.record = _record(
+    record = _record(
         spec, seed, steps, warmup_steps, failure, figures, peak, mode, time.perf_counter() - started
     )
+    result.record = record.model_copy(update={"stopped": stopped})
     return result
 
 

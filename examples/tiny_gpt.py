@@ -85,9 +85,40 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def make_batches(
+    count: int = 48, batch_size: int = 8, seed: int = 0, vocab_size: int = 512, block_size: int = 64
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable toy next-token task: token t+1 = (3 * token t + 1) mod vocab.
+
+    Data factory for the CLI: ``autoprec tune ... --data examples.tiny_gpt:make_batches``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        tokens = [torch.randint(0, vocab_size, (batch_size, 1), generator=generator)]
+        for _ in range(block_size):
+            tokens.append((tokens[-1] * 3 + 1) % vocab_size)
+        sequence = torch.cat(tokens, dim=1)
+        batches.append((sequence[:, :-1], sequence[:, 1:]))
+    return batches
+
+
 def make_model(batch_size: int = 8, seed: int = 0, **config: int) -> tuple[TinyGPT, torch.Tensor]:
     """A TinyGPT (``config`` overrides its sizes) and a batch of token ids to run it on."""
     torch.manual_seed(seed)
     model = TinyGPT(**config)
     tokens = torch.randint(0, model.wte.num_embeddings, (batch_size, model.block_size))
     return model, tokens
+
+
+SMALL = {"vocab_size": 128, "block_size": 32, "n_layer": 1, "n_embd": 64}
+
+
+def make_small_model() -> tuple[TinyGPT, torch.Tensor]:
+    """A one-layer TinyGPT for quick runs (tests, smoke checks)."""
+    return make_model(**SMALL)
+
+
+def make_small_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`make_batches` sized for :func:`make_small_model`."""
+    return make_batches(count=24, vocab_size=SMALL["vocab_size"], block_size=SMALL["block_size"])

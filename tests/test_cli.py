@@ -147,3 +147,73 @@ def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert schema == json.loads((REPO / "profiles/profile.schema.json").read_text())
+
+
+def test_tune_end_to_end_then_report(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoprec",
+            "tune",
+            "examples.tiny_gpt:make_small_model",
+            "--data",
+            "examples.tiny_gpt:make_small_batches",
+            "--budget",
+            "0.25",
+            "--modes",
+            "amp_bf16,bf16_kahan",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Trials (objective: speed)" in done.stdout and f"wrote {out}" in done.stdout
+    profile = json.loads(out.read_text())
+    assert profile["evidence"]["trial_steps"] >= 20
+    assert out.with_suffix(".study.db").exists() and out.with_suffix(".trials.json").exists()
+    for source in (out.with_suffix(".trials.json"), out.with_suffix(".study.db")):
+        png = tmp_path / f"{source.suffix}.png"
+        assert main(["report", str(source), "--out", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = str(tmp_path / "p.json")
+    assert (
+        main(
+            [
+                "tune",
+                "examples.tiny_gpt:make_small_model",
+                "--data",
+                "nowhere:batches",
+                "--budget",
+                "1",
+                "--out",
+                out,
+            ]
+        )
+        == 2
+    )
+    assert "--data: cannot import module 'nowhere'" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "tune",
+                "examples.tiny_gpt:make_small_model",
+                "--data",
+                "examples.tiny_gpt:make_small_batches",
+                "--budget",
+                "0",
+                "--out",
+                out,
+            ]
+        )
+        == 2
+    )
+    assert "budget_minutes must be positive" in capsys.readouterr().err

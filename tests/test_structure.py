@@ -13,12 +13,12 @@ PACKAGE = Path(autoprec.__file__).parent
 # Layers: base | facts | runtime (apply path) | pipeline | artifact | drivers.
 # fmt: off
 ORDER = [
-    "_version", "errors", "_imports", "specs",                      # base
+    "_version", "_files", "errors", "_imports", "specs",            # base
     "hardware", "layers", "eligibility",                             # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "trial", "drift", "search", "choice",  # pipeline
     "integrations", "profile",                                       # artifact
-    "factories", "tuning", "display", "cli",                         # drivers
+    "factories", "tuning", "report", "display", "cli",               # drivers
 ]
 # fmt: on
 EXEMPT = {"__init__", "__main__"}

@@ -1,0 +1,109 @@
+"""Speed vs memory of every trial, as a PNG: rejected marked, the chosen one highlighted."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from autoprec.errors import MissingBackendError
+from autoprec.search import TrialOutcome
+from autoprec.tuning import TuneResult
+
+_STYLE = {
+    "accepted": {"marker": "o", "color": "tab:green"},
+    "rejected": {"marker": "X", "color": "tab:red"},
+    "pruned": {"marker": "s", "color": "tab:gray"},
+    "failed": {"marker": "v", "color": "black"},
+}
+
+
+def _pyplot() -> Any:
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        return importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        raise MissingBackendError(
+            "Drawing a report needs matplotlib; install it with: pip install 'autoprec[report]'"
+        ) from None
+
+
+def plot_outcomes(
+    outcomes: list[TrialOutcome], chosen: str | None, path: str | Path, title: str = ""
+) -> Path:
+    """Scatter samples/s against memory for every measured trial; returns the file written."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(8, 5.5), dpi=120)
+    measured = [o for o in outcomes if o.samples_per_second and o.memory_bytes]
+    for status, style in _STYLE.items():
+        group = [o for o in measured if o.status == status]
+        if group:
+            axes.scatter(
+                [o.memory_bytes / 2**20 for o in group],
+                [o.samples_per_second for o in group],
+                s=60,
+                label=status,
+                **style,
+            )
+    for outcome in measured:
+        axes.annotate(
+            outcome.label,
+            (outcome.memory_bytes / 2**20, outcome.samples_per_second),
+            textcoords="offset points",
+            xytext=(6, 4),
+            fontsize=7,
+        )
+        if outcome.label == chosen:
+            axes.scatter(
+                [outcome.memory_bytes / 2**20],
+                [outcome.samples_per_second],
+                s=400,
+                marker="*",
+                facecolors="gold",
+                edgecolors="black",
+                zorder=5,
+                label=f"chosen: {chosen}",
+            )
+    kind = measured[0].memory_kind if measured else None
+    axes.set_xlabel(
+        "peak CUDA memory (MiB)"
+        if kind == "cuda_peak"
+        else "parameters + gradients + optimizer state (MiB)"
+    )
+    axes.set_ylabel("samples / s")
+    axes.set_title(title or "autoprec trials: speed vs memory")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target)
+    plt.close(figure)
+    return target
+
+
+def outcomes_from_result(path: str | Path) -> tuple[list[TrialOutcome], str]:
+    """Outcomes and the chosen label from a TuneResult JSON (``autoprec tune`` writes one)."""
+    result = TuneResult.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    return [result.reference, *result.trials], result.chosen.label
+
+
+def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[TrialOutcome], str]:
+    """Outcomes from an Optuna study (the winner is the fastest accepted one)."""
+    import optuna
+
+    names = optuna.get_all_study_names(storage=storage)
+    if study_name is None:
+        if len(names) != 1:
+            raise ValueError(f"{storage} holds studies {names}; pick one with --study.")
+        study_name = names[0]
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    outcomes = [
+        TrialOutcome.model_validate_json(t.user_attrs["outcome"])
+        for t in study.get_trials(deepcopy=False)
+        if "outcome" in t.user_attrs
+    ]
+    accepted = [o for o in outcomes if o.status == "accepted" and o.samples_per_second]
+    chosen = max(accepted, key=lambda o: o.samples_per_second or 0.0).label if accepted else ""
+    return outcomes, chosen

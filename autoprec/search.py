@@ -1,0 +1,286 @@
+"""The Optuna study over the candidates. Takes a runner function, so it is testable without torch.
+
+The space is small and categorical, so it is covered exhaustively in the candidates' order: each
+candidate is enqueued (``study.enqueue_trial``) and run through ask/tell, which lets the budget
+wall and early stopping live outside the objective function. Objectives: samples/s
+(maximize) and memory (minimize). A mode the drift gate rejects ends as a COMPLETE trial with a
+violated ``drift`` constraint (``trial.set_constraint``, feasible when <= 0) and its reasons in
+``user_attrs``; a trial stopped early (budget, cannot win) is PRUNED; a crash is FAIL. With a
+persistent storage (SQLite, any RDB URL, a journal file) an interrupted study resumes: finished
+candidates are read back, not re-run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from autoprec.specs import ModeSpec
+from autoprec.trial import StopCheck, TrialProgress
+
+logger = logging.getLogger(__name__)
+
+Objective = Literal["speed", "memory", "balanced"]
+OBJECTIVES: tuple[Objective, ...] = ("speed", "memory", "balanced")
+TrialStatus = Literal["accepted", "rejected", "pruned", "failed"]
+
+PRUNE_MARGIN = 0.05
+"""A trial is pruned when, after warm-up and 3 measured steps, its median step is more than 5%
+slower (objective speed) than the best accepted one: timing noise on a busy machine is ~2-5%."""
+MIN_MEASURED_STEPS = 3
+
+
+class TrialOutcome(BaseModel):
+    """One candidate's result, as the study stores it (JSON in ``user_attrs``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: ModeSpec
+    status: TrialStatus
+    reasons: tuple[str, ...] = ()
+    samples_per_second: float | None = None
+    tokens_per_second: float | None = None
+    median_step_seconds: float | None = None
+    memory_bytes: int | None = None
+    memory_kind: Literal["cuda_peak", "state_bytes"] | None = None
+    seconds: float = 0.0
+    steps: int = 0
+    drift: dict[str, float] = Field(default_factory=dict)
+    final_loss: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+
+Runner = Callable[[ModeSpec, StopCheck], TrialOutcome]
+"""Runs one candidate; the stop check says when to give up (budget, cannot beat the best)."""
+
+
+class SearchEvent(BaseModel):
+    """Progress for displays: sent before and after each trial."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["start", "done", "skip"]
+    index: int
+    total: int
+    label: str
+    elapsed_seconds: float
+    budget_seconds: float
+    best: str | None = None
+    outcome: TrialOutcome | None = None
+
+
+def better(a: TrialOutcome, b: TrialOutcome | None, objective: Objective) -> bool:
+    """Is accepted outcome ``a`` better than ``b`` for pruning purposes?"""
+    if b is None:
+        return True
+    speed_a, speed_b = a.samples_per_second or 0.0, b.samples_per_second or 0.0
+    memory_a, memory_b = a.memory_bytes or 0, b.memory_bytes or 0
+    if objective == "memory":
+        return (memory_a, -speed_a) < (memory_b, -speed_b)
+    return (speed_a, -memory_a) > (speed_b, -memory_b)
+
+
+def make_stop_check(
+    best: TrialOutcome | None,
+    objective: Objective,
+    deadline: float,
+    clock: Callable[[], float],
+) -> StopCheck:
+    """Stop when the trial would pass the deadline, or provably cannot beat ``best``."""
+
+    def stop(progress: TrialProgress) -> str | None:
+        measured = progress.step_seconds[progress.warmup_steps :]
+        per_step = statistics.median(measured or progress.step_seconds)
+        remaining = progress.steps_planned - progress.step - 1
+        if remaining > 0 and clock() + remaining * per_step > deadline:
+            return f"budget: {remaining} more steps of {per_step:.3g} s would pass the deadline"
+        if best is None or len(measured) < MIN_MEASURED_STEPS:
+            return None
+        if objective == "speed" and best.median_step_seconds:
+            limit = best.median_step_seconds * (1 + PRUNE_MARGIN)
+            if per_step > limit:
+                return (
+                    f"cannot beat {best.label}: {per_step * 1e3:.3g} ms per step vs "
+                    f"{best.median_step_seconds * 1e3:.3g} ms"
+                )
+        if (
+            objective == "memory"
+            and best.memory_kind == "state_bytes"
+            and best.memory_bytes
+            and progress.state_bytes is not None
+            and progress.state_bytes > best.memory_bytes
+        ):
+            return (
+                f"cannot beat {best.label}: {progress.state_bytes:,} state bytes vs "
+                f"{best.memory_bytes:,}"
+            )
+        return None
+
+    return stop
+
+
+def _values(outcome: TrialOutcome) -> list[float]:
+    return [outcome.samples_per_second or 0.0, float(outcome.memory_bytes or 0)]
+
+
+def record_outcome(study: Any, trial: Any, outcome: TrialOutcome) -> None:
+    """Tell the study how a trial ended, keeping the reasons as data."""
+    import optuna
+
+    trial.set_user_attr("outcome", outcome.model_dump_json())
+    trial.set_user_attr("reasons", list(outcome.reasons))
+    if outcome.status in ("accepted", "rejected"):
+        trial.set_constraint(
+            "drift", -1.0 if outcome.status == "accepted" else float(len(outcome.reasons) or 1)
+        )
+        study.tell(trial, _values(outcome))
+    elif outcome.status == "pruned":
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def finished_outcomes(study: Any) -> dict[str, TrialOutcome]:
+    """Outcomes already in the study (a resumed run), by label. Failed trials are re-run."""
+    import optuna
+
+    done = {}
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
+            raw = trial.user_attrs.get("outcome")
+            if raw:
+                outcome = TrialOutcome.model_validate_json(raw)
+                if not (
+                    outcome.status == "pruned"
+                    and outcome.reasons[:1]
+                    and outcome.reasons[0].startswith("budget")
+                ):
+                    done[outcome.label] = outcome
+    return done
+
+
+def create_study(storage: str | None, study_name: str | None) -> Any:
+    """A two-objective study (samples/s up, memory down), new or resumed."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        storage=storage,
+        study_name=study_name,
+        load_if_exists=storage is not None,
+        directions=["maximize", "minimize"],
+        # Every trial is enqueued with its candidate fixed, so the sampler never chooses; a
+        # plain one is used because BruteForceSampler calls study.stop(), which ask/tell forbids.
+        sampler=optuna.samplers.RandomSampler(seed=0),
+    )
+
+
+def search(
+    candidates: Sequence[ModeSpec],
+    runner: Runner,
+    *,
+    study: Any,
+    objective: Objective,
+    deadline: float,
+    budget_seconds: float,
+    expected_trial_seconds: float,
+    accepted: Sequence[TrialOutcome] = (),
+    choices: Sequence[str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    on_event: Callable[[SearchEvent], None] | None = None,
+) -> list[TrialOutcome]:
+    """Run every candidate in order until the budget runs out; returns all outcomes.
+
+    Args:
+        accepted: outcomes already known to pass (the fp32 reference), for pruning.
+        choices: every label of the study's categorical "candidate" parameter (the same in
+            every trial of a study; default: the candidates' labels).
+        expected_trial_seconds: no new trial starts with less than half of this left.
+    """
+    import optuna
+
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES} but got {objective!r}.")
+    start = clock()
+    labels = [spec.label for spec in candidates]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"Candidates must be distinct; got {labels}.")
+    choices = list(choices) if choices is not None else labels
+    previous = finished_outcomes(study)
+    outcomes: list[TrialOutcome] = []
+    best: TrialOutcome | None = None
+    for outcome in [*accepted, *previous.values()]:
+        if outcome.status == "accepted" and better(outcome, best, objective):
+            best = outcome
+
+    def emit(kind: str, index: int, label: str, outcome: TrialOutcome | None = None) -> None:
+        if on_event is not None:
+            on_event(
+                SearchEvent(
+                    kind=kind,
+                    index=index,
+                    total=len(candidates),
+                    label=label,
+                    elapsed_seconds=clock() - start,
+                    budget_seconds=budget_seconds,
+                    best=None if best is None else best.label,
+                    outcome=outcome,
+                )
+            )
+
+    for index, spec in enumerate(candidates):
+        if spec.label in previous:
+            outcomes.append(previous[spec.label])
+            emit("skip", index, spec.label, previous[spec.label])
+            continue
+        if deadline - clock() < 0.5 * expected_trial_seconds:
+            reason = (
+                f"budget: {max(deadline - clock(), 0):.0f} s left, a trial takes about "
+                f"{expected_trial_seconds:.0f} s"
+            )
+            outcome = TrialOutcome(spec=spec, status="pruned", reasons=(reason,))
+            outcomes.append(outcome)
+            emit("skip", index, spec.label, outcome)
+            continue
+        study.enqueue_trial({"candidate": spec.label}, skip_if_exists=False)
+        trial = study.ask()
+        label = trial.suggest_categorical("candidate", choices)
+        emit("start", index, label)
+        try:
+            outcome = runner(spec, make_stop_check(best, objective, deadline, clock))
+        except BaseException:  # Ctrl-C or a crash: leave no RUNNING trial behind, then stop
+            trial.set_user_attr("reasons", ["interrupted"])
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+        record_outcome(study, trial, outcome)
+        logger.info("%s: %s %s", label, outcome.status, "; ".join(outcome.reasons))
+        if outcome.status == "accepted" and better(outcome, best, objective):
+            best = outcome
+        outcomes.append(outcome)
+        emit("done", index, label, outcome)
+    return outcomes
+
+
+def describe_study(study: Any) -> list[dict[str, Any]]:
+    """Every trial of a study as plain data (for reports): label, state, outcome."""
+    rows = []
+    for trial in study.get_trials(deepcopy=False):
+        raw = trial.user_attrs.get("outcome")
+        rows.append(
+            {
+                "number": trial.number,
+                "state": trial.state.name,
+                "label": trial.params.get("candidate"),
+                "outcome": json.loads(raw) if raw else None,
+            }
+        )
+    return rows

@@ -1,0 +1,486 @@
+"""tune(): probe -> candidates -> search (trial + drift gate) -> choice -> Profile.
+
+The budget is a hard wall: a short fp32 calibration measures the step time, trial lengths are
+planned from it, every trial stops when it would pass the deadline, and no trial starts that
+cannot finish. The user's model is never touched: every trial trains a deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from autoprec.batching import LossFn, TrainStep
+from autoprec.candidates import Skipped, candidate_specs
+from autoprec.choice import choose, pareto_front
+from autoprec.drift import DriftThresholds, judge
+from autoprec.eligibility import Situation
+from autoprec.probing import probe
+from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
+from autoprec.search import (
+    OBJECTIVES,
+    Objective,
+    SearchEvent,
+    TrialOutcome,
+    create_study,
+    make_stop_check,
+    record_outcome,
+    search,
+)
+from autoprec.specs import ModeSpec
+from autoprec.trial import OptimizerSource, TrialResult, run_trial
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LR = 3e-4
+"""Learning rate of the default optimizer, AdamW(lr=3e-4), when none is given."""
+HELDOUT_BATCHES = 4
+"""Batches kept out of training to compare outputs and losses (fewer when the loader is short)."""
+MAX_BATCHES = 64
+"""Batches read from the loader; trials cycle over them."""
+MIN_TRIAL_STEPS, MAX_TRIAL_STEPS = 20, 300
+WARMUP_STEPS = 2
+CALIBRATION_STEPS = 5
+BUDGET_RESERVE = 0.08
+"""Share of the budget kept back for what is not a trial step (copies, held-out passes)."""
+CONFIRM_WITHIN = 0.15
+"""Accepted modes within 15% of the fastest are re-timed side by side before choosing: one
+trial's timing on a shared machine drifts by several percent (allocator and cache state)."""
+CONFIRM_STEPS = 30
+CONFIRM_CONTENDERS = 3
+
+
+class BudgetReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_seconds: float
+    used_seconds: float
+    calibration_seconds: float
+    reference_seconds: float
+    search_seconds: float
+    trial_steps: int
+    fp32_step_seconds: float
+    trials_run: int
+    trials_not_run: int
+
+
+class TuneResult(BaseModel):
+    """What tune() found: the profile, every trial with its verdict, and how time was spent."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    profile: Profile
+    objective: Objective
+    reference: TrialOutcome
+    trials: tuple[TrialOutcome, ...]
+    """Every candidate after the reference: accepted / rejected / pruned / failed, reasons."""
+    pareto: tuple[TrialOutcome, ...]
+    skipped: tuple[Skipped, ...]
+    """Modes that cannot run here (never tried), with the probe's reasons."""
+    budget: BudgetReport
+
+    @property
+    def chosen(self) -> ModeSpec:
+        return self.profile.spec
+
+    def summary(self) -> str:
+        """A plain-text table of every trial and the choice."""
+        lines = [f"{'mode':34} {'status':9} {'samples/s':>10} {'memory MiB':>10}  reasons"]
+        for outcome in (self.reference, *self.trials):
+            speed = (
+                f"{outcome.samples_per_second:10.1f}"
+                if outcome.samples_per_second
+                else (f"{'-':>10}")
+            )
+            memory = (
+                f"{outcome.memory_bytes / 2**20:10.2f}" if outcome.memory_bytes else (f"{'-':>10}")
+            )
+            mark = "*" if outcome.spec == self.chosen else " "
+            lines.append(
+                f"{mark}{outcome.label:33} {outcome.status:9} {speed} {memory}  "
+                + "; ".join(outcome.reasons)
+            )
+        for skipped in self.skipped:
+            lines.append(
+                f" {skipped.spec.label:33} {'skipped':9} {'-':>10} {'-':>10}  "
+                + "; ".join(skipped.reasons)
+            )
+        used = self.budget
+        lines.append(
+            f"chosen: {self.chosen.label} (objective {self.objective}); "
+            f"{used.used_seconds:.0f} s of {used.budget_seconds:.0f} s, "
+            f"{used.trials_run} trials of {used.trial_steps} steps"
+        )
+        return "\n".join(lines)
+
+
+def _collect(loader: Iterable[Any]) -> list[Any]:
+    try:
+        iterator = iter(loader)
+    except TypeError:
+        raise TypeError(
+            f"loader must be an iterable of batches (a DataLoader, a list), not "
+            f"{type(loader).__name__}."
+        ) from None
+    batches = []
+    for batch in iterator:
+        batches.append(batch)
+        if len(batches) >= MAX_BATCHES:
+            break
+    if not batches:
+        raise ValueError("The loader yielded no batches: tune needs at least one batch.")
+    return batches
+
+
+def _example_input(batch: Any, loss_fn: LossFn | None) -> Any:
+    if loss_fn is not None and isinstance(batch, tuple | list) and len(batch) >= 2:
+        inputs = tuple(batch[:-1])
+        return inputs[0] if len(inputs) == 1 else inputs
+    return batch
+
+
+def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
+    record = result.record
+    if record.failure is not None and record.failure.kind in (
+        "exception",
+        "out_of_memory",
+        "unsupported",
+    ):
+        status = "failed"
+    elif record.stopped is not None:
+        status = "pruned"
+    else:
+        status = "accepted" if verdict is not None and verdict.accepted else "rejected"
+    reasons: tuple[str, ...] = ()
+    if status == "pruned":
+        reasons = (record.stopped or "",)
+    elif verdict is not None:
+        reasons = verdict.reasons
+    elif record.failure is not None:
+        reasons = (f"{record.failure.kind.replace('_', ' ')}: {record.failure.message}",)
+    on_gpu = device != "cpu"
+    memory = (
+        record.peak_memory_bytes
+        if on_gpu
+        else (record.state_bytes.total if record.state_bytes else None)
+    )
+    return TrialOutcome(
+        spec=record.spec,
+        status=status,
+        reasons=reasons,
+        samples_per_second=record.samples_per_second,
+        tokens_per_second=record.tokens_per_second,
+        median_step_seconds=record.median_step_seconds,
+        memory_bytes=memory,
+        memory_kind="cuda_peak" if on_gpu else "state_bytes",
+        seconds=record.wall_seconds,
+        steps=record.steps_run,
+        drift={} if verdict is None else verdict.metrics.as_dict(),
+        final_loss=record.losses[-1] if record.losses else None,
+    )
+
+
+def _figures(outcome: TrialOutcome) -> TrialFigures:
+    return TrialFigures(
+        samples_per_second=outcome.samples_per_second,
+        median_step_seconds=outcome.median_step_seconds,
+        peak_memory_bytes=outcome.memory_bytes if outcome.memory_kind == "cuda_peak" else None,
+        state_bytes=outcome.memory_bytes if outcome.memory_kind == "state_bytes" else None,
+        final_loss=outcome.final_loss,
+    )
+
+
+def _reference_failed(result: TrialResult) -> ValueError:
+    failure = result.record.failure
+    assert failure is not None
+    where = "" if failure.step is None else f" at step {failure.step}"
+    return ValueError(
+        f"The fp32 reference failed{where} ({failure.message}). Check that the loader's batches "
+        "fit the model (and loss_fn / train_step): nothing can be compared without it."
+    )
+
+
+def _confirm_speed(
+    outcomes: list[TrialOutcome],
+    reference: TrialOutcome,
+    deadline: float,
+    clock: Callable[[], float],
+    time_spec: Callable[[ModeSpec], Any],
+) -> tuple[list[TrialOutcome], TrialOutcome]:
+    """Re-time the fastest accepted modes side by side (ABC then CBA) and keep the medians."""
+    accepted = [
+        o
+        for o in [reference, *outcomes]
+        if o.status == "accepted" and o.samples_per_second and o.median_step_seconds
+    ]
+    if len(accepted) < 2:
+        return outcomes, reference
+    fastest = max(o.samples_per_second or 0.0 for o in accepted)
+    contenders = sorted(
+        (o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)),
+        key=lambda o: -(o.samples_per_second or 0.0),
+    )[:CONFIRM_CONTENDERS]
+    needed = 2.5 * sum(CONFIRM_STEPS * (o.median_step_seconds or 0.0) for o in contenders)
+    if len(contenders) < 2 or clock() + needed > deadline:
+        return outcomes, reference
+    speeds: dict[str, list[float]] = {o.label: [] for o in contenders}
+    for order in (contenders, contenders[::-1]):
+        for outcome in order:
+            record = time_spec(outcome.spec)
+            if record.completed and record.samples_per_second:
+                speeds[outcome.label].append(record.samples_per_second)
+    if any(len(values) < 2 for values in speeds.values()):
+        return outcomes, reference  # the budget cut a re-timing short: keep the trial figures
+
+    def confirmed(outcome: TrialOutcome) -> TrialOutcome:
+        if outcome.label not in speeds:
+            return outcome
+        values = speeds[outcome.label]
+        samples = sum(values) / len(values)
+        ratio = (outcome.samples_per_second or samples) / samples
+        return outcome.model_copy(
+            update={
+                "samples_per_second": samples,
+                "tokens_per_second": None
+                if outcome.tokens_per_second is None
+                else outcome.tokens_per_second / ratio,
+                "median_step_seconds": (outcome.median_step_seconds or 0.0) * ratio,
+            }
+        )
+
+    logger.info("re-timed %s: %s", [o.label for o in contenders], speeds)
+    return [confirmed(o) for o in outcomes], confirmed(reference)
+
+
+def tune(
+    model: nn.Module,
+    loader: Iterable[Any],
+    budget_minutes: float = 30,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerSource | None = None,
+    train_step: TrainStep | None = None,
+    eval_fn: Callable[[nn.Module], float] | None = None,
+    objective: Objective = "speed",
+    modes: list[str] | None = None,
+    device: str | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    seed: int = 0,
+    thresholds: DriftThresholds | None = None,
+    on_event: Callable[[SearchEvent], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> TuneResult:
+    """Find the fastest (or leanest) precision mode that passes the drift gate, within budget.
+
+    Args:
+        model: your model; never modified (every trial trains a deep copy).
+        loader: an iterable of batches (tensors, tuples or dicts); up to 64 are read, the last
+            few held out for comparing outputs.
+        budget_minutes: hard wall for the whole search (total wall time <= budget + 5%).
+        loss_fn: ``loss_fn(output, target)``; else the model's own scalar / ``.loss`` output.
+        optimizer: an optimizer over ``model`` or a factory ``params -> optimizer``
+            (default: AdamW with lr 3e-4).
+        train_step: ``train_step(plan, batch) -> loss`` for anything else.
+        eval_fn: ``eval_fn(model) -> float`` (lower is better), judged against fp32.
+        objective: "speed", "memory" or "balanced".
+        modes: restrict the candidates to these canonical mode names.
+        device: "cpu" or "cuda:N" to tune on (default: where the model is).
+        storage / study_name: an Optuna storage URL to persist (and resume) the study.
+
+    Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
+    examples/README.md for complete runs.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
+        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+    if next(model.parameters(), None) is None:
+        raise ValueError("The model has no parameters: there is nothing to tune.")
+    start = clock()
+    budget = float(budget_minutes) * 60
+    deadline = start + budget
+    batches = _collect(loader)
+    held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
+    train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
+    trial_model = model if device is None else copy.deepcopy(model).to(device)
+    source = (
+        optimizer
+        if optimizer is not None
+        else (lambda params: torch.optim.AdamW(params, lr=DEFAULT_LR))
+    )
+    report = probe(trial_model, _example_input(train[0], loss_fn) if train_step is None else None)
+    situation = Situation(
+        hardware=report.hardware,
+        device=report.device,
+        layers=report.layers,
+        backends=report.backends,
+    )
+    candidates = candidate_specs(report, modes)
+    common: dict[str, Any] = {
+        "optimizer": source,
+        "loss_fn": loss_fn,
+        "train_step": train_step,
+        "warmup_steps": WARMUP_STEPS,
+        "situation": situation,
+    }
+
+    calibration = run_trial(
+        ModeSpec(mode="fp32"), trial_model, train, steps=CALIBRATION_STEPS, seed=seed, **common
+    )
+    if calibration.record.failure is not None:
+        raise _reference_failed(calibration)
+    step_seconds = calibration.record.median_step_seconds or 1e-3
+    calibration_seconds = clock() - start
+    trials = len(candidates.specs) + 1  # every candidate and the noise run
+    available = (deadline - clock()) * (1 - BUDGET_RESERVE)
+    steps = int(available / (trials * step_seconds * 1.5))
+    if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
+        raise ValueError(
+            f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
+            f"{step_seconds:.3g} s and the reference and noise runs alone need "
+            f"{2 * MIN_TRIAL_STEPS} steps. Give at least "
+            f"{(calibration_seconds + 3 * MIN_TRIAL_STEPS * step_seconds) / 60:.2f} minutes."
+        )
+    steps = max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps))
+    study = create_study(storage, study_name)
+    steps = int(study.user_attrs.get("trial_steps", steps))
+    study.set_user_attr("trial_steps", steps)
+
+    budget_only = make_stop_check(None, objective, deadline, clock)
+    references = []
+    for seed_offset, shuffle in ((0, None), (1, 1)):
+        result = run_trial(
+            ModeSpec(mode="fp32"),
+            trial_model,
+            train,
+            steps=steps,
+            seed=seed + seed_offset,
+            shuffle_seed=shuffle,
+            heldout=heldout,
+            eval_fn=eval_fn,
+            stop=budget_only,
+            **common,
+        )
+        if result.record.failure is not None:
+            raise _reference_failed(result)
+        if result.record.stopped is not None:
+            raise ValueError(
+                f"budget_minutes={budget_minutes} is too small for the fp32 "
+                f"reference ({result.record.stopped})."
+            )
+        references.append(result)
+    reference, noise = references
+    reference_outcome = _outcome(
+        reference, judge(reference, reference, noise, thresholds), report.device
+    )
+    reference_seconds = clock() - start - calibration_seconds
+    if "fp32" not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
+        study.enqueue_trial({"candidate": "fp32"})
+        trial = study.ask()
+        trial.suggest_categorical("candidate", [s.label for s in candidates.specs])
+        record_outcome(study, trial, reference_outcome)
+
+    def runner(spec: ModeSpec, stop: Any) -> TrialOutcome:
+        result = run_trial(
+            spec,
+            trial_model,
+            train,
+            steps=steps,
+            seed=seed,
+            heldout=heldout,
+            eval_fn=eval_fn,
+            stop=stop,
+            **common,
+        )
+        completed = result.record.failure is None and result.record.stopped is None
+        judged = result.record.failure is not None and result.record.failure.kind.startswith(
+            "non_finite"
+        )
+        verdict = judge(result, reference, noise, thresholds) if completed or judged else None
+        return _outcome(result, verdict, report.device)
+
+    outcomes = search(
+        candidates.specs[1:],
+        runner,
+        study=study,
+        objective=objective,
+        deadline=deadline,
+        budget_seconds=budget,
+        expected_trial_seconds=steps * step_seconds,
+        accepted=[reference_outcome],
+        choices=[s.label for s in candidates.specs],
+        clock=clock,
+        on_event=on_event,
+    )
+    if objective != "memory":
+        outcomes, reference_outcome = _confirm_speed(
+            outcomes,
+            reference_outcome,
+            deadline,
+            clock,
+            lambda spec: (
+                run_trial(
+                    spec,
+                    trial_model,
+                    train,
+                    steps=min(steps, CONFIRM_STEPS),
+                    seed=seed,
+                    stop=budget_only,
+                    **common,
+                ).record
+            ),
+        )
+    winner = choose(outcomes, reference_outcome, objective)
+    run = [o for o in outcomes if o.seconds > 0]
+    note = None
+    if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
+        note = "No candidate passed the drift gate; this is the fp32 reference. " + " ".join(
+            f"{o.label}: {o.status} ({'; '.join(o.reasons) or 'no reason'})." for o in run
+        )
+    used = clock() - start
+    evidence = Evidence(
+        trial_steps=steps,
+        trial_count=len(run) + 2,
+        budget_seconds=budget,
+        budget_used_seconds=used,
+        reference=_figures(reference_outcome),
+        chosen=_figures(winner),
+        drift=winner.drift,
+    )
+    profile = profile_for(
+        winner.spec,
+        model_layers=report.layers,
+        hardware=report.hardware,
+        device=report.device,
+        evidence=evidence,
+        note=note,
+    )
+    return TuneResult(
+        profile=profile,
+        objective=objective,
+        reference=reference_outcome,
+        trials=tuple(outcomes),
+        pareto=tuple(pareto_front([reference_outcome, *outcomes])),
+        skipped=candidates.skipped,
+        budget=BudgetReport(
+            budget_seconds=budget,
+            used_seconds=used,
+            calibration_seconds=calibration_seconds,
+            reference_seconds=reference_seconds,
+            search_seconds=used - calibration_seconds - reference_seconds,
+            trial_steps=steps,
+            fp32_step_seconds=step_seconds,
+            trials_run=len(run) + 2,
+            trials_not_run=len(outcomes) - len(run),
+        ),
+    )

@@ -1,0 +1,165 @@
+"""tune() for real on CPU: small tasks, budgets of seconds."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.search import SearchEvent
+from autoprec.tuning import tune
+from examples import tasks, tiny_gpt
+
+
+def _loader(task: tasks.Task) -> list:
+    return task.batches + task.heldout
+
+
+def test_memory_objective_picks_an_accepted_lean_mode_and_rejects_lost_updates() -> None:
+    task = tasks.regression(lr=1e-4)
+    before = copy.deepcopy(task.model.state_dict())
+    result = tune(
+        task.model,
+        _loader(task),
+        budget_minutes=0.75,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        objective="memory",
+        modes=["bf16_pure", "bf16_kahan", "amp_bf16"],
+    )
+    statuses = {o.label: o.status for o in result.trials}
+    assert statuses["bf16_pure"] == "rejected"
+    pure = next(o for o in result.trials if o.label == "bf16_pure")
+    assert any(r.startswith("updates lost to rounding") for r in pure.reasons)
+    assert statuses["bf16_kahan"] == "accepted"
+    assert result.chosen.mode == "bf16_kahan"  # leanest that passed
+    assert result.profile.evidence is not None
+    assert (
+        result.profile.evidence.chosen.state_bytes < result.profile.evidence.reference.state_bytes
+    )
+    assert result.profile.evidence.drift["update_fraction"] == pytest.approx(1.0, abs=0.05)
+    # the user's model is unchanged
+    assert all(torch.equal(v, task.model.state_dict()[k]) for k, v in before.items())
+    assert not task.optimizer.state
+    assert "bf16_kahan" in result.summary() and "rejected" in result.summary()
+
+
+def test_falls_back_to_fp32_when_every_candidate_drifts() -> None:
+    task = tasks.regression(lr=1e-4)
+    result = tune(
+        task.model,
+        _loader(task),
+        budget_minutes=0.5,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        objective="memory",
+        modes=["bf16_pure"],
+    )
+    assert result.chosen.mode == "fp32"
+    # bf16_pure and its 8-bit-optimizer variant both lose their updates
+    assert [o.label for o in result.trials] == ["bf16_pure", "bf16_pure+8bit-optim"]
+    assert {o.status for o in result.trials} == {"rejected"}
+    assert result.profile.note and result.profile.note.startswith("No candidate passed")
+    assert "bf16_pure: rejected" in result.profile.note
+
+
+def test_budget_is_a_hard_wall() -> None:
+    model, _ = tiny_gpt.make_model()
+    batches = tiny_gpt.make_batches(count=16)
+    start = time.monotonic()
+    result = tune(model, batches, budget_minutes=0.25)
+    wall = time.monotonic() - start
+    assert wall <= 15 * 1.05, f"{wall:.1f} s for a 15 s budget"
+    assert result.budget.used_seconds <= 15 * 1.05
+    assert result.budget.trial_steps >= 20
+
+
+def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
+    model, _ = tiny_gpt.make_small_model()
+    batches = tiny_gpt.make_small_batches()
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    done: list[str] = []
+
+    def interrupt_after_two(event: SearchEvent) -> None:
+        if event.kind == "done":
+            done.append(event.label)
+            if len(done) == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(
+            model,
+            batches,
+            budget_minutes=1,
+            storage=storage,
+            study_name="s",
+            modes=["amp_bf16", "bf16_kahan", "bf16_sr"],
+            on_event=interrupt_after_two,
+        )
+    events: list[SearchEvent] = []
+    result = tune(
+        model,
+        batches,
+        budget_minutes=1,
+        storage=storage,
+        study_name="s",
+        modes=["amp_bf16", "bf16_kahan", "bf16_sr"],
+        on_event=events.append,
+    )
+    kinds = {e.label: e.kind for e in events if e.kind != "start"}
+    assert kinds[done[0]] == "skip" and kinds[done[1]] == "skip"
+    assert kinds["bf16_sr"] == "done"
+    assert {o.label for o in result.trials} == {
+        "amp_bf16",
+        "bf16_kahan",
+        "bf16_sr",
+        "amp_bf16+8bit-optim",
+    }
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m, b: tune(m, [], budget_minutes=1), ValueError, "loader yielded no batches"),
+        (
+            lambda m, b: tune(m, b, budget_minutes=0),
+            ValueError,
+            "budget_minutes must be positive but got 0",
+        ),
+        (lambda m, b: tune(m, b, budget_minutes=-2), ValueError, "must be positive"),
+        (
+            lambda m, b: tune(torch.nn.ReLU(), b, budget_minutes=1),
+            ValueError,
+            "model has no parameters",
+        ),
+        (
+            lambda m, b: tune(m, [torch.zeros(2, 3, 4)], budget_minutes=1),
+            ValueError,
+            r"fp32 reference failed at step 0 .*Check that the loader's batches fit the model",
+        ),
+        (lambda m, b: tune(m, 42, budget_minutes=1), TypeError, "iterable of batches"),
+        (
+            lambda m, b: tune(m, b, budget_minutes=1, objective="fastest"),
+            ValueError,
+            "objective must be one of",
+        ),
+        (lambda m, b: tune(m, b, budget_minutes=1, modes=["fp64"]), ValueError, "Unknown mode"),
+    ],
+)
+def test_clear_errors(call, error: type, message: str) -> None:
+    model, _ = tiny_gpt.make_small_model()
+    with pytest.raises(error, match=message):
+        call(model, tiny_gpt.make_small_batches())
+
+
+def test_result_profile_round_trips(tmp_path: Path) -> None:
+    model, _ = tiny_gpt.make_small_model()
+    result = tune(model, tiny_gpt.make_small_batches(), budget_minutes=0.25, modes=["amp_bf16"])
+    path = result.profile.save(tmp_path / "p.json")
+    loaded = autoprec.load_profile(path, strict=True)
+    assert loaded.spec == result.chosen and loaded.evidence == result.profile.evidence
+    assert type(result).model_validate_json(result.model_dump_json()) == result
