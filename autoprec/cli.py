@@ -164,6 +164,7 @@ def _tune(args: argparse.Namespace) -> int:
     loader = data() if callable(data) else data
     loss_fn = load_object(args.loss, option="--loss") if args.loss else None
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     with TuneProgress() as progress:
@@ -188,7 +189,7 @@ def _tune(args: argparse.Namespace) -> int:
     trials = out.with_suffix(".trials.json")
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
     print_profile(result.profile, console=console)
-    console.print(f"wrote {out} (trials: {trials}; study: {storage})")
+    console.print(f"wrote {out} (trials: {trials}; study: {storage})", soft_wrap=True)
     return EXIT_OK
 
 

@@ -173,15 +173,22 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(
-        storage=storage,
-        study_name=study_name,
-        load_if_exists=storage is not None,
-        directions=["maximize", "minimize"],
-        # Every trial is enqueued with its candidate fixed, so the sampler never chooses; a
-        # plain one is used because BruteForceSampler calls study.stop(), which ask/tell forbids.
-        sampler=optuna.samplers.RandomSampler(seed=0),
-    )
+    try:
+        return optuna.create_study(
+            storage=storage,
+            study_name=study_name,
+            load_if_exists=storage is not None,
+            directions=["maximize", "minimize"],
+            # Every trial is enqueued with its candidate fixed, so the sampler never chooses; a
+            # plain one, because BruteForceSampler calls study.stop(), which ask/tell forbids.
+            sampler=optuna.samplers.RandomSampler(seed=0),
+        )
+    except Exception as error:
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"Cannot open the study storage {storage!r} ({type(error).__name__}: {first_line}); "
+            "check the URL and that its folder exists and is writable."
+        ) from error
 
 
 def search(

@@ -150,7 +150,7 @@ def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_tune_end_to_end_then_report(tmp_path: Path) -> None:
-    out = tmp_path / "tiny.json"
+    out = tmp_path / "runs" / "new" / "tiny.json"  # folders that do not exist yet
     done = subprocess.run(
         [
             sys.executable,

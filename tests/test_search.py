@@ -223,3 +223,8 @@ def test_candidates_restricted_and_unknown() -> None:
     assert [s.spec.mode for s in restricted.skipped] == ["tf32"]
     with pytest.raises(ValueError, match=r"Unknown mode\(s\) \['fp64'\]"):
         candidate_specs(report, ["fp64"])
+
+
+def test_unopenable_storage_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Cannot open the study storage .*folder exists"):
+        create_study(f"sqlite:///{tmp_path / 'missing' / 'dir' / 'study.db'}", "s")
