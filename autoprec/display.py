@@ -280,10 +280,12 @@ class TuneProgress:
         outcome = event.outcome
         if outcome is not None:
             reasons = "; ".join(outcome.reasons)
+            earlier = event.kind == "skip" and outcome.seconds > 0
             self.console.print(
                 Text.assemble(
                     (f"{outcome.label:32} ", "bold"),
                     (f"{outcome.status:9}", _STATUS_STYLE[outcome.status]),
+                    " (from the study)" if earlier else "",
                     f" {reasons}" if reasons else "",
                 )
             )

@@ -7,7 +7,8 @@ wall and early stopping live outside the objective function. Objectives: samples
 violated ``drift`` constraint (``trial.set_constraint``, feasible when <= 0) and its reasons in
 ``user_attrs``; a trial stopped early (budget, cannot win) is PRUNED; a crash is FAIL. With a
 persistent storage (SQLite, any RDB URL, a journal file) an interrupted study resumes: finished
-candidates are read back, not re-run.
+candidates are read back, not re-run; workers sharing one study skip what another already
+finished (a candidate two workers start at the same moment runs twice).
 """
 
 from __future__ import annotations
@@ -245,6 +246,8 @@ def search(
             )
 
     for index, spec in enumerate(candidates):
+        if index and spec.label not in previous:
+            previous = finished_outcomes(study)  # another worker sharing the study may have run it
         if spec.label in previous:
             outcomes.append(previous[spec.label])
             emit("skip", index, spec.label, previous[spec.label])

@@ -217,3 +217,61 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         == 2
     )
     assert "budget_minutes must be positive" in capsys.readouterr().err
+
+
+def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    import optuna
+
+    out = tmp_path / "resume.json"
+    command = [
+        sys.executable,
+        "-m",
+        "autoprec",
+        "tune",
+        "examples.tiny_gpt:make_small_model",
+        "--data",
+        "examples.tiny_gpt:make_small_batches",
+        "--budget",
+        "2",
+        "--modes",
+        "amp_bf16,bf16_kahan,bf16_sr,bf16_sr_kahan",
+        "--objective",
+        "memory",
+        "--out",
+        str(out),
+    ]
+    storage = f"sqlite:///{out.with_suffix('.study.db')}"
+    first = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    finished: list[str] = []
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline and len(finished) < 3:
+        time.sleep(0.5)
+        try:
+            study = optuna.load_study(study_name="resume", storage=storage)
+            finished = [
+                t.params["candidate"]
+                for t in study.get_trials(deepcopy=False)
+                if t.state.name in ("COMPLETE", "PRUNED")
+            ]
+        except Exception:  # noqa: BLE001 - the study does not exist yet
+            continue
+    first.send_signal(signal.SIGINT)  # Ctrl-C
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err
+    assert "interrupted" in err and not out.exists()
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert second.returncode == 0, second.stderr
+    reused = [line.split()[0] for line in second.stderr.splitlines() if "(from the study)" in line]
+    assert set(finished) - {"fp32"} <= set(reused) and reused
+    assert json.loads(out.read_text())["spec"]["mode"] in {
+        "fp32",
+        "amp_bf16",
+        "bf16_kahan",
+        "bf16_sr",
+        "bf16_sr_kahan",
+    }
