@@ -17,11 +17,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from autoprec.batching import LossFn, TrainStep
+from autoprec.batching import LossFn, TrainStep, to_device
 from autoprec.candidates import Skipped, candidate_specs
 from autoprec.choice import choose, pareto_front
 from autoprec.drift import DriftThresholds, judge
-from autoprec.eligibility import Situation
+from autoprec.eligibility import Situation, model_device
 from autoprec.probing import probe
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.search import (
@@ -318,7 +318,10 @@ def tune(
         if optimizer is not None
         else (lambda params: torch.optim.AdamW(params, lr=DEFAULT_LR))
     )
-    report = probe(trial_model, _example_input(train[0], loss_fn) if train_step is None else None)
+    example = None
+    if train_step is None:
+        example = to_device(_example_input(train[0], loss_fn), model_device(trial_model))
+    report = probe(trial_model, example)
     situation = Situation(
         hardware=report.hardware,
         device=report.device,
