@@ -78,32 +78,23 @@ def test_noise_floor_has_a_floor(low_lr: dict) -> None:
     assert noise_floor(reference, low_lr["noise"], DriftThresholds()) >= floor
 
 
+def _fp16_runs(factor: float, *modes: str) -> list[TrialResult]:
+    task = tasks.fp16_range(factor)
+    return [
+        run_trial(
+            ModeSpec(mode=mode),
+            task.model,
+            task.batches,
+            optimizer=task.optimizer,  # type: ignore[arg-type]
+            loss_fn=task.mse,
+            heldout=task.heldout,
+        )
+        for mode in modes
+    ]
+
+
 def test_fp16_near_overflow_is_flagged() -> None:
-    task = tasks.fp16_range(3e4)
-    reference = run_trial(
-        ModeSpec(mode="fp32"),
-        task.model,
-        task.batches,
-        optimizer=task.optimizer,
-        loss_fn=task.mse,
-        heldout=task.heldout,
-    )
-    fp16 = run_trial(
-        ModeSpec(mode="amp_fp16"),
-        task.model,
-        task.batches,
-        optimizer=task.optimizer,
-        loss_fn=task.mse,
-        heldout=task.heldout,
-    )
-    bf16 = run_trial(
-        ModeSpec(mode="amp_bf16"),
-        task.model,
-        task.batches,
-        optimizer=task.optimizer,
-        loss_fn=task.mse,
-        heldout=task.heldout,
-    )
+    reference, fp16, bf16 = _fp16_runs(3e4, "fp32", "amp_fp16", "amp_bf16")
     verdict = judge(fp16, reference, reference)
     assert not verdict.accepted
     assert any(r.startswith("fp16 overflow risk: activations reach") for r in verdict.reasons)
@@ -111,23 +102,7 @@ def test_fp16_near_overflow_is_flagged() -> None:
 
 
 def test_fp16_overflow_is_rejected_with_the_step() -> None:
-    task = tasks.fp16_range(1e5)
-    reference = run_trial(
-        ModeSpec(mode="fp32"),
-        task.model,
-        task.batches,
-        optimizer=task.optimizer,
-        loss_fn=task.mse,
-        heldout=task.heldout,
-    )
-    fp16 = run_trial(
-        ModeSpec(mode="amp_fp16"),
-        task.model,
-        task.batches,
-        optimizer=task.optimizer,
-        loss_fn=task.mse,
-        heldout=task.heldout,
-    )
+    reference, fp16 = _fp16_runs(1e5, "fp32", "amp_fp16")
     verdict = judge(fp16, reference, reference)
     assert verdict.reasons[0].startswith("non finite loss at step 0: loss is")
 
