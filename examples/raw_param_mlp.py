@@ -30,3 +30,20 @@ def make_model(batch_size: int = 32, seed: int = 0) -> tuple[RawParamMLP, torch.
     """A RawParamMLP and a batch of random features."""
     torch.manual_seed(seed)
     return RawParamMLP(), torch.randn(batch_size, 64)
+
+
+def make_batches(count: int = 32, batch_size: int = 32, seed: int = 0) -> list:
+    """Regression of sin(x W) for a fixed random W. Data factory for the CLI
+    (``--loss examples.raw_param_mlp:loss_fn``)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(64, 16, generator=generator) / 8
+    batches = []
+    for _ in range(count):
+        x = torch.randn(batch_size, 64, generator=generator)
+        batches.append((x, torch.sin(x @ weight)))
+    return batches
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error."""
+    return nn.functional.mse_loss(output.float(), target)

@@ -49,3 +49,23 @@ def make_model(batch_size: int = 8, seed: int = 0) -> tuple[SmallConvNet, torch.
     """A SmallConvNet and a batch of random images."""
     torch.manual_seed(seed)
     return SmallConvNet(), torch.randn(batch_size, 3, 32, 32)
+
+
+def make_batches(count: int = 32, batch_size: int = 32, seed: int = 0) -> list:
+    """A learnable 10-class task: each class is a fixed random 3x32x32 template plus noise.
+
+    Data factory for the CLI (``--loss examples.small_convnet:loss_fn``).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    templates = torch.randn(10, 3, 32, 32, generator=generator)
+    batches = []
+    for _ in range(count):
+        labels = torch.randint(0, 10, (batch_size,), generator=generator)
+        images = templates[labels] + 2.0 * torch.randn(batch_size, 3, 32, 32, generator=generator)
+        batches.append((images, labels))
+    return batches
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the class logits."""
+    return nn.functional.cross_entropy(logits.float(), labels)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 
 
@@ -32,3 +34,67 @@ def test_readme_training_snippet_runs(monkeypatch) -> None:
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert repr(namespace["plan"]) == "PrecisionPlan(amp_bf16, optimizer=AdamW)"
+
+
+EXAMPLES = ("tiny_gpt", "small_convnet", "raw_param_mlp", "flow_unet")
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_smoke_tune_then_after_loop(name: str, tmp_path: Path) -> None:
+    """Each example: a short tune (fp32 vs amp_bf16), then its "after" loop on the profile."""
+    import importlib
+
+    import autoprec
+
+    example = importlib.import_module(f"examples.{name}")
+    model, _ = example.make_model()
+    result = autoprec.tune(
+        model,
+        example.make_batches()[:12],
+        budget_minutes=0.2,
+        loss_fn=getattr(example, "loss_fn", None),
+        modes=["amp_bf16"],
+        eval_fn=getattr(example, "eval_fn", None),
+    )
+    assert result.reference.status == "accepted"
+    profile = result.profile.save(tmp_path / f"{name}.json")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.loop_autoprec",
+            name,
+            "--profile",
+            str(profile),
+            "--steps",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("loss") == 2  # steps 0 and 2
+
+
+def test_before_and_after_loops_differ_by_a_few_lines() -> None:
+    import difflib
+
+    plain = (REPO / "examples/loop_plain.py").read_text().splitlines()
+    after = (REPO / "examples/loop_autoprec.py").read_text().splitlines()
+    changed = [
+        line
+        for line in difflib.unified_diff(plain, after, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    code = [line for line in changed if '"""' not in line and "python -m" not in line]
+    assert len(code) <= 14, code
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.loop_plain", "raw_param_mlp", "--steps", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr

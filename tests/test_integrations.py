@@ -124,3 +124,90 @@ def test_hf_training_arguments_take_the_export(tmp_path) -> None:
         output_dir=str(tmp_path), use_cpu=True, **_profile(mode="amp_bf16").to_hf_training_args()
     )
     assert args.bf16 is True and args.fp16 is False
+
+
+@pytest.mark.parametrize(
+    ("mode", "weights"),
+    [("fp32", torch.float32), ("amp_bf16", torch.float32), ("bf16_pure", torch.bfloat16)],
+)
+def test_lightning_fabric_trains_with_the_export(mode: str, weights: torch.dtype) -> None:
+    lightning = pytest.importorskip("lightning")
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, **_profile(mode=mode).to_lightning())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    data = torch.randn(64, 16)
+    losses = []
+    for _ in range(20):
+        loss = model(data).float().pow(2).mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert next(model.parameters()).dtype == weights
+    assert seen[0] == (torch.float32 if mode == "fp32" else torch.bfloat16)
+
+
+def test_hf_trainer_trains_with_the_export(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (16, 16))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        **_profile(mode="amp_bf16", optimizer_bits=8).to_hf_training_args(),
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    output = trainer.train()
+    assert output.global_step == 4
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert type(optimizer).__module__.startswith("bitsandbytes")  # optim="adamw_bnb_8bit"
+    assert args.bf16 is True
+
+
+def test_fsdp2_policy_on_cpu_with_gloo() -> None:
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        )
+        policy = MixedPrecisionPolicy(**_profile(mode="amp_bf16").to_fsdp2())
+        fully_shard(model[0], mp_policy=policy)
+        fully_shard(model[2], mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        seen: list[torch.dtype] = []
+        model[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        model(torch.randn(8, 16)).float().sum().backward()
+        assert seen == [torch.bfloat16]  # computed in bf16
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master shards
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

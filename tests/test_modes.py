@@ -220,3 +220,17 @@ def test_user_model_is_converted_in_place_and_returned(tmp_path: Path) -> None:
         ModeSpec(mode="bf16_pure"), model, torch.optim.AdamW(model.parameters())
     )
     assert plan.model is model
+
+
+def test_pure_bf16_casts_fp32_tensors_made_inside_forward() -> None:
+    """A timestep embedding computed in fp32 inside forward meets bf16 weights."""
+    from examples import flow_unet
+
+    model, (x, t) = flow_unet.make_model()
+    plan = autoprec.prepare(
+        ModeSpec(mode="bf16_pure"), model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    )
+    output = plan.model(x, t)
+    assert output.dtype == torch.bfloat16
+    flow_unet.loss_fn(output, torch.zeros_like(x)).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())

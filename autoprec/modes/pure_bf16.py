@@ -48,6 +48,12 @@ class Bf16PureMode(PrecisionMode):
             if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
                 _cast_own_tensors(module, torch.bfloat16, kept_parameters)
         model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+        # fp32 tensors made inside forward (a timestep embedding, a mask) meet bf16 weights:
+        # every layer that holds bf16 parameters casts its fp32 inputs to bf16.
+        for fqn, module in model.named_modules():
+            own = list(module.parameters(recurse=False))
+            if fqn and own and all(p.dtype == torch.bfloat16 for p in own):
+                module.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
         install_fp32_islands(model, kept, self.device_type, output_dtype=torch.bfloat16)
         return model
 
