@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
     tune.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
+    tune.add_argument(
+        "--eval",
+        metavar="MODULE:FN",
+        help="eval_fn(model) -> float, lower is better, judged against fp32",
+    )
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
     tune.add_argument("--modes", help="comma-separated canonical modes to consider")
     tune.add_argument(
@@ -163,6 +168,7 @@ def _tune(args: argparse.Namespace) -> int:
     data = load_object(args.data, option="--data")
     loader = data() if callable(data) else data
     loss_fn = load_object(args.loss, option="--loss") if args.loss else None
+    eval_fn = load_object(args.eval, option="--eval") if args.eval else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
@@ -173,6 +179,7 @@ def _tune(args: argparse.Namespace) -> int:
             loader,
             args.budget,
             loss_fn=loss_fn,
+            eval_fn=eval_fn,
             objective=args.objective,
             modes=modes,
             device=args.device,

@@ -6,9 +6,8 @@ from fixed noise and scores them against the data (lower is better), so the drif
 the samples, not only the loss.
 
     autoprec tune examples.flow_unet:make_model --data examples.flow_unet:make_batches \\
-        --loss examples.flow_unet:loss_fn --budget 2 --out runs/flow_unet.json
-
-(The CLI has no --eval yet; ``autoprec.tune(..., eval_fn=examples.flow_unet.eval_fn)`` uses it.)
+        --loss examples.flow_unet:loss_fn --eval examples.flow_unet:eval_fn --budget 2 \\
+        --out runs/flow_unet.json
 """
 
 from __future__ import annotations

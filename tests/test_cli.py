@@ -217,6 +217,24 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         == 2
     )
     assert "budget_minutes must be positive" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "tune",
+                "examples.tiny_gpt:make_small_model",
+                "--data",
+                "examples.tiny_gpt:make_small_batches",
+                "--eval",
+                "examples.tiny_gpt:nope",
+                "--budget",
+                "1",
+                "--out",
+                out,
+            ]
+        )
+        == 2
+    )
+    assert "--eval: module 'examples.tiny_gpt' has no attribute 'nope'" in (capsys.readouterr().err)
 
 
 def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> None:

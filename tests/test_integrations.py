@@ -112,10 +112,24 @@ def test_accelerate_fp8_torchao() -> None:
     assert type(ao["kwargs_handlers"][0]).__name__ == "AORecipeKwargs"
 
 
-def test_accelerator_takes_the_export() -> None:
+def test_accelerator_trains_with_the_export() -> None:
     accelerate = pytest.importorskip("accelerate")
     accelerator = accelerate.Accelerator(cpu=True, **_profile(mode="amp_bf16").to_accelerate())
     assert str(accelerator.mixed_precision) == "bf16"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    data = torch.randn(64, 16)
+    losses = []
+    for _ in range(20):
+        loss = model(data).float().pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and seen[0] == torch.bfloat16
 
 
 def test_hf_training_arguments_take_the_export(tmp_path) -> None:
