@@ -169,6 +169,23 @@ def finished_outcomes(study: Any) -> dict[str, TrialOutcome]:
     return done
 
 
+def ask_for(study: Any, label: str, choices: Sequence[str]) -> Any:
+    """A new trial of ``study`` with its candidate fixed to ``label``.
+
+    ``ask()`` hands out the oldest enqueued trial; one left waiting by an interrupted run would
+    carry another candidate, so such leftovers are closed as failed until ours comes up.
+    """
+    import optuna
+
+    study.enqueue_trial({"candidate": label}, skip_if_exists=False)
+    while True:
+        trial = study.ask()
+        if trial.suggest_categorical("candidate", list(choices)) == label:
+            return trial
+        trial.set_user_attr("reasons", ["left waiting by an interrupted run"])
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
 def create_study(storage: str | None, study_name: str | None) -> Any:
     """A two-objective study (samples/s up, memory down), new or resumed."""
     import optuna
@@ -261,9 +278,8 @@ def search(
             outcomes.append(outcome)
             emit("skip", index, spec.label, outcome)
             continue
-        study.enqueue_trial({"candidate": spec.label}, skip_if_exists=False)
-        trial = study.ask()
-        label = trial.suggest_categorical("candidate", choices)
+        trial = ask_for(study, spec.label, choices)
+        label = spec.label
         emit("start", index, label)
         try:
             outcome = runner(spec, make_stop_check(best, objective, deadline, clock))

@@ -29,6 +29,7 @@ from autoprec.search import (
     Objective,
     SearchEvent,
     TrialOutcome,
+    ask_for,
     create_study,
     make_stop_check,
     record_outcome,
@@ -388,9 +389,7 @@ def tune(
     )
     reference_seconds = clock() - start - calibration_seconds
     if "fp32" not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
-        study.enqueue_trial({"candidate": "fp32"})
-        trial = study.ask()
-        trial.suggest_categorical("candidate", [s.label for s in candidates.specs])
+        trial = ask_for(study, "fp32", [s.label for s in candidates.specs])
         record_outcome(study, trial, reference_outcome)
 
     def runner(spec: ModeSpec, stop: Any) -> TrialOutcome:

@@ -228,3 +228,25 @@ def test_candidates_restricted_and_unknown() -> None:
 def test_unopenable_storage_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"Cannot open the study storage .*folder exists"):
         create_study(f"sqlite:///{tmp_path / 'missing' / 'dir' / 'study.db'}", "s")
+
+
+def test_a_trial_left_waiting_does_not_hijack_the_next_candidate(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = create_study(storage, "s")
+    study.enqueue_trial({"candidate": "bf16_pure"})  # an interrupted run left this waiting
+    clock, log = FakeClock(), []
+    outcomes = search(
+        SPECS[:2],
+        fake_runner(clock, log),
+        study=create_study(storage, "s"),
+        objective="speed",
+        deadline=1000,
+        budget_seconds=1000,
+        expected_trial_seconds=10,
+        clock=clock,
+        choices=[s.label for s in SPECS],
+    )
+    assert [o.label for o in outcomes] == ["amp_bf16", "bf16_kahan"]
+    trials = optuna.load_study(study_name="s", storage=storage).get_trials()
+    recorded = {t.params["candidate"]: t.state.name for t in trials}
+    assert recorded == {"bf16_pure": "FAIL", "amp_bf16": "COMPLETE", "bf16_kahan": "COMPLETE"}
