@@ -98,3 +98,16 @@ def test_before_and_after_loops_differ_by_a_few_lines() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_gpu_validation_script_runs_in_quick_mode() -> None:
+    """The script a GPU session runs first; on a CPU it exercises the same code, small."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_validation", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "fp32 " in done.stdout and "chosen: " in done.stdout

@@ -1,0 +1,102 @@
+"""Validate the GPU paths on a lent GPU and print the figures for the issue note.
+
+Prints: the probe's verdicts for cuda:0; for every mode that can run there, one measured trial
+on a mid-size TinyGPT (samples/s, tokens/s, median step, peak CUDA memory, exact state bytes)
+and its drift verdict against fp32; then a short ``tune()``. On a CPU (``--quick``) it runs the
+same code on a small model so the script itself stays tested.
+
+How it was meant to be run on the device machine (torch with CUDA there, no internet):
+
+    here:    bash ../shared/tools/offline-wheels.sh          # .whl/, git-excluded
+    device:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
+             && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \\
+             && python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \\
+             && python3 -m benchmarks.gpu_validation | tee $OUT/gpu.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from autoprec.candidates import candidate_specs
+from autoprec.drift import judge
+from autoprec.probing import probe
+from autoprec.specs import ModeSpec
+from autoprec.trial import run_trial
+from autoprec.tuning import tune
+from examples import tiny_gpt
+
+LARGE = {"vocab_size": 8192, "block_size": 256, "n_layer": 4, "n_head": 16, "n_embd": 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model, few steps (CPU check)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--budget", type=float, default=3.0, help="tune() budget in minutes")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    config = tiny_gpt.SMALL if args.quick else LARGE
+    steps = 6 if args.quick else args.steps
+    model, _ = tiny_gpt.make_model(batch_size=16, **config)
+    model = model.to(device)
+    batches = [
+        tuple(t.to(device) for t in batch)
+        for batch in tiny_gpt.make_batches(
+            count=24,
+            batch_size=16,
+            vocab_size=config["vocab_size"],
+            block_size=config["block_size"],
+        )
+    ]
+    train, heldout = batches[:-4], batches[-4:]
+    report = probe(model, train[0][0])
+    gpu = report.hardware.gpus[0] if report.hardware.gpus else None
+    print(
+        f"device {report.device}: {gpu.label if gpu else report.hardware.cpu.model_name}; "
+        f"torch {report.hardware.torch_version}, CUDA {report.hardware.torch_cuda_runtime}, "
+        f"driver {report.hardware.driver_version}, NVML {report.hardware.nvml_status}"
+    )
+    for verdict in (*report.modes, report.optimizer_8bit):
+        state = "try" if verdict.worth_trying else ("possible" if verdict.eligible else "no")
+        print(f"  {verdict.name:18} {state:8} {'; '.join(verdict.reasons + verdict.notes)}")
+    print(
+        f"model: {report.layers.parameters if report.layers else '?':,} parameters; "
+        + "; ".join(report.layers.findings if report.layers else ())
+    )
+
+    optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
+    common = {"optimizer": optimizer, "steps": steps, "heldout": heldout}
+    reference = run_trial(ModeSpec(mode="fp32"), model, train, **common)
+    noise = run_trial(ModeSpec(mode="fp32"), model, train, seed=1, shuffle_seed=1, **common)
+    print(
+        f"\n{'mode':30} {'samples/s':>10} {'tokens/s':>11} {'step ms':>8} {'peak MiB':>9} "
+        f"{'state MiB':>9}  verdict"
+    )
+    for spec in candidate_specs(report).specs:
+        result = reference if spec.label == "fp32" else run_trial(spec, model, train, **common)
+        record, verdict = result.record, judge(result, reference, noise)
+        speed = f"{record.samples_per_second:10.1f}" if record.samples_per_second else f"{'-':>10}"
+        tokens = f"{record.tokens_per_second:11.0f}" if record.tokens_per_second else f"{'-':>11}"
+        step = (
+            f"{record.median_step_seconds * 1e3:8.2f}"
+            if record.median_step_seconds
+            else f"{'-':>8}"
+        )
+        peak = (
+            f"{record.peak_memory_bytes / 2**20:9.0f}" if record.peak_memory_bytes else f"{'-':>9}"
+        )
+        state = f"{record.state_bytes.total / 2**20:9.1f}" if record.state_bytes else f"{'-':>9}"
+        status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
+        print(f"{spec.label:30} {speed} {tokens} {step} {peak} {state}  {status}")
+
+    result = tune(model, batches, budget_minutes=0.3 if args.quick else args.budget)
+    print("\n" + result.summary())
+
+
+if __name__ == "__main__":
+    main()
