@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.search import TrialOutcome
 from autoprec.tuning import TuneResult
@@ -90,7 +91,7 @@ def outcomes_from_result(path: str | Path) -> tuple[list[TrialOutcome], str]:
 
 
 def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[TrialOutcome], str]:
-    """Outcomes from an Optuna study (the winner is the fastest accepted one)."""
+    """Outcomes from an Optuna study and its winner, chosen as tune() chose it."""
     import optuna
 
     names = optuna.get_all_study_names(storage=storage)
@@ -104,6 +105,9 @@ def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[Tria
         for t in study.get_trials(deepcopy=False)
         if "outcome" in t.user_attrs
     ]
-    accepted = [o for o in outcomes if o.status == "accepted" and o.samples_per_second]
-    chosen = max(accepted, key=lambda o: o.samples_per_second or 0.0).label if accepted else ""
-    return outcomes, chosen
+    reference = next((o for o in outcomes if o.label == "fp32"), None)
+    if reference is None:
+        return outcomes, ""
+    others = [o for o in outcomes if o is not reference]
+    objective = study.user_attrs.get("objective", "speed")
+    return outcomes, choose(others, reference, objective).label

@@ -217,7 +217,7 @@ def _max_abs_gradient(plan: PrecisionPlan) -> float:
     grads = [p.grad for p in plan.model.parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    largest = max(float(norm) for norm in torch._foreach_norm(grads, math.inf))
+    largest = float(torch.stack(torch._foreach_norm(grads, math.inf)).max())  # one sync
     scale = getattr(plan.mode, "loss_scale", None)
     return largest / scale if scale else largest
 
@@ -248,12 +248,11 @@ def _heldout_pass(
     loss_fn: LossFn | None,
     train_step: TrainStep | None,
 ) -> tuple[list[float], list[torch.Tensor | None], float]:
-    largest = 0.0
+    maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
-        nonlocal largest
         if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
-            largest = max(largest, float(output.detach().abs().max()))
+            maxima.append(output.detach().abs().max().float())
 
     leaves = [m for m in plan.model.modules() if next(m.children(), None) is None]
     handles = [leaf.register_forward_hook(watch) for leaf in leaves]
@@ -271,6 +270,7 @@ def _heldout_pass(
         plan.model.train(was_training)
         for handle in handles:
             handle.remove()
+    largest = float(torch.stack(maxima).max()) if maxima else 0.0
     return losses, outputs, largest
 
 
@@ -403,7 +403,8 @@ def run_trial(
                     with torch.no_grad(), plan.autocast():
                         figures["eval"] = float(eval_fn(plan.model))
                     plan.model.train()
-            figures["state"] = _state_bytes(plan)
+            if "state" not in figures:  # measured after step 0 unless the trial ended before
+                figures["state"] = _state_bytes(plan)
         except UnsupportedModeError as error:
             failure = TrialFailure(
                 kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)

@@ -359,6 +359,7 @@ def tune(
     study = create_study(storage, study_name)
     steps = int(study.user_attrs.get("trial_steps", steps))
     study.set_user_attr("trial_steps", steps)
+    study.set_user_attr("objective", objective)
 
     budget_only = make_stop_check(None, objective, deadline, clock)
     references = []

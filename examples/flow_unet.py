@@ -12,6 +12,7 @@ the samples, not only the loss.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -106,7 +107,10 @@ def loss_fn(output: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), velocity)
 
 
-_REFERENCE = make_images(256, torch.Generator().manual_seed(1234))
+@functools.cache
+def _real_images() -> torch.Tensor:
+    """The real images samples are scored against (built on first use, not at import)."""
+    return make_images(256, torch.Generator().manual_seed(1234))
 
 
 @torch.no_grad()
@@ -124,7 +128,7 @@ def sample(model: nn.Module, count: int = 64, steps: int = 8, seed: int = 7) -> 
 def eval_fn(model: nn.Module) -> float:
     """Sample quality, lower is better: mean distance from each sample to its nearest real image."""
     samples = sample(model).flatten(1)
-    distances = torch.cdist(samples, _REFERENCE.flatten(1))
+    distances = torch.cdist(samples, _real_images().flatten(1))
     return float(distances.min(dim=1).values.mean() / math.sqrt(SIZE * SIZE))
 
 

@@ -150,11 +150,10 @@ class PrecisionMode:
                 roots.append(fqn)
         return roots
 
-    def kept_parameter_ids(self, model: nn.Module) -> set[int]:
-        """ids of the parameters of kept modules (and their children)."""
-        return {
-            id(p) for fqn in self.kept_roots(model) for p in model.get_submodule(fqn).parameters()
-        }
+    @staticmethod
+    def parameter_ids(model: nn.Module, roots: list[str]) -> set[int]:
+        """ids of the parameters of the ``roots`` modules (and their children)."""
+        return {id(p) for fqn in roots for p in model.get_submodule(fqn).parameters()}
 
     # -- conversion ---------------------------------------------------------------------------
 

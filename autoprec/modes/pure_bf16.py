@@ -43,7 +43,7 @@ class Bf16PureMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         kept = self.kept_roots(model)
-        kept_parameters = self.kept_parameter_ids(model)
+        kept_parameters = self.parameter_ids(model, kept)
         for fqn, module in model.named_modules():
             if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
                 _cast_own_tensors(module, torch.bfloat16, kept_parameters)
