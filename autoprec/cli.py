@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from autoprec._version import __version__
 from autoprec.errors import AutoprecError
@@ -85,6 +86,33 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE:FN",
         help="eval_fn(model) -> float, lower is better, judged against fp32",
     )
+    recipe = tune.add_argument_group(
+        "training recipe",
+        "How your real run trains: trials run it, so the verdict holds for it. Without these, "
+        "trials train with AdamW(lr=3e-4), no schedule, no accumulation, no clipping.",
+    )
+    recipe.add_argument(
+        "--optimizer",
+        metavar="MODULE:FACTORY",
+        help="factory params -> optimizer, e.g. mytrain:make_optimizer (called with lr=--lr "
+        "when --lr is given)",
+    )
+    recipe.add_argument(
+        "--lr", type=float, help="learning rate (peak lr under a schedule); default 3e-4"
+    )
+    recipe.add_argument(
+        "--scheduler",
+        metavar="MODULE:FACTORY",
+        help="factory optimizer -> LRScheduler (gets total_steps=N if it takes total_steps); "
+        "needs --total-steps",
+    )
+    recipe.add_argument(
+        "--total-steps", type=int, metavar="N", help="optimizer steps of your real run"
+    )
+    recipe.add_argument(
+        "--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step"
+    )
+    recipe.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this norm")
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
     tune.add_argument("--modes", help="comma-separated canonical modes to consider")
     tune.add_argument(
@@ -156,6 +184,39 @@ def _schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _optimizer_factory(reference: str | None, lr: float | None) -> Any:
+    """The ``params -> optimizer`` factory that --optimizer and --lr describe (None: default)."""
+    import functools
+    import inspect
+
+    from autoprec.factories import load_object
+
+    if reference is None:
+        if lr is None:
+            return None
+        import torch
+
+        return functools.partial(torch.optim.AdamW, lr=lr)
+    factory = load_object(reference, option="--optimizer")
+    if not callable(factory):
+        raise TypeError(
+            f"--optimizer: {reference!r} is a {type(factory).__name__}, not a factory "
+            "params -> optimizer."
+        )
+    if lr is None:
+        return factory
+    try:
+        takes_lr = "lr" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_lr = False
+    if not takes_lr:
+        raise ValueError(
+            f"--lr: the --optimizer factory {reference!r} takes no lr argument; set the lr "
+            "inside the factory, or give it an lr parameter."
+        )
+    return functools.partial(factory, lr=lr)
+
+
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -169,6 +230,8 @@ def _tune(args: argparse.Namespace) -> int:
     loader = data() if callable(data) else data
     loss_fn = load_object(args.loss, option="--loss") if args.loss else None
     eval_fn = load_object(args.eval, option="--eval") if args.eval else None
+    optimizer = _optimizer_factory(args.optimizer, args.lr)
+    scheduler = load_object(args.scheduler, option="--scheduler") if args.scheduler else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
@@ -180,6 +243,11 @@ def _tune(args: argparse.Namespace) -> int:
             args.budget,
             loss_fn=loss_fn,
             eval_fn=eval_fn,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            total_steps=args.total_steps,
+            grad_accumulation_steps=args.grad_accum,
+            clip_grad_norm=args.clip,
             objective=args.objective,
             modes=modes,
             device=args.device,

@@ -20,6 +20,7 @@ import statistics
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from autoprec.recipe import LrPoint
 from autoprec.trial import TrialRecord, TrialResult
 
 FP16_MAX = 65504.0
@@ -71,9 +72,12 @@ class DriftMetrics(BaseModel):
     heldout_loss_gap: float | None = None
     late_loss_gap: float | None = None
     update_fraction: float | None = None
-    """Projection of the trial's weight movement onto the reference's (1.0 = all arrived)."""
+    """Projection of the trial's weight movement onto the reference's (1.0 = all arrived), in
+    the lr leg where it is lowest."""
+    update_fraction_lr: float | None = None
+    """The learning rate of that leg."""
     never_moved_fraction: float | None = None
-    """Share of sampled weights the reference moved but the trial never did."""
+    """Share of sampled weights the reference moved but the trial never did (same leg)."""
     output_error: float | None = None
     output_error_noise: float | None = None
     top1_agreement: float | None = None
@@ -108,14 +112,21 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     return max(floor, spread)
 
 
-def _update_fraction(trial: TrialResult, reference: TrialResult) -> tuple[float, float] | None:
+def _movement(
+    trial: dict[str, torch.Tensor],
+    trial_start: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    reference_start: dict[str, torch.Tensor],
+) -> tuple[float, float] | None:
+    """(projection of the trial's movement onto the reference's, share of weights the
+    reference moved that the trial never moved); None when the reference did not move."""
     dot = norm = 0.0
     reference_moved = trial_still = 0
-    for name, start in reference.initial_weights.items():
-        if name not in trial.final_weights:
+    for name, start in reference_start.items():
+        if name not in trial or name not in trial_start:
             return None
-        intended = reference.final_weights[name] - start
-        actual = trial.final_weights[name] - trial.initial_weights[name]
+        intended = reference[name] - start
+        actual = trial[name] - trial_start[name]
         dot += float(torch.dot(actual, intended))
         norm += float(torch.dot(intended, intended))
         moved = intended != 0
@@ -124,6 +135,24 @@ def _update_fraction(trial: TrialResult, reference: TrialResult) -> tuple[float,
     if norm == 0:
         return None
     return dot / norm, trial_still / max(reference_moved, 1)
+
+
+def leg_movements(
+    trial: TrialResult, reference: TrialResult
+) -> list[tuple[LrPoint | None, float, float]]:
+    """Per lr leg: (its lr point, update fraction, never-moved share). Legs the reference did
+    not move in are left out; a trial with other legs than the reference's has none."""
+    ours, theirs = trial.leg_weights, reference.leg_weights
+    points = reference.record.lr_points
+    if len(ours) != len(theirs) or len(ours) < 2 or trial.record.lr_points != points:
+        return []
+    found = []
+    for leg in range(len(ours) - 1):
+        movement = _movement(ours[leg + 1], ours[leg], theirs[leg + 1], theirs[leg])
+        if movement is not None:
+            point = points[leg] if leg < len(points) else None
+            found.append((point, *movement))
+    return found
 
 
 def _relative_error(outputs: list, reference: list) -> tuple[float | None, float | None]:
@@ -184,15 +213,19 @@ def judge(
                 f"fp32 on the same batches, beyond {allowed:.3g}"
             )
 
-    movement = _update_fraction(trial, reference)
-    if movement is not None:
-        fraction, never = movement
-        metrics["update_fraction"], metrics["never_moved_fraction"] = fraction, never
-        if fraction < limits.min_update_fraction:
-            reasons.append(
-                f"updates lost to rounding: only {fraction:.0%} of the fp32 weight movement "
-                f"reached the weights ({never:.0%} of weights the reference moved never moved)"
-            )
+    legs = leg_movements(trial, reference)
+    if legs:
+        weakest = min(legs, key=lambda leg: leg[1])
+        point, metrics["update_fraction"], metrics["never_moved_fraction"] = weakest
+        metrics["update_fraction_lr"] = None if point is None else point.lr
+        for point, fraction, never in legs:
+            if fraction < limits.min_update_fraction:
+                at = "" if point is None or len(legs) == 1 else f" at {point.describe()}"
+                reasons.append(
+                    f"updates lost to rounding{at}: only {fraction:.0%} of the fp32 weight "
+                    f"movement reached the weights ({never:.0%} of weights the reference moved "
+                    "never moved)"
+                )
 
     error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
     noise_error, _ = _relative_error(noise.heldout_outputs, reference.heldout_outputs)

@@ -38,3 +38,11 @@ class ExportError(AutoprecError):
 
 class HardwareMismatchWarning(UserWarning):
     """A profile is loaded on hardware other than the one it was proven on."""
+
+
+class OptimizerRebuiltWarning(UserWarning):
+    """A mode rebuilt the optimizer and no LR scheduler was handed over to rebind."""
+
+
+class ModelMismatchWarning(UserWarning):
+    """A profile is applied to a model other than the one it was proven for."""

@@ -10,13 +10,16 @@ for batch in loader:
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from autoprec.eligibility import Situation, situation_for_model
-from autoprec.errors import UnsupportedModeError
+from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
@@ -53,6 +56,9 @@ class PrecisionPlan:
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
         self.last_grad_norm: float | None = None
+        self.scheduler: Any = None
+        """The LR scheduler handed to ``prepare``/``apply``, rebound to ``optimizer``; the
+        training loop steps it as before (the plan never does)."""
 
     @property
     def spec(self) -> ModeSpec:
@@ -116,7 +122,7 @@ class PrecisionPlan:
         return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"
 
 
-def prepare(
+def build_plan(
     spec: ModeSpec,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -125,16 +131,7 @@ def prepare(
     clip_grad_norm: float | None = None,
     situation: Situation | None = None,
 ) -> PrecisionPlan:
-    """Set ``model`` and ``optimizer`` up for ``spec`` and return the plan to train with.
-
-    The model is converted in place (casts, module swaps, hooks); the optimizer is rebuilt when
-    the mode needs another implementation, with the same groups and hyper-parameters. Call it
-    before training starts (and before loading optimizer checkpoints).
-
-    Raises:
-        UnsupportedModeError: the mode cannot run here; the message lists every reason. No
-            other mode is ever substituted.
-    """
+    """:func:`prepare` without a scheduler to rebind and without warnings (trials use it)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -160,3 +157,117 @@ def prepare(
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
     )
+
+
+def _schedulers(scheduler: Any) -> list[Any]:
+    """A scheduler and those it drives (SequentialLR, ChainedScheduler), depth first."""
+    found = [scheduler]
+    for inner in getattr(scheduler, "_schedulers", None) or []:
+        found.extend(_schedulers(inner))
+    return found
+
+
+def _track_step_calls(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` as an LRScheduler does, so torch's order check keeps working."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    function = step.__func__  # type: ignore[attr-defined]
+    reference = weakref.ref(optimizer)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        target = reference()
+        target._opt_called = True  # type: ignore[union-attr]
+        return function.__get__(target, type(target))(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def rebind_scheduler(
+    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer
+) -> None:
+    """Make ``scheduler`` (built on ``old``) drive ``new``: same schedule, same position.
+
+    The new optimizer's groups already hold the scheduled lrs and ``initial_lr`` (the rebuild
+    copies every group option), so only the scheduler's references change.
+    """
+    for inner in _schedulers(scheduler):
+        if not hasattr(inner, "optimizer"):
+            raise TypeError(
+                f"scheduler must be a torch LR scheduler (with .optimizer), not "
+                f"{type(inner).__name__}."
+            )
+        if inner.optimizer is not old and inner.optimizer is not new:
+            raise ValueError(
+                f"The scheduler ({type(inner).__name__}) drives another optimizer than the one "
+                "passed: build it on the optimizer you hand to apply()."
+            )
+        inner.optimizer = new
+    if new is not old:
+        _track_step_calls(new)
+        new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
+
+
+def prepare(
+    spec: ModeSpec,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    *,
+    grad_accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    situation: Situation | None = None,
+) -> PrecisionPlan:
+    """Set ``model`` and ``optimizer`` up for ``spec`` and return the plan to train with.
+
+    The model is converted in place (casts, module swaps, hooks); the optimizer is rebuilt when
+    the mode needs another implementation, with the same groups and hyper-parameters, and the
+    ``scheduler`` built on it is rebound to ``plan.optimizer`` (``plan.scheduler``), so its lr
+    follows the schedule in every mode. Call it before training starts (and before loading
+    optimizer checkpoints).
+
+    Raises:
+        UnsupportedModeError: the mode cannot run here; the message lists every reason. No
+            other mode is ever substituted.
+
+    Warns:
+        OptimizerRebuiltWarning: the optimizer was rebuilt and no scheduler was passed: a
+            scheduler built on your optimizer would keep driving the old one.
+    """
+    if scheduler is not None:
+        for inner in _schedulers(scheduler):  # check before converting anything
+            if getattr(inner, "optimizer", None) is not optimizer:
+                raise ValueError(
+                    f"The scheduler ({type(inner).__name__}) does not drive the optimizer passed "
+                    "to apply(): build it on that optimizer, or pass scheduler=None."
+                )
+    plan = build_plan(
+        spec,
+        model,
+        optimizer,
+        grad_accumulation_steps=grad_accumulation_steps,
+        clip_grad_norm=clip_grad_norm,
+        situation=situation,
+    )
+    if scheduler is not None:
+        rebind_scheduler(scheduler, optimizer, plan.optimizer)
+        plan.scheduler = scheduler
+    elif plan.optimizer is not optimizer:
+        scheduled = any("initial_lr" in group for group in optimizer.param_groups)
+        found = (
+            " Your optimizer's groups carry initial_lr, so a scheduler was built on it: it now "
+            "drives an optimizer nobody steps."
+            if scheduled
+            else ""
+        )
+        warnings.warn(
+            f"{spec.label} rebuilt the optimizer as plan.optimizer "
+            f"({type(plan.optimizer).__name__}).{found} Pass your LR scheduler to "
+            "apply(model, optimizer, scheduler) to rebind it, or build schedulers on "
+            "plan.optimizer.",
+            OptimizerRebuiltWarning,
+            stacklevel=3,
+        )
+    return plan

@@ -22,20 +22,27 @@ from torch import nn
 
 from autoprec._files import write_text_atomically
 from autoprec._version import __version__
-from autoprec.errors import HardwareMismatchWarning, ProfileError
+from autoprec.errors import HardwareMismatchWarning, ModelMismatchWarning, ProfileError
 from autoprec.hardware import HardwareInfo, detect_hardware
 from autoprec.integrations.accelerate import accelerate_settings
 from autoprec.integrations.fsdp2 import fsdp2_policy_args
 from autoprec.integrations.hf_trainer import hf_training_args
 from autoprec.integrations.lightning import lightning_settings
-from autoprec.layers import LayerMix
+from autoprec.layers import LayerMix, scan_model
 from autoprec.plan import PrecisionPlan, prepare
-from autoprec.specs import ModeSpec
+from autoprec.recipe import RecipeSummary
+from autoprec.specs import ModeSpec, matches_keep_fp32
 
-SCHEMA_VERSION = 1
-"""Bump on any change that an older autoprec could not read correctly."""
+SCHEMA_VERSION = 2
+"""Bump on any change that an older autoprec could not read correctly. 2: ``recipe``."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+def _refuse_or_warn(message: str, category: type[Warning], *, strict: bool) -> None:
+    if strict:
+        raise ProfileError(message)
+    warnings.warn(message, category, stacklevel=4)
 
 
 class HardwareFingerprint(BaseModel):
@@ -101,6 +108,19 @@ class ModelFingerprint(BaseModel):
             layer_mix_digest=hashlib.sha256(payload.encode()).hexdigest()[:16],
         )
 
+    def differences(self, other: ModelFingerprint) -> list[str]:
+        """What differs between this (the proven) and ``other`` (the current) model."""
+        found = []
+        if self.model_class != other.model_class:
+            found.append(f"class: proven on {self.model_class}, applied to {other.model_class}")
+        if self.parameters != other.parameters:
+            found.append(
+                f"parameters: proven on {self.parameters:,}, applied to {other.parameters:,}"
+            )
+        elif self.layer_mix_digest != other.layer_mix_digest:
+            found.append("layer mix: the layer kinds or Linear shapes differ")
+        return found
+
 
 class TrialFigures(BaseModel):
     """What one measured trial showed."""
@@ -142,6 +162,9 @@ class Profile(BaseModel):
     hardware: HardwareFingerprint
     model: ModelFingerprint | None = None
     evidence: Evidence | None = None
+    recipe: RecipeSummary | None = None
+    """The training recipe the evidence was measured under (optimizer, lr legs, accumulation,
+    clipping); ``apply()`` takes its accumulation and clipping unless told otherwise."""
     note: str | None = None
     """Free text, e.g. "hand-written example, not measured"."""
 
@@ -164,23 +187,62 @@ class Profile(BaseModel):
             + "; ".join(differences)
             + ". Its speed and drift evidence may not hold here; re-run `autoprec tune`."
         )
-        if strict:
-            raise ProfileError(message)
-        warnings.warn(message, HardwareMismatchWarning, stacklevel=3)
+        _refuse_or_warn(message, HardwareMismatchWarning, strict=strict)
+
+    def check_model(self, model: nn.Module, *, strict: bool) -> None:
+        """Warn (or with ``strict``, refuse) when ``model`` is not the one the profile was
+        proven for: another class or size, or ``keep_fp32`` patterns that match no module."""
+        differences = []
+        if self.model is not None:
+            differences = self.model.differences(ModelFingerprint.from_layers(scan_model(model)))
+        names = [fqn for fqn, _ in model.named_modules() if fqn]
+        unmatched = [
+            pattern
+            for pattern in self.spec.keep_fp32
+            if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
+        ]
+        if unmatched:
+            differences.append(f"keep_fp32 patterns match no module: {', '.join(unmatched)}")
+        if not differences:
+            return
+        message = (
+            f"This {self.spec.label} profile was proven for another model: "
+            + "; ".join(differences)
+            + ". Its drift evidence does not cover this model; run `autoprec tune` for it."
+        )
+        _refuse_or_warn(message, ModelMismatchWarning, strict=strict)
 
     def apply(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
         *,
-        grad_accumulation_steps: int = 1,
+        grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | None = None,
+        strict: bool = False,
     ) -> PrecisionPlan:
-        """Set ``model`` and ``optimizer`` up for this profile's mode (see ``plan.prepare``)."""
+        """Set ``model``, ``optimizer`` and ``scheduler`` up for this profile (see
+        ``plan.prepare``): the scheduler is rebound to ``plan.optimizer`` when the mode rebuilds
+        the optimizer.
+
+        Args:
+            grad_accumulation_steps / clip_grad_norm: default to the recipe the profile was
+                tuned under (1 / None for profiles without one).
+            strict: refuse (ProfileError) a model other than the one the profile was proven
+                for, instead of warning (``ModelMismatchWarning``).
+        """
+        self.check_model(model, strict=strict)
+        recipe = self.recipe
+        if grad_accumulation_steps is None:
+            grad_accumulation_steps = recipe.grad_accumulation_steps if recipe else 1
+        if clip_grad_norm is None and recipe is not None:
+            clip_grad_norm = recipe.clip_grad_norm
         return prepare(
             self.spec,
             model,
             optimizer,
+            scheduler,
             grad_accumulation_steps=grad_accumulation_steps,
             clip_grad_norm=clip_grad_norm,
         )
@@ -211,6 +273,7 @@ def profile_for(
     hardware: HardwareInfo | None = None,
     device: str | None = None,
     evidence: Evidence | None = None,
+    recipe: RecipeSummary | None = None,
     note: str | None = None,
 ) -> Profile:
     """A Profile for ``spec`` on this machine (or the given hardware facts)."""
@@ -220,6 +283,7 @@ def profile_for(
         hardware=HardwareFingerprint.from_hardware(hardware, device),
         model=None if model_layers is None else ModelFingerprint.from_layers(model_layers),
         evidence=evidence,
+        recipe=recipe,
         note=note,
     )
 

@@ -100,8 +100,12 @@ def make_stop_check(
 
     def stop(progress: TrialProgress) -> str | None:
         measured = progress.step_seconds[progress.warmup_steps :]
-        per_step = statistics.median(measured or progress.step_seconds)
         remaining = progress.steps_planned - progress.step - 1
+        if not measured:  # warm-up steps (compilation, allocator growth) predict nothing
+            if remaining > 0 and clock() >= deadline:
+                return f"budget: the deadline passed during warm-up, {remaining} steps left"
+            return None
+        per_step = statistics.median(measured)
         if remaining > 0 and clock() + remaining * per_step > deadline:
             return f"budget: {remaining} more steps of {per_step:.3g} s would pass the deadline"
         if best is None or len(measured) < MIN_MEASURED_STEPS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -124,3 +125,12 @@ class ModeSpec(BaseModel):
         if self.optimizer_bits == 8:
             parts.append("8bit-optim")
         return "+".join(parts)
+
+
+def matches_keep_fp32(fqn: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """True when module ``fqn`` (or an ancestor) matches a ``keep_fp32`` pattern: the exact
+    name, a parent's name, or an ``fnmatch`` pattern such as ``blocks.*.ln_*``."""
+    return any(
+        fqn == pattern or fqn.startswith(pattern + ".") or fnmatch.fnmatchcase(fqn, pattern)
+        for pattern in patterns
+    )

@@ -33,12 +33,9 @@ from autoprec.batching import (
 )
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
-from autoprec.optim import named_groups, rebuild_optimizer
-from autoprec.plan import PrecisionPlan, prepare
+from autoprec.plan import PrecisionPlan, build_plan
+from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
-
-OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
-"""An optimizer over the user's model (cloned per trial) or a factory ``params -> optimizer``."""
 
 FailureKind = Literal[
     "unsupported", "exception", "out_of_memory",
@@ -120,6 +117,10 @@ class TrialRecord(BaseModel):
     eval_score: float | None = None
     speed_is_meaningful: bool = True
     """False for emulated FP8: its numerics are real, its speed is not."""
+    lr_points: tuple[LrPoint, ...] = ()
+    """The learning rates of the trial's legs, in the order trained."""
+    leg_steps: tuple[int, ...] = ()
+    """Optimizer steps of each leg."""
 
     @property
     def completed(self) -> bool:
@@ -139,22 +140,27 @@ class TrialResult:
     """A record plus what the drift gate compares: sampled weights and held-out outputs."""
 
     record: TrialRecord
-    initial_weights: dict[str, torch.Tensor] = field(default_factory=dict)
-    final_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    leg_weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Sampled weights (fp32, Kahan buffers added) before training and after each lr leg."""
     sample_indices: dict[str, torch.Tensor] = field(default_factory=dict)
     heldout_outputs: list[torch.Tensor | None] = field(default_factory=list)
 
+    @property
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        return self.leg_weights[0] if self.leg_weights else {}
 
-def _fresh_optimizer(source: OptimizerSource, user_model: nn.Module, copy_: nn.Module) -> Any:
-    if isinstance(source, torch.optim.Optimizer):
-        groups = named_groups(source, user_model)
-        return rebuild_optimizer(source, groups, copy_, "same", require_fresh=False)
-    if callable(source):
-        return source(copy_.parameters())
-    raise TypeError(
-        f"optimizer must be a torch.optim.Optimizer or a factory params -> optimizer, "
-        f"not {type(source).__name__}."
-    )
+    @property
+    def final_weights(self) -> dict[str, torch.Tensor]:
+        """The sampled weights after the last leg; empty unless every leg was trained."""
+        legs = len(self.record.leg_steps) or 1
+        return self.leg_weights[-1] if len(self.leg_weights) == legs + 1 else {}
+
+    def moved(self) -> bool:
+        """Did training change any sampled weight?"""
+        if len(self.leg_weights) < 2:
+            return False
+        first, last = self.leg_weights[0], self.leg_weights[-1]
+        return any(not torch.equal(first[name], last[name]) for name in first)
 
 
 def _sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
@@ -274,15 +280,163 @@ def _heldout_pass(
     return losses, outputs, largest
 
 
+def _leg_steps(steps: int, points: Sequence[LrPoint]) -> list[int]:
+    """Split ``steps`` over the legs: equal shares, the first leg takes the remainder."""
+    if len(points) > steps:
+        raise ValueError(f"{len(points)} lr legs need at least {len(points)} steps, got {steps}.")
+    share = steps // len(points)
+    return [steps - share * (len(points) - 1)] + [share] * (len(points) - 1)
+
+
+def _set_lrs(optimizer: torch.optim.Optimizer, point: LrPoint) -> None:
+    if len(point.lrs) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The lr plan has {len(point.lrs)} group(s) but the trial's optimizer "
+            f"{len(optimizer.param_groups)}: the optimizer factory must build the same groups "
+            "every time."
+        )
+    for group, lr in zip(optimizer.param_groups, point.lrs, strict=True):
+        group["lr"] = lr
+
+
+class _Loop:
+    """The training loop of one trial: optimizer steps of ``grad_accumulation_steps``
+    micro-batches each, run exactly as ``apply()`` runs them (``plan.step``)."""
+
+    def __init__(
+        self,
+        plan: PrecisionPlan,
+        recipe: TrainingRecipe,
+        batches: Sequence[Any],
+        order: list[int],
+        device: torch.device,
+    ) -> None:
+        self.plan, self.recipe, self.batches, self.order = plan, recipe, batches, order
+        self.device, self.clock = device, _Clock(device)
+        self.figures: dict[str, Any] = {
+            "losses": [], "times": [], "samples": [], "tokens": [], "rss": [],
+            "max_gradient": 0.0,
+        }  # fmt: skip
+        self.micro = 0
+        self.current_step: int | None = None
+
+    def step(self, step: int) -> TrialFailure | None:
+        """One optimizer step; a failure (non-finite loss or gradient) or None."""
+        self.current_step = step
+        plan, accumulation = self.plan, self.recipe.grad_accumulation_steps
+        start = self.clock.now()
+        loss_sum, samples, tokens = 0.0, 0, 0
+        for micro in range(accumulation):
+            batch = self.batches[self.order[self.micro % len(self.batches)]]
+            batch = to_device(batch, self.device)
+            self.micro += 1
+            with plan.autocast():
+                loss, _ = forward_and_loss(plan, batch, self.recipe.loss_fn, self.recipe.train_step)
+            value = float(loss.detach().float())
+            if not math.isfinite(value):
+                self.figures["losses"].append(value)
+                return TrialFailure(
+                    kind="non_finite_loss", step=step, message=f"loss is {value} at step {step}"
+                )
+            loss_sum += value
+            samples += count_samples(batch)
+            counted = count_tokens(batch)
+            tokens = None if counted is None or tokens is None else tokens + counted
+            if micro < accumulation - 1:
+                plan.step(loss)  # backward; an accumulation micro-batch does not step
+            else:
+                plan.backward(loss)
+        self.figures["losses"].append(loss_sum / accumulation)
+        gradient = _max_abs_gradient(plan)
+        scaled = plan.spec.mode == "amp_fp16"  # the loss scaler handles inf/nan gradients
+        if not math.isfinite(gradient) and not scaled:
+            message = f"gradient is {gradient} at step {step}"
+            return TrialFailure(kind="non_finite_gradient", step=step, message=message)
+        if math.isfinite(gradient):
+            self.figures["max_gradient"] = max(self.figures["max_gradient"], gradient)
+        stepped = plan.step()
+        self.figures["times"].append(self.clock.now() - start)
+        self.figures["samples"].append(samples)
+        self.figures["tokens"].append(tokens)
+        self.figures["rss"].append(_rss_bytes())
+        if stepped and "state" not in self.figures:  # steady state: after a real step
+            self.figures["state"] = _state_bytes(plan)
+        return None
+
+    def progress(self, step: int, steps: int, warmup: int) -> TrialProgress:
+        state = self.figures.get("state")
+        return TrialProgress(
+            step=step,
+            steps_planned=steps,
+            step_seconds=tuple(self.figures["times"]),
+            warmup_steps=warmup,
+            state_bytes=None if state is None else state.total,
+        )
+
+
+def _measure_trained(
+    loop: _Loop,
+    heldout: Sequence[Any],
+    eval_fn: Callable[[nn.Module], float] | None,
+) -> list[torch.Tensor | None]:
+    """Held-out losses, outputs and activation range, and ``eval_fn``, on the trained copy."""
+    plan, figures, recipe = loop.plan, loop.figures, loop.recipe
+    losses, outputs, activation = _heldout_pass(
+        plan, heldout, loop.device, recipe.loss_fn, recipe.train_step
+    )
+    figures["heldout"] = losses
+    figures["activation"] = activation if heldout else None
+    if eval_fn is not None:
+        plan.model.eval()
+        with torch.no_grad(), plan.autocast():
+            figures["eval"] = float(eval_fn(plan.model))
+        plan.model.train()
+    return outputs
+
+
+def _failure_of(error: Exception, step: int | None) -> TrialFailure:
+    if isinstance(error, UnsupportedModeError):
+        return TrialFailure(
+            kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
+        )
+    kind: FailureKind = "out_of_memory" if _is_oom(error) else "exception"
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return TrialFailure(kind=kind, step=step, message=f"{type(error).__name__}: {first_line}")
+
+
+def _train(
+    loop: _Loop,
+    result: TrialResult,
+    points: Sequence[LrPoint],
+    legs: list[int],
+    warmup_steps: int,
+    stop: StopCheck | None,
+) -> tuple[int | None, TrialFailure | None, str | None]:
+    """Train every leg at its learning rates; (last step, failure, stop reason)."""
+    step, total = None, sum(legs)
+    for point, leg in zip(points, legs, strict=True):
+        _set_lrs(loop.plan.optimizer, point)
+        for _ in range(leg):
+            step = 0 if step is None else step + 1
+            failure = loop.step(step)
+            if failure is not None:
+                return step, failure, None
+            if stop is not None:
+                reason = stop(loop.progress(step, total, warmup_steps))
+                if reason is not None:
+                    return step, None, reason
+        result.leg_weights.append(_sampled(loop.plan, result.sample_indices))
+    return step, None, None
+
+
 def run_trial(
     spec: ModeSpec,
     model: nn.Module,
     batches: Sequence[Any],
     *,
-    optimizer: OptimizerSource,
+    recipe: TrainingRecipe,
     steps: int | None = None,
-    loss_fn: LossFn | None = None,
-    train_step: TrainStep | None = None,
+    lr_points: Sequence[LrPoint] | None = None,
     heldout: Sequence[Any] = (),
     eval_fn: Callable[[nn.Module], float] | None = None,
     warmup_steps: int = 2,
@@ -291,12 +445,17 @@ def run_trial(
     situation: Situation | None = None,
     stop: StopCheck | None = None,
 ) -> TrialResult:
-    """Train a deep copy of ``model`` in ``spec`` for ``steps`` steps and measure it.
+    """Train a deep copy of ``model`` in ``spec`` for ``steps`` optimizer steps and measure it.
+
+    The copy trains in train mode with the recipe's optimizer, accumulation and clipping, one
+    leg per lr point (``recipe.lr_points``: the peak, then the schedule's floor), the steps
+    split evenly between them.
 
     Args:
-        batches: the training batches, cycled when ``steps`` exceeds their number.
-        optimizer: the user's optimizer (cloned with its groups and hyper-parameters onto the
-            copy) or a factory ``params -> optimizer``.
+        batches: the training batches, cycled when the trial needs more.
+        recipe: the user's training recipe.
+        steps: optimizer steps (default: one per batch).
+        lr_points: the learning rates of the legs (default: the optimizer's own lrs).
         heldout: batches never trained on: loss, outputs and activation range are measured on
             them after training.
         eval_fn: ``eval_fn(model) -> float`` called on the trained copy (lower is better).
@@ -310,12 +469,13 @@ def run_trial(
     if steps < 1:
         raise ValueError(f"steps must be >= 1 but got {steps}.")
     device = torch.device(model_device(model))
+    points = tuple(lr_points) if lr_points else None
+    legs = _leg_steps(steps, points) if points else [steps]
     order = list(range(len(batches)))
     if shuffle_seed is not None:
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(shuffle_seed))
-        order = order.tolist()
-    clock, started = _Clock(device), time.perf_counter()
-    figures: dict[str, Any] = {"losses": [], "times": [], "samples": [], "tokens": [], "rss": []}
+        generator = torch.Generator().manual_seed(shuffle_seed)
+        order = torch.randperm(len(batches), generator=generator).tolist()
+    started = time.perf_counter()
     result = TrialResult(
         record=TrialRecord(
             spec=spec, seed=seed, steps_planned=steps, steps_run=0, warmup_steps=warmup_steps
@@ -325,63 +485,32 @@ def run_trial(
     failure: TrialFailure | None = None
     stopped: str | None = None
     plan: PrecisionPlan | None = None
-    cuda_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda_devices):
+    loop: _Loop | None = None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         try:
-            trained = copy.deepcopy(model)
-            plan = prepare(
-                spec, trained, _fresh_optimizer(optimizer, model, trained), situation=situation
+            trained = copy.deepcopy(model).train()
+            plan = build_plan(
+                spec,
+                trained,
+                recipe.make_optimizer(model, trained),
+                grad_accumulation_steps=recipe.grad_accumulation_steps,
+                clip_grad_norm=recipe.clip_grad_norm,
+                situation=situation,
             )
+            if points is None:
+                points = (
+                    LrPoint(
+                        role="constant",
+                        lrs=tuple(float(g["lr"]) for g in plan.optimizer.param_groups),
+                    ),
+                )
+            loop = _Loop(plan, recipe, batches, order, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
-            result.initial_weights = _sampled(plan, result.sample_indices)
-            max_gradient = 0.0
-            for step in range(steps):
-                batch = to_device(batches[order[step % len(batches)]], device)
-                start = clock.now()
-                with plan.autocast():
-                    loss, _ = forward_and_loss(plan, batch, loss_fn, train_step)
-                loss_value = float(loss.detach().float())
-                figures["losses"].append(loss_value)
-                if not math.isfinite(loss_value):
-                    failure = TrialFailure(
-                        kind="non_finite_loss",
-                        step=step,
-                        message=f"loss is {loss_value} at step {step}",
-                    )
-                    break
-                plan.backward(loss)
-                gradient = _max_abs_gradient(plan)
-                scaled = spec.mode == "amp_fp16"  # the loss scaler handles inf/nan gradients
-                if not math.isfinite(gradient) and not scaled:
-                    failure = TrialFailure(
-                        kind="non_finite_gradient",
-                        step=step,
-                        message=f"gradient is {gradient} at step {step}",
-                    )
-                    break
-                if math.isfinite(gradient):
-                    max_gradient = max(max_gradient, gradient)
-                plan.step()
-                figures["times"].append(clock.now() - start)
-                figures["samples"].append(count_samples(batch))
-                figures["tokens"].append(count_tokens(batch))
-                figures["rss"].append(_rss_bytes())
-                if step == 0:
-                    figures["state"] = _state_bytes(plan)
-                if stop is not None:
-                    progress = TrialProgress(
-                        step=step,
-                        steps_planned=steps,
-                        step_seconds=tuple(figures["times"]),
-                        warmup_steps=warmup_steps,
-                        state_bytes=figures["state"].total,
-                    )
-                    stopped = stop(progress)
-                    if stopped is not None:
-                        break
+            result.leg_weights.append(_sampled(plan, result.sample_indices))
+            step, failure, stopped = _train(loop, result, points, legs, warmup_steps, stop)
             if failure is None and not all(
                 bool(torch.isfinite(p).all()) for p in plan.model.parameters()
             ):
@@ -390,42 +519,26 @@ def run_trial(
                     step=step,
                     message=f"weights are not finite after step {step}",
                 )
-            figures["max_gradient"] = max_gradient
             if failure is None and stopped is None:
-                result.final_weights = _sampled(plan, result.sample_indices)
-                losses, outputs, activation = _heldout_pass(
-                    plan, heldout, device, loss_fn, train_step
-                )
-                figures["heldout"], result.heldout_outputs = losses, outputs
-                figures["activation"] = activation if heldout else None
-                if eval_fn is not None:
-                    plan.model.eval()
-                    with torch.no_grad(), plan.autocast():
-                        figures["eval"] = float(eval_fn(plan.model))
-                    plan.model.train()
-            if "state" not in figures:  # measured after step 0 unless the trial ended before
-                figures["state"] = _state_bytes(plan)
-        except UnsupportedModeError as error:
-            failure = TrialFailure(
-                kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
-            )
+                result.heldout_outputs = _measure_trained(loop, heldout, eval_fn)
+            if "state" not in loop.figures:  # no step stepped: measure what there is
+                loop.figures["state"] = _state_bytes(plan)
         except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
-            kind: FailureKind = "out_of_memory" if _is_oom(error) else "exception"
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            failure = TrialFailure(
-                kind=kind, step=step, message=f"{type(error).__name__}: {first_line}"
-            )
+            failure = _failure_of(error, loop.current_step if loop is not None else None)
         finally:
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             mode = plan.mode if plan is not None else None
-            del plan
+            figures = loop.figures if loop is not None else {}
+            del plan, loop
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     record = _record(
         spec, seed, steps, warmup_steps, failure, figures, peak, mode, time.perf_counter() - started
     )
-    result.record = record.model_copy(update={"stopped": stopped})
+    result.record = record.model_copy(
+        update={"stopped": stopped, "lr_points": points or (), "leg_steps": tuple(legs)}
+    )
     return result
 
 
@@ -440,19 +553,19 @@ def _record(
     mode: Any,
     wall: float,
 ) -> TrialRecord:
-    times = figures["times"][warmup:]
+    times = figures.get("times", [])[warmup:]
     measured = sum(times)
-    samples = sum(figures["samples"][warmup:])
-    tokens = figures["tokens"][warmup:]
-    rss = [value for value in figures["rss"] if value is not None]
+    samples = sum(figures.get("samples", [])[warmup:])
+    tokens = figures.get("tokens", [])[warmup:]
+    rss = [value for value in figures.get("rss", []) if value is not None]
     return TrialRecord(
         spec=spec,
         seed=seed,
         steps_planned=steps,
-        steps_run=len(figures["times"]),
+        steps_run=len(figures.get("times", [])),
         warmup_steps=warmup,
         failure=failure,
-        losses=tuple(figures["losses"]),
+        losses=tuple(figures.get("losses", [])),
         samples_per_second=samples / measured if times and measured > 0 else None,
         tokens_per_second=(
             sum(tokens) / measured if times and measured > 0 and None not in tokens else None

@@ -7,10 +7,13 @@ cannot finish. The user's model is never touched: every trial trains a deep copy
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,12 +21,19 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from autoprec.batching import LossFn, TrainStep, to_device
-from autoprec.candidates import Skipped, candidate_specs
+from autoprec.candidates import CandidateList, Skipped, candidate_specs
 from autoprec.choice import choose, pareto_front
 from autoprec.drift import DriftThresholds, judge
 from autoprec.eligibility import Situation, model_device
-from autoprec.probing import probe
+from autoprec.probing import ProbeReport, probe
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
+from autoprec.recipe import (
+    OptimizerSource,
+    RecipeSummary,
+    SchedulerFactory,
+    TrainingRecipe,
+    default_optimizer,
+)
 from autoprec.search import (
     OBJECTIVES,
     Objective,
@@ -36,12 +46,10 @@ from autoprec.search import (
     search,
 )
 from autoprec.specs import ModeSpec
-from autoprec.trial import OptimizerSource, TrialResult, run_trial
+from autoprec.trial import TrialResult, run_trial
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LR = 3e-4
-"""Learning rate of the default optimizer, AdamW(lr=3e-4), when none is given."""
 HELDOUT_BATCHES = 4
 """Batches kept out of training to compare outputs and losses (fewer when the loader is short)."""
 MAX_BATCHES = 64
@@ -86,6 +94,8 @@ class TuneResult(BaseModel):
     skipped: tuple[Skipped, ...]
     """Modes that cannot run here (never tried), with the probe's reasons."""
     budget: BudgetReport
+    recipe: RecipeSummary
+    """The training recipe every trial ran (optimizer, lr legs, accumulation, clipping)."""
 
     @property
     def chosen(self) -> ModeSpec:
@@ -208,6 +218,36 @@ def _reference_failed(result: TrialResult) -> ValueError:
     )
 
 
+def _reference_still(result: TrialResult) -> ValueError:
+    lrs = "; ".join(point.describe() for point in result.record.lr_points)
+    return ValueError(
+        f"The fp32 reference did not change any weight in {result.record.steps_run} steps "
+        f"({lrs}): the loss does not reach the trainable parameters (no gradients), or the "
+        "optimizer does not move them. Nothing can be judged against a run that does not train."
+    )
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Leave the global RNGs (torch CPU and CUDA, Python's random, NumPy's) as they were."""
+    python_state = random.getstate()
+    numpy_state = None
+    try:
+        import numpy
+
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        numpy = None  # type: ignore[assignment]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
 def _confirm_speed(
     outcomes: list[TrialOutcome],
     reference: TrialOutcome,
@@ -260,6 +300,188 @@ def _confirm_speed(
     return [confirmed(o) for o in outcomes], confirmed(reference)
 
 
+@dataclass
+class _Setup:
+    """What every stage of one tune() run shares."""
+
+    user_model: nn.Module
+    trial_model: nn.Module
+    recipe: TrainingRecipe
+    train: list[Any]
+    heldout: list[Any]
+    report: ProbeReport
+    situation: Situation
+    candidates: CandidateList
+    eval_fn: Callable[[nn.Module], float] | None
+    seed: int
+    budget_seconds: float
+    deadline: float
+    clock: Callable[[], float]
+    thresholds: DriftThresholds | None
+
+    def run(self, spec: ModeSpec, steps: int, **options: Any) -> TrialResult:
+        options.setdefault("seed", self.seed)
+        return run_trial(
+            spec,
+            self.trial_model,
+            self.train,
+            recipe=self.recipe,
+            steps=steps,
+            lr_points=self.recipe.lr_points(self.user_model),
+            warmup_steps=WARMUP_STEPS,
+            situation=self.situation,
+            **options,
+        )
+
+
+def _check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
+        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+    if next(model.parameters(), None) is None:
+        raise ValueError("The model has no parameters: there is nothing to tune.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "The model has no trainable parameters (requires_grad=False everywhere): the fp32 "
+            "reference would never move. Unfreeze the parameters your run trains."
+        )
+
+
+def _setup(
+    model: nn.Module,
+    loader: Iterable[Any],
+    recipe: TrainingRecipe,
+    *,
+    modes: list[str] | None,
+    device: str | None,
+    **shared: Any,
+) -> _Setup:
+    batches = _collect(loader)
+    held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
+    train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
+    recipe.lr_points(model)  # a run that never moves is refused before anything runs
+    trial_model = model if device is None else copy.deepcopy(model).to(device)
+    example = None
+    if recipe.train_step is None:
+        example = to_device(_example_input(train[0], recipe.loss_fn), model_device(trial_model))
+    report = probe(trial_model, example)
+    situation = Situation(
+        hardware=report.hardware,
+        device=report.device,
+        layers=report.layers,
+        backends=report.backends,
+    )
+    return _Setup(
+        user_model=model,
+        trial_model=trial_model,
+        recipe=recipe,
+        train=train,
+        heldout=heldout,
+        report=report,
+        situation=situation,
+        candidates=candidate_specs(report, modes),
+        **shared,
+    )
+
+
+def _plan_steps(setup: _Setup, budget_minutes: float) -> tuple[int, float, float]:
+    """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
+    start = setup.clock()
+    calibration = setup.run(ModeSpec(mode="fp32"), CALIBRATION_STEPS)
+    if calibration.record.failure is not None:
+        raise _reference_failed(calibration)
+    step_seconds = calibration.record.median_step_seconds or 1e-3
+    calibration_seconds = setup.clock() - start
+    trials = len(setup.candidates.specs) + 1  # every candidate and the noise run
+    available = (setup.deadline - setup.clock()) * (1 - BUDGET_RESERVE)
+    steps = int(available / (trials * step_seconds * 1.5))
+    if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
+        raise ValueError(
+            f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
+            f"{step_seconds:.3g} s and the reference and noise runs alone need "
+            f"{2 * MIN_TRIAL_STEPS} steps. Give at least "
+            f"{(calibration_seconds + 3 * MIN_TRIAL_STEPS * step_seconds) / 60:.2f} minutes."
+        )
+    return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
+
+
+def _references(
+    setup: _Setup, steps: int, budget_minutes: float, objective: Objective
+) -> tuple[TrialResult, TrialResult]:
+    """The fp32 reference and the noise run (another seed and batch order)."""
+    budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
+    references = []
+    for seed_offset, shuffle in ((0, None), (1, 1)):
+        result = setup.run(
+            ModeSpec(mode="fp32"),
+            steps,
+            seed=setup.seed + seed_offset,
+            shuffle_seed=shuffle,
+            heldout=setup.heldout,
+            eval_fn=setup.eval_fn,
+            stop=budget_only,
+        )
+        if result.record.failure is not None:
+            raise _reference_failed(result)
+        if result.record.stopped is not None:
+            raise ValueError(
+                f"budget_minutes={budget_minutes} is too small for the fp32 "
+                f"reference ({result.record.stopped})."
+            )
+        if not result.moved():
+            raise _reference_still(result)
+        references.append(result)
+    return references[0], references[1]
+
+
+def _profile_and_result(
+    setup: _Setup,
+    objective: Objective,
+    reference_outcome: TrialOutcome,
+    outcomes: list[TrialOutcome],
+    budget: BudgetReport,
+) -> TuneResult:
+    winner = choose(outcomes, reference_outcome, objective)
+    run = [o for o in outcomes if o.seconds > 0]
+    note = None
+    if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
+        note = "No candidate passed the drift gate; this is the fp32 reference. " + " ".join(
+            f"{o.label}: {o.status} ({'; '.join(o.reasons) or 'no reason'})." for o in run
+        )
+    evidence = Evidence(
+        trial_steps=budget.trial_steps,
+        trial_count=budget.trials_run,
+        budget_seconds=budget.budget_seconds,
+        budget_used_seconds=budget.used_seconds,
+        reference=_figures(reference_outcome),
+        chosen=_figures(winner),
+        drift=winner.drift,
+    )
+    recipe = setup.recipe.summary(setup.user_model)
+    profile = profile_for(
+        winner.spec,
+        model_layers=setup.report.layers,
+        hardware=setup.report.hardware,
+        device=setup.report.device,
+        evidence=evidence,
+        recipe=recipe,
+        note=note,
+    )
+    return TuneResult(
+        profile=profile,
+        objective=objective,
+        reference=reference_outcome,
+        trials=tuple(outcomes),
+        pareto=tuple(pareto_front([reference_outcome, *outcomes])),
+        skipped=setup.candidates.skipped,
+        budget=budget,
+        recipe=recipe,
+    )
+
+
 def tune(
     model: nn.Module,
     loader: Iterable[Any],
@@ -267,6 +489,10 @@ def tune(
     *,
     loss_fn: LossFn | None = None,
     optimizer: OptimizerSource | None = None,
+    scheduler: SchedulerFactory | None = None,
+    total_steps: int | None = None,
+    grad_accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
     train_step: TrainStep | None = None,
     eval_fn: Callable[[nn.Module], float] | None = None,
     objective: Objective = "speed",
@@ -281,144 +507,102 @@ def tune(
 ) -> TuneResult:
     """Find the fastest (or leanest) precision mode that passes the drift gate, within budget.
 
+    Every trial runs your training recipe: your optimizer, the learning rates your schedule
+    reaches (a leg at its peak and one at its floor), accumulation and clipping.
+
     Args:
-        model: your model; never modified (every trial trains a deep copy).
+        model: your model; never modified (every trial trains a deep copy in train mode).
         loader: an iterable of batches (tensors, tuples or dicts); up to 64 are read, the last
-            few held out for comparing outputs.
+            few held out for comparing outputs. The global RNG states are restored afterwards.
         budget_minutes: hard wall for the whole search (total wall time <= budget + 5%).
         loss_fn: ``loss_fn(output, target)``; else the model's own scalar / ``.loss`` output.
         optimizer: an optimizer over ``model`` or a factory ``params -> optimizer``
-            (default: AdamW with lr 3e-4).
+            (default: AdamW with lr 3e-4). Never stepped: trials clone it.
+        scheduler: ``factory(optimizer) -> LRScheduler`` (or ``factory(optimizer,
+            total_steps=N)``) as your run builds it; needs ``total_steps``.
+        total_steps: your real run's number of optimizer steps.
+        grad_accumulation_steps: micro-batches per optimizer step.
+        clip_grad_norm: max gradient norm, or None.
         train_step: ``train_step(plan, batch) -> loss`` for anything else.
         eval_fn: ``eval_fn(model) -> float`` (lower is better), judged against fp32.
         objective: "speed", "memory" or "balanced".
         modes: restrict the candidates to these canonical mode names.
         device: "cpu" or "cuda:N" to tune on (default: where the model is).
         storage / study_name: an Optuna storage URL to persist (and resume) the study.
+        on_event: called with a :class:`~autoprec.search.SearchEvent` before and after each
+            trial (progress displays).
 
     Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
-        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
-    if next(model.parameters(), None) is None:
-        raise ValueError("The model has no parameters: there is nothing to tune.")
+    _check_arguments(model, budget_minutes, objective)
+    recipe = TrainingRecipe(
+        optimizer=optimizer if optimizer is not None else default_optimizer,
+        scheduler=scheduler,
+        total_steps=total_steps,
+        grad_accumulation_steps=grad_accumulation_steps,
+        clip_grad_norm=clip_grad_norm,
+        loss_fn=loss_fn,
+        train_step=train_step,
+    )
     start = clock()
-    budget = float(budget_minutes) * 60
-    deadline = start + budget
-    batches = _collect(loader)
-    held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
-    train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
-    trial_model = model if device is None else copy.deepcopy(model).to(device)
-    source = (
-        optimizer
-        if optimizer is not None
-        else (lambda params: torch.optim.AdamW(params, lr=DEFAULT_LR))
-    )
-    example = None
-    if train_step is None:
-        example = to_device(_example_input(train[0], loss_fn), model_device(trial_model))
-    report = probe(trial_model, example)
-    situation = Situation(
-        hardware=report.hardware,
-        device=report.device,
-        layers=report.layers,
-        backends=report.backends,
-    )
-    candidates = candidate_specs(report, modes)
-    common: dict[str, Any] = {
-        "optimizer": source,
-        "loss_fn": loss_fn,
-        "train_step": train_step,
-        "warmup_steps": WARMUP_STEPS,
-        "situation": situation,
-    }
-
-    calibration = run_trial(
-        ModeSpec(mode="fp32"), trial_model, train, steps=CALIBRATION_STEPS, seed=seed, **common
-    )
-    if calibration.record.failure is not None:
-        raise _reference_failed(calibration)
-    step_seconds = calibration.record.median_step_seconds or 1e-3
-    calibration_seconds = clock() - start
-    trials = len(candidates.specs) + 1  # every candidate and the noise run
-    available = (deadline - clock()) * (1 - BUDGET_RESERVE)
-    steps = int(available / (trials * step_seconds * 1.5))
-    if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
-        raise ValueError(
-            f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
-            f"{step_seconds:.3g} s and the reference and noise runs alone need "
-            f"{2 * MIN_TRIAL_STEPS} steps. Give at least "
-            f"{(calibration_seconds + 3 * MIN_TRIAL_STEPS * step_seconds) / 60:.2f} minutes."
+    with preserved_rng():
+        setup = _setup(
+            model,
+            loader,
+            recipe,
+            modes=modes,
+            device=device,
+            eval_fn=eval_fn,
+            seed=seed,
+            budget_seconds=float(budget_minutes) * 60,
+            deadline=start + float(budget_minutes) * 60,
+            clock=clock,
+            thresholds=thresholds,
         )
-    steps = max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps))
+        return _search(setup, budget_minutes, objective, storage, study_name, on_event, start)
+
+
+def _search(
+    setup: _Setup,
+    budget_minutes: float,
+    objective: Objective,
+    storage: str | None,
+    study_name: str | None,
+    on_event: Callable[[SearchEvent], None] | None,
+    start: float,
+) -> TuneResult:
+    clock, candidates = setup.clock, setup.candidates
+    steps, step_seconds, calibration_seconds = _plan_steps(setup, budget_minutes)
     study = create_study(storage, study_name)
     steps = int(study.user_attrs.get("trial_steps", steps))
     study.set_user_attr("trial_steps", steps)
     study.set_user_attr("objective", objective)
-
-    budget_only = make_stop_check(None, objective, deadline, clock)
-    references = []
-    for seed_offset, shuffle in ((0, None), (1, 1)):
-        result = run_trial(
-            ModeSpec(mode="fp32"),
-            trial_model,
-            train,
-            steps=steps,
-            seed=seed + seed_offset,
-            shuffle_seed=shuffle,
-            heldout=heldout,
-            eval_fn=eval_fn,
-            stop=budget_only,
-            **common,
-        )
-        if result.record.failure is not None:
-            raise _reference_failed(result)
-        if result.record.stopped is not None:
-            raise ValueError(
-                f"budget_minutes={budget_minutes} is too small for the fp32 "
-                f"reference ({result.record.stopped})."
-            )
-        references.append(result)
-    reference, noise = references
-    reference_outcome = _outcome(
-        reference, judge(reference, reference, noise, thresholds), report.device
-    )
+    reference, noise = _references(setup, steps, budget_minutes, objective)
+    device = setup.report.device
+    verdict = judge(reference, reference, noise, setup.thresholds)
+    reference_outcome = _outcome(reference, verdict, device)
     reference_seconds = clock() - start - calibration_seconds
     if "fp32" not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
         trial = ask_for(study, "fp32", [s.label for s in candidates.specs])
         record_outcome(study, trial, reference_outcome)
 
     def runner(spec: ModeSpec, stop: Any) -> TrialOutcome:
-        result = run_trial(
-            spec,
-            trial_model,
-            train,
-            steps=steps,
-            seed=seed,
-            heldout=heldout,
-            eval_fn=eval_fn,
-            stop=stop,
-            **common,
+        result = setup.run(spec, steps, heldout=setup.heldout, eval_fn=setup.eval_fn, stop=stop)
+        failure = result.record.failure
+        judged = result.record.completed or (
+            failure is not None and failure.kind.startswith("non_finite")
         )
-        completed = result.record.failure is None and result.record.stopped is None
-        judged = result.record.failure is not None and result.record.failure.kind.startswith(
-            "non_finite"
-        )
-        verdict = judge(result, reference, noise, thresholds) if completed or judged else None
-        return _outcome(result, verdict, report.device)
+        verdict = judge(result, reference, noise, setup.thresholds) if judged else None
+        return _outcome(result, verdict, device)
 
     outcomes = search(
         candidates.specs[1:],
         runner,
         study=study,
         objective=objective,
-        deadline=deadline,
-        budget_seconds=budget,
+        deadline=setup.deadline,
+        budget_seconds=setup.budget_seconds,
         expected_trial_seconds=steps * step_seconds,
         accepted=[reference_outcome],
         choices=[s.label for s in candidates.specs],
@@ -426,64 +610,25 @@ def tune(
         on_event=on_event,
     )
     if objective != "memory":
+        budget_only = make_stop_check(None, objective, setup.deadline, clock)
         outcomes, reference_outcome = _confirm_speed(
             outcomes,
             reference_outcome,
-            deadline,
+            setup.deadline,
             clock,
-            lambda spec: (
-                run_trial(
-                    spec,
-                    trial_model,
-                    train,
-                    steps=min(steps, CONFIRM_STEPS),
-                    seed=seed,
-                    stop=budget_only,
-                    **common,
-                ).record
-            ),
-        )
-    winner = choose(outcomes, reference_outcome, objective)
-    run = [o for o in outcomes if o.seconds > 0]
-    note = None
-    if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
-        note = "No candidate passed the drift gate; this is the fp32 reference. " + " ".join(
-            f"{o.label}: {o.status} ({'; '.join(o.reasons) or 'no reason'})." for o in run
+            lambda spec: setup.run(spec, min(steps, CONFIRM_STEPS), stop=budget_only).record,
         )
     used = clock() - start
-    evidence = Evidence(
+    run = [o for o in outcomes if o.seconds > 0]
+    budget = BudgetReport(
+        budget_seconds=setup.budget_seconds,
+        used_seconds=used,
+        calibration_seconds=calibration_seconds,
+        reference_seconds=reference_seconds,
+        search_seconds=used - calibration_seconds - reference_seconds,
         trial_steps=steps,
-        trial_count=len(run) + 2,
-        budget_seconds=budget,
-        budget_used_seconds=used,
-        reference=_figures(reference_outcome),
-        chosen=_figures(winner),
-        drift=winner.drift,
+        fp32_step_seconds=step_seconds,
+        trials_run=len(run) + 2,
+        trials_not_run=len(outcomes) - len(run),
     )
-    profile = profile_for(
-        winner.spec,
-        model_layers=report.layers,
-        hardware=report.hardware,
-        device=report.device,
-        evidence=evidence,
-        note=note,
-    )
-    return TuneResult(
-        profile=profile,
-        objective=objective,
-        reference=reference_outcome,
-        trials=tuple(outcomes),
-        pareto=tuple(pareto_front([reference_outcome, *outcomes])),
-        skipped=candidates.skipped,
-        budget=BudgetReport(
-            budget_seconds=budget,
-            used_seconds=used,
-            calibration_seconds=calibration_seconds,
-            reference_seconds=reference_seconds,
-            search_seconds=used - calibration_seconds - reference_seconds,
-            trial_steps=steps,
-            fp32_step_seconds=step_seconds,
-            trials_run=len(run) + 2,
-            trials_not_run=len(outcomes) - len(run),
-        ),
-    )
+    return _profile_and_result(setup, objective, reference_outcome, outcomes, budget)

@@ -19,6 +19,7 @@ import time
 from autoprec.candidates import candidate_specs
 from autoprec.drift import judge
 from autoprec.probing import probe
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.tuning import tune
@@ -51,9 +52,10 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     for title, (task, loss_fn) in _tasks().items():
         common = {"optimizer": task.optimizer, "loss_fn": loss_fn}
+        recipe = TrainingRecipe(**common)
         specs = candidate_specs(probe(task.model, task.batches[0][0])).specs
         started = time.monotonic()
-        long = {**common, "heldout": task.heldout, "steps": args.steps}
+        long = {"recipe": recipe, "heldout": task.heldout, "steps": args.steps}
         reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **long)
         noise = run_trial(
             ModeSpec(mode="fp32"), task.model, task.batches, seed=1, shuffle_seed=1, **long
@@ -72,7 +74,7 @@ def main() -> None:
         for order in (list(accepted), list(accepted)[::-1]):
             for label in order:
                 record = run_trial(
-                    by_label[label], task.model, task.batches, steps=args.steps // 2, **common
+                    by_label[label], task.model, task.batches, steps=args.steps // 2, recipe=recipe
                 ).record
                 timed[label].append(record.samples_per_second or 0.0)
         speed_of = {label: sum(values) / len(values) for label, values in timed.items()}

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from autoprec.drift import judge
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from examples import tasks, tiny_gpt
@@ -69,9 +70,8 @@ def main() -> None:
                 spec,
                 task.model,
                 task.batches,
-                optimizer=task.optimizer,
+                recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=loss_fn),
                 steps=args.steps,
-                loss_fn=loss_fn,
                 heldout=task.heldout,
                 **kw,
             )

@@ -24,6 +24,7 @@ import torch
 from autoprec.candidates import candidate_specs
 from autoprec.drift import judge
 from autoprec.probing import probe
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.tuning import tune
@@ -70,7 +71,7 @@ def main() -> None:
     )
 
     optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
-    common = {"optimizer": optimizer, "steps": steps, "heldout": heldout}
+    common = {"recipe": TrainingRecipe(optimizer=optimizer), "steps": steps, "heldout": heldout}
     reference = run_trial(ModeSpec(mode="fp32"), model, train, **common)
     noise = run_trial(ModeSpec(mode="fp32"), model, train, seed=1, shuffle_seed=1, **common)
     print(

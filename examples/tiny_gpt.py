@@ -6,6 +6,7 @@ Factory for the CLI: ``autoprec probe --model examples.tiny_gpt:make_model``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,3 +123,26 @@ def make_small_model() -> tuple[TinyGPT, torch.Tensor]:
 def make_small_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`make_batches` sized for :func:`make_small_model`."""
     return make_batches(count=24, vocab_size=SMALL["vocab_size"], block_size=SMALL["block_size"])
+
+
+def make_optimizer(params: Any, lr: float = 6e-4) -> torch.optim.AdamW:
+    """nanoGPT's optimizer: AdamW, betas (0.9, 0.95), weight decay 0.1.
+
+    Optimizer factory for the CLI: ``--optimizer examples.tiny_gpt:make_optimizer [--lr X]``.
+    """
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """nanoGPT's schedule: linear warm-up over 2% of the run, cosine decay to a tenth of the
+    peak. Scheduler factory for the CLI: ``--scheduler examples.tiny_gpt:cosine_schedule
+    --total-steps N``."""
+    warmup = max(1, total_steps // 50)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

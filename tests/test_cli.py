@@ -293,3 +293,73 @@ def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> No
         "bf16_sr",
         "bf16_sr_kahan",
     }
+
+
+def test_tune_runs_the_recipe_given_on_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "recipe.json"
+    code = main(
+        [
+            "tune",
+            "examples.tiny_gpt:make_small_model",
+            "--data",
+            "examples.tiny_gpt:make_small_batches",
+            "--budget",
+            "0.3",
+            "--modes",
+            "amp_bf16",
+            "--objective",
+            "memory",
+            "--optimizer",
+            "examples.tiny_gpt:make_optimizer",
+            "--lr",
+            "5e-5",
+            "--scheduler",
+            "examples.tiny_gpt:cosine_schedule",
+            "--total-steps",
+            "5000",
+            "--grad-accum",
+            "2",
+            "--clip",
+            "1.0",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    recipe = json.loads(out.read_text())["recipe"]
+    assert recipe["optimizer"] == "torch.optim.adamw:AdamW"
+    assert recipe["optimizer_groups"][0]["lr"] == 5e-5
+    assert recipe["optimizer_groups"][0]["betas"] == [0.9, 0.95]
+    assert recipe["scheduler"] == "examples.tiny_gpt:cosine_schedule"
+    assert (recipe["total_steps"], recipe["grad_accumulation_steps"]) == (5000, 2)
+    assert recipe["clip_grad_norm"] == 1.0
+    peak, floor = recipe["lr_points"]
+    assert peak["lrs"] == [pytest.approx(5e-5)] and floor["lrs"][0] < 1e-5
+
+
+def test_recipe_flag_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    common = [
+        "tune",
+        "examples.tiny_gpt:make_small_model",
+        "--data",
+        "examples.tiny_gpt:make_small_batches",
+        "--budget",
+        "0.3",
+        "--out",
+        str(tmp_path / "p.json"),
+    ]
+    assert main([*common, "--scheduler", "examples.tiny_gpt:cosine_schedule"]) == 2
+    assert "needs total_steps" in capsys.readouterr().err
+    assert main([*common, "--optimizer", "examples.tiny_gpt:make_batches", "--lr", "1e-3"]) == 2
+    assert "factory 'examples.tiny_gpt:make_batches' takes no lr argument" in (
+        capsys.readouterr().err
+    )
+    help_text = subprocess.run(
+        [sys.executable, "-m", "autoprec", "tune", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    for flag in ("--optimizer", "--lr", "--scheduler", "--total-steps", "--grad-accum", "--clip"):
+        assert flag in help_text

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from autoprec.drift import DriftThresholds, judge, noise_floor
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import TrialFailure, TrialResult, run_trial
 from examples import tasks
@@ -16,9 +17,8 @@ def _trial(task: tasks.Task, spec: ModeSpec, **kwargs: object) -> TrialResult:
         spec,
         task.model,
         task.batches,
-        optimizer=task.optimizer,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=STEPS,
-        loss_fn=task.mse,
         heldout=task.heldout,
         **kwargs,
     )
@@ -85,8 +85,7 @@ def _fp16_runs(factor: float, *modes: str) -> list[TrialResult]:
             ModeSpec(mode=mode),
             task.model,
             task.batches,
-            optimizer=task.optimizer,  # type: ignore[arg-type]
-            loss_fn=task.mse,
+            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
             heldout=task.heldout,
         )
         for mode in modes
@@ -131,8 +130,7 @@ def test_loss_scaler_health(low_lr: dict) -> None:
     )
     trial = TrialResult(
         record=record,
-        initial_weights=low_lr["amp_bf16"].initial_weights,
-        final_weights=low_lr["amp_bf16"].final_weights,
+        leg_weights=low_lr["amp_bf16"].leg_weights,
         heldout_outputs=low_lr["amp_bf16"].heldout_outputs,
     )
     reasons = judge(trial, low_lr["reference"], low_lr["noise"]).reasons

@@ -111,3 +111,17 @@ def test_gpu_validation_script_runs_in_quick_mode() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "fp32 " in done.stdout and "chosen: " in done.stdout
+
+
+def test_lr_schedule_benchmark_runs_in_quick_mode() -> None:
+    """The measurement behind the lr legs; --quick keeps it in CI."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.lr_schedule_gate", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "verdicts matching the long runs:" in done.stdout
+    assert "legs 5/5" in done.stdout, done.stdout

@@ -53,12 +53,16 @@ def train(spec: ModeSpec, tmp_path: Path, steps: int = 60):
         profile = autoprec.load_profile(path)
     model, _ = tiny_gpt.make_model(**SMALL)
     user_optimizer = _nanogpt_optimizer(model)
-    plan = profile.apply(model, user_optimizer)
+    # a constant schedule: every mode must keep driving the optimizer it steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(user_optimizer, lambda step: 1.0)
+    plan = profile.apply(model, user_optimizer, scheduler)
+    assert plan.scheduler is scheduler and scheduler.optimizer is plan.optimizer
     losses = []
     for tokens, targets in _batches(steps):
         with plan.autocast():
             loss = plan.model(tokens, targets)
         plan.step(loss)
+        scheduler.step()
         losses.append(loss.item())
     return plan, user_optimizer, losses
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 
 import autoprec
 from autoprec.eligibility import Situation
-from autoprec.errors import UnsupportedModeError
+from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.layers import scan_model
 from autoprec.specs import ModeSpec
 from tests.conftest import make_backends, make_hardware
@@ -204,3 +205,68 @@ def test_bad_model_or_optimizer() -> None:
         autoprec.prepare(ModeSpec(mode="fp32"), "model", torch.optim.AdamW(model.parameters()))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
         autoprec.prepare(ModeSpec(mode="fp32"), model, None)  # type: ignore[arg-type]
+
+
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+
+
+@pytest.mark.parametrize("mode", ["bf16_kahan", "bf16_sr", "amp_bf16"])
+def test_the_scheduler_drives_the_optimizer_the_plan_steps(mode: str) -> None:
+    model = _model()
+    before = copy.deepcopy(model).bfloat16() if mode.startswith("bf16") else copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = _warmup(optimizer)
+    plan = autoprec.prepare(ModeSpec(mode=mode), model, optimizer, scheduler)
+    assert plan.scheduler is scheduler and scheduler.optimizer is plan.optimizer
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for _ in range(12):
+            x = torch.randn(4, 16)
+            with plan.autocast():
+                loss = plan.model(x).float().pow(2).mean()
+            plan.step(loss)
+            scheduler.step()
+            lrs.append(plan.optimizer.param_groups[0]["lr"])
+    assert lrs[:3] == pytest.approx([2e-3, 3e-3, 4e-3]) and lrs[-1] == pytest.approx(1e-2)
+    moved = max(
+        float((a.detach().float() - b.detach().float()).abs().max())
+        for a, b in zip(plan.model.parameters(), before.parameters(), strict=True)
+    )
+    assert moved > 1e-3
+
+
+def test_a_rebuilt_optimizer_without_its_scheduler_warns() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _warmup(optimizer)
+    with pytest.warns(OptimizerRebuiltWarning, match="carry initial_lr.*scheduler"):
+        autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the optimizer is kept: nothing to rebind, no warning
+        autoprec.prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_scheduler_on_another_optimizer_is_refused_before_converting() -> None:
+    model = _model()
+    other = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="does not drive the optimizer passed"):
+        autoprec.prepare(
+            ModeSpec(mode="bf16_kahan"),
+            model,
+            torch.optim.AdamW(model.parameters()),
+            _warmup(other),
+        )
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_sequential_schedulers_are_rebound_too() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5)
+    second = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[5])
+    plan = autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer, scheduler)
+    assert {s.optimizer for s in (scheduler, first, second)} == {plan.optimizer}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import autoprec
-from autoprec.errors import HardwareMismatchWarning, ProfileError
+from autoprec.errors import HardwareMismatchWarning, ModelMismatchWarning, ProfileError
 from autoprec.layers import scan_model
 from autoprec.profile import (
     SCHEMA_VERSION,
@@ -173,3 +173,60 @@ def test_apply_returns_a_plan() -> None:
         model, torch.optim.AdamW(model.parameters()), grad_accumulation_steps=2
     )
     assert isinstance(plan, autoprec.PrecisionPlan) and plan.grad_accumulation_steps == 2
+
+
+def _tuned_for_tiny_gpt(**recipe: object) -> Profile:
+    from autoprec.recipe import TrainingRecipe
+
+    model, _ = tiny_gpt.make_model()
+    return profile_for(
+        ModeSpec(mode="bf16_pure", keep_fp32=("ln_f", "blocks.*.ln_*")),
+        model_layers=scan_model(model),
+        recipe=TrainingRecipe(**recipe).summary(model),  # type: ignore[arg-type]
+    )
+
+
+def test_applying_to_another_model_warns_and_strict_refuses() -> None:
+    import torch
+    from torch import nn
+
+    profile = _tuned_for_tiny_gpt()
+    mlp = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    with pytest.warns(ModelMismatchWarning) as caught:
+        profile.apply(mlp, torch.optim.AdamW(mlp.parameters()))
+    message = str(caught[0].message)
+    assert "class: proven on TinyGPT, applied to Sequential" in message
+    assert "keep_fp32 patterns match no module: ln_f, blocks.*.ln_*" in message
+    other = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    with pytest.raises(ProfileError, match="proven for another model"):
+        profile.apply(other, torch.optim.AdamW(other.parameters()), strict=True)
+    assert all(p.dtype == torch.float32 for p in other.parameters())  # refused before converting
+    model, _ = tiny_gpt.make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own model: no warning
+        profile.apply(model, torch.optim.AdamW(model.parameters()), strict=True)
+
+
+def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
+    import torch
+
+    profile = _tuned_for_tiny_gpt(grad_accumulation_steps=4, clip_grad_norm=1.0)
+    assert profile.recipe is not None and profile.recipe.grad_accumulation_steps == 4
+    loaded = Profile.model_validate_json(profile.model_dump_json())
+    model, _ = tiny_gpt.make_model()
+    plan = loaded.apply(model, torch.optim.AdamW(model.parameters()))
+    assert (plan.grad_accumulation_steps, plan.clip_grad_norm) == (4, 1.0)
+    model, _ = tiny_gpt.make_model()
+    plan = loaded.apply(model, torch.optim.AdamW(model.parameters()), grad_accumulation_steps=1)
+    assert plan.grad_accumulation_steps == 1
+
+
+def test_version_1_profiles_still_load(tmp_path: Path) -> None:
+    data = json.loads((PROFILES / "example-cpu-amp_bf16.json").read_text())
+    data["schema_version"] = 1
+    del data["recipe"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HardwareMismatchWarning)
+        assert load_profile(path).recipe is None

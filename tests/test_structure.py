@@ -16,7 +16,8 @@ ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
     "hardware", "layers", "eligibility",                             # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
-    "probing", "candidates", "batching", "trial", "drift", "search", "choice",  # pipeline
+    "probing", "candidates", "batching", "recipe", "trial", "drift", "search",  # pipeline
+    "choice",
     "integrations", "profile",                                       # artifact
     "factories", "tuning", "report", "display", "cli",               # drivers
 ]

@@ -5,7 +5,10 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
+import autoprec
+from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import TIMING_FIELDS, run_trial
 from examples import tasks, tiny_gpt
@@ -46,9 +49,8 @@ def test_users_model_and_rng_are_untouched() -> None:
             ModeSpec(mode=mode),
             task.model,
             task.batches,
-            optimizer=task.optimizer,
+            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
             steps=10,
-            loss_fn=task.mse,
             heldout=task.heldout,
         )
     assert _same(before, _snapshot(task.model))
@@ -63,9 +65,8 @@ def test_identical_trials_give_identical_figures_except_timings() -> None:
             ModeSpec(mode="bf16_sr"),
             task.model,
             task.batches,
-            optimizer=task.optimizer,
+            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
             steps=30,
-            loss_fn=task.mse,
             heldout=task.heldout,
         ).record
         for _ in range(2)
@@ -81,10 +82,9 @@ def test_figures() -> None:
         ModeSpec(mode="bf16_kahan"),
         task.model,
         task.batches,
-        optimizer=task.optimizer,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=12,
         warmup_steps=2,
-        loss_fn=task.mse,
         heldout=task.heldout,
     ).record
     assert record.completed and record.steps_run == 12 and len(record.losses) == 12
@@ -112,7 +112,11 @@ def test_state_bytes_separate_fp32_bf16_and_8bit() -> None:
         ModeSpec(mode="fp32", optimizer_bits=8),
     ):
         record = run_trial(
-            spec, task.model, task.batches, optimizer=task.optimizer, steps=2, loss_fn=task.mse
+            spec,
+            task.model,
+            task.batches,
+            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
+            steps=2,
         ).record
         assert record.state_bytes is not None
         totals[spec.label] = record.state_bytes
@@ -129,7 +133,7 @@ def test_tokens_per_second_for_token_batches() -> None:
         ModeSpec(mode="fp32"),
         model,
         batches,
-        optimizer=torch.optim.AdamW(model.parameters()),
+        recipe=TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters())),
         warmup_steps=1,
     ).record
     assert record.completed, record.failure
@@ -142,8 +146,7 @@ def test_nan_is_recorded_with_its_step() -> None:
         ModeSpec(mode="amp_fp16"),
         task.model,
         task.batches,
-        optimizer=task.optimizer,
-        loss_fn=task.mse,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
     ).record
     assert record.failure is not None and record.failure.kind == "non_finite_loss"
     assert record.failure.step == 0 and record.steps_run == 0
@@ -163,9 +166,8 @@ def test_exception_in_the_model_is_recorded() -> None:
         ModeSpec(mode="fp32"),
         task.model,
         task.batches,
-        optimizer=task.optimizer,
+        recipe=TrainingRecipe(optimizer=task.optimizer, train_step=train_step),
         steps=10,
-        train_step=train_step,
     ).record
     assert record.failure is not None
     assert (record.failure.kind, record.failure.step) == ("exception", 3)
@@ -199,9 +201,8 @@ def test_out_of_memory_is_recorded(error: BaseException) -> None:
         ModeSpec(mode="fp32"),
         task.model,
         task.batches,
-        optimizer=task.optimizer,
+        recipe=TrainingRecipe(optimizer=task.optimizer, train_step=train_step),
         steps=5,
-        train_step=train_step,
     ).record
     assert record.failure is not None
     assert (record.failure.kind, record.failure.step) == ("out_of_memory", 1)
@@ -213,9 +214,8 @@ def test_unsupported_mode_is_recorded() -> None:
         ModeSpec(mode="fp8_te"),
         task.model,
         task.batches,
-        optimizer=task.optimizer,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=2,
-        loss_fn=task.mse,
     ).record
     assert record.failure is not None and record.failure.kind == "unsupported"
     assert (
@@ -230,7 +230,7 @@ def test_loss_from_model_output_or_clear_error() -> None:
         ModeSpec(mode="fp32"),
         model,
         [(tokens, tokens)],
-        optimizer=torch.optim.AdamW(model.parameters()),
+        recipe=TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters())),
         steps=2,
     ).record
     assert good.completed  # TinyGPT returns a scalar loss when given targets
@@ -238,7 +238,7 @@ def test_loss_from_model_output_or_clear_error() -> None:
         ModeSpec(mode="fp32"),
         model,
         [tokens],
-        optimizer=torch.optim.AdamW(model.parameters()),
+        recipe=TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters())),
         steps=2,
     ).record
     assert bad.failure is not None and "Cannot find a loss" in bad.failure.message
@@ -264,7 +264,7 @@ def test_dict_batches_and_hf_style_loss() -> None:
         ModeSpec(mode="amp_bf16"),
         model,
         [batch] * 3,
-        optimizer=torch.optim.AdamW(model.parameters()),
+        recipe=TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters())),
         warmup_steps=1,
     ).record
     assert record.completed, record.failure
@@ -277,16 +277,23 @@ def test_factory_optimizer_and_bad_arguments() -> None:
         ModeSpec(mode="fp32"),
         task.model,
         task.batches,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        recipe=TrainingRecipe(
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss_fn=task.mse
+        ),
         steps=3,
-        loss_fn=task.mse,
     ).record
     assert record.completed
     with pytest.raises(ValueError, match="batches is empty"):
-        run_trial(ModeSpec(mode="fp32"), task.model, [], optimizer=task.optimizer)
+        run_trial(
+            ModeSpec(mode="fp32"), task.model, [], recipe=TrainingRecipe(optimizer=task.optimizer)
+        )
     with pytest.raises(ValueError, match="steps must be >= 1"):
         run_trial(
-            ModeSpec(mode="fp32"), task.model, task.batches, optimizer=task.optimizer, steps=0
+            ModeSpec(mode="fp32"),
+            task.model,
+            task.batches,
+            recipe=TrainingRecipe(optimizer=task.optimizer),
+            steps=0,
         )
 
 
@@ -297,12 +304,120 @@ def test_model_copy_is_deep() -> None:
         ModeSpec(mode="bf16_pure"),
         task.model,
         task.batches,
-        optimizer=task.optimizer,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=3,
-        loss_fn=task.mse,
     )
     assert all(p.dtype == torch.float32 for p in task.model.parameters())
     assert all(
         torch.equal(a, b)
         for a, b in zip(task.model.parameters(), reference.parameters(), strict=True)
     )
+
+
+def test_fp16_memory_is_the_steady_state_after_the_first_real_step() -> None:
+    # GradScaler starts at 2**16: this summed loss overflows fp16 gradients, so the first
+    # steps are skipped and AdamW holds no state yet; the figure must not count that as savings
+    task = tasks.regression(lr=1e-3)
+
+    def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output.float() - target) ** 2).sum() * 100
+
+    records = {
+        mode: run_trial(
+            ModeSpec(mode=mode),
+            task.model,
+            task.batches,
+            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=summed),
+            steps=20,
+        ).record
+        for mode in ("fp32", "amp_fp16")
+    }
+    assert 1 <= records["amp_fp16"].skipped_steps < 20
+    assert records["amp_fp16"].state_bytes == records["fp32"].state_bytes
+
+
+class _ModeSpy(nn.Module):
+    """Records whether each forward pass ran in train mode (and has dropout to make it matter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.5), nn.Linear(64, 16))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.training)
+        return self.inner(x)
+
+
+def test_trials_train_in_train_mode_and_leave_the_users_mode() -> None:
+    task = tasks.regression()
+    model = _ModeSpy().eval()  # as from_pretrained returns it
+    calls: list[bool] = []
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        output = plan.model(batch[0])
+        calls.append(plan.model.seen[-1])
+        return task.mse(output, batch[1])
+
+    record = run_trial(
+        ModeSpec(mode="fp32"),
+        model,
+        task.batches,
+        recipe=TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p), train_step=step),
+        steps=3,
+        heldout=task.heldout[:1],
+    ).record
+    assert record.completed
+    assert calls == [True, True, True, False]  # 3 training steps, then the held-out pass
+    assert not model.training and model.seen == []
+
+
+def test_accumulation_and_clipping_run_as_apply_runs_them() -> None:
+    task = tasks.regression(lr=1e-2)
+    recipe = TrainingRecipe(
+        optimizer=task.optimizer, loss_fn=task.mse, grad_accumulation_steps=4, clip_grad_norm=0.05
+    )
+    record = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, recipe=recipe, steps=5)
+    assert record.record.completed and record.record.steps_run == 5
+    # 5 optimizer steps of 4 micro-batches of 64 samples each
+    assert sum(len(b[0]) for b in task.batches[:20]) == 5 * 4 * 64
+    model = copy.deepcopy(task.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = autoprec.profile_for(ModeSpec(mode="fp32")).apply(
+        model, optimizer, grad_accumulation_steps=4, clip_grad_norm=0.05
+    )
+    by_hand = []
+    for step in range(5):
+        losses = []
+        for x, y in task.batches[step * 4 : step * 4 + 4]:
+            loss = task.mse(plan.model(x), y)
+            losses.append(float(loss.detach()))
+            plan.step(loss)
+        by_hand.append(sum(losses) / 4)
+    assert record.record.losses == pytest.approx(by_hand, rel=1e-6)
+    assert plan.last_grad_norm is not None
+
+
+def test_lr_legs_split_the_steps_and_set_each_legs_lrs() -> None:
+    task = tasks.regression()
+    seen: list[float] = []
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        seen.append(plan.optimizer.param_groups[0]["lr"])
+        return task.mse(plan.model(batch[0]), batch[1])
+
+    points = (
+        LrPoint(role="peak", lrs=(1e-3,), schedule_step=0, total_steps=100),
+        LrPoint(role="floor", lrs=(1e-5,), schedule_step=90, total_steps=100),
+    )
+    result = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        recipe=TrainingRecipe(optimizer=task.optimizer, train_step=step),
+        steps=7,
+        lr_points=points,
+    )
+    assert seen == [1e-3] * 4 + [1e-5] * 3
+    assert result.record.leg_steps == (4, 3) and result.record.lr_points == points
+    assert len(result.leg_weights) == 3 and result.moved()

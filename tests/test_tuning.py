@@ -163,3 +163,91 @@ def test_result_profile_round_trips(tmp_path: Path) -> None:
     loaded = autoprec.load_profile(path, strict=True)
     assert loaded.spec == result.chosen and loaded.evidence == result.profile.evidence
     assert type(result).model_validate_json(result.model_dump_json()) == result
+
+
+def _cosine(optimizer: torch.optim.Optimizer, total_steps: int) -> object:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=1e-5)
+
+
+def test_a_decaying_schedule_rejects_pure_bf16_at_its_floor_lr() -> None:
+    # at the constant peak lr 1e-3 pure bf16 keeps its updates; the cosine's tail does not
+    task = tasks.regression(lr=1e-3)
+    common = {
+        "loss_fn": task.mse,
+        "optimizer": task.optimizer,
+        "modes": ["bf16_pure"],
+        "objective": "memory",  # judged whatever its speed
+    }
+    peak_only = tune(task.model, _loader(task), budget_minutes=0.3, **common)
+    at_peak = peak_only.trials[0]
+    assert at_peak.drift["update_fraction"] > 0.9
+    assert not any(r.startswith("updates lost") for r in at_peak.reasons)
+    scheduled = tune(
+        task.model,
+        _loader(task),
+        budget_minutes=0.3,
+        scheduler=_cosine,
+        total_steps=3000,
+        **common,
+    )
+    pure = scheduled.trials[0]
+    assert pure.label == "bf16_pure" and pure.status == "rejected"
+    assert any(
+        r.startswith("updates lost to rounding at lr 3.44e-05, the schedule's floor at step 2699")
+        for r in pure.reasons
+    ), pure.reasons
+    assert scheduled.chosen.mode == "fp32"
+    recipe = scheduled.profile.recipe
+    assert recipe is not None and recipe == scheduled.recipe
+    assert recipe.scheduler == "tests.test_tuning:_cosine" and recipe.total_steps == 3000
+    assert [p.role for p in recipe.lr_points] == ["peak", "floor"]
+
+
+def test_an_lr_zeroed_by_a_warmup_scheduler_is_an_error_not_a_pass() -> None:
+    task = tasks.regression()
+    torch.optim.lr_scheduler.LambdaLR(task.optimizer, lambda step: min(1.0, step / 100))
+    with pytest.raises(ValueError, match=r"learning rate is 0.*scheduler="):
+        tune(
+            task.model,
+            _loader(task),
+            budget_minutes=0.3,
+            loss_fn=task.mse,
+            optimizer=task.optimizer,
+        )
+
+
+def test_a_reference_that_does_not_move_is_an_error() -> None:
+    frozen, _ = tiny_gpt.make_small_model()
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        tune(frozen, tiny_gpt.make_small_batches(), budget_minutes=0.3)
+    task = tasks.regression()
+
+    def detached(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # the loss never reaches the parameters
+        return (output.detach() - target).pow(2).mean().requires_grad_()
+
+    with pytest.raises(ValueError, match="did not change any weight"):
+        tune(task.model, _loader(task), budget_minutes=0.3, loss_fn=detached, modes=["amp_bf16"])
+
+
+def test_tune_leaves_the_global_rngs_as_it_found_them() -> None:
+    import random
+
+    import numpy
+
+    task = tasks.regression()
+    dataset = torch.utils.data.TensorDataset(
+        torch.cat([b[0] for b in task.batches]), torch.cat([b[1] for b in task.batches])
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True)
+    torch.manual_seed(123)
+    random.seed(5)
+    numpy.random.seed(7)
+    expected = (torch.rand(3), random.random(), numpy.random.rand())
+    torch.manual_seed(123)
+    random.seed(5)
+    numpy.random.seed(7)
+    tune(task.model, loader, budget_minutes=0.5, loss_fn=task.mse, modes=["amp_bf16"])
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), numpy.random.rand()) == expected[1:]

@@ -9,7 +9,6 @@ surrounding precision.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -20,7 +19,7 @@ from typing_extensions import override
 
 from autoprec.eligibility import Situation, mode_eligibility, optimizer_8bit_eligibility
 from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer
-from autoprec.specs import ModeName, ModeSpec
+from autoprec.specs import ModeName, ModeSpec, matches_keep_fp32
 
 __all__ = ["PrecisionMode", "install_fp32_islands", "override"]
 
@@ -120,10 +119,7 @@ class PrecisionMode:
 
     def keeps_fp32(self, fqn: str) -> bool:
         """True when module ``fqn`` (or an ancestor) matches a ``keep_fp32`` pattern."""
-        for pattern in self.spec.keep_fp32:
-            if fqn == pattern or fqn.startswith(pattern + ".") or fnmatch.fnmatchcase(fqn, pattern):
-                return True
-        return False
+        return matches_keep_fp32(fqn, self.spec.keep_fp32)
 
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
         """torchao's idiom: True when the mode may convert this module."""

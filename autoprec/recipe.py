@@ -1,0 +1,298 @@
+"""The user's training recipe: one frozen value that trials run, the gate judges under, the
+study fingerprints and the profile records.
+
+A verdict holds only for the run it was measured under. The recipe says what that run is: the
+optimizer (an optimizer over the model, cloned per trial, or a factory ``params -> optimizer``),
+the LR schedule (a factory ``optimizer -> LRScheduler``) over the real run's ``total_steps``,
+gradient accumulation, clipping, and how a batch becomes a loss (``loss_fn`` / ``train_step``).
+
+Trials do not replay thousands of scheduler steps. :func:`lr_points` reads the schedule once
+and picks the learning rates that decide a verdict: the peak, and the floor the run spends its
+last stretch at (``FLOOR_QUANTILE``), where pure bf16 loses the most updates. A trial trains
+one leg at each, in that order (``benchmarks/lr_schedule_gate.py`` measured this against long
+runs; see the README).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from autoprec.batching import LossFn, TrainStep
+from autoprec.optim import named_groups, rebuild_optimizer
+
+OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+"""An optimizer over the user's model (cloned per trial) or a factory ``params -> optimizer``."""
+SchedulerFactory = Callable[..., Any]
+"""``factory(optimizer) -> LRScheduler``; called as ``factory(optimizer, total_steps=N)`` when
+it takes a ``total_steps`` argument."""
+
+DEFAULT_LR = 3e-4
+"""Learning rate of the default optimizer, AdamW(lr=3e-4), when none is given."""
+
+FLOOR_QUANTILE = 0.1
+"""The floor leg trains at the learning rate that the real run's last 10% of (non-zero-lr)
+optimizer steps stay at or below: the 10th percentile of the schedule's lr over its steps.
+A cosine decay from 1e-3 to 1e-5 gives 3.4e-5. Lower quantiles pick lrs the run spends too few
+steps at to matter (a linear decay to 0 would be judged at ~0); higher ones miss the end of the
+decay, where pure bf16 loses its updates (measured in benchmarks/lr_schedule_gate.py)."""
+SEPARATE_FLOOR_BELOW = 0.5
+"""A floor leg is trained only when the floor lr is below half the peak; otherwise one leg."""
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    """AdamW(lr=3e-4): the optimizer trials use when none is given."""
+    return torch.optim.AdamW(params, lr=DEFAULT_LR)
+
+
+def _name(value: Any) -> str | None:
+    if value is None:
+        return None
+    target = getattr(value, "func", value)  # functools.partial
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}:{qualname}"
+
+
+class LrPoint(BaseModel):
+    """The learning rates of one trial leg (one per parameter group) and where they come from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["constant", "peak", "floor", "replay"]
+    """constant: no schedule; peak / floor: the legs tune() trains; replay: benchmarks only."""
+    lrs: tuple[float, ...]
+    schedule_step: int | None = None
+    """The real run's optimizer step these lrs are taken from (None without a schedule)."""
+    total_steps: int | None = None
+
+    @property
+    def lr(self) -> float:
+        """The first group's lr (what messages quote)."""
+        return self.lrs[0]
+
+    def describe(self) -> str:
+        where = (
+            ""
+            if self.schedule_step is None
+            else f", the schedule's {self.role} at step {self.schedule_step} of {self.total_steps}"
+        )
+        return f"lr {self.lr:.3g}{where}"
+
+
+class RecipeSummary(BaseModel):
+    """The recipe as data: what a profile records and a study fingerprints."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    optimizer: str
+    """Class of the optimizer trials train with, e.g. ``torch.optim.adamw:AdamW``."""
+    optimizer_groups: tuple[dict[str, Any], ...]
+    """Each group's hyper-parameters (lr, betas, eps, weight_decay, ...), parameters left out."""
+    scheduler: str | None = None
+    total_steps: int | None = None
+    grad_accumulation_steps: int = 1
+    clip_grad_norm: float | None = None
+    loss_fn: str | None = None
+    train_step: str | None = None
+    lr_points: tuple[LrPoint, ...] = ()
+
+    def digest(self) -> str:
+        """sha256 (16 hex digits) of everything above."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """How the user trains: what every trial runs and ``apply()`` reproduces.
+
+    Args:
+        optimizer: an optimizer over the model (its groups and hyper-parameters are cloned per
+            trial; the object itself is never stepped) or a factory ``params -> optimizer``.
+            Default: AdamW(lr=3e-4).
+        scheduler: ``factory(optimizer) -> LRScheduler`` (or ``factory(optimizer,
+            total_steps=N)``); needs ``total_steps``.
+        total_steps: the real run's number of optimizer steps.
+        grad_accumulation_steps: micro-batches per optimizer step.
+        clip_grad_norm: max gradient norm, or None.
+        loss_fn / train_step: how a batch becomes a loss (see ``autoprec.batching``).
+    """
+
+    optimizer: OptimizerSource = default_optimizer
+    scheduler: SchedulerFactory | None = None
+    total_steps: int | None = None
+    grad_accumulation_steps: int = 1
+    clip_grad_norm: float | None = None
+    loss_fn: LossFn | None = None
+    train_step: TrainStep | None = None
+    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, torch.optim.Optimizer) and not callable(self.optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a factory params -> optimizer, "
+                f"not {type(self.optimizer).__name__}; a Lightning-style dict or list is not "
+                "an optimizer: pass the optimizer inside it."
+            )
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise TypeError(
+                f"scheduler must be a factory optimizer -> LRScheduler, not "
+                f"{type(self.scheduler).__name__}: a scheduler built on your optimizer cannot "
+                "drive a trial's copy. Pass e.g. lambda opt: LambdaLR(opt, warmup)."
+            )
+        if self.total_steps is not None and (
+            not isinstance(self.total_steps, int) or self.total_steps < 1
+        ):
+            raise ValueError(f"total_steps must be a positive int but got {self.total_steps!r}.")
+        if self.scheduler is not None and self.total_steps is None:
+            raise ValueError(
+                "A scheduler needs total_steps (the real run's optimizer steps): the verdict "
+                "must cover every learning rate the schedule reaches."
+            )
+        if not isinstance(self.grad_accumulation_steps, int) or self.grad_accumulation_steps < 1:
+            raise ValueError(
+                f"grad_accumulation_steps must be an int >= 1 but got "
+                f"{self.grad_accumulation_steps!r}."
+            )
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive but got {self.clip_grad_norm!r}.")
+        if self.loss_fn is not None and self.train_step is not None:
+            raise ValueError("Pass loss_fn or train_step, not both: train_step computes the loss.")
+
+    # -- optimizers ---------------------------------------------------------------------------
+
+    def make_optimizer(self, user_model: nn.Module, model: nn.Module) -> torch.optim.Optimizer:
+        """A fresh optimizer over ``model`` (a copy of ``user_model``), never the user's own."""
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            groups = named_groups(self.optimizer, user_model)
+            return rebuild_optimizer(self.optimizer, groups, model, "same", require_fresh=False)
+        made = self.optimizer(model.parameters())
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(
+                f"The optimizer factory {_name(self.optimizer)} returned "
+                f"{type(made).__name__}, not a torch.optim.Optimizer."
+            )
+        return made
+
+    def make_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The user's scheduler built on ``optimizer`` (None without one)."""
+        if self.scheduler is None:
+            return None
+        try:
+            accepts = "total_steps" in inspect.signature(self.scheduler).parameters
+        except (TypeError, ValueError):
+            accepts = False
+        if accepts:
+            return self.scheduler(optimizer, total_steps=self.total_steps)
+        return self.scheduler(optimizer)
+
+    # -- learning rates -----------------------------------------------------------------------
+
+    def schedule(self, model: nn.Module) -> list[tuple[float, ...]]:
+        """Each group's lr at every optimizer step of the real run (one entry without a
+        scheduler: the optimizer's own lrs). Read from a throwaway optimizer over ``model``."""
+        if "schedule" in self._cache:
+            return self._cache["schedule"]
+        optimizer = self.make_optimizer(model, model)
+        lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
+        if self.scheduler is not None:
+            assert self.total_steps is not None
+            with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
+                warnings.simplefilter("ignore")
+                scheduler = self.make_scheduler(optimizer)
+                lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
+                for _ in range(self.total_steps - 1):
+                    scheduler.step()
+                    lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
+        self._cache["schedule"] = lrs
+        return lrs
+
+    def lr_points(self, model: nn.Module) -> tuple[LrPoint, ...]:
+        """The learning rates trials train at: the peak and, under a decaying schedule, the
+        floor (``FLOOR_QUANTILE``). Raises when the run never moves (lr 0 everywhere)."""
+        lrs = self.schedule(model)
+        if self.scheduler is None:
+            _require_moving(lrs[0], self.optimizer)
+            return (LrPoint(role="constant", lrs=lrs[0]),)
+        moving = [step for step, values in enumerate(lrs) if values[0] > 0]
+        if not moving:
+            raise ValueError(
+                f"The schedule keeps the learning rate at 0 for all {self.total_steps} steps: "
+                "the run would never move, so there is nothing to judge a precision by."
+            )
+        peak = max(moving, key=lambda step: (lrs[step][0], -step))
+        ranked = sorted(moving, key=lambda step: (lrs[step][0], -step))
+        floor = ranked[min(len(ranked) - 1, math.floor(FLOOR_QUANTILE * len(ranked)))]
+        total = self.total_steps
+        points = [LrPoint(role="peak", lrs=lrs[peak], schedule_step=peak, total_steps=total)]
+        if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
+            points.append(
+                LrPoint(role="floor", lrs=lrs[floor], schedule_step=floor, total_steps=total)
+            )
+        return tuple(points)
+
+    def summary(self, model: nn.Module) -> RecipeSummary:
+        """The recipe as data (``model``: the user's, to read the optimizer's groups from)."""
+        if "summary" in self._cache:
+            return self._cache["summary"]
+        optimizer = self.make_optimizer(model, model)
+        groups = tuple(
+            {
+                key: _plain(value)
+                for key, value in sorted(group.items())
+                if key not in ("params", "initial_lr")
+            }
+            for group in optimizer.param_groups
+        )
+        summary = RecipeSummary(
+            optimizer=_name(type(optimizer)) or "",
+            optimizer_groups=groups,
+            scheduler=_name(self.scheduler),
+            total_steps=self.total_steps,
+            grad_accumulation_steps=self.grad_accumulation_steps,
+            clip_grad_norm=self.clip_grad_norm,
+            loss_fn=_name(self.loss_fn),
+            train_step=_name(self.train_step),
+            lr_points=self.lr_points(model),
+        )
+        self._cache["summary"] = summary
+        return summary
+
+
+def _require_moving(lrs: Sequence[float], source: OptimizerSource) -> None:
+    if any(lr > 0 for lr in lrs):
+        return
+    initial = []
+    if isinstance(source, torch.optim.Optimizer):
+        initial = [g.get("initial_lr") for g in source.param_groups if g.get("initial_lr")]
+    hint = (
+        f" Its param groups carry initial_lr={initial[0]:g}: a scheduler built on it set the lr "
+        "to 0 (warm-up). Pass scheduler=FACTORY and total_steps=N (CLI: --scheduler, "
+        "--total-steps) so trials follow the schedule."
+        if initial
+        else " Give the learning rate the run trains at."
+    )
+    raise ValueError(
+        f"The optimizer's learning rate is 0 in every group ({json.dumps(list(lrs))}): the "
+        f"fp32 reference would never move, and nothing can be judged against it.{hint}"
+    )

@@ -1,0 +1,125 @@
+"""The training recipe: validation, the learning rates trials train at, and its summary."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.recipe import FLOOR_QUANTILE, TrainingRecipe
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _cosine(optimizer: torch.optim.Optimizer, total_steps: int) -> object:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=1e-5)
+
+
+def _warmup(optimizer: torch.optim.Optimizer) -> object:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 100))
+
+
+def test_without_a_schedule_trials_train_at_the_optimizers_lrs() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 1e-3},
+            {"params": model[2].parameters(), "lr": 2e-3},
+        ]
+    )
+    (point,) = TrainingRecipe(optimizer=optimizer).lr_points(model)
+    assert point.role == "constant" and point.lrs == (1e-3, 2e-3)
+    assert not optimizer.state  # the user's optimizer is never stepped
+
+
+def test_a_decaying_schedule_adds_a_floor_leg_at_its_tail() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recipe = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=3000)
+    peak, floor = recipe.lr_points(model)
+    assert (peak.role, peak.lr, peak.schedule_step) == ("peak", 1e-3, 0)
+    assert floor.role == "floor"
+    # the 10th percentile of a cosine from 1e-3 to 1e-5: 3.4e-5, late in the run
+    assert floor.lr == pytest.approx(3.44e-5, rel=0.01)
+    assert floor.schedule_step == pytest.approx(3000 * (1 - FLOOR_QUANTILE), abs=2)
+    assert "step 2699 of 3000" in floor.describe()
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # the user's optimizer is not scheduled
+
+
+def test_a_warmup_peak_and_a_constant_tail_need_one_leg() -> None:
+    model = _model()
+    recipe = TrainingRecipe(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=_warmup, total_steps=2000
+    )
+    points = recipe.lr_points(model)
+    assert [p.role for p in points] == ["peak"]
+    assert points[0].lr == pytest.approx(0.1)
+
+
+def test_an_lr_already_zeroed_by_a_warmup_scheduler_is_refused() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    _warmup(optimizer)  # step 0 of the warm-up: lr 0
+    with pytest.raises(ValueError, match=r"learning rate is 0.*initial_lr=0.0003.*scheduler="):
+        TrainingRecipe(optimizer=optimizer).lr_points(model)
+    # with the schedule handed over, trials follow it from its true peak
+    recipe = TrainingRecipe(optimizer=optimizer, scheduler=_warmup, total_steps=500)
+    assert recipe.lr_points(model)[0].lr == pytest.approx(3e-4)
+
+
+def test_a_schedule_that_never_moves_is_refused() -> None:
+    model = _model()
+    recipe = TrainingRecipe(
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0),
+        total_steps=10,
+    )
+    with pytest.raises(ValueError, match="keeps the learning rate at 0 for all 10 steps"):
+        recipe.lr_points(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"scheduler": _warmup}, "needs total_steps"),
+        ({"total_steps": 0}, "total_steps must be a positive int"),
+        ({"grad_accumulation_steps": 0}, "grad_accumulation_steps must be an int >= 1"),
+        ({"clip_grad_norm": 0.0}, "clip_grad_norm must be positive"),
+        ({"loss_fn": lambda o, t: o, "train_step": lambda p, b: b}, "not both"),
+        ({"optimizer": {"optimizer": None}}, "Lightning-style dict"),
+        ({"scheduler": object()}, "factory optimizer -> LRScheduler"),
+    ],
+)
+def test_bad_recipes(kwargs: dict, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        TrainingRecipe(**kwargs)
+
+
+def test_summary_records_the_optimizer_and_is_a_stable_digest() -> None:
+    model = _model()
+    factory = functools.partial(torch.optim.AdamW, lr=5e-5, weight_decay=0.0)
+    summary = TrainingRecipe(
+        optimizer=factory, scheduler=_cosine, total_steps=100, grad_accumulation_steps=4
+    ).summary(model)
+    assert summary.optimizer == "torch.optim.adamw:AdamW"
+    assert summary.optimizer_groups[0]["lr"] == 5e-5
+    assert summary.scheduler == "tests.test_recipe:_cosine"
+    assert (summary.total_steps, summary.grad_accumulation_steps) == (100, 4)
+    assert [p.role for p in summary.lr_points] == ["peak", "floor"]
+    again = TrainingRecipe(
+        optimizer=factory, scheduler=_cosine, total_steps=100, grad_accumulation_steps=4
+    ).summary(model)
+    assert again.digest() == summary.digest()
+    other = TrainingRecipe(optimizer=factory, scheduler=_cosine, total_steps=100).summary(model)
+    assert other.digest() != summary.digest()
+
+
+def test_factory_returning_something_else_is_named() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match=r"returned dict, not a torch\.optim\.Optimizer"):
+        TrainingRecipe(optimizer=lambda params: {"optimizer": None}).make_optimizer(model, model)
