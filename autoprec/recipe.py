@@ -55,7 +55,8 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=DEFAULT_LR)
 
 
-def _name(value: Any) -> str | None:
+def qualified_name(value: Any) -> str | None:
+    """``module:qualname`` of a function, class or partial (None for None)."""
     if value is None:
         return None
     target = getattr(value, "func", value)  # functools.partial
@@ -189,7 +190,7 @@ class TrainingRecipe:
         made = self.optimizer(model.parameters())
         if not isinstance(made, torch.optim.Optimizer):
             raise TypeError(
-                f"The optimizer factory {_name(self.optimizer)} returned "
+                f"The optimizer factory {qualified_name(self.optimizer)} returned "
                 f"{type(made).__name__}, not a torch.optim.Optimizer."
             )
         return made
@@ -265,14 +266,14 @@ class TrainingRecipe:
             for group in optimizer.param_groups
         )
         summary = RecipeSummary(
-            optimizer=_name(type(optimizer)) or "",
+            optimizer=qualified_name(type(optimizer)) or "",
             optimizer_groups=groups,
-            scheduler=_name(self.scheduler),
+            scheduler=qualified_name(self.scheduler),
             total_steps=self.total_steps,
             grad_accumulation_steps=self.grad_accumulation_steps,
             clip_grad_norm=self.clip_grad_norm,
-            loss_fn=_name(self.loss_fn),
-            train_step=_name(self.train_step),
+            loss_fn=qualified_name(self.loss_fn),
+            train_step=qualified_name(self.train_step),
             lr_points=self.lr_points(model),
         )
         self._cache["summary"] = summary

@@ -20,11 +20,20 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep, to_device
 from autoprec.candidates import CandidateList, Skipped, candidate_specs
 from autoprec.choice import choose, pareto_front
 from autoprec.drift import DriftThresholds, judge
 from autoprec.eligibility import Situation, model_device
+from autoprec.fingerprint import (
+    StudyFingerprint,
+    check_study,
+    load_references,
+    references_path,
+    save_references,
+    tensor_digest,
+)
 from autoprec.probing import ProbeReport, probe
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import (
@@ -33,6 +42,7 @@ from autoprec.recipe import (
     SchedulerFactory,
     TrainingRecipe,
     default_optimizer,
+    qualified_name,
 )
 from autoprec.search import (
     OBJECTIVES,
@@ -78,6 +88,8 @@ class BudgetReport(BaseModel):
     fp32_step_seconds: float
     trials_run: int
     trials_not_run: int
+    reference_reused: bool = False
+    """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
 
 
 class TuneResult(BaseModel):
@@ -334,6 +346,25 @@ class _Setup:
         )
 
 
+def _fingerprint(setup: _Setup, objective: Objective, budget_minutes: float) -> StudyFingerprint:
+    report = setup.report
+    gpu = next((g for g in report.hardware.gpus if f"cuda:{g.index}" == report.device), None)
+    machine = gpu.name if gpu is not None else report.hardware.cpu.model_name
+    return StudyFingerprint(
+        model=tensor_digest(setup.user_model),
+        batches=tensor_digest([*setup.train, *setup.heldout]),
+        recipe=setup.recipe.summary(setup.user_model).model_dump(mode="json"),
+        objective=objective,
+        thresholds=(setup.thresholds or DriftThresholds()).model_dump(mode="json"),
+        candidates=tuple(spec.label for spec in setup.candidates.specs),
+        budget_minutes=float(budget_minutes),
+        hardware=f"{report.device} ({machine}), torch {report.hardware.torch_version}",
+        seed=setup.seed,
+        eval_fn=qualified_name(setup.eval_fn),
+        autoprec_version=__version__,
+    )
+
+
 def _check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
@@ -563,6 +594,31 @@ def tune(
         return _search(setup, budget_minutes, objective, storage, study_name, on_event, start)
 
 
+def _measured_references(
+    setup: _Setup, study: Any, storage: str | None, budget_minutes: float, objective: Objective
+) -> tuple[TrialResult, TrialResult, int, float, float, bool]:
+    """(reference, noise, trial steps, fp32 step seconds, calibration seconds, reused): from
+    the study when it was measured under the same fingerprint, else measured now."""
+    fingerprint = _fingerprint(setup, objective, budget_minutes)
+    check_study(study, fingerprint, f"{study.study_name!r} in {storage}")
+    cache = references_path(storage, study.study_name)
+    attrs = study.user_attrs
+    stored = load_references(cache, fingerprint) if "fp32_step_seconds" in attrs else None
+    if stored is not None:  # a resumed run: the same fp32 runs, measured before
+        logger.info("reusing the fp32 reference runs stored in %s", cache)
+        steps, step_seconds = int(attrs["trial_steps"]), float(attrs["fp32_step_seconds"])
+        return (*stored, steps, step_seconds, 0.0, True)
+    steps, step_seconds, calibration_seconds = _plan_steps(setup, budget_minutes)
+    steps = int(attrs.get("trial_steps", steps))
+    study.set_user_attr("trial_steps", steps)
+    study.set_user_attr("fp32_step_seconds", step_seconds)
+    study.set_user_attr("objective", objective)  # autoprec report reads it
+    reference, noise = _references(setup, steps, budget_minutes, objective)
+    if cache is not None:
+        save_references(cache, fingerprint, (reference, noise))
+    return reference, noise, steps, step_seconds, calibration_seconds, False
+
+
 def _search(
     setup: _Setup,
     budget_minutes: float,
@@ -573,12 +629,9 @@ def _search(
     start: float,
 ) -> TuneResult:
     clock, candidates = setup.clock, setup.candidates
-    steps, step_seconds, calibration_seconds = _plan_steps(setup, budget_minutes)
     study = create_study(storage, study_name)
-    steps = int(study.user_attrs.get("trial_steps", steps))
-    study.set_user_attr("trial_steps", steps)
-    study.set_user_attr("objective", objective)
-    reference, noise = _references(setup, steps, budget_minutes, objective)
+    measured = _measured_references(setup, study, storage, budget_minutes, objective)
+    reference, noise, steps, step_seconds, calibration_seconds, reused = measured
     device = setup.report.device
     verdict = judge(reference, reference, noise, setup.thresholds)
     reference_outcome = _outcome(reference, verdict, device)
@@ -630,5 +683,6 @@ def _search(
         fp32_step_seconds=step_seconds,
         trials_run=len(run) + 2,
         trials_not_run=len(outcomes) - len(run),
+        reference_reused=reused,
     )
     return _profile_and_result(setup, objective, reference_outcome, outcomes, budget)

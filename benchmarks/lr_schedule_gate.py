@@ -117,7 +117,8 @@ def _designs(recipe: TrainingRecipe, task: tasks.Task) -> dict[str, tuple[LrPoin
 
 def _verdicts(
     task: tasks.Task, recipe: TrainingRecipe, points: tuple[LrPoint, ...], steps: int
-) -> dict[str, tuple[bool, str]]:
+) -> dict[str, tuple[bool, str, float | None]]:
+    """Per mode: (accepted, reasons, update fraction in the weakest leg)."""
     common = {"recipe": recipe, "steps": steps, "heldout": task.heldout, "lr_points": points}
     reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **common)
     noise = run_trial(
@@ -127,7 +128,8 @@ def _verdicts(
     for mode in MODES:
         result = run_trial(ModeSpec(mode=mode), task.model, task.batches, **common)
         verdict = judge(result, reference, noise)
-        found[mode] = (verdict.accepted, "; ".join(verdict.reasons)[:70])
+        fraction = verdict.metrics.update_fraction
+        found[mode] = (verdict.accepted, "; ".join(verdict.reasons)[:70], fraction)
     return found
 
 
@@ -166,21 +168,21 @@ def main() -> None:
         for name, points in designs.items():
             lrs = ", ".join(f"{p.lr:.2g}" for p in points)
             print(f"   {name:7} trains at lr {lrs}")
-        print(
-            f"   {'mode':14} {'final loss':>10} {'truth':>6}  "
-            + "  ".join(f"{d:>6}" for d in designs)
-        )
+        header = "".join(f"{d:>14}" for d in designs)
+        print(f"   {'mode':14} {'final loss':>10} {'truth':>6} {header}   (verdict, movement)")
         for mode in MODES:
             hurts = final[mode] > limit
             cases += 1
             cells = []
             for name in designs:
-                accepted, _ = verdicts[name][mode]
+                accepted, _, fraction = verdicts[name][mode]
                 right = accepted != hurts
                 scores[name] += right
-                cells.append(f"{'pass' if accepted else 'reject':>6}{' ' if right else '!'}")
+                moved = "  -  " if fraction is None else f"{fraction:5.2f}"
+                mark = " " if right else "!"
+                cells.append(f"{'pass' if accepted else 'reject':>7}{mark} {moved}")
             truth = "hurts" if hurts else "ok"
-            print(f"   {mode:14} {final[mode]:10.5f} {truth:>6}  " + " ".join(cells))
+            print(f"   {mode:14} {final[mode]:10.5f} {truth:>6} " + "".join(cells))
         for name in designs:
             wrong = [
                 f"{mode} ({reason or 'accepted'})"

@@ -17,7 +17,7 @@ ORDER = [
     "hardware", "layers", "eligibility",                             # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "trial", "drift", "search",  # pipeline
-    "choice",
+    "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "tuning", "report", "display", "cli",               # drivers
 ]

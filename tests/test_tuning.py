@@ -111,6 +111,7 @@ def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
         on_event=events.append,
     )
     kinds = {e.label: e.kind for e in events if e.kind != "start"}
+    assert result.budget.reference_reused and result.budget.calibration_seconds == 0
     assert kinds[done[0]] == "skip" and kinds[done[1]] == "skip"
     assert kinds["bf16_sr"] == "done"
     assert {o.label for o in result.trials} == {
@@ -251,3 +252,37 @@ def test_tune_leaves_the_global_rngs_as_it_found_them() -> None:
     tune(task.model, loader, budget_minutes=0.5, loss_fn=task.mse, modes=["amp_bf16"])
     assert torch.equal(torch.rand(3), expected[0])
     assert (random.random(), numpy.random.rand()) == expected[1:]
+
+
+def test_a_study_refuses_to_resume_for_another_run(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    model, _ = tiny_gpt.make_small_model()
+    batches = tiny_gpt.make_small_batches()
+    common = {"budget_minutes": 0.3, "storage": storage, "study_name": "s"}
+    first = tune(model, batches, modes=["amp_bf16"], **common)
+    assert not first.budget.reference_reused
+    changes = [
+        ({"objective": "memory"}, r"objective \(speed -> memory\)"),
+        ({"modes": ["bf16_kahan"]}, "candidates"),
+        ({"optimizer": lambda p: torch.optim.AdamW(p, lr=5e-5)}, r"recipe \(.*optimizer_groups"),
+        ({"seed": 3}, r"seed \(0 -> 3\)"),
+    ]
+    for change, message in changes:
+        options = {"modes": ["amp_bf16"], **change}
+        with pytest.raises(
+            ValueError, match=f"study 's' in .* holds outcomes of another run.*{message}"
+        ):
+            tune(model, batches, **{**common, **options})
+    other_model, _ = tiny_gpt.make_model(seed=1, **tiny_gpt.SMALL)
+    with pytest.raises(ValueError, match=r"model \(other weights or data\).*--study NAME"):
+        tune(other_model, batches, modes=["amp_bf16"], **common)
+    with pytest.raises(ValueError, match=r"batches \(other weights or data\)"):
+        tune(model, tiny_gpt.make_small_batches()[::-1], modes=["amp_bf16"], **common)
+    # a new study in the same file runs; the original resumes with its stored reference
+    fresh = tune(
+        model, batches, objective="memory", modes=["amp_bf16"], **{**common, "study_name": "t"}
+    )
+    assert not fresh.budget.reference_reused
+    again = tune(model, batches, modes=["amp_bf16"], **common)
+    assert again.budget.reference_reused
+    assert again.reference.final_loss == first.reference.final_loss

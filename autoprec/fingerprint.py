@@ -1,0 +1,174 @@
+"""What a study's outcomes were measured under, so a resumed run never reuses them for another.
+
+A study records a :class:`StudyFingerprint`: digests of the model (its parameters and buffers)
+and of the batches read, the recipe, objective, drift thresholds, candidate set, budget,
+hardware, seed and autoprec version. A run whose fingerprint differs refuses, in one line naming
+what differs. The fp32 reference and noise runs of a matching study are kept in a file next to
+a file storage (SQLite, journal) and reused: :func:`save_references` / :func:`load_references`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch.utils._pytree import tree_flatten
+
+from autoprec.trial import TrialRecord, TrialResult
+
+SAMPLED_ELEMENTS = 4096
+"""Elements per tensor read into a digest (evenly strided): every tensor's name, shape and
+dtype count in full, its values by this sample, so a digest of a large model stays cheap."""
+
+
+def tensor_digest(tree: Any) -> str:
+    """sha256 (16 hex digits) of every tensor in ``tree`` (or of a module's state dict)."""
+    if isinstance(tree, torch.nn.Module):
+        tree = sorted(tree.state_dict(keep_vars=False).items())
+    digest = hashlib.sha256()
+    leaves, spec = tree_flatten(tree)
+    digest.update(repr(spec).encode())
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            digest.update(repr(leaf).encode())
+            continue
+        digest.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
+        flat = leaf.detach().reshape(-1)
+        if flat.numel() and not leaf.is_meta:
+            step = max(1, flat.numel() // SAMPLED_ELEMENTS)
+            sample = flat[::step].float().cpu()
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class StudyFingerprint(BaseModel):
+    """Everything a study's outcomes depend on; two runs may share outcomes only when equal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    batches: str
+    recipe: dict[str, Any]
+    objective: str
+    thresholds: dict[str, Any]
+    candidates: tuple[str, ...]
+    budget_minutes: float
+    hardware: str
+    seed: int
+    eval_fn: str | None
+    autoprec_version: str
+
+    def differences(self, stored: StudyFingerprint) -> list[str]:
+        """Field by field, what this run has that the stored study does not."""
+        found = []
+        for name in type(self).model_fields:
+            ours, theirs = getattr(self, name), getattr(stored, name)
+            if ours == theirs:
+                continue
+            if name in ("model", "batches"):
+                found.append(f"{name} (other weights or data)")
+            elif name == "recipe":
+                keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
+                found.append(f"recipe ({', '.join(keys)})")
+            elif isinstance(ours, str | int | float) and len(str(ours)) < 40:
+                found.append(f"{name} ({theirs} -> {ours})")
+            else:
+                found.append(name)
+        return found
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def storage_file(storage: str | None) -> Path | None:
+    """The file behind a SQLite URL or a journal path; None for servers and in-memory."""
+    if storage is None:
+        return None
+    if storage.startswith("sqlite:///"):
+        return Path(storage.removeprefix("sqlite:///"))
+    if "://" not in storage:
+        return Path(storage)
+    return None
+
+
+def references_path(storage: str | None, study_name: str | None) -> Path | None:
+    """Where the fp32 reference runs of a study are kept: next to its storage file."""
+    file = storage_file(storage)
+    if file is None:
+        return None
+    return file.with_name(f"{file.name}.{study_name or 'study'}.references.pt")
+
+
+def _pack(result: TrialResult) -> dict[str, Any]:
+    return {
+        "record": result.record.model_dump_json(),
+        "leg_weights": result.leg_weights,
+        "sample_indices": result.sample_indices,
+        "heldout_outputs": result.heldout_outputs,
+    }
+
+
+def _unpack(data: dict[str, Any]) -> TrialResult:
+    return TrialResult(
+        record=TrialRecord.model_validate_json(data["record"]),
+        leg_weights=list(data["leg_weights"]),
+        sample_indices=dict(data["sample_indices"]),
+        heldout_outputs=list(data["heldout_outputs"]),
+    )
+
+
+def save_references(
+    path: Path, fingerprint: StudyFingerprint, references: tuple[TrialResult, TrialResult]
+) -> None:
+    """Write the reference and noise runs atomically (a temporary file, then a rename)."""
+    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(
+        {"fingerprint": fingerprint.digest(), "runs": [_pack(r) for r in references]},
+        temporary,
+    )
+    os.replace(temporary, path)
+
+
+def load_references(
+    path: Path | None, fingerprint: StudyFingerprint
+) -> tuple[TrialResult, TrialResult] | None:
+    """The stored reference and noise runs when they match ``fingerprint``, else None."""
+    if path is None or not path.exists():
+        return None
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - an unreadable cache is re-measured, never trusted
+        return None
+    if not isinstance(data, dict) or data.get("fingerprint") != fingerprint.digest():
+        return None
+    reference, noise = (_unpack(run) for run in data["runs"])
+    return reference, noise
+
+
+def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None:
+    """Record ``fingerprint`` in a new study; refuse a study that holds another run's outcomes.
+
+    Args:
+        where: how to name the study in the message (its name and storage).
+    """
+    raw = study.user_attrs.get("fingerprint")
+    if raw is None:
+        if study.get_trials(deepcopy=False):
+            raise ValueError(
+                f"The study {where} holds trials without a fingerprint (an older autoprec made "
+                "it): they cannot be shown to match this run. Use another study name "
+                "(--study NAME / study_name=) or delete the storage."
+            )
+        study.set_user_attr("fingerprint", fingerprint.model_dump(mode="json"))
+        return
+    differences = fingerprint.differences(StudyFingerprint.model_validate(raw))
+    if differences:
+        raise ValueError(
+            f"The study {where} holds outcomes of another run ({'; '.join(differences)} "
+            "differ): they would be reused for this one. Use another study name "
+            "(--study NAME / study_name=) to keep both in the same storage, or delete it."
+        )

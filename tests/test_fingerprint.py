@@ -1,0 +1,122 @@
+"""Study fingerprints: digests, differences named, reference runs kept and reused safely."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from autoprec.fingerprint import (
+    StudyFingerprint,
+    check_study,
+    load_references,
+    references_path,
+    save_references,
+    tensor_digest,
+)
+from autoprec.recipe import TrainingRecipe
+from autoprec.specs import ModeSpec
+from autoprec.trial import run_trial
+from examples import tasks
+
+
+def _fingerprint(**changes: object) -> StudyFingerprint:
+    values = {
+        "model": "m",
+        "batches": "b",
+        "recipe": {"optimizer": "torch.optim.adamw:AdamW", "total_steps": None},
+        "objective": "speed",
+        "thresholds": {"max_loss_gap_units": 3.0},
+        "candidates": ("fp32", "amp_bf16"),
+        "budget_minutes": 1.0,
+        "hardware": "cpu (Test CPU), torch 2.13.0",
+        "seed": 0,
+        "eval_fn": None,
+        "autoprec_version": "0.1.0",
+    }
+    return StudyFingerprint(**{**values, **changes})  # type: ignore[arg-type]
+
+
+def test_digest_follows_values_shapes_and_order() -> None:
+    torch.manual_seed(0)
+    a = torch.nn.Linear(64, 64)
+    b = torch.nn.Linear(64, 64)
+    b.load_state_dict(a.state_dict())
+    assert tensor_digest(a) == tensor_digest(b)
+    with torch.no_grad():
+        b.weight[0, 0] += 1.0  # the first element is always sampled
+    assert tensor_digest(a) != tensor_digest(b)
+    batches = [(torch.ones(2, 3), torch.zeros(2))]
+    assert tensor_digest(batches) == tensor_digest([(torch.ones(2, 3), torch.zeros(2))])
+    assert tensor_digest(batches) != tensor_digest([(torch.ones(3, 2), torch.zeros(2))])
+    assert tensor_digest(batches * 2) != tensor_digest(batches)
+
+
+def test_differences_name_what_changed() -> None:
+    stored = _fingerprint()
+    assert _fingerprint().differences(stored) == []
+    found = _fingerprint(
+        objective="memory", model="other", recipe={"optimizer": "x", "total_steps": 5}
+    ).differences(stored)
+    assert found == [
+        "model (other weights or data)",
+        "recipe (optimizer, total_steps)",
+        "objective (speed -> memory)",
+    ]
+
+
+def test_check_study_records_then_refuses_another_run() -> None:
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    check_study(study, _fingerprint(), "'s' in memory")
+    assert study.user_attrs["fingerprint"]["objective"] == "speed"
+    check_study(study, _fingerprint(), "'s' in memory")  # the same run resumes
+    with pytest.raises(ValueError, match=r"budget_minutes \(1.0 -> 2.0\).*--study NAME"):
+        check_study(study, _fingerprint(budget_minutes=2.0), "'s' in memory")
+
+
+def test_a_study_with_trials_but_no_fingerprint_is_refused() -> None:
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    trial = study.ask()
+    study.tell(trial, [1.0, 1.0])
+    with pytest.raises(ValueError, match="without a fingerprint"):
+        check_study(study, _fingerprint(), "'old' in memory")
+
+
+def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) -> None:
+    task = tasks.regression()
+    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
+    runs = tuple(
+        run_trial(
+            ModeSpec(mode="fp32"),
+            task.model,
+            task.batches,
+            recipe=recipe,
+            steps=4,
+            heldout=task.heldout,
+            seed=seed,
+        )
+        for seed in (0, 1)
+    )
+    path = references_path(f"sqlite:///{tmp_path / 'x.db'}", "s")
+    assert path == tmp_path / "x.db.s.references.pt"
+    assert references_path("postgresql://host/db", "s") is None
+    assert references_path(None, "s") is None
+    save_references(path, _fingerprint(), runs)  # type: ignore[arg-type]
+    loaded = load_references(path, _fingerprint())
+    assert loaded is not None
+    for before, after in zip(runs, loaded, strict=True):
+        assert after.record == before.record
+        assert all(
+            torch.equal(x[k], y[k])
+            for x, y in zip(before.leg_weights, after.leg_weights, strict=True)
+            for k in x
+        )
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(before.heldout_outputs, after.heldout_outputs, strict=True)
+        )
+    assert load_references(path, _fingerprint(seed=1)) is None
+    path.write_bytes(b"not a torch file")
+    assert load_references(path, _fingerprint()) is None
