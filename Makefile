@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.plan_overhead
 	$(BIN)/python -m benchmarks.drift_gate
 	$(BIN)/python -m benchmarks.decision_quality
+	$(BIN)/python -m benchmarks.lr_schedule_gate
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

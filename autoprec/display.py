@@ -11,6 +11,7 @@ from autoprec.hardware import GpuInfo, HardwareInfo
 from autoprec.layers import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
 from autoprec.profile import Profile, TrialFigures
+from autoprec.recipe import RecipeSummary
 from autoprec.search import SearchEvent
 from autoprec.specs import MODE_DESCRIPTIONS
 from autoprec.tuning import TuneResult
@@ -186,6 +187,30 @@ def _figures(figures: TrialFigures) -> str:
     return ", ".join(parts) or "—"
 
 
+def describe_recipe(recipe: RecipeSummary) -> str:
+    """One paragraph: the optimizer, the lrs trials trained at, accumulation and clipping."""
+    optimizer = recipe.optimizer.rpartition(":")[2]
+    group = recipe.optimizer_groups[0] if recipe.optimizer_groups else {}
+    options = ", ".join(
+        f"{key} {group[key]}" for key in ("lr", "betas", "weight_decay") if key in group
+    )
+    more = (
+        f" (+{len(recipe.optimizer_groups) - 1} groups)" if len(recipe.optimizer_groups) > 1 else ""
+    )
+    parts = [f"{optimizer}({options}){more}"]
+    if recipe.scheduler is not None:
+        parts.append(
+            f"schedule {recipe.scheduler.rpartition(':')[2]} over {recipe.total_steps} steps"
+        )
+    legs = "; ".join(point.describe() for point in recipe.lr_points)
+    parts.append(f"trials trained at {legs}")
+    if recipe.grad_accumulation_steps > 1:
+        parts.append(f"{recipe.grad_accumulation_steps} micro-batches per step")
+    if recipe.clip_grad_norm is not None:
+        parts.append(f"clip {recipe.clip_grad_norm:g}")
+    return "; ".join(parts)
+
+
 def print_profile(
     profile: Profile, warnings: list[str] | None = None, console: Console | None = None
 ) -> None:
@@ -220,6 +245,8 @@ def print_profile(
             f"{profile.model.model_class}, {_count(profile.model.parameters)} "
             f"parameters (digest {profile.model.layer_mix_digest})",
         )
+    if profile.recipe is not None:
+        table.add_row("tuned under", Text(describe_recipe(profile.recipe)))
     evidence = profile.evidence
     if evidence is None:
         table.add_row("evidence", Text("none (not measured by autoprec tune)", style="yellow"))

@@ -146,7 +146,7 @@ class TrainingRecipe:
     clip_grad_norm: float | None = None
     loss_fn: LossFn | None = None
     train_step: TrainStep | None = None
-    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict[tuple[str, int], Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, torch.optim.Optimizer) and not callable(self.optimizer):
@@ -211,9 +211,11 @@ class TrainingRecipe:
 
     def schedule(self, model: nn.Module) -> list[tuple[float, ...]]:
         """Each group's lr at every optimizer step of the real run (one entry without a
-        scheduler: the optimizer's own lrs). Read from a throwaway optimizer over ``model``."""
-        if "schedule" in self._cache:
-            return self._cache["schedule"]
+        scheduler: the optimizer's own lrs). Read from a throwaway optimizer over ``model``, the
+        scheduler stepped ``total_steps`` times (about 2 s per 100k steps of a LambdaLR)."""
+        key = ("schedule", id(model))
+        if key in self._cache:
+            return self._cache[key]
         optimizer = self.make_optimizer(model, model)
         lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
         if self.scheduler is not None:
@@ -225,12 +227,16 @@ class TrainingRecipe:
                 for _ in range(self.total_steps - 1):
                     scheduler.step()
                     lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
-        self._cache["schedule"] = lrs
+        self._cache[key] = lrs
         return lrs
 
-    def lr_points(self, model: nn.Module) -> tuple[LrPoint, ...]:
+    def lr_points(
+        self, model: nn.Module, floor_quantile: float = FLOOR_QUANTILE
+    ) -> tuple[LrPoint, ...]:
         """The learning rates trials train at: the peak and, under a decaying schedule, the
-        floor (``FLOOR_QUANTILE``). Raises when the run never moves (lr 0 everywhere)."""
+        floor (``floor_quantile``). Raises when the run never moves (lr 0 everywhere)."""
+        if not 0 <= floor_quantile < 1:
+            raise ValueError(f"floor_quantile must be in [0, 1) but got {floor_quantile}.")
         lrs = self.schedule(model)
         if self.scheduler is None:
             _require_moving(lrs[0], self.optimizer)
@@ -243,7 +249,7 @@ class TrainingRecipe:
             )
         peak = max(moving, key=lambda step: (lrs[step][0], -step))
         ranked = sorted(moving, key=lambda step: (lrs[step][0], -step))
-        floor = ranked[min(len(ranked) - 1, math.floor(FLOOR_QUANTILE * len(ranked)))]
+        floor = ranked[min(len(ranked) - 1, math.floor(floor_quantile * len(ranked)))]
         total = self.total_steps
         points = [LrPoint(role="peak", lrs=lrs[peak], schedule_step=peak, total_steps=total)]
         if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
@@ -254,8 +260,9 @@ class TrainingRecipe:
 
     def summary(self, model: nn.Module) -> RecipeSummary:
         """The recipe as data (``model``: the user's, to read the optimizer's groups from)."""
-        if "summary" in self._cache:
-            return self._cache["summary"]
+        key = ("summary", id(model))
+        if key in self._cache:
+            return self._cache[key]
         optimizer = self.make_optimizer(model, model)
         groups = tuple(
             {
@@ -276,7 +283,7 @@ class TrainingRecipe:
             train_step=qualified_name(self.train_step),
             lr_points=self.lr_points(model),
         )
-        self._cache["summary"] = summary
+        self._cache[key] = summary
         return summary
 
 

@@ -2,7 +2,8 @@
 
 Prints: the probe's verdicts for cuda:0; for every mode that can run there, one measured trial
 on a mid-size TinyGPT (samples/s, tokens/s, median step, peak CUDA memory, exact state bytes)
-and its drift verdict against fp32; then a short ``tune()``. On a CPU (``--quick``) it runs the
+and its drift verdict against fp32; then a short ``tune()`` under a real recipe (nanoGPT's
+AdamW and cosine schedule, gradient accumulation, clipping). On a CPU (``--quick``) it runs the
 same code on a small model so the script itself stays tested.
 
 How it was meant to be run on the device machine (torch with CUDA there, no internet):
@@ -95,7 +96,17 @@ def main() -> None:
         status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
         print(f"{spec.label:30} {speed} {tokens} {step} {peak} {state}  {status}")
 
-    result = tune(model, batches, budget_minutes=0.3 if args.quick else args.budget)
+    # a tune under a real recipe: nanoGPT's optimizer and cosine schedule, 2 micro-batches
+    result = tune(
+        model,
+        batches,
+        budget_minutes=0.3 if args.quick else args.budget,
+        optimizer=tiny_gpt.make_optimizer,
+        scheduler=tiny_gpt.cosine_schedule,
+        total_steps=5000,
+        grad_accumulation_steps=2,
+        clip_grad_norm=1.0,
+    )
     print("\n" + result.summary())
 
 

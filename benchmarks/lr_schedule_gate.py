@@ -133,6 +133,29 @@ def _verdicts(
     return found
 
 
+QUANTILES = (0.05, 0.1, 0.25, 0.5)
+
+
+def _quantile_sweep(task: tasks.Task, recipe: TrainingRecipe, steps: int) -> None:
+    """How the floor's quantile moves the verdict on bf16_pure (which hurts in both runs)."""
+    cells = []
+    for quantile in QUANTILES:
+        points = recipe.lr_points(task.model, floor_quantile=quantile)
+        common = {"recipe": recipe, "steps": steps, "heldout": task.heldout, "lr_points": points}
+        reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **common)
+        noise = run_trial(
+            ModeSpec(mode="fp32"), task.model, task.batches, seed=1, shuffle_seed=1, **common
+        )
+        trial = run_trial(ModeSpec(mode="bf16_pure"), task.model, task.batches, **common)
+        verdict = judge(trial, reference, noise)
+        floor = points[-1]
+        cells.append(
+            f"q={quantile:g}: floor lr {floor.lr:.2g} (step {floor.schedule_step}) "
+            f"{'pass' if verdict.accepted else 'reject'} {verdict.metrics.update_fraction:.2f}"
+        )
+    print("   floor quantile vs bf16_pure (verdict, movement): " + "; ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000, help="optimizer steps of a long run")
@@ -192,6 +215,7 @@ def main() -> None:
             ]
             if wrong:
                 print(f"   {name} wrong on: " + "; ".join(wrong))
+        _quantile_sweep(task, recipe, trial_steps)
     print(
         "\nverdicts matching the long runs: "
         + ", ".join(f"{name} {right}/{cases}" for name, right in scores.items())

@@ -363,3 +363,25 @@ def test_recipe_flag_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     ).stdout
     for flag in ("--optimizer", "--lr", "--scheduler", "--total-steps", "--grad-accum", "--clip"):
         assert flag in help_text
+
+
+def test_show_prints_the_recipe_a_profile_was_tuned_under(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from autoprec.profile import profile_for
+    from autoprec.recipe import TrainingRecipe
+    from autoprec.specs import ModeSpec
+    from examples import tiny_gpt
+
+    model, _ = tiny_gpt.make_small_model()
+    recipe = TrainingRecipe(
+        optimizer=tiny_gpt.make_optimizer,
+        scheduler=tiny_gpt.cosine_schedule,
+        total_steps=5000,
+        clip_grad_norm=1.0,
+    ).summary(model)
+    path = profile_for(ModeSpec(mode="amp_bf16"), recipe=recipe).save(tmp_path / "p.json")
+    assert main(["show", str(path)]) == 0
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "tuned under" in shown and "AdamW(lr 0.0006, betas [0.9, 0.95]" in shown
+    assert "schedule cosine_schedule over 5000 steps" in shown and "clip 1" in shown
