@@ -50,6 +50,7 @@ class PrecisionPlan:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm must be positive but got {clip_grad_norm}.")
         self.mode = mode
+        mode.configure_accumulation(grad_accumulation_steps)
         self.model = model
         self.optimizer = optimizer
         self.grad_accumulation_steps = grad_accumulation_steps
@@ -74,6 +75,8 @@ class PrecisionPlan:
         if self.grad_accumulation_steps > 1:
             loss = loss / self.grad_accumulation_steps
         self.mode.backward(loss)
+        if (self.micro_step + 1) % self.grad_accumulation_steps == 0:
+            self.mode.gradients_ready()  # the step's last micro-batch: whole gradients in .grad
 
     def step(
         self, loss: torch.Tensor | None = None, *, clip_grad_norm: float | None = None

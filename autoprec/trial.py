@@ -206,7 +206,8 @@ def _state_bytes(plan: PrecisionPlan) -> StateBytes:
                     optimizer += value.numel() * value.element_size()
     return StateBytes(
         parameters=sum(p.numel() * p.element_size() for p in parameters),
-        gradients=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad),
+        gradients=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+        + plan.mode.accumulation_bytes(),
         optimizer=optimizer,
     )
 

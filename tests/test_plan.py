@@ -11,6 +11,7 @@ import autoprec
 from autoprec.eligibility import Situation
 from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.layers import scan_model
+from autoprec.plan import build_plan
 from autoprec.specs import ModeSpec
 from tests.conftest import make_backends, make_hardware
 
@@ -270,3 +271,44 @@ def test_sequential_schedulers_are_rebound_too() -> None:
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[5])
     plan = autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer, scheduler)
     assert {s.optimizer for s in (scheduler, first, second)} == {plan.optimizer}
+
+
+@pytest.mark.parametrize("mode", ["bf16_pure", "bf16_kahan"])
+def test_pure_bf16_accumulates_micro_batches_in_fp32(mode: str) -> None:
+    from examples import tiny_gpt
+
+    model, _ = tiny_gpt.make_small_model()
+    batches = tiny_gpt.make_batches(count=16, vocab_size=128, block_size=32)
+    plan = build_plan(
+        ModeSpec(mode=mode),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        grad_accumulation_steps=16,
+    )
+    parameters = list(plan.model.parameters())
+    exact = [torch.zeros_like(p, dtype=torch.float32) for p in parameters]
+    in_bf16 = [torch.zeros_like(p) for p in parameters]
+    for index, (x, y) in enumerate(batches):
+        with plan.autocast():
+            loss = plan.model(x, y)
+        probe = copy.deepcopy(plan.model)  # the same micro-batch's own bf16 gradient
+        with plan.autocast():
+            (probe(x, y) / 16).backward()
+        for e, b, p in zip(exact, in_bf16, probe.parameters(), strict=True):
+            e += p.grad.float()
+            b += p.grad  # what bf16 .grad accumulation would hold
+        if index < 15:
+            assert plan.step(loss) is False  # backward; an accumulation micro-batch
+            assert all(p.grad is None for p in parameters)  # the sums live in fp32
+        else:
+            plan.backward(loss)  # the last one: .grad holds the whole step's gradients
+    assert plan.mode.accumulation_bytes() == 4 * sum(p.numel() for p in parameters)
+
+    def error(values: list[torch.Tensor]) -> float:
+        num = sum(float((v.float() - e).norm() ** 2) for v, e in zip(values, exact, strict=True))
+        return (num / sum(float(e.norm() ** 2) for e in exact)) ** 0.5
+
+    once = error([e.bfloat16() for e in exact])
+    assert error([p.grad for p in parameters]) == pytest.approx(once, rel=1e-3)
+    assert error(in_bf16) > 1.5 * once
+    assert plan.step() is True  # the step goes on from the fp32 sums

@@ -181,6 +181,17 @@ class PrecisionMode:
         with float32_matmul_precision(tf32=False):
             loss.backward()
 
+    def configure_accumulation(self, steps: int) -> None:
+        """Told by the plan how many micro-batches make one optimizer step."""
+
+    def accumulation_bytes(self) -> int:
+        """Bytes of gradient sums the mode keeps beside ``.grad`` (0: none)."""
+        return 0
+
+    def gradients_ready(self) -> None:
+        """The last micro-batch's backward is done: make ``.grad`` hold the whole step's
+        gradients (a mode that accumulates elsewhere writes them back here)."""
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``.grad`` hold true gradients (before clipping). No-op without loss scaling."""
 
