@@ -354,5 +354,6 @@ def tune_table(result: TuneResult) -> Table:
         f"calibration {budget.calibration_seconds:.0f} s, fp32 reference + noise "
         f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
         f"{budget.trials_run} trials of {budget.trial_steps} steps"
+        + "".join(f"\nnote: {note}" for note in result.checks_not_run)
     )
     return table

@@ -55,7 +55,8 @@ class DriftThresholds(BaseModel):
     """Flag fp16 when activations or gradients reach a quarter of the fp16 maximum (65504):
     a few more steps of growth overflow them, and loss scaling cannot protect the forward pass."""
     max_skipped_step_rate: float = Field(0.1, ge=0, le=1)
-    """Reject amp_fp16 when the loss scaler skipped more than 10% of steps after warm-up."""
+    """Reject amp_fp16 when the loss scaler skipped more than 10% of its steps. The trial settles
+    the scale on the first batch before training, so start-up skips are not counted."""
     min_loss_scale: float = Field(1.0, gt=0)
     """Reject amp_fp16 when the loss scale collapsed below 1 (gradients overflow even unscaled)."""
     max_eval_gap_units: float = Field(3.0, gt=0)
@@ -94,16 +95,26 @@ class DriftVerdict(BaseModel):
     accepted: bool
     reasons: tuple[str, ...]
     metrics: DriftMetrics
+    notes: tuple[str, ...] = ()
+    """Checks that could not run, and why (no held-out batches, no outputs to compare)."""
 
 
 def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThresholds) -> float:
     """Loss units one fp32 run differs from another, floored (see DriftThresholds)."""
     ref, other = reference.record.heldout_losses, noise.record.heldout_losses
-    if not ref:
-        ref, other = reference.record.losses[-1:], noise.record.losses[-1:]
-    scale = abs(statistics.fmean(ref)) if ref else 0.0
+    if not ref:  # no held-out batches: the late training windows, averaged over their batches
+        late = max(1, int(len(reference.record.losses) * thresholds.late_fraction))
+        ref, other = reference.record.losses[-late:], noise.record.losses[-late:]
+        scale = abs(statistics.fmean(ref)) if ref else 0.0
+        floor = max(thresholds.loss_floor_absolute, thresholds.loss_floor_relative * scale)
+        # the noise run trains on another batch order: step-paired losses are of different
+        # batches, so compare the windows' means, not their last losses
+        if not ref or not other:
+            return floor
+        return max(floor, abs(statistics.fmean(other) - statistics.fmean(ref)))
+    scale = abs(statistics.fmean(ref))
     floor = max(thresholds.loss_floor_absolute, thresholds.loss_floor_relative * scale)
-    if not ref or len(other) != len(ref):
+    if len(other) != len(ref):
         return floor
     differences = [b - a for a, b in zip(ref, other, strict=True)]
     spread = abs(statistics.fmean(differences))
@@ -227,6 +238,7 @@ def judge(
                     "never moved)"
                 )
 
+    notes = _checks_not_run(trial, reference)
     error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
     noise_error, _ = _relative_error(noise.heldout_outputs, reference.heldout_outputs)
     metrics["output_error"], metrics["top1_agreement"] = error, agreement
@@ -247,9 +259,10 @@ def judge(
     if record.eval_score is not None and reference.record.eval_score is not None:
         gap = record.eval_score - reference.record.eval_score
         metrics["eval_gap"] = gap
-        noise_gap = abs(
-            (noise.record.eval_score or reference.record.eval_score) - reference.record.eval_score
-        )
+        noise_score = noise.record.eval_score
+        noise_gap = (
+            0.0 if noise_score is None else abs(noise_score - reference.record.eval_score)
+        )  # a noise score of 0.0 is a score, not a missing one
         allowed_eval = max(
             limits.eval_floor_relative * abs(reference.record.eval_score),
             limits.max_eval_gap_units * noise_gap,
@@ -260,8 +273,25 @@ def judge(
                 f" (worse by {gap:.3g}, beyond {allowed_eval:.3g})"
             )
     return DriftVerdict(
-        accepted=not reasons, reasons=tuple(reasons), metrics=DriftMetrics(**metrics)
+        accepted=not reasons,
+        reasons=tuple(reasons),
+        metrics=DriftMetrics(**metrics),
+        notes=notes,
     )
+
+
+def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ...]:
+    if not reference.record.heldout_losses:
+        return (
+            "no held-out batches: held-out loss and outputs not compared (the late training "
+            "loss stands in)",
+        )
+    if all(output is None for output in (*reference.heldout_outputs, *trial.heldout_outputs)):
+        return (
+            "held-out outputs not compared: the model's output holds no prediction tensor "
+            "(train_step returns only a loss); losses, movement and eval_fn are judged",
+        )
+    return ()
 
 
 def _fp16_risks(
@@ -272,17 +302,22 @@ def _fp16_risks(
 ) -> list[str]:
     reasons = []
     limit = limits.fp16_headroom * FP16_MAX
-    activation = max(reference.record.max_abs_activation or 0.0, record.max_abs_activation or 0.0)
+    if record.spec.keep_fp32:  # the kept modules run in fp32: only the trial saw the fp16 parts
+        activation = record.max_abs_activation or 0.0
+        gradient = record.max_abs_gradient or 0.0
+    else:
+        activation = max(
+            reference.record.max_abs_activation or 0.0, record.max_abs_activation or 0.0
+        )
+        gradient = reference.record.max_abs_gradient or 0.0
     if activation > limit:
         reasons.append(
             f"fp16 overflow risk: activations reach {activation:.3g} "
             f"(fp16 max {FP16_MAX:.0f}; loss scaling cannot protect the forward pass)"
         )
-    gradient = reference.record.max_abs_gradient or 0.0
     if gradient > limit:
         reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g} (fp16 max 65504)")
-    measured = max(record.steps_run - record.warmup_steps, 1)
-    rate = record.skipped_steps / measured
+    rate = record.skipped_steps / max(record.steps_run, 1)  # skips are counted over every step
     metrics["skipped_step_rate"] = rate
     if rate > limits.max_skipped_step_rate:
         reasons.append(

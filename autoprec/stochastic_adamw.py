@@ -12,8 +12,9 @@ rounding lost into the next step. fp32 parameters are updated normally.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         decoupled_weight_decay: True for AdamW (decay the weight by ``lr * weight_decay``),
             False for Adam (add ``weight_decay * weight`` to the gradient).
         kahan: keep a bf16 compensation buffer per bf16 parameter.
+        seed: seed of the optimizer's own random stream for the rounding noise.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         *,
         decoupled_weight_decay: bool = True,
         kahan: bool = False,
+        seed: int = 0,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(
@@ -50,6 +53,8 @@ class StochasticAdamW(torch.optim.Optimizer):
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"betas must be in [0, 1) but got {betas}.")
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
+        self._seed = seed
+        self._rng_states: dict[str, torch.Tensor] = {}
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -72,15 +77,42 @@ class StochasticAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("StochasticAdamW does not support sparse gradients.")
-                self._update(param, group, beta1, beta2)
+        with self._own_random_stream():
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if param.grad.is_sparse:
+                        raise RuntimeError("StochasticAdamW does not support sparse gradients.")
+                    self._update(param, group, beta1, beta2)
         return loss
+
+    @contextlib.contextmanager
+    def _own_random_stream(self) -> Iterator[None]:
+        """Draw the rounding noise from this optimizer's own stream (seeded by ``seed``), never
+        from the global one: the model's random draws (dropout, diffusion noise) then match an
+        fp32 run's step for step. torchastic draws with ``randint_like`` from the global RNG,
+        so the global state is swapped for ours around the step and restored after it."""
+        devices = sorted(
+            {
+                p.device.index or 0
+                for group in self.param_groups
+                for p in group["params"]
+                if p.device.type == "cuda"
+            }
+        )
+        with torch.random.fork_rng(devices=devices):
+            if not self._rng_states:
+                torch.manual_seed(self._seed)
+            else:
+                torch.set_rng_state(self._rng_states["cpu"])
+                for index in devices:
+                    torch.cuda.set_rng_state(self._rng_states[f"cuda:{index}"], index)
+            yield
+            self._rng_states = {"cpu": torch.get_rng_state()}
+            for index in devices:
+                self._rng_states[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
 
     def _update(
         self, param: torch.Tensor, group: dict[str, Any], beta1: float, beta2: float

@@ -14,7 +14,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,9 +108,11 @@ class TrialRecord(BaseModel):
     peak_memory_source: Literal["cuda_allocator", "process_rss"] | None = None
     state_bytes: StateBytes | None = None
     max_abs_activation: float | None = None
-    """Largest |output| of any leaf module over the held-out batches (fp16 overflow risk)."""
+    """Largest |output| of any leaf module not kept in fp32 over the held-out batches (fp16
+    overflow risk)."""
     max_abs_gradient: float | None = None
-    """Largest |gradient| over the trial, loss scaling removed."""
+    """Largest |gradient| of the parameters not kept in fp32 over the trial, loss scaling
+    removed."""
     skipped_steps: int = 0
     final_loss_scale: float | None = None
     heldout_losses: tuple[float, ...] = ()
@@ -220,8 +222,9 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _max_abs_gradient(plan: PrecisionPlan) -> float:
-    grads = [p.grad for p in plan.model.parameters() if p.grad is not None]
+def _max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> float:
+    """Largest |gradient| of the parameters not in ``kept`` (ids), loss scaling removed."""
+    grads = [p.grad for p in plan.model.parameters() if p.grad is not None and id(p) not in kept]
     if not grads:
         return 0.0
     largest = float(torch.stack(torch._foreach_norm(grads, math.inf)).max())  # one sync
@@ -261,7 +264,11 @@ def _heldout_pass(
         if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
             maxima.append(output.detach().abs().max().float())
 
-    leaves = [m for m in plan.model.modules() if next(m.children(), None) is None]
+    leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
+        module
+        for fqn, module in plan.model.named_modules()
+        if next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
+    ]
     handles = [leaf.register_forward_hook(watch) for leaf in leaves]
     was_training = plan.model.training
     plan.model.eval()
@@ -320,6 +327,7 @@ class _Loop:
         }  # fmt: skip
         self.micro = 0
         self.current_step: int | None = None
+        self.kept = plan.mode.parameter_ids(plan.model, plan.mode.kept_roots(plan.model))
 
     def step(self, step: int) -> TrialFailure | None:
         """One optimizer step; a failure (non-finite loss or gradient) or None."""
@@ -348,7 +356,7 @@ class _Loop:
             else:
                 plan.backward(loss)
         self.figures["losses"].append(loss_sum / accumulation)
-        gradient = _max_abs_gradient(plan)
+        gradient = _max_abs_gradient(plan, self.kept)
         scaled = plan.spec.mode == "amp_fp16"  # the loss scaler handles inf/nan gradients
         if not math.isfinite(gradient) and not scaled:
             message = f"gradient is {gradient} at step {step}"
@@ -373,6 +381,21 @@ class _Loop:
             warmup_steps=warmup,
             state_bytes=None if state is None else state.total,
         )
+
+
+def _settle(loop: _Loop, device: torch.device) -> None:
+    """Let the mode calibrate on the first batch (amp_fp16 settles its loss scale) without
+    stepping and without moving the model's random stream."""
+    plan, recipe = loop.plan, loop.recipe
+    batch = to_device(loop.batches[loop.order[0]], device)
+
+    def compute_loss() -> torch.Tensor:
+        with plan.autocast():
+            loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
+        return loss / recipe.grad_accumulation_steps
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        plan.mode.settle(compute_loss, plan.model)
 
 
 def _measure_trained(
@@ -509,6 +532,7 @@ def run_trial(
             loop = _Loop(plan, recipe, batches, order, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            _settle(loop, device)
             result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
             result.leg_weights.append(_sampled(plan, result.sample_indices))
             step, failure, stopped = _train(loop, result, points, legs, warmup_steps, stop)

@@ -108,6 +108,8 @@ class TuneResult(BaseModel):
     budget: BudgetReport
     recipe: RecipeSummary
     """The training recipe every trial ran (optimizer, lr legs, accumulation, clipping)."""
+    checks_not_run: tuple[str, ...] = ()
+    """Drift checks this run could not make, and why (e.g. no outputs with train_step)."""
 
     @property
     def chosen(self) -> ModeSpec:
@@ -135,6 +137,8 @@ class TuneResult(BaseModel):
                 f" {skipped.spec.label:33} {'skipped':9} {'-':>10} {'-':>10}  "
                 + "; ".join(skipped.reasons)
             )
+        for note in self.checks_not_run:
+            lines.append(f"note: {note}")
         used = self.budget
         lines.append(
             f"chosen: {self.chosen.label} (objective {self.objective}); "
@@ -474,6 +478,7 @@ def _profile_and_result(
     reference_outcome: TrialOutcome,
     outcomes: list[TrialOutcome],
     budget: BudgetReport,
+    checks_not_run: tuple[str, ...],
 ) -> TuneResult:
     winner = choose(outcomes, reference_outcome, objective)
     run = [o for o in outcomes if o.seconds > 0]
@@ -510,6 +515,7 @@ def _profile_and_result(
         skipped=setup.candidates.skipped,
         budget=budget,
         recipe=recipe,
+        checks_not_run=checks_not_run,
     )
 
 
@@ -633,8 +639,8 @@ def _search(
     measured = _measured_references(setup, study, storage, budget_minutes, objective)
     reference, noise, steps, step_seconds, calibration_seconds, reused = measured
     device = setup.report.device
-    verdict = judge(reference, reference, noise, setup.thresholds)
-    reference_outcome = _outcome(reference, verdict, device)
+    reference_verdict = judge(reference, reference, noise, setup.thresholds)
+    reference_outcome = _outcome(reference, reference_verdict, device)
     reference_seconds = clock() - start - calibration_seconds
     if "fp32" not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
         trial = ask_for(study, "fp32", [s.label for s in candidates.specs])
@@ -685,4 +691,6 @@ def _search(
         trials_not_run=len(outcomes) - len(run),
         reference_reused=reused,
     )
-    return _profile_and_result(setup, objective, reference_outcome, outcomes, budget)
+    return _profile_and_result(
+        setup, objective, reference_outcome, outcomes, budget, reference_verdict.notes
+    )

@@ -304,7 +304,7 @@ def test_tune_runs_the_recipe_given_on_the_command_line(tmp_path: Path) -> None:
             "--data",
             "examples.tiny_gpt:make_small_batches",
             "--budget",
-            "0.3",
+            "0.5",
             "--modes",
             "amp_bf16",
             "--objective",

@@ -167,3 +167,91 @@ def test_every_threshold_is_documented() -> None:
     for name, field in fields.items():
         assert field.description and len(field.description) > 20, name
         assert field.default is not None, name
+
+
+def test_a_noise_eval_score_of_zero_is_a_score(low_lr: dict) -> None:
+    # reference 0.5, noise run 0.0 (a perfect score), candidate 1.4: the noise gap is 0.5, so
+    # the allowance is 3 x 0.5 = 1.5 and the candidate (worse by 0.9) passes
+    reference, noise = low_lr["reference"], low_lr["noise"]
+    trial = low_lr["amp_bf16"]
+
+    def scored(result: TrialResult, score: float) -> TrialResult:
+        record = result.record.model_copy(update={"eval_score": score})
+        return TrialResult(
+            record=record,
+            leg_weights=result.leg_weights,
+            sample_indices=result.sample_indices,
+            heldout_outputs=result.heldout_outputs,
+        )
+
+    verdict = judge(scored(trial, 1.4), scored(reference, 0.5), scored(noise, 0.0))
+    assert verdict.metrics.eval_gap == pytest.approx(0.9)
+    assert not any(r.startswith("eval_fn") for r in verdict.reasons), verdict.reasons
+
+
+def test_fp16_loss_scaler_start_up_is_calibration_not_a_verdict() -> None:
+    # a healthy summed-loss MLP: GradScaler starting at 2**16 used to skip its first 6 steps,
+    # and the trial was rejected for skips, lost updates (69%) and a loss gap
+    task = tasks.regression(lr=1e-3)
+
+    def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output.float() - target) ** 2).sum()
+
+    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=summed)
+    common = {"recipe": recipe, "steps": 20, "heldout": task.heldout}
+    reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **common)
+    noise = run_trial(
+        ModeSpec(mode="fp32"), task.model, task.batches, seed=1, shuffle_seed=1, **common
+    )
+    fp16 = run_trial(ModeSpec(mode="amp_fp16"), task.model, task.batches, **common)
+    assert fp16.record.skipped_steps == 0 and fp16.record.final_loss_scale == 1024.0
+    verdict = judge(fp16, reference, noise)
+    assert verdict.accepted, verdict.reasons
+    assert verdict.metrics.update_fraction == pytest.approx(1.0, abs=0.01)
+
+
+def test_keeping_the_hot_module_in_fp32_rescues_amp_fp16() -> None:
+    task = tasks.fp16_range(3e4)
+    common = {
+        "recipe": TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
+        "heldout": task.heldout,
+    }
+    reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **common)
+    kept = run_trial(
+        ModeSpec(mode="amp_fp16", keep_fp32=("2",)), task.model, task.batches, **common
+    )
+    assert kept.record.max_abs_activation is not None
+    assert kept.record.max_abs_activation < 100  # the amplified layer ran in fp32, unwatched
+    verdict = judge(kept, reference, reference)
+    assert not any(r.startswith("fp16 overflow risk") for r in verdict.reasons), verdict.reasons
+
+
+def test_without_held_out_batches_the_noise_floor_compares_like_with_like(low_lr: dict) -> None:
+    # two batches with losses 1 and 3; the noise run sees them in the other order, so its last
+    # loss is of another batch: the floor must not be their difference (2.0)
+    def with_losses(result: TrialResult, losses: list[float]) -> TrialResult:
+        record = result.record.model_copy(update={"losses": tuple(losses), "heldout_losses": ()})
+        return TrialResult(record=record, leg_weights=result.leg_weights)
+
+    reference = with_losses(low_lr["reference"], [1.0, 3.0] * 20)
+    noise = with_losses(low_lr["noise"], [3.0, 1.0] * 20)
+    assert noise_floor(reference, noise, DriftThresholds()) == pytest.approx(0.02)
+
+
+def test_a_skipped_output_check_is_said_not_silent() -> None:
+    task = tasks.regression()
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        return task.mse(plan.model(batch[0]), batch[1])
+
+    recipe = TrainingRecipe(optimizer=task.optimizer, train_step=step)
+    common = {"recipe": recipe, "steps": 10, "heldout": task.heldout}
+    reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **common)
+    trial = run_trial(ModeSpec(mode="amp_bf16"), task.model, task.batches, **common)
+    verdict = judge(trial, reference, reference)
+    assert verdict.notes and verdict.notes[0].startswith("held-out outputs not compared")
+    with_outputs = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
+    reference = run_trial(
+        ModeSpec(mode="fp32"), task.model, task.batches, **{**common, "recipe": with_outputs}
+    )
+    assert judge(reference, reference, reference).notes == ()

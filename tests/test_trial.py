@@ -421,3 +421,25 @@ def test_lr_legs_split_the_steps_and_set_each_legs_lrs() -> None:
     assert seen == [1e-3] * 4 + [1e-5] * 3
     assert result.record.leg_steps == (4, 3) and result.record.lr_points == points
     assert len(result.leg_weights) == 3 and result.moved()
+
+
+@pytest.mark.parametrize("mode", ["bf16_sr", "bf16_sr_kahan"])
+def test_stochastic_rounding_leaves_the_models_random_stream_in_step(mode: str) -> None:
+    # dropout masks and diffusion noise must match the fp32 reference's draw for draw
+    task = tasks.regression(lr=1e-2)
+    draws: dict[str, list[float]] = {}
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        draws.setdefault(plan.spec.mode, []).append(float(torch.rand(())))
+        return task.mse(plan.model(batch[0]), batch[1])
+
+    for spec in ("fp32", mode):
+        record = run_trial(
+            ModeSpec(mode=spec),
+            task.model,
+            task.batches,
+            recipe=TrainingRecipe(optimizer=task.optimizer, train_step=step),
+            steps=6,
+        ).record
+        assert record.completed
+    assert draws[mode] == draws["fp32"]

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+
+SETTLE_TRIES = 24
+"""Halvings :meth:`AmpFp16Mode.settle` tries: 2**16 down to 2**-8."""
 
 
 class AmpBf16Mode(PrecisionMode):
@@ -46,6 +50,24 @@ class AmpFp16Mode(AmpBf16Mode):
         model = super().convert_module(model)
         self.scaler = torch.amp.GradScaler(self.device_type)
         return model
+
+    @override
+    def settle(self, compute_loss: Callable[[], torch.Tensor], model: nn.Module) -> None:
+        """Halve the loss scale until one backward pass of ``compute_loss`` has finite
+        gradients: the start-up skips GradScaler makes from 2**16 are calibration, not drift."""
+        scaler = self._require_scaler()
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        for _ in range(SETTLE_TRIES):
+            scaler.scale(compute_loss()).backward()
+            gradients = [p.grad for p in parameters if p.grad is not None]
+            finite = not gradients or bool(
+                torch.stack(torch._foreach_norm(gradients)).isfinite().all()
+            )
+            for parameter in parameters:
+                parameter.grad = None
+            if finite:
+                return
+            scaler.update(scaler.get_scale() / 2)
 
     def _require_scaler(self) -> torch.amp.GradScaler:
         if self.scaler is None:

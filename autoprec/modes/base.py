@@ -9,7 +9,7 @@ surrounding precision.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -180,6 +180,9 @@ class PrecisionMode:
     def backward(self, loss: torch.Tensor) -> None:
         with float32_matmul_precision(tf32=False):
             loss.backward()
+
+    def settle(self, compute_loss: Callable[[], torch.Tensor], model: nn.Module) -> None:
+        """Calibrate before training starts, without stepping (amp_fp16: the loss scale)."""
 
     def configure_accumulation(self, steps: int) -> None:
         """Told by the plan how many micro-batches make one optimizer step."""
