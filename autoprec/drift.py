@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from autoprec.recipe import LrPoint
-from autoprec.trial import TrialRecord, TrialResult
+from autoprec.trial import OutputSummary, TrialRecord, TrialResult
 
 FP16_MAX = 65504.0
 
@@ -166,15 +166,18 @@ def leg_movements(
     return found
 
 
-def _relative_error(outputs: list, reference: list) -> tuple[float | None, float | None]:
+def _relative_error(
+    outputs: list[OutputSummary | None], reference: list[OutputSummary | None]
+) -> tuple[float | None, float | None]:
+    """Mean relative L2 error over the held-out outputs' sampled values, and top-1 agreement."""
     errors, agreements = [], []
     for output, expected in zip(outputs, reference, strict=False):
         if output is None or expected is None or output.shape != expected.shape:
             continue
-        denominator = float(expected.norm()) or 1.0
-        errors.append(float((output - expected).norm()) / denominator)
-        if expected.dim() >= 2 and expected.shape[-1] > 1:
-            agreements.append(float((output.argmax(-1) == expected.argmax(-1)).float().mean()))
+        denominator = float(expected.values.norm()) or 1.0
+        errors.append(float((output.values - expected.values).norm()) / denominator)
+        if output.top1 is not None and expected.top1 is not None:
+            agreements.append(float((output.top1 == expected.top1).float().mean()))
     error = statistics.fmean(errors) if errors else None
     agreement = statistics.fmean(agreements) if agreements else None
     return error, agreement

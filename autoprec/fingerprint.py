@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch.utils._pytree import tree_flatten
 
-from autoprec.trial import TrialRecord, TrialResult
+from autoprec.trial import OutputSummary, TrialRecord, TrialResult
 
 SAMPLED_ELEMENTS = 4096
 """Elements per tensor read into a digest (evenly strided): every tensor's name, shape and
@@ -108,7 +108,12 @@ def _pack(result: TrialResult) -> dict[str, Any]:
         "record": result.record.model_dump_json(),
         "leg_weights": result.leg_weights,
         "sample_indices": result.sample_indices,
-        "heldout_outputs": result.heldout_outputs,
+        "heldout_outputs": [
+            None
+            if output is None
+            else {"shape": list(output.shape), "values": output.values, "top1": output.top1}
+            for output in result.heldout_outputs
+        ],
     }
 
 
@@ -117,7 +122,14 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
         record=TrialRecord.model_validate_json(data["record"]),
         leg_weights=list(data["leg_weights"]),
         sample_indices=dict(data["sample_indices"]),
-        heldout_outputs=list(data["heldout_outputs"]),
+        heldout_outputs=[
+            None
+            if output is None
+            else OutputSummary(
+                shape=tuple(output["shape"]), values=output["values"], top1=output["top1"]
+            )
+            for output in data["heldout_outputs"]
+        ],
     )
 
 

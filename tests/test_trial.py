@@ -443,3 +443,21 @@ def test_stochastic_rounding_leaves_the_models_random_stream_in_step(mode: str) 
         ).record
         assert record.completed
     assert draws[mode] == draws["fp32"]
+
+
+def test_held_out_outputs_are_kept_as_bounded_summaries() -> None:
+    from autoprec.drift import _relative_error
+    from autoprec.trial import OUTPUT_SAMPLE_ELEMENTS, summarize_output
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 64, 4096, generator=generator)  # 2M values, 8 MB in fp32
+    perturbed = logits + 0.05 * torch.randn(8, 64, 4096, generator=generator)
+    summary, other = summarize_output(logits), summarize_output(perturbed)
+    assert summary.shape == (8, 64, 4096)
+    assert summary.values.numel() <= OUTPUT_SAMPLE_ELEMENTS
+    assert summary.top1 is not None and summary.top1.shape == (8 * 64,)
+    full = float((perturbed - logits).norm() / logits.norm())
+    error, agreement = _relative_error([other], [summary])
+    assert error == pytest.approx(full, rel=0.05)
+    exact = float((perturbed.argmax(-1) == logits.argmax(-1)).float().mean())
+    assert agreement == pytest.approx(exact)
