@@ -59,6 +59,16 @@ class DriftThresholds(BaseModel):
     the scale on the first batch before training, so start-up skips are not counted."""
     min_loss_scale: float = Field(1.0, gt=0)
     """Reject amp_fp16 when the loss scale collapsed below 1 (gradients overflow even unscaled)."""
+    max_rounded_beta2: float = Field(1 - 2**-8, gt=0, lt=1)
+    """Reject a mode whose optimizer keeps Adam's second moment in bf16 rounded to nearest with
+    beta2 above 1 - 2**-8 (0.9961). A step moves that moment by (1 - beta2) of itself, which is
+    below half a bf16 ulp (2**-9 to 2**-8 of the value): with beta2 = 0.999 it can never
+    decrease, and rises only on gradient spikes. No short trial shows it (from a zero state the
+    moment still grows ~1/t a step); long runs do: bf16_kahan (torch-optimi, states in bf16)
+    ended 3000-step AdamW runs 33% and 41% worse than fp32 on held-out loss while its weights
+    moved as fp32's (benchmarks/lr_schedule_gate.py); fp32 AdamW with only exp_avg_sq rounded
+    to bf16 ended 20% worse (NUMERICS.md). Stochastically rounded states (bf16_sr,
+    bf16_sr_kahan) are exempt: they passed both runs within fp32's noise."""
     max_eval_gap_units: float = Field(3.0, gt=0)
     """Reject when eval_fn (lower is better) is worse than the reference by more than this many
     times the noise run's difference..."""
@@ -83,6 +93,8 @@ class DriftMetrics(BaseModel):
     output_error_noise: float | None = None
     top1_agreement: float | None = None
     skipped_step_rate: float | None = None
+    rounded_beta2: float | None = None
+    """beta2 of a second moment kept in low precision with nearest rounding."""
     eval_gap: float | None = None
 
     def as_dict(self) -> dict[str, float]:
@@ -241,6 +253,17 @@ def judge(
                     "never moved)"
                 )
 
+    moment = record.low_precision_moment
+    if moment is not None and moment.rounding == "nearest":
+        metrics["rounded_beta2"] = moment.beta2
+        if moment.beta2 > limits.max_rounded_beta2:
+            reasons.append(
+                f"optimizer state loses its updates: Adam's second moment is kept in "
+                f"{moment.dtype} rounded to nearest, and with beta2={moment.beta2:g} a step "
+                f"changes it by {1 - moment.beta2:.2g} of itself, below half a {moment.dtype} ulp: "
+                "it can never decrease (long runs end worse). Stochastically rounded states "
+                f"(bf16_sr, bf16_sr_kahan) or beta2 <= {limits.max_rounded_beta2:.4f} avoid it"
+            )
     notes = _checks_not_run(trial, reference)
     error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
     noise_error, _ = _relative_error(noise.heldout_outputs, reference.heldout_outputs)

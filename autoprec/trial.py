@@ -91,6 +91,33 @@ class StateBytes(BaseModel):
         return self.parameters + self.gradients + self.optimizer
 
 
+class LowPrecisionMoment(BaseModel):
+    """An Adam second moment (``exp_avg_sq``) the optimizer keeps in bf16."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: str
+    rounding: Literal["nearest", "stochastic"]
+    beta2: float
+    """The largest beta2 of the groups holding such states."""
+    elements: int
+
+
+def _low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
+    found: dict[str, Any] = {"elements": 0, "beta2": 0.0, "dtype": None}
+    for group in plan.optimizer.param_groups:
+        beta2 = group["betas"][1] if "betas" in group else group.get("beta2")
+        for parameter in group["params"]:
+            state = plan.optimizer.state.get(parameter, {}).get("exp_avg_sq")
+            if isinstance(state, torch.Tensor) and state.dtype == torch.bfloat16:
+                found["elements"] += state.numel()
+                found["beta2"] = max(found["beta2"], float(beta2 or 0.0))
+                found["dtype"] = str(state.dtype).removeprefix("torch.")
+    if not found["elements"]:
+        return None
+    return LowPrecisionMoment(rounding=plan.mode.state_rounding, **found)
+
+
 class TrialRecord(BaseModel):
     """The figures of one trial: what crosses into the drift gate, the study and the profile."""
 
@@ -126,6 +153,8 @@ class TrialRecord(BaseModel):
     """False for emulated FP8: its numerics are real, its speed is not."""
     lr_points: tuple[LrPoint, ...] = ()
     """The learning rates of the trial's legs, in the order trained."""
+    low_precision_moment: LowPrecisionMoment | None = None
+    """Adam's second moment when the optimizer keeps it in bf16 (read after the first step)."""
     leg_steps: tuple[int, ...] = ()
     """Optimizer steps of each leg."""
 
@@ -397,6 +426,7 @@ class _Loop:
         self.figures["rss"].append(_rss_bytes())
         if stepped and "state" not in self.figures:  # steady state: after a real step
             self.figures["state"] = _state_bytes(plan)
+            self.figures["moment"] = _low_precision_moment(plan)
         return None
 
     def progress(self, step: int, steps: int, warmup: int) -> TrialProgress:
@@ -634,6 +664,7 @@ def _record(
         skipped_steps=getattr(mode, "skipped_steps", 0),
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,
         heldout_losses=tuple(figures.get("heldout", ())),
+        low_precision_moment=figures.get("moment"),
         eval_score=figures.get("eval"),
         speed_is_meaningful=not spec.emulate,
     )

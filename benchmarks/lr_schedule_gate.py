@@ -12,7 +12,10 @@ runs them on a CPU:
 - ``legs`` (the default): a leg at the peak, then one at the floor (``FLOOR_QUANTILE``);
 - ``replay``: a compressed replay, four legs at the lrs of the four quarters of the schedule.
 
-A design is right when it rejects exactly the modes that hurt.
+These three are judged without the optimizer-state rule (``LR_ONLY``), so the columns compare
+what each set of learning rates lets the trial see. ``gate`` is the whole default gate on the
+``legs`` trials, the state rule included. A design is right when it rejects exactly the modes
+that hurt.
 
     python -m benchmarks.lr_schedule_gate [--steps 3000] [--trial-steps 150] [--quick]
 """
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from autoprec.drift import judge
+from autoprec.drift import DriftThresholds, judge
 from autoprec.plan import prepare
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
@@ -115,8 +118,17 @@ def _designs(recipe: TrainingRecipe, task: tasks.Task) -> dict[str, tuple[LrPoin
     }
 
 
+LR_ONLY = DriftThresholds(max_rounded_beta2=0.99999)
+"""The gate without its optimizer-state rule: which learning rates a trial trains at is judged
+by what the trial measures (movement, losses, outputs), not by a rule about states."""
+
+
 def _verdicts(
-    task: tasks.Task, recipe: TrainingRecipe, points: tuple[LrPoint, ...], steps: int
+    task: tasks.Task,
+    recipe: TrainingRecipe,
+    points: tuple[LrPoint, ...],
+    steps: int,
+    thresholds: DriftThresholds,
 ) -> dict[str, tuple[bool, str, float | None]]:
     """Per mode: (accepted, reasons, update fraction in the weakest leg)."""
     common = {"recipe": recipe, "steps": steps, "heldout": task.heldout, "lr_points": points}
@@ -127,7 +139,7 @@ def _verdicts(
     found = {}
     for mode in MODES:
         result = run_trial(ModeSpec(mode=mode), task.model, task.batches, **common)
-        verdict = judge(result, reference, noise)
+        verdict = judge(result, reference, noise, thresholds)
         fraction = verdict.metrics.update_fraction
         found[mode] = (verdict.accepted, "; ".join(verdict.reasons)[:70], fraction)
     return found
@@ -147,7 +159,7 @@ def _quantile_sweep(task: tasks.Task, recipe: TrainingRecipe, steps: int) -> Non
             ModeSpec(mode="fp32"), task.model, task.batches, seed=1, shuffle_seed=1, **common
         )
         trial = run_trial(ModeSpec(mode="bf16_pure"), task.model, task.batches, **common)
-        verdict = judge(trial, reference, noise)
+        verdict = judge(trial, reference, noise, LR_ONLY)
         floor = points[-1]
         cells.append(
             f"q={quantile:g}: floor lr {floor.lr:.2g} (step {floor.schedule_step}) "
@@ -167,7 +179,7 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     steps, trial_steps = (200, 30) if args.quick else (args.steps, args.trial_steps)
     schedules = dict(list(SCHEDULES.items())[:1]) if args.quick else SCHEDULES
-    scores = {"peak": 0, "legs": 0, "replay": 0}
+    scores = {"peak": 0, "legs": 0, "replay": 0, "gate": 0}
     cases = 0
     for title, (peak, schedule) in schedules.items():
         task = tasks.regression(lr=peak)
@@ -181,8 +193,11 @@ def main() -> None:
         final = {mode: _long_run(ModeSpec(mode=mode), task, recipe, steps, 0) for mode in MODES}
         designs = _designs(recipe, task)
         verdicts = {
-            name: _verdicts(task, recipe, points, trial_steps) for name, points in designs.items()
+            name: _verdicts(task, recipe, points, trial_steps, LR_ONLY)
+            for name, points in designs.items()
         }
+        verdicts["gate"] = _verdicts(task, recipe, designs["legs"], trial_steps, DriftThresholds())
+        designs["gate"] = designs["legs"]
         print(
             f"\n== {title}, {steps} steps: fp32 final held-out loss {mean:.5f} "
             f"(3 batch orders, sd {spread:.2g}); hurts above {limit:.5f} "

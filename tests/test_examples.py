@@ -124,4 +124,8 @@ def test_lr_schedule_benchmark_runs_in_quick_mode() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "verdicts matching the long runs:" in done.stdout
-    assert "legs 5/5" in done.stdout, done.stdout
+    # columns: mode, final loss, truth, then verdict and movement for peak, legs, replay
+    pure = next(line.split() for line in done.stdout.splitlines() if " bf16_pure " in line)
+    assert pure[2] == "hurts" and pure[5] == "reject", pure
+    assert float(pure[6]) < 0.8  # the floor leg sees the lost updates the peak leg misses
+    assert float(pure[4]) > 0.9

@@ -29,14 +29,17 @@ def test_memory_objective_picks_an_accepted_lean_mode_and_rejects_lost_updates()
         loss_fn=task.mse,
         optimizer=task.optimizer,
         objective="memory",
-        modes=["bf16_pure", "bf16_kahan", "amp_bf16"],
+        modes=["bf16_pure", "bf16_kahan", "bf16_sr", "amp_bf16"],
     )
     statuses = {o.label: o.status for o in result.trials}
     assert statuses["bf16_pure"] == "rejected"
     pure = next(o for o in result.trials if o.label == "bf16_pure")
     assert any(r.startswith("updates lost to rounding") for r in pure.reasons)
-    assert statuses["bf16_kahan"] == "accepted"
-    assert result.chosen.mode == "bf16_kahan"  # leanest that passed
+    kahan = next(o for o in result.trials if o.label == "bf16_kahan")
+    assert kahan.status == "rejected"  # its bf16 second moment, beta2 0.999
+    assert kahan.reasons[0].startswith("optimizer state loses its updates")
+    assert statuses["bf16_sr"] == "accepted"
+    assert result.chosen.mode == "bf16_sr"  # leanest that passed
     assert result.profile.evidence is not None
     assert (
         result.profile.evidence.chosen.state_bytes < result.profile.evidence.reference.state_bytes
@@ -45,7 +48,7 @@ def test_memory_objective_picks_an_accepted_lean_mode_and_rejects_lost_updates()
     # the user's model is unchanged
     assert all(torch.equal(v, task.model.state_dict()[k]) for k, v in before.items())
     assert not task.optimizer.state
-    assert "bf16_kahan" in result.summary() and "rejected" in result.summary()
+    assert "bf16_sr" in result.summary() and "rejected" in result.summary()
 
 
 def test_falls_back_to_fp32_when_every_candidate_drifts() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -94,6 +94,9 @@ class PrecisionMode:
     optimizer_target: ClassVar[OptimizerTarget | None] = None
     """Which optimizer implementation the mode needs; None keeps the user's."""
     allows_8bit_optimizer: ClassVar[bool] = True
+    state_rounding: ClassVar[Literal["nearest", "stochastic"]] = "nearest"
+    """How the optimizer writes states kept in a low-precision dtype (bf16 parameters make
+    torch's and torch-optimi's Adam keep their moments in bf16, rounded to nearest)."""
 
     def __init__(self, spec: ModeSpec) -> None:
         if spec.mode != self.name:

@@ -109,6 +109,7 @@ class Bf16SrMode(Bf16PureMode):
 
     name = "bf16_sr"
     optimizer_target = "stochastic"
+    state_rounding = "stochastic"
     allows_8bit_optimizer = False
 
 
@@ -125,4 +126,5 @@ class Bf16SrKahanMode(Bf16PureMode):
 
     name = "bf16_sr_kahan"
     optimizer_target = "stochastic_kahan"
+    state_rounding = "stochastic"
     allows_8bit_optimizer = False
