@@ -267,7 +267,7 @@ def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> No
     )
     finished: list[str] = []
     deadline = time.monotonic() + 100
-    while time.monotonic() < deadline and len(finished) < 3:
+    while time.monotonic() < deadline and len(finished) < 2:  # fp32 and one candidate
         time.sleep(0.5)
         try:
             study = optuna.load_study(study_name="resume", storage=storage)
