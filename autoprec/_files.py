@@ -7,6 +7,12 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    current = os.umask(0)  # the only portable way to read it: set, then restore
+    os.umask(current)
+    return current
+
+
 def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to a temporary file next to ``path``, fsync it, then rename it over."""
     target = Path(path)
@@ -16,6 +22,7 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()
+            os.chmod(file.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; honour the umask
             os.fsync(file.fileno())
         os.replace(temporary, target)
     except BaseException:

@@ -217,6 +217,17 @@ def _optimizer_factory(reference: str | None, lr: float | None) -> Any:
     return functools.partial(factory, lr=lr)
 
 
+def _check_tune_numbers(args: argparse.Namespace) -> None:
+    if not args.budget > 0:
+        raise ValueError(f"--budget must be a positive number of minutes, not {args.budget:g}.")
+    if args.total_steps is not None and args.total_steps < 1:
+        raise ValueError(f"--total-steps must be >= 1, not {args.total_steps}.")
+    if args.grad_accum < 1:
+        raise ValueError(f"--grad-accum must be >= 1, not {args.grad_accum}.")
+    if args.clip is not None and not args.clip > 0:
+        raise ValueError(f"--clip must be a positive norm, not {args.clip:g}.")
+
+
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -232,6 +243,7 @@ def _tune(args: argparse.Namespace) -> int:
     eval_fn = load_object(args.eval, option="--eval") if args.eval else None
     optimizer = _optimizer_factory(args.optimizer, args.lr)
     scheduler = load_object(args.scheduler, option="--scheduler") if args.scheduler else None
+    _check_tune_numbers(args)  # before anything is created
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
@@ -308,5 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"autoprec: error: {error}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
-        sys.stderr.write("autoprec: interrupted\n")
+        resume = (
+            "; run the same command again to resume: finished trials are kept in the study"
+            if args.command == "tune"
+            else ""
+        )
+        sys.stderr.write(f"autoprec: interrupted{resume}\n")
         return 130

@@ -324,7 +324,13 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
             f"Profile {str(file)!r} must hold a JSON object, not {type(data).__name__}."
         )
     version = data.get("schema_version")
-    if isinstance(version, int) and version > SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ProfileError(
+            f"Profile {str(file)!r} has schema_version {version!r}; autoprec profiles carry an "
+            f"integer version from 1 to {SCHEMA_VERSION}. Is this a profile written by "
+            "`autoprec tune`?"
+        )
+    if version > SCHEMA_VERSION:
         raise ProfileError(
             f"Profile {str(file)!r} has schema version {version}; autoprec {__version__} reads "
             f"up to version {SCHEMA_VERSION}. Upgrade autoprec to load it."
@@ -332,6 +338,16 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
     try:
         profile = Profile.model_validate(data)
     except ValidationError as error:
-        raise ProfileError(f"Profile {str(file)!r} is invalid: {_field_errors(error)}.") from None
+        writer = data.get("autoprec_version")
+        unknown = any(item["type"] == "extra_forbidden" for item in error.errors())
+        hint = (
+            f" Fields unknown to autoprec {__version__}: the file was written by autoprec "
+            f"{writer}; upgrade autoprec to read it."
+            if unknown and writer and writer != __version__
+            else ""
+        )
+        raise ProfileError(
+            f"Profile {str(file)!r} is invalid: {_field_errors(error)}.{hint}"
+        ) from None
     profile.check_hardware(strict=strict)
     return profile

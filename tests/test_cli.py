@@ -216,7 +216,7 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         )
         == 2
     )
-    assert "budget_minutes must be positive" in capsys.readouterr().err
+    assert "--budget must be a positive number of minutes" in capsys.readouterr().err
     assert (
         main(
             [
@@ -281,7 +281,7 @@ def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> No
     first.send_signal(signal.SIGINT)  # Ctrl-C
     _, err = first.communicate(timeout=60)
     assert first.returncode == 130, err
-    assert "interrupted" in err and not out.exists()
+    assert "interrupted; run the same command again to resume" in err and not out.exists()
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
     assert second.returncode == 0, second.stderr
     reused = [line.split()[0] for line in second.stderr.splitlines() if "(from the study)" in line]
@@ -385,3 +385,23 @@ def test_show_prints_the_recipe_a_profile_was_tuned_under(
     shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "tuned under" in shown and "AdamW(lr 0.0006, betas [0.9, 0.95]" in shown
     assert "schedule cosine_schedule over 5000 steps" in shown and "clip 1" in shown
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--budget", "0"], "--budget must be a positive number of minutes, not 0"),
+        (["--budget", "1", "--grad-accum", "0"], "--grad-accum must be >= 1, not 0"),
+        (["--budget", "1", "--total-steps", "0"], "--total-steps must be >= 1, not 0"),
+        (["--budget", "1", "--clip", "-1"], "--clip must be a positive norm, not -1"),
+    ],
+)
+def test_bad_numbers_are_refused_before_anything_is_created(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "new" / "p.json"
+    command = ["tune", "examples.tiny_gpt:make_small_model", "--data"]
+    command += ["examples.tiny_gpt:make_small_batches", *flags, "--out", str(out)]
+    assert main(command) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

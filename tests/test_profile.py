@@ -230,3 +230,35 @@ def test_version_1_profiles_still_load(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HardwareMismatchWarning)
         assert load_profile(path).recipe is None
+
+
+@pytest.mark.parametrize("version", [0, -1, "1", True, None, 1.5])
+def test_schema_versions_below_1_or_not_integers_are_refused(
+    tmp_path: Path, version: object
+) -> None:
+    data = json.loads((PROFILES / "example-cpu-amp_bf16.json").read_text())
+    data["schema_version"] = version
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="integer version from 1 to"):
+        load_profile(path)
+
+
+def test_an_unknown_field_names_the_autoprec_that_wrote_it(tmp_path: Path) -> None:
+    data = json.loads((PROFILES / "example-cpu-amp_bf16.json").read_text())
+    data["autoprec_version"] = "9.1.0"
+    data["calibration"] = {"new": True}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"written by autoprec 9\.1\.0; upgrade autoprec"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_saved_files_respect_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    previous = os.umask(umask)
+    try:
+        path = _profile(mode="amp_bf16").save(tmp_path / "p.json")
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == mode
