@@ -188,29 +188,16 @@ def _track_step_calls(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
-def rebind_scheduler(
+def _rebind_scheduler(
     scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer
 ) -> None:
-    """Make ``scheduler`` (built on ``old``) drive ``new``: same schedule, same position.
-
-    The new optimizer's groups already hold the scheduled lrs and ``initial_lr`` (the rebuild
-    copies every group option), so only the scheduler's references change.
-    """
+    """Make ``scheduler`` (checked to drive ``old``) drive ``new``: same schedule, same
+    position. The new optimizer's groups already hold the scheduled lrs and ``initial_lr``
+    (the rebuild copies every group option), so only the scheduler's references change."""
     for inner in _schedulers(scheduler):
-        if not hasattr(inner, "optimizer"):
-            raise TypeError(
-                f"scheduler must be a torch LR scheduler (with .optimizer), not "
-                f"{type(inner).__name__}."
-            )
-        if inner.optimizer is not old and inner.optimizer is not new:
-            raise ValueError(
-                f"The scheduler ({type(inner).__name__}) drives another optimizer than the one "
-                "passed: build it on the optimizer you hand to apply()."
-            )
         inner.optimizer = new
-    if new is not old:
-        _track_step_calls(new)
-        new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
+    _track_step_calls(new)
+    new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
 
 
 def prepare(
@@ -255,7 +242,8 @@ def prepare(
         situation=situation,
     )
     if scheduler is not None:
-        rebind_scheduler(scheduler, optimizer, plan.optimizer)
+        if plan.optimizer is not optimizer:
+            _rebind_scheduler(scheduler, optimizer, plan.optimizer)
         plan.scheduler = scheduler
     elif plan.optimizer is not optimizer:
         scheduled = any("initial_lr" in group for group in optimizer.param_groups)

@@ -15,7 +15,6 @@ runs; see the README).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import math
@@ -107,10 +106,6 @@ class RecipeSummary(BaseModel):
     loss_fn: str | None = None
     train_step: str | None = None
     lr_points: tuple[LrPoint, ...] = ()
-
-    def digest(self) -> str:
-        """sha256 (16 hex digits) of everything above."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
 
 def _plain(value: Any) -> Any:
@@ -217,16 +212,13 @@ class TrainingRecipe:
         if key in self._cache:
             return self._cache[key]
         optimizer = self.make_optimizer(model, model)
-        lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
-        if self.scheduler is not None:
-            assert self.total_steps is not None
-            with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
-                warnings.simplefilter("ignore")
-                scheduler = self.make_scheduler(optimizer)
-                lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
-                for _ in range(self.total_steps - 1):
-                    scheduler.step()
-                    lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
+        with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
+            warnings.simplefilter("ignore")
+            scheduler = self.make_scheduler(optimizer)
+            lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
+            for _ in range((self.total_steps or 1) - 1 if scheduler is not None else 0):
+                scheduler.step()
+                lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
         self._cache[key] = lrs
         return lrs
 

@@ -55,6 +55,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
         self._seed = seed
         self._rng_states: dict[str, torch.Tensor] = {}
+        self._cuda_devices: list[int] = []
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -94,14 +95,16 @@ class StochasticAdamW(torch.optim.Optimizer):
         from the global one: the model's random draws (dropout, diffusion noise) then match an
         fp32 run's step for step. torchastic draws with ``randint_like`` from the global RNG,
         so the global state is swapped for ours around the step and restored after it."""
-        devices = sorted(
-            {
-                p.device.index or 0
-                for group in self.param_groups
-                for p in group["params"]
-                if p.device.type == "cuda"
-            }
-        )
+        if not self._rng_states:  # first step: the devices the parameters live on
+            self._cuda_devices = sorted(
+                {
+                    p.device.index or 0
+                    for group in self.param_groups
+                    for p in group["params"]
+                    if p.device.type == "cuda"
+                }
+            )
+        devices = self._cuda_devices
         with torch.random.fork_rng(devices=devices):
             if not self._rng_states:
                 torch.manual_seed(self._seed)

@@ -104,18 +104,19 @@ class LowPrecisionMoment(BaseModel):
 
 
 def _low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
-    found: dict[str, Any] = {"elements": 0, "beta2": 0.0, "dtype": None}
+    elements, beta2 = 0, 0.0
     for group in plan.optimizer.param_groups:
-        beta2 = group["betas"][1] if "betas" in group else group.get("beta2")
+        group_beta2 = group["betas"][1] if "betas" in group else group.get("beta2", 0.0)
         for parameter in group["params"]:
             state = plan.optimizer.state.get(parameter, {}).get("exp_avg_sq")
             if isinstance(state, torch.Tensor) and state.dtype == torch.bfloat16:
-                found["elements"] += state.numel()
-                found["beta2"] = max(found["beta2"], float(beta2 or 0.0))
-                found["dtype"] = str(state.dtype).removeprefix("torch.")
-    if not found["elements"]:
+                elements += state.numel()
+                beta2 = max(beta2, float(group_beta2))
+    if not elements:
         return None
-    return LowPrecisionMoment(rounding=plan.mode.state_rounding, **found)
+    return LowPrecisionMoment(
+        dtype="bfloat16", rounding=plan.mode.state_rounding, beta2=beta2, elements=elements
+    )
 
 
 class TrialRecord(BaseModel):
@@ -202,16 +203,6 @@ class TrialResult:
     """Sampled weights (fp32, Kahan buffers added) before training and after each lr leg."""
     sample_indices: dict[str, torch.Tensor] = field(default_factory=dict)
     heldout_outputs: list[OutputSummary | None] = field(default_factory=list)
-
-    @property
-    def initial_weights(self) -> dict[str, torch.Tensor]:
-        return self.leg_weights[0] if self.leg_weights else {}
-
-    @property
-    def final_weights(self) -> dict[str, torch.Tensor]:
-        """The sampled weights after the last leg; empty unless every leg was trained."""
-        legs = len(self.record.leg_steps) or 1
-        return self.leg_weights[-1] if len(self.leg_weights) == legs + 1 else {}
 
     def moved(self) -> bool:
         """Did training change any sampled weight?"""
@@ -444,9 +435,9 @@ def _settle(loop: _Loop, device: torch.device) -> None:
     """Let the mode calibrate on the first batch (amp_fp16 settles its loss scale) without
     stepping and without moving the model's random stream."""
     plan, recipe = loop.plan, loop.recipe
-    batch = to_device(loop.batches[loop.order[0]], device)
 
-    def compute_loss() -> torch.Tensor:
+    def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
+        batch = to_device(loop.batches[loop.order[0]], device)
         with plan.autocast():
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
         return loss / recipe.grad_accumulation_steps
@@ -492,22 +483,23 @@ def _train(
     legs: list[int],
     warmup_steps: int,
     stop: StopCheck | None,
-) -> tuple[int | None, TrialFailure | None, str | None]:
-    """Train every leg at its learning rates; (last step, failure, stop reason)."""
-    step, total = None, sum(legs)
+) -> tuple[TrialFailure | None, str | None]:
+    """Train every leg at its learning rates; (failure, stop reason). ``loop.current_step``
+    is the last step run."""
+    step, total = 0, sum(legs)
     for point, leg in zip(points, legs, strict=True):
         _set_lrs(loop.plan.optimizer, point)
         for _ in range(leg):
-            step = 0 if step is None else step + 1
             failure = loop.step(step)
             if failure is not None:
-                return step, failure, None
+                return failure, None
             if stop is not None:
                 reason = stop(loop.progress(step, total, warmup_steps))
                 if reason is not None:
-                    return step, None, reason
+                    return None, reason
+            step += 1
         result.leg_weights.append(_sampled(loop.plan, result.sample_indices))
-    return step, None, None
+    return None, None
 
 
 def run_trial(
@@ -562,7 +554,6 @@ def run_trial(
             spec=spec, seed=seed, steps_planned=steps, steps_run=0, warmup_steps=warmup_steps
         )
     )
-    step: int | None = None
     failure: TrialFailure | None = None
     stopped: str | None = None
     plan: PrecisionPlan | None = None
@@ -592,10 +583,11 @@ def run_trial(
             _settle(loop, device)
             result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
             result.leg_weights.append(_sampled(plan, result.sample_indices))
-            step, failure, stopped = _train(loop, result, points, legs, warmup_steps, stop)
+            failure, stopped = _train(loop, result, points, legs, warmup_steps, stop)
             if failure is None and not all(
                 bool(torch.isfinite(p).all()) for p in plan.model.parameters()
             ):
+                step = loop.current_step
                 failure = TrialFailure(
                     kind="non_finite_weight",
                     step=step,

@@ -37,6 +37,7 @@ from autoprec.fingerprint import (
 from autoprec.probing import ProbeReport, probe
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import (
+    LrPoint,
     OptimizerSource,
     RecipeSummary,
     SchedulerFactory,
@@ -328,6 +329,8 @@ class _Setup:
     report: ProbeReport
     situation: Situation
     candidates: CandidateList
+    lr_points: tuple[LrPoint, ...]
+    """The learning rates of the trial legs, read once from the recipe's schedule."""
     eval_fn: Callable[[nn.Module], float] | None
     seed: int
     budget_seconds: float
@@ -343,7 +346,7 @@ class _Setup:
             self.train,
             recipe=self.recipe,
             steps=steps,
-            lr_points=self.recipe.lr_points(self.user_model),
+            lr_points=self.lr_points,
             warmup_steps=WARMUP_STEPS,
             situation=self.situation,
             **options,
@@ -352,8 +355,6 @@ class _Setup:
 
 def _fingerprint(setup: _Setup, objective: Objective, budget_minutes: float) -> StudyFingerprint:
     report = setup.report
-    gpu = next((g for g in report.hardware.gpus if f"cuda:{g.index}" == report.device), None)
-    machine = gpu.name if gpu is not None else report.hardware.cpu.model_name
     return StudyFingerprint(
         model=tensor_digest(setup.user_model),
         batches=tensor_digest([*setup.train, *setup.heldout]),
@@ -362,7 +363,8 @@ def _fingerprint(setup: _Setup, objective: Objective, budget_minutes: float) -> 
         thresholds=(setup.thresholds or DriftThresholds()).model_dump(mode="json"),
         candidates=tuple(spec.label for spec in setup.candidates.specs),
         budget_minutes=float(budget_minutes),
-        hardware=f"{report.device} ({machine}), torch {report.hardware.torch_version}",
+        hardware=f"{report.device}: {setup.situation.found_device()}, torch "
+        f"{report.hardware.torch_version}",
         seed=setup.seed,
         eval_fn=qualified_name(setup.eval_fn),
         autoprec_version=__version__,
@@ -397,7 +399,7 @@ def _setup(
     batches = _collect(loader)
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
-    recipe.lr_points(model)  # a run that never moves is refused before anything runs
+    lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
     trial_model = model if device is None else copy.deepcopy(model).to(device)
     example = None
     if recipe.train_step is None:
@@ -418,6 +420,7 @@ def _setup(
         report=report,
         situation=situation,
         candidates=candidate_specs(report, modes),
+        lr_points=lr_points,
         **shared,
     )
 

@@ -27,10 +27,6 @@ def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> 
             setattr(module, name, buffer.to(dtype))
 
 
-def _bf16_gradients(parameters: list[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    return [(p, p.grad) for p in parameters if p.grad is not None]
-
-
 def _inputs_to_bf16(_module: nn.Module, args: object, kwargs: object) -> tuple[object, object]:
     def cast(value: object) -> object:
         if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
@@ -70,12 +66,14 @@ class Bf16PureMode(PrecisionMode):
         super().backward(loss)
         if not self.fp32_accumulation:
             return
-        for parameter, gradient in _bf16_gradients(self._parameters):
+        for parameter in self._parameters:
+            if parameter.grad is None:
+                continue
             total = self._sums.get(parameter)
             if total is None:
-                self._sums[parameter] = gradient.float()
+                self._sums[parameter] = parameter.grad.float()
             else:
-                total.add_(gradient)
+                total.add_(parameter.grad)
             parameter.grad = None
 
     @override
