@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def _umask() -> int:
@@ -29,3 +31,22 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return target
+
+
+def read_json(
+    path: Path, what: str, *, error: type[Exception] = ValueError, advice: str = ""
+) -> Any:
+    """The JSON in ``path``, or ``error`` with one line naming ``what`` and what is wrong."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {str(path)!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as problem:
+        raise error(f"{what} {str(path)!r} cannot be read: {problem}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as problem:
+        raise error(
+            f"{what} {str(path)!r} is not valid JSON (line {problem.lineno}, column "
+            f"{problem.colno}: {problem.msg}); it may be truncated.{advice}"
+        ) from None

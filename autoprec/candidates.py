@@ -78,19 +78,44 @@ def _specs_for(mode: ModeName, report: ProbeReport) -> list[ModeSpec]:
     return [ModeSpec(mode=mode, keep_fp32=keep)]
 
 
+EIGHT_BIT_SUFFIX = "+8bit-optim"
+
+
+def _parse_modes(modes: list[str]) -> tuple[set[str], set[str]]:
+    """(compute modes, modes wanted with 8-bit optimizer states) from canonical names and
+    ``<mode>+8bit-optim`` labels."""
+    plain: set[str] = set()
+    eight_bit: set[str] = set()
+    for name in modes:
+        base = name.removesuffix(EIGHT_BIT_SUFFIX)
+        (eight_bit if name.endswith(EIGHT_BIT_SUFFIX) else plain).add(base)
+    known = set(MODE_NAMES)
+    unknown = sorted(
+        [m for m in plain if m not in known]
+        + [m + EIGHT_BIT_SUFFIX for m in eight_bit if m not in EIGHT_BIT_MODES]
+    )
+    if unknown:
+        with_8bit = ", ".join(m + EIGHT_BIT_SUFFIX for m in EIGHT_BIT_MODES)
+        raise ValueError(
+            f"Unknown mode(s) {unknown}; modes: {', '.join(MODE_NAMES)}; with 8-bit optimizer "
+            f"states: {with_8bit}."
+        )
+    return plain, eight_bit
+
+
 def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> CandidateList:
     """The specs to try, in order, for what ``report`` found.
 
     Args:
-        modes: restrict to these canonical mode names (fp32 is always the reference; its 8-bit
-            variant only when "fp32" is listed). A requested mode that cannot run here is
-            returned in ``skipped`` with its reasons.
+        modes: exactly these modes (fp32 is always the reference): canonical names, and
+            ``<mode>+8bit-optim`` for a mode with 8-bit optimizer states (without ``modes``,
+            the 8-bit variant of every eligible mode is tried too). A requested mode that
+            cannot run here is returned in ``skipped`` with its reasons.
     """
-    if modes is not None:
-        unknown = sorted(set(modes) - set(MODE_NAMES))
-        if unknown:
-            raise ValueError(f"Unknown mode(s) {unknown}; modes: {', '.join(MODE_NAMES)}.")
-    wanted = set(MODE_NAMES if modes is None else modes)
+    if modes is None:
+        wanted, wanted_8bit = set(MODE_NAMES), set(EIGHT_BIT_MODES)
+    else:
+        wanted, wanted_8bit = _parse_modes(modes)
     preference = CPU_PREFERENCE if report.device == "cpu" else GPU_PREFERENCE
     verdicts = {verdict.name: verdict for verdict in report.modes}
     promising: list[ModeSpec] = []
@@ -98,22 +123,49 @@ def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> Cand
     skipped: list[Skipped] = []
     for mode in preference:
         verdict = verdicts[mode]
-        if mode not in wanted:
+        if mode not in wanted | wanted_8bit:
             continue
         if not verdict.eligible:
-            skipped.append(Skipped(spec=ModeSpec(mode=mode), reasons=verdict.reasons))
+            for bits in ([32] if mode in wanted else []) + ([8] if mode in wanted_8bit else []):
+                spec = ModeSpec(mode=mode, optimizer_bits=bits)
+                skipped.append(Skipped(spec=spec, reasons=verdict.reasons))
             continue
         (promising if verdict.worth_trying else doubtful).extend(_specs_for(mode, report))
     for mode in sorted(wanted - set(preference) - {"fp32"}):  # requested, never eligible here
         skipped.append(Skipped(spec=ModeSpec(mode=mode), reasons=verdicts[mode].reasons))  # type: ignore[arg-type]
-    eight_bit: list[ModeSpec] = []
-    if report.optimizer_8bit.eligible and report.optimizer_8bit.worth_trying:
-        eight_bit = [
-            spec.model_copy(update={"optimizer_bits": 8})
-            for spec in ([ModeSpec(mode="fp32")] if "fp32" in wanted else []) + promising
-            if spec.mode in EIGHT_BIT_MODES
-        ]
+    if modes is not None:
+        for mode in sorted(wanted_8bit - set(preference) - {"fp32"}):
+            spec = ModeSpec(mode=mode, optimizer_bits=8)  # type: ignore[arg-type]
+            skipped.append(Skipped(spec=spec, reasons=verdicts[mode].reasons))
+    if modes is None:  # by default, 8-bit states where the probe expects them to pay
+        useful = report.optimizer_8bit.eligible and report.optimizer_8bit.worth_trying
+        eight_bit = _eight_bit_specs(report, promising, wanted_8bit if useful else set(), [])
+    else:
+        eight_bit = _eight_bit_specs(report, promising + doubtful, wanted_8bit, skipped)
+    if modes is not None:  # a mode named only with +8bit-optim runs only with 8-bit states
+        promising = [s for s in promising if s.mode in wanted]
+        doubtful = [s for s in doubtful if s.mode in wanted]
     return CandidateList(
         specs=(ModeSpec(mode="fp32"), *promising, *eight_bit, *doubtful),
         skipped=tuple(skipped),
     )
+
+
+def _eight_bit_specs(
+    report: ProbeReport, eligible: list[ModeSpec], wanted: set[str], skipped: list[Skipped]
+) -> list[ModeSpec]:
+    """The 8-bit optimizer-state variants of the wanted, eligible modes (in their order)."""
+    verdict = report.optimizer_8bit
+    if not wanted:
+        return []
+    if not verdict.eligible:
+        for mode in sorted(wanted):
+            spec = ModeSpec(mode=mode, optimizer_bits=8)  # type: ignore[arg-type]
+            skipped.append(Skipped(spec=spec, reasons=verdict.reasons))
+        return []
+    bases = [ModeSpec(mode="fp32")] if "fp32" in wanted else []
+    return [
+        spec.model_copy(update={"optimizer_bits": 8})
+        for spec in bases + eligible
+        if spec.mode in wanted and spec.mode in EIGHT_BIT_MODES
+    ]

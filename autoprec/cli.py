@@ -114,14 +114,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     recipe.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this norm")
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
-    tune.add_argument("--modes", help="comma-separated canonical modes to consider")
+    tune.add_argument(
+        "--modes",
+        help="comma-separated modes to try, exactly (e.g. amp_bf16,bf16_kahan; "
+        "amp_bf16+8bit-optim for 8-bit optimizer states); a mode that cannot run here is an "
+        "error",
+    )
     tune.add_argument(
         "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
     )
     tune.add_argument("--study", metavar="NAME", help="study name (default: the --out file name)")
     tune.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
     tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    tune.add_argument(
+        "--wide",
+        "--verbose",
+        action="store_true",
+        help="the full trial table: every reason, every skipped mode's reasons",
+    )
+    tune.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks, debug logs and the backends' import messages",
+    )
     report = commands.add_parser(
         "report",
         help="plot speed vs memory of every trial",
@@ -228,24 +243,45 @@ def _check_tune_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--clip must be a positive norm, not {args.clip:g}.")
 
 
+def _loader(reference: str) -> Any:
+    """The batches --data names: a loader, or a factory called with no arguments."""
+    from autoprec.errors import ModelLoadError
+    from autoprec.factories import load_object
+
+    data = load_object(reference, option="--data")
+    if not callable(data):
+        return data
+    try:
+        return data()
+    except Exception as error:
+        raise ModelLoadError(
+            f"--data: calling {reference!r}() raised {type(error).__name__}: {error}"
+        ) from error
+
+
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from rich.console import Console
+
     from autoprec._files import write_text_atomically
-    from autoprec.display import TuneProgress, print_profile, tune_table
+    from autoprec.display import print_profile, tune_table
     from autoprec.factories import load_model, load_object
+    from autoprec.progress import TuneProgress
     from autoprec.tuning import tune
 
+    _check_tune_numbers(args)
     model, _ = load_model(args.model)
-    data = load_object(args.data, option="--data")
-    loader = data() if callable(data) else data
+    loader = _loader(args.data)
     loss_fn = load_object(args.loss, option="--loss") if args.loss else None
     eval_fn = load_object(args.eval, option="--eval") if args.eval else None
     optimizer = _optimizer_factory(args.optimizer, args.lr)
     scheduler = load_object(args.scheduler, option="--scheduler") if args.scheduler else None
-    _check_tune_numbers(args)  # before anything is created
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a folder; give the profile's file name.")
+    # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
+    # the first fp32 steps have checked the inputs.
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     with TuneProgress() as progress:
@@ -267,32 +303,45 @@ def _tune(args: argparse.Namespace) -> int:
             study_name=args.study or out.stem,
             seed=args.seed,
             on_event=progress,
+            progress=False,
         )
-    from rich.console import Console
-
     console = Console()
-    console.print(tune_table(result))
+    console.print(tune_table(result, wide=args.wide))
     result.profile.save(out)
     trials = out.with_suffix(".trials.json")
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
     print_profile(result.profile, console=console)
-    console.print(f"wrote {out} (trials: {trials}; study: {storage})", soft_wrap=True)
+    console.print(f"wrote {out}\n  every trial: {trials}\n  study: {storage}", soft_wrap=True)
     return EXIT_OK
 
 
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from autoprec.report import outcomes_from_result, outcomes_from_study, plot_outcomes
+    from autoprec.report import (
+        outcomes_from_result,
+        outcomes_from_study,
+        plot_outcomes,
+        trials_run,
+    )
 
     source = args.source
     if source.endswith(".json"):
         outcomes, chosen = outcomes_from_result(source)
     else:
+        if "://" not in source and not Path(source).exists():
+            raise FileNotFoundError(
+                f"{source!r} does not exist; give a tune run's *.trials.json, its *.study.db, "
+                "or a storage URL."
+            )
         storage = f"sqlite:///{source}" if Path(source).exists() else source
         outcomes, chosen = outcomes_from_study(storage, args.study)
     written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
-    sys.stdout.write(f"wrote {written} ({len(outcomes)} trials, chosen: {chosen or 'none'})\n")
+    modes = sum(1 for outcome in outcomes if outcome.seconds > 0)
+    sys.stdout.write(
+        f"wrote {written} ({trials_run(outcomes)} trials: {modes} modes measured and the fp32 "
+        f"noise run; chosen: {chosen or 'none'})\n"
+    )
     return EXIT_OK
 
 
@@ -305,13 +354,61 @@ _COMMANDS = {
 }
 
 
+IMPORT_CHATTER: tuple[tuple[str, str], ...] = (
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    ("torchao", "Failed to load "),
+    ("torchao.kernel.intmm", "Warning: Detected no triton"),
+    ("torch.utils._pytree", "<enum "),
+)
+"""(logger, message start) of what optional backends log when imported on a machine without
+their GPU kernels: true, harmless here, and not autoprec's. Shown only under --debug."""
+
+
+class _DropChatter(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The CLI's own handlers (replaced, not stacked, when main() runs again in one process)."""
+
+
+def _install(logger: logging.Logger, form: str, *, others_only: bool = False) -> None:
+    for handler in [h for h in logger.handlers if isinstance(h, _CliHandler)]:
+        logger.removeHandler(handler)
+    handler = _CliHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(form))
+    if others_only:  # autoprec's records have their own handler
+        handler.addFilter(lambda record: not record.name.startswith("autoprec"))
+    logger.addHandler(handler)
+
+
+def _configure_logging(debug: bool) -> None:
+    """autoprec's records as ``autoprec: LEVEL: message``; every other library's under its own
+    logger name; known import chatter of the backends only with ``--debug``."""
+    level = logging.DEBUG if debug else logging.WARNING
+    own = logging.getLogger("autoprec")
+    _install(own, "autoprec: %(levelname)s: %(message)s")
+    own.setLevel(level)
+    root = logging.getLogger()
+    _install(root, "%(name)s: %(levelname)s: %(message)s", others_only=True)
+    root.setLevel(level)
+    for name, start in IMPORT_CHATTER:
+        chatter = logging.getLogger(name)
+        for old in [f for f in chatter.filters if isinstance(f, _DropChatter)]:
+            chatter.removeFilter(old)
+        if not debug:
+            chatter.addFilter(_DropChatter(start))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING,
-        format="autoprec: %(levelname)s: %(message)s",
-    )
+    _configure_logging(args.debug)
     try:
         return _COMMANDS[args.command](args)
     except (AutoprecError, ValueError, TypeError, FileNotFoundError) as error:

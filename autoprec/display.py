@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -12,7 +13,6 @@ from autoprec.layers import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
 from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
-from autoprec.search import SearchEvent
 from autoprec.specs import MODE_DESCRIPTIONS
 from autoprec.tuning import TuneResult
 
@@ -274,86 +274,85 @@ def print_profile(
 _STATUS_STYLE = {"accepted": "green", "rejected": "red", "pruned": "yellow", "failed": "red"}
 
 
-class TuneProgress:
-    """Live progress for ``autoprec tune``: trial i of n, mode, elapsed vs budget, best so far."""
-
-    def __init__(self, console: Console | None = None) -> None:
-        from rich.live import Live
-
-        self.console = console or Console(stderr=True)
-        self.live = Live(
-            Text("calibrating the fp32 reference..."),
-            console=self.console,
-            refresh_per_second=4,
-            transient=True,
-        )
-
-    def __enter__(self) -> TuneProgress:
-        self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.live.__exit__(*exc)  # type: ignore[arg-type]
-
-    def __call__(self, event: SearchEvent) -> None:
-        head = (
-            f"trial {event.index + 1} of {event.total}: {event.label}  |  "
-            f"{event.elapsed_seconds:.0f} s of {event.budget_seconds:.0f} s  |  "
-            f"best so far: {event.best or 'fp32'}"
-        )
-        if event.kind == "start":
-            self.live.update(Text(head + "  (running)"))
-            return
-        outcome = event.outcome
-        if outcome is not None:
-            reasons = "; ".join(outcome.reasons)
-            earlier = event.kind == "skip" and outcome.seconds > 0
-            self.console.print(
-                Text.assemble(
-                    (f"{outcome.label:32} ", "bold"),
-                    (f"{outcome.status:9}", _STATUS_STYLE[outcome.status]),
-                    " (from the study)" if earlier else "",
-                    f" {reasons}" if reasons else "",
-                )
-            )
-        self.live.update(Text(head))
-
-
-def tune_table(result: TuneResult) -> Table:
-    """Every trial with its verdict and reasons; the chosen one marked."""
-    table = Table(
-        title=f"Trials (objective: {result.objective})", title_justify="left", show_lines=True
+def _budget_caption(result: TuneResult) -> str:
+    budget = result.budget
+    return (
+        f"{budget.used_seconds:.0f} s of {budget.budget_seconds:.0f} s: calibration "
+        f"{budget.calibration_seconds:.0f} s, fp32 reference + noise "
+        f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
+        f"{budget.trials_run} trials of {budget.trial_steps} steps"
+        + "".join(f"\nnote: {note}" for note in result.checks_not_run)
     )
-    for column in ("mode", "status", "samples/s", "memory", "why"):
-        table.add_column(column, justify="right" if column in ("samples/s", "memory") else "left")
+
+
+def _memory_header(result: TuneResult) -> str:
+    kind = result.reference.memory_kind
+    return "peak MiB" if kind == "cuda_peak" else "state MiB"
+
+
+def _trial_rows(result: TuneResult) -> list[tuple[Text, Text, str, str, list[str]]]:
+    rows = []
     for outcome in (result.reference, *result.trials):
         chosen = outcome.spec == result.chosen
         label = Text(
             ("★ " if chosen else "  ") + outcome.label, style="bold green" if chosen else ""
         )
         speed = f"{outcome.samples_per_second:,.1f}" if outcome.samples_per_second else "—"
-        memory = f"{outcome.memory_bytes / 2**20:,.2f} MiB" if outcome.memory_bytes else "—"
-        table.add_row(
-            label,
-            Text(outcome.status, style=_STATUS_STYLE[outcome.status]),
-            speed,
-            memory,
-            Text("\n".join(outcome.reasons)),
-        )
-    for skipped in result.skipped:
-        table.add_row(
-            Text("  " + skipped.spec.label, style="dim"),
-            Text("skipped", style="dim"),
-            "—",
-            "—",
-            Text("\n".join(skipped.reasons), style="dim"),
-        )
-    budget = result.budget
-    table.caption = (
-        f"{budget.used_seconds:.0f} s of {budget.budget_seconds:.0f} s budget: "
-        f"calibration {budget.calibration_seconds:.0f} s, fp32 reference + noise "
-        f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
-        f"{budget.trials_run} trials of {budget.trial_steps} steps"
-        + "".join(f"\nnote: {note}" for note in result.checks_not_run)
+        memory = f"{outcome.memory_bytes / 2**20:,.2f}" if outcome.memory_bytes else "—"
+        status = Text(outcome.status, style=_STATUS_STYLE[outcome.status])
+        rows.append((label, status, speed, memory, list(outcome.reasons)))
+    return rows
+
+
+def tune_table(result: TuneResult, *, wide: bool = False) -> Table | Group:
+    """Every trial with its verdict; the chosen one marked with ★.
+
+    Compact (default): one row per trial with full mode labels and the first reason cut to the
+    terminal's width, skipped modes one short line each below. ``wide``: every reason, every
+    skipped mode's reasons.
+    """
+    table = Table(
+        title=f"Trials (objective: {result.objective})",
+        title_justify="left",
+        show_lines=wide,
+        caption=_budget_caption(result),
+        caption_justify="left",
+        expand=not wide,  # compact: the fixed columns keep their width, "why" gets the rest
+        box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+        show_edge=wide,
+        pad_edge=wide,
+        collapse_padding=not wide,
     )
-    return table
+    table.add_column("mode", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("samples/s", justify="right", no_wrap=True)
+    table.add_column(_memory_header(result), justify="right", no_wrap=True)
+    if wide:
+        table.add_column("why")
+    else:
+        table.add_column("why", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
+    for label, status, speed, memory, reasons in _trial_rows(result):
+        why = "\n".join(reasons) if wide else (reasons[0] if reasons else "")
+        table.add_row(label, status, speed, memory, Text(why))
+    if wide:
+        for skipped in result.skipped:
+            table.add_row(
+                Text("  " + skipped.spec.label, style="dim"),
+                Text("skipped", style="dim"),
+                "—",
+                "—",
+                Text("\n".join(skipped.reasons), style="dim"),
+            )
+        return table
+    lines = [
+        Text(
+            f"skipped {skipped.spec.label}: {skipped.reasons[0] if skipped.reasons else ''}",
+            style="dim",
+            no_wrap=True,
+            overflow="ellipsis",
+        )
+        for skipped in result.skipped
+    ]
+    if any(len(reasons) > 1 for *_, reasons in _trial_rows(result)) or result.skipped:
+        lines.append(Text("(--wide shows every reason)", style="dim"))
+    return Group(table, *lines)

@@ -314,8 +314,8 @@ def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ..
         )
     if all(output is None for output in (*reference.heldout_outputs, *trial.heldout_outputs)):
         return (
-            "held-out outputs not compared: the model's output holds no prediction tensor "
-            "(train_step returns only a loss); losses, movement and eval_fn are judged",
+            "held-out outputs not compared: the model returns only a loss (no logits or other "
+            "prediction tensor); losses, movement and eval_fn are judged",
         )
     return ()
 

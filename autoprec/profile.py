@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
-from autoprec._files import write_text_atomically
+from autoprec._files import read_json, write_text_atomically
 from autoprec._version import __version__
 from autoprec.errors import HardwareMismatchWarning, ModelMismatchWarning, ProfileError
 from autoprec.hardware import HardwareInfo, detect_hardware
@@ -306,22 +306,16 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
         strict: refuse (ProfileError) instead of warning on a hardware mismatch.
     """
     file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProfileError(f"Profile {str(file)!r} does not exist.") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ProfileError(f"Profile {str(file)!r} cannot be read: {error}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ProfileError(
-            f"Profile {str(file)!r} is not valid JSON (line {error.lineno}, column "
-            f"{error.colno}: {error.msg}); it may be truncated. Re-run `autoprec tune`."
-        ) from None
+    data = read_json(file, "Profile", error=ProfileError, advice=" Re-run `autoprec tune`.")
     if not isinstance(data, dict):
         raise ProfileError(
             f"Profile {str(file)!r} must hold a JSON object, not {type(data).__name__}."
+        )
+    if "profile" in data and "trials" in data:
+        raise ProfileError(
+            f"{str(file)!r} is a tune run's trials file (*.trials.json), not a profile. Show "
+            "the profile written beside it (the --out file), or draw this one with "
+            "`autoprec report`."
         )
     version = data.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:

@@ -183,6 +183,13 @@ class TrainingRecipe:
             groups = named_groups(self.optimizer, user_model)
             return rebuild_optimizer(self.optimizer, groups, model, "same", require_fresh=False)
         made = self.optimizer(model.parameters())
+        if isinstance(made, dict | list | tuple):
+            raise TypeError(
+                f"The optimizer factory {qualified_name(self.optimizer)} returned a "
+                f"{type(made).__name__} (Lightning's configure_optimizers form), not a "
+                "torch.optim.Optimizer. Return the optimizer itself, and pass the lr scheduler "
+                "separately (scheduler= / --scheduler, a factory optimizer -> LRScheduler)."
+            )
         if not isinstance(made, torch.optim.Optimizer):
             raise TypeError(
                 f"The optimizer factory {qualified_name(self.optimizer)} returned "

@@ -6,6 +6,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from autoprec._files import read_json
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.search import TrialOutcome
@@ -84,10 +87,34 @@ def plot_outcomes(
     return target
 
 
+def _read_result(path: Path) -> TuneResult:
+    data = read_json(path, "Trials file")
+    if isinstance(data, dict) and "schema_version" in data and "spec" in data:
+        raise ValueError(
+            f"{str(path)!r} is a profile, not a tune run's trials. Draw the *.trials.json "
+            "or the *.study.db written beside it; `autoprec show` prints a profile."
+        )
+    try:
+        return TuneResult.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the top level"
+        raise ValueError(
+            f"{str(path)!r} is not a tune run's trials file (*.trials.json written by "
+            f"`autoprec tune`): {where}: {first['msg']} ({error.error_count()} problems)."
+        ) from None
+
+
 def outcomes_from_result(path: str | Path) -> tuple[list[TrialOutcome], str]:
     """Outcomes and the chosen label from a TuneResult JSON (``autoprec tune`` writes one)."""
-    result = TuneResult.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    result = _read_result(Path(path))
     return [result.reference, *result.trials], result.chosen.label
+
+
+def trials_run(outcomes: list[TrialOutcome]) -> int:
+    """Training runs behind these outcomes, counted as the profile's evidence counts them: every
+    outcome that ran, plus the fp32 noise run (never an outcome of its own)."""
+    return sum(1 for outcome in outcomes if outcome.seconds > 0) + 1
 
 
 def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[TrialOutcome], str]:
@@ -100,11 +127,19 @@ def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[Tria
             raise ValueError(f"{storage} holds studies {names}; pick one with --study.")
         study_name = names[0]
     study = optuna.load_study(study_name=study_name, storage=storage)
-    outcomes = [
-        TrialOutcome.model_validate_json(t.user_attrs["outcome"])
-        for t in study.get_trials(deepcopy=False)
-        if "outcome" in t.user_attrs
-    ]
+    finished = study.user_attrs.get("result")
+    if finished:  # the run ended: its final figures (re-timed) and its choice
+        outcomes = [TrialOutcome.model_validate(o) for o in finished["outcomes"]]
+        return outcomes, str(finished["chosen"])
+    latest = {  # an interrupted run: each candidate's last recorded outcome
+        outcome.label: outcome
+        for outcome in (
+            TrialOutcome.model_validate_json(t.user_attrs["outcome"])
+            for t in study.get_trials(deepcopy=False)
+            if "outcome" in t.user_attrs
+        )
+    }
+    outcomes = list(latest.values())
     reference = next((o for o in outcomes if o.label == "fp32"), None)
     if reference is None:
         return outcomes, ""

@@ -18,6 +18,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,12 +65,32 @@ Runner = Callable[[ModeSpec, StopCheck], TrialOutcome]
 """Runs one candidate; the stop check says when to give up (budget, cannot beat the best)."""
 
 
+EventKind = Literal["phase", "start", "step", "done", "skip"]
+
+STEP_EVENT_SECONDS = 1.0
+"""A "step" event goes out at most once a second of the tune's clock (and at a trial's last
+step): displays stay live without a callback on every step."""
+
+
 class SearchEvent(BaseModel):
-    """Progress for displays: sent before and after each trial."""
+    """Progress of a ``tune()`` run, for displays: ``tune(on_event=callback)`` gets every one.
+
+    ``kind`` is one of:
+
+    - ``"phase"``: work before the search (``label``: "calibration", "fp32 reference",
+      "fp32 noise run"), with ``steps`` planned;
+    - ``"start"``: candidate ``index`` of ``total`` (``label``) starts;
+    - ``"step"``: ``step`` of ``steps`` optimizer steps done in the current phase or trial;
+    - ``"done"``: the candidate ended; ``outcome`` holds its status, figures and reasons;
+    - ``"skip"``: the candidate was not run: finished in an earlier run of the same study, or
+      no time left (``outcome`` says which).
+
+    Times count from the start of ``tune()``, so ``remaining_seconds`` is the whole budget's.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["start", "done", "skip"]
+    kind: EventKind
     index: int
     total: int
     label: str
@@ -77,6 +98,96 @@ class SearchEvent(BaseModel):
     budget_seconds: float
     best: str | None = None
     outcome: TrialOutcome | None = None
+    step: int | None = None
+    steps: int | None = None
+
+    @property
+    def remaining_seconds(self) -> float:
+        return max(self.budget_seconds - self.elapsed_seconds, 0.0)
+
+    @property
+    def in_search(self) -> bool:
+        """A candidate's event (not the reference work before the search)."""
+        return self.kind != "phase" and self.index >= 0
+
+
+class EventSink:
+    """Sends :class:`SearchEvent`s to ``on_event`` with times counted from ``started``."""
+
+    def __init__(
+        self,
+        on_event: Callable[[SearchEvent], None] | None,
+        *,
+        started: float,
+        budget_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.on_event = on_event
+        self.started = started
+        self.budget_seconds = budget_seconds
+        self.clock = clock
+
+    def emit(
+        self,
+        kind: EventKind,
+        label: str,
+        *,
+        index: int = -1,
+        total: int = 0,
+        best: str | None = None,
+        outcome: TrialOutcome | None = None,
+        step: int | None = None,
+        steps: int | None = None,
+    ) -> None:
+        if self.on_event is None:
+            return
+        self.on_event(
+            SearchEvent(
+                kind=kind,
+                index=index,
+                total=total,
+                label=label,
+                elapsed_seconds=self.clock() - self.started,
+                budget_seconds=self.budget_seconds,
+                best=best,
+                outcome=outcome,
+                step=step,
+                steps=steps,
+            )
+        )
+
+    def watch(
+        self,
+        stop: StopCheck | None,
+        label: str,
+        *,
+        index: int = -1,
+        total: int = 0,
+        best: str | None = None,
+    ) -> StopCheck | None:
+        """``stop`` wrapped to also send "step" events (no host sync: it reads the step count
+        and the clock only)."""
+        if self.on_event is None:
+            return stop
+        last = [-float("inf")]
+
+        def check(progress: TrialProgress) -> str | None:
+            now = self.clock()
+            done = progress.step + 1
+            if now - last[0] >= STEP_EVENT_SECONDS or done == progress.steps_planned:
+                last[0] = now
+                self.emit(
+                    "step",
+                    label,
+                    index=index,
+                    total=total,
+                    best=best,
+                    step=done,
+                    steps=progress.steps_planned,
+                )
+            return None if stop is None else stop(progress)
+
+        return check
 
 
 def better(a: TrialOutcome, b: TrialOutcome | None, objective: Objective) -> bool:
@@ -114,8 +225,8 @@ def make_stop_check(
             limit = best.median_step_seconds * (1 + PRUNE_MARGIN)
             if per_step > limit:
                 return (
-                    f"cannot beat {best.label}: {per_step * 1e3:.3g} ms per step vs "
-                    f"{best.median_step_seconds * 1e3:.3g} ms"
+                    f"slower than {best.label}: {per_step * 1e3:.3g} vs "
+                    f"{best.median_step_seconds * 1e3:.3g} ms/step"
                 )
         if (
             objective == "memory"
@@ -125,8 +236,8 @@ def make_stop_check(
             and progress.state_bytes > best.memory_bytes
         ):
             return (
-                f"cannot beat {best.label}: {progress.state_bytes:,} state bytes vs "
-                f"{best.memory_bytes:,}"
+                f"larger than {best.label}: {progress.state_bytes:,} vs "
+                f"{best.memory_bytes:,} state bytes"
             )
         return None
 
@@ -152,6 +263,15 @@ def record_outcome(study: Any, trial: Any, outcome: TrialOutcome) -> None:
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     else:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def record_result(study: Any, chosen: str, outcomes: Sequence[TrialOutcome]) -> None:
+    """Keep a finished run's final figures (after side-by-side re-timing) and its choice in the
+    study, so that a report drawn from the study shows what the run itself reported."""
+    study.set_user_attr(
+        "result",
+        {"chosen": chosen, "outcomes": [o.model_dump(mode="json") for o in outcomes]},
+    )
 
 
 def finished_outcomes(study: Any) -> dict[str, TrialOutcome]:
@@ -191,11 +311,14 @@ def ask_for(study: Any, label: str, choices: Sequence[str]) -> Any:
 
 
 def create_study(storage: str | None, study_name: str | None) -> Any:
-    """A two-objective study (samples/s up, memory down), new or resumed."""
+    """A two-objective study (samples/s up, memory down), new or resumed. The folder of an
+    ``sqlite:///PATH`` file is created when missing."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
+        if storage is not None and storage.startswith("sqlite:///"):
+            Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         return optuna.create_study(
             storage=storage,
             study_name=study_name,
@@ -220,16 +343,16 @@ def search(
     study: Any,
     objective: Objective,
     deadline: float,
-    budget_seconds: float,
     expected_trial_seconds: float,
+    events: EventSink | None = None,
     accepted: Sequence[TrialOutcome] = (),
     choices: Sequence[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
-    on_event: Callable[[SearchEvent], None] | None = None,
 ) -> list[TrialOutcome]:
     """Run every candidate in order until the budget runs out; returns all outcomes.
 
     Args:
+        events: where progress goes ("start", "step", "done", "skip" per candidate).
         accepted: outcomes already known to pass (the fp32 reference), for pruning.
         choices: every label of the study's categorical "candidate" parameter (the same in
             every trial of a study; default: the candidates' labels).
@@ -239,11 +362,11 @@ def search(
 
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES} but got {objective!r}.")
-    start = clock()
     labels = [spec.label for spec in candidates]
     if len(set(labels)) != len(labels):
         raise ValueError(f"Candidates must be distinct; got {labels}.")
     choices = list(choices) if choices is not None else labels
+    sink = events or EventSink(None, started=clock(), budget_seconds=0.0, clock=clock)
     previous = finished_outcomes(study)
     outcomes: list[TrialOutcome] = []
     best: TrialOutcome | None = None
@@ -251,27 +374,14 @@ def search(
         if outcome.status == "accepted" and better(outcome, best, objective):
             best = outcome
 
-    def emit(kind: str, index: int, label: str, outcome: TrialOutcome | None = None) -> None:
-        if on_event is not None:
-            on_event(
-                SearchEvent(
-                    kind=kind,
-                    index=index,
-                    total=len(candidates),
-                    label=label,
-                    elapsed_seconds=clock() - start,
-                    budget_seconds=budget_seconds,
-                    best=None if best is None else best.label,
-                    outcome=outcome,
-                )
-            )
-
     for index, spec in enumerate(candidates):
-        if index and spec.label not in previous:
+        label, total = spec.label, len(candidates)
+        where = {"index": index, "total": total, "best": None if best is None else best.label}
+        if index and label not in previous:
             previous = finished_outcomes(study)  # another worker sharing the study may have run it
-        if spec.label in previous:
-            outcomes.append(previous[spec.label])
-            emit("skip", index, spec.label, previous[spec.label])
+        if label in previous:
+            outcomes.append(previous[label])
+            sink.emit("skip", label, outcome=previous[label], **where)
             continue
         if deadline - clock() < 0.5 * expected_trial_seconds:
             reason = (
@@ -280,13 +390,13 @@ def search(
             )
             outcome = TrialOutcome(spec=spec, status="pruned", reasons=(reason,))
             outcomes.append(outcome)
-            emit("skip", index, spec.label, outcome)
+            sink.emit("skip", label, outcome=outcome, **where)
             continue
-        trial = ask_for(study, spec.label, choices)
-        label = spec.label
-        emit("start", index, label)
+        trial = ask_for(study, label, choices)
+        sink.emit("start", label, **where)
+        stop = sink.watch(make_stop_check(best, objective, deadline, clock), label, **where)
         try:
-            outcome = runner(spec, make_stop_check(best, objective, deadline, clock))
+            outcome = runner(spec, stop)  # type: ignore[arg-type]
         except BaseException:  # Ctrl-C or a crash: leave no RUNNING trial behind, then stop
             trial.set_user_attr("reasons", ["interrupted"])
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -296,7 +406,7 @@ def search(
         if outcome.status == "accepted" and better(outcome, best, objective):
             best = outcome
         outcomes.append(outcome)
-        emit("done", index, label, outcome)
+        sink.emit("done", label, outcome=outcome, **{**where, "best": best and best.label})
     return outcomes
 
 

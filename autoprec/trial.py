@@ -502,6 +502,35 @@ def _train(
     return None, None
 
 
+def _uncopyable_attribute(model: nn.Module) -> str | None:
+    """``module.attribute (type)`` of the first attribute that copy.deepcopy refuses."""
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if attribute in ("_parameters", "_buffers", "_modules"):
+                continue
+            try:
+                copy.deepcopy(value)
+            except Exception:  # noqa: BLE001 - looking for the one that fails
+                where = f"{name}.{attribute}" if name else attribute
+                return f"{where} ({type(value).__name__})"
+    return None
+
+
+def deep_copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, or a TypeError naming the attribute that cannot be copied."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as error:
+        culprit = _uncopyable_attribute(model)
+        found = f"; the attribute {culprit} cannot be copied" if culprit else ""
+        raise TypeError(
+            f"autoprec trains copies of your model (copy.deepcopy), and copying "
+            f"{type(model).__name__} failed ({type(error).__name__}: {error}){found}. Keep "
+            "locks, files, open connections and loggers out of the model's attributes (create "
+            "them outside it, or define __deepcopy__)."
+        ) from error
+
+
 def run_trial(
     spec: ModeSpec,
     model: nn.Module,
@@ -561,7 +590,7 @@ def run_trial(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         try:
-            trained = copy.deepcopy(model).train()
+            trained = deep_copy(model).train()
             plan = build_plan(
                 spec,
                 trained,

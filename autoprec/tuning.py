@@ -8,7 +8,6 @@ cannot finish. The user's model is never touched: every trial trains a deep copy
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import random
 import time
@@ -26,6 +25,7 @@ from autoprec.candidates import CandidateList, Skipped, candidate_specs
 from autoprec.choice import choose, pareto_front
 from autoprec.drift import DriftThresholds, judge
 from autoprec.eligibility import Situation, model_device
+from autoprec.errors import UnsupportedModeError
 from autoprec.fingerprint import (
     StudyFingerprint,
     check_study,
@@ -47,6 +47,7 @@ from autoprec.recipe import (
 )
 from autoprec.search import (
     OBJECTIVES,
+    EventSink,
     Objective,
     SearchEvent,
     TrialOutcome,
@@ -54,10 +55,11 @@ from autoprec.search import (
     create_study,
     make_stop_check,
     record_outcome,
+    record_result,
     search,
 )
 from autoprec.specs import ModeSpec
-from autoprec.trial import TrialResult, run_trial
+from autoprec.trial import TrialResult, deep_copy, run_trial
 
 logger = logging.getLogger(__name__)
 
@@ -225,14 +227,45 @@ def _figures(outcome: TrialOutcome) -> TrialFigures:
     )
 
 
-def _reference_failed(result: TrialResult) -> ValueError:
+def _reference_hint(message: str, setup: _Setup) -> str:
+    """What to do about a failing fp32 reference, from what failed (the trial's one-line
+    message: exception type and first line)."""
+    recipe, batch = setup.recipe, setup.train[0]
+    if "does not require grad" in message or "does not have a grad_fn" in message:
+        return (
+            "The loss has no gradient: it does not depend on any trainable parameter (a "
+            "detached output, torch.no_grad() in forward, or a loss of the targets alone). "
+            "Make the loss flow from the model's output."
+        )
+    if "copy.deepcopy" in message or "not a torch.optim.Optimizer" in message:
+        return ""  # the message itself says what to do
+    positional = "positional argument" in message or "unexpected keyword argument" in message
+    if positional and recipe.loss_fn is None and recipe.train_step is None:
+        if isinstance(batch, tuple | list):
+            return (
+                f"Without a loss function autoprec called model(*batch) with all "
+                f"{len(batch)} elements of the batch. If the last one is the target, pass "
+                "loss_fn(output, target) (CLI: --loss module:fn); for anything else pass "
+                "train_step(plan, batch) -> loss."
+            )
+        if isinstance(batch, dict):
+            return (
+                f"Without a loss function autoprec called model(**batch) with keys "
+                f"{sorted(batch)}. Pass loss_fn(output, batch) (CLI: --loss module:fn) or "
+                "train_step(plan, batch) -> loss."
+            )
+    return (
+        "Check that the loader's batches fit the model (and loss_fn / train_step): nothing "
+        "can be compared without it."
+    )
+
+
+def _reference_failed(result: TrialResult, setup: _Setup) -> ValueError:
     failure = result.record.failure
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
-    return ValueError(
-        f"The fp32 reference failed{where} ({failure.message}). Check that the loader's batches "
-        "fit the model (and loss_fn / train_step): nothing can be compared without it."
-    )
+    hint = _reference_hint(failure.message, setup)
+    return ValueError(f"The fp32 reference failed{where}: {failure.message}. {hint}".rstrip())
 
 
 def _reference_still(result: TrialResult) -> ValueError:
@@ -317,6 +350,12 @@ def _confirm_speed(
     return [confirmed(o) for o in outcomes], confirmed(reference)
 
 
+def _retime(setup: _Setup, spec: ModeSpec, steps: int, stop: Any) -> Any:
+    label = f"re-timing {spec.label}"
+    setup.events.emit("phase", label, steps=steps)
+    return setup.run(spec, steps, stop=setup.events.watch(stop, label)).record
+
+
 @dataclass
 class _Setup:
     """What every stage of one tune() run shares."""
@@ -337,6 +376,7 @@ class _Setup:
     deadline: float
     clock: Callable[[], float]
     thresholds: DriftThresholds | None
+    events: EventSink
 
     def run(self, spec: ModeSpec, steps: int, **options: Any) -> TrialResult:
         options.setdefault("seed", self.seed)
@@ -385,6 +425,58 @@ def _check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
             "The model has no trainable parameters (requires_grad=False everywhere): the fp32 "
             "reference would never move. Unfreeze the parameters your run trains."
         )
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "The model's parameters are on the meta device (shapes without values): nothing "
+            "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
+            "initialize it or load a checkpoint."
+        )
+
+
+def _check_device(device: str | None) -> None:
+    """A ``device=`` that this torch cannot use fails here, before anything is copied."""
+    if device is None:
+        return
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be 'cpu' or 'cuda:N', not {device!r} ({error}).") from None
+    if target.type == "cpu":
+        return
+    if target.type != "cuda":
+        raise ValueError(f"autoprec tunes on 'cpu' or 'cuda:N', not {device!r}.")
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device={device!r}, but this torch ({torch.__version__}) is a CPU build without "
+            "CUDA. Tune on 'cpu', or install a CUDA build of torch on a machine with a GPU."
+        )
+    count = torch.cuda.device_count()
+    if (target.index or 0) >= count:
+        found = f"{count} CUDA device(s)" if count else "no CUDA device"
+        raise ValueError(
+            f"device={device!r}, but torch sees {found} here (CUDA_VISIBLE_DEVICES, driver). "
+            "Pick an existing device or 'cpu'."
+        )
+
+
+def _refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> None:
+    """Modes asked for by name that cannot run here are an error, never quietly dropped."""
+    if modes is None or not candidates.skipped:
+        return
+
+    def name(spec: ModeSpec) -> str:
+        return spec.mode + ("+8bit-optim" if spec.optimizer_bits == 8 else "")
+
+    lines = "; ".join(
+        f"{name(skipped.spec)}: {', '.join(skipped.reasons) or 'not eligible'}"
+        for skipped in candidates.skipped
+    )
+    names = ", ".join(name(skipped.spec) for skipped in candidates.skipped)
+    raise UnsupportedModeError(
+        f"Requested mode(s) cannot run here: {lines}. Leave {names} out of the modes, or tune "
+        "where they can run (autoprec probe shows what this machine supports).",
+        tuple(reason for skipped in candidates.skipped for reason in skipped.reasons),
+    )
 
 
 def _setup(
@@ -400,7 +492,7 @@ def _setup(
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
     lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
-    trial_model = model if device is None else copy.deepcopy(model).to(device)
+    trial_model = model if device is None else deep_copy(model).to(device)
     example = None
     if recipe.train_step is None:
         example = to_device(_example_input(train[0], recipe.loss_fn), model_device(trial_model))
@@ -411,6 +503,8 @@ def _setup(
         layers=report.layers,
         backends=report.backends,
     )
+    candidates = candidate_specs(report, modes)
+    _refuse_unrunnable(candidates, modes)
     return _Setup(
         user_model=model,
         trial_model=trial_model,
@@ -419,7 +513,7 @@ def _setup(
         heldout=heldout,
         report=report,
         situation=situation,
-        candidates=candidate_specs(report, modes),
+        candidates=candidates,
         lr_points=lr_points,
         **shared,
     )
@@ -428,9 +522,14 @@ def _setup(
 def _plan_steps(setup: _Setup, budget_minutes: float) -> tuple[int, float, float]:
     """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
     start = setup.clock()
-    calibration = setup.run(ModeSpec(mode="fp32"), CALIBRATION_STEPS)
+    setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
+    calibration = setup.run(
+        ModeSpec(mode="fp32"),
+        CALIBRATION_STEPS,
+        stop=setup.events.watch(None, "calibration (fp32)"),
+    )
     if calibration.record.failure is not None:
-        raise _reference_failed(calibration)
+        raise _reference_failed(calibration, setup)
     step_seconds = calibration.record.median_step_seconds or 1e-3
     calibration_seconds = setup.clock() - start
     trials = len(setup.candidates.specs) + 1  # every candidate and the noise run
@@ -452,7 +551,8 @@ def _references(
     """The fp32 reference and the noise run (another seed and batch order)."""
     budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
     references = []
-    for seed_offset, shuffle in ((0, None), (1, 1)):
+    for seed_offset, shuffle, label in ((0, None, "fp32 reference"), (1, 1, "fp32 noise run")):
+        setup.events.emit("phase", label, steps=steps)
         result = setup.run(
             ModeSpec(mode="fp32"),
             steps,
@@ -460,10 +560,10 @@ def _references(
             shuffle_seed=shuffle,
             heldout=setup.heldout,
             eval_fn=setup.eval_fn,
-            stop=budget_only,
+            stop=setup.events.watch(budget_only, label),
         )
         if result.record.failure is not None:
-            raise _reference_failed(result)
+            raise _reference_failed(result, setup)
         if result.record.stopped is not None:
             raise ValueError(
                 f"budget_minutes={budget_minutes} is too small for the fp32 "
@@ -543,6 +643,7 @@ def tune(
     seed: int = 0,
     thresholds: DriftThresholds | None = None,
     on_event: Callable[[SearchEvent], None] | None = None,
+    progress: bool | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> TuneResult:
     """Find the fastest (or leanest) precision mode that passes the drift gate, within budget.
@@ -569,13 +670,19 @@ def tune(
         modes: restrict the candidates to these canonical mode names.
         device: "cpu" or "cuda:N" to tune on (default: where the model is).
         storage / study_name: an Optuna storage URL to persist (and resume) the study.
-        on_event: called with a :class:`~autoprec.search.SearchEvent` before and after each
-            trial (progress displays).
+        on_event: called with a :class:`~autoprec.search.SearchEvent` for every phase (fp32
+            calibration, reference and noise runs), every trial's start and end, and its step
+            count about once a second: ``event.kind``, ``.label``, ``.step`` / ``.steps``,
+            ``.elapsed_seconds``, ``.remaining_seconds`` (of the whole budget), ``.best``,
+            ``.outcome`` (status, figures, reasons). Exceptions it raises stop the tune.
+        progress: show live progress on stderr (default: on in an interactive terminal or a
+            notebook, off in logs and pipes).
 
     Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
     _check_arguments(model, budget_minutes, objective)
+    _check_device(device)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
         scheduler=scheduler,
@@ -586,7 +693,8 @@ def tune(
         train_step=train_step,
     )
     start = clock()
-    with preserved_rng():
+    budget_seconds = float(budget_minutes) * 60
+    with _progress_callback(progress, on_event) as callback, preserved_rng():
         setup = _setup(
             model,
             loader,
@@ -595,19 +703,48 @@ def tune(
             device=device,
             eval_fn=eval_fn,
             seed=seed,
-            budget_seconds=float(budget_minutes) * 60,
-            deadline=start + float(budget_minutes) * 60,
+            budget_seconds=budget_seconds,
+            deadline=start + budget_seconds,
             clock=clock,
             thresholds=thresholds,
+            events=EventSink(callback, started=start, budget_seconds=budget_seconds, clock=clock),
         )
-        return _search(setup, budget_minutes, objective, storage, study_name, on_event, start)
+        return _search(setup, budget_minutes, objective, storage, study_name, start)
+
+
+@contextlib.contextmanager
+def _progress_callback(
+    progress: bool | None, on_event: Callable[[SearchEvent], None] | None
+) -> Iterator[Callable[[SearchEvent], None] | None]:
+    """``on_event``, plus the live display on stderr when progress is wanted."""
+    from autoprec.progress import TuneProgress, interactive
+
+    if not (interactive() if progress is None else progress):
+        yield on_event
+        return
+    with TuneProgress() as display:
+        if on_event is None:
+            yield display
+            return
+
+        def both(event: SearchEvent) -> None:
+            display(event)
+            on_event(event)
+
+        yield both
 
 
 def _measured_references(
-    setup: _Setup, study: Any, storage: str | None, budget_minutes: float, objective: Objective
-) -> tuple[TrialResult, TrialResult, int, float, float, bool]:
-    """(reference, noise, trial steps, fp32 step seconds, calibration seconds, reused): from
-    the study when it was measured under the same fingerprint, else measured now."""
+    setup: _Setup,
+    study: Any,
+    storage: str | None,
+    budget_minutes: float,
+    objective: Objective,
+    planned: tuple[int, float],
+) -> tuple[TrialResult, TrialResult, int, float, bool]:
+    """(reference, noise, trial steps, fp32 step seconds, reused): from the study when it was
+    measured under the same fingerprint, else measured now with the ``planned`` (trial steps,
+    fp32 step seconds)."""
     fingerprint = _fingerprint(setup, objective, budget_minutes)
     check_study(study, fingerprint, f"{study.study_name!r} in {storage}")
     cache = references_path(storage, study.study_name)
@@ -616,8 +753,8 @@ def _measured_references(
     if stored is not None:  # a resumed run: the same fp32 runs, measured before
         logger.info("reusing the fp32 reference runs stored in %s", cache)
         steps, step_seconds = int(attrs["trial_steps"]), float(attrs["fp32_step_seconds"])
-        return (*stored, steps, step_seconds, 0.0, True)
-    steps, step_seconds, calibration_seconds = _plan_steps(setup, budget_minutes)
+        return (*stored, steps, step_seconds, True)
+    steps, step_seconds = planned
     steps = int(attrs.get("trial_steps", steps))
     study.set_user_attr("trial_steps", steps)
     study.set_user_attr("fp32_step_seconds", step_seconds)
@@ -625,7 +762,7 @@ def _measured_references(
     reference, noise = _references(setup, steps, budget_minutes, objective)
     if cache is not None:
         save_references(cache, fingerprint, (reference, noise))
-    return reference, noise, steps, step_seconds, calibration_seconds, False
+    return reference, noise, steps, step_seconds, False
 
 
 def _search(
@@ -634,13 +771,17 @@ def _search(
     objective: Objective,
     storage: str | None,
     study_name: str | None,
-    on_event: Callable[[SearchEvent], None] | None,
     start: float,
 ) -> TuneResult:
     clock, candidates = setup.clock, setup.candidates
+    # The first fp32 steps check the inputs (batches fit, the loss has gradients) before the
+    # study creates any file.
+    planned_steps, step_seconds, calibration_seconds = _plan_steps(setup, budget_minutes)
     study = create_study(storage, study_name)
-    measured = _measured_references(setup, study, storage, budget_minutes, objective)
-    reference, noise, steps, step_seconds, calibration_seconds, reused = measured
+    measured = _measured_references(
+        setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)
+    )
+    reference, noise, steps, step_seconds, reused = measured
     device = setup.report.device
     reference_verdict = judge(reference, reference, noise, setup.thresholds)
     reference_outcome = _outcome(reference, reference_verdict, device)
@@ -664,12 +805,11 @@ def _search(
         study=study,
         objective=objective,
         deadline=setup.deadline,
-        budget_seconds=setup.budget_seconds,
         expected_trial_seconds=steps * step_seconds,
+        events=setup.events,
         accepted=[reference_outcome],
         choices=[s.label for s in candidates.specs],
         clock=clock,
-        on_event=on_event,
     )
     if objective != "memory":
         budget_only = make_stop_check(None, objective, setup.deadline, clock)
@@ -678,7 +818,7 @@ def _search(
             reference_outcome,
             setup.deadline,
             clock,
-            lambda spec: setup.run(spec, min(steps, CONFIRM_STEPS), stop=budget_only).record,
+            lambda spec: _retime(setup, spec, min(steps, CONFIRM_STEPS), budget_only),
         )
     used = clock() - start
     run = [o for o in outcomes if o.seconds > 0]
@@ -694,6 +834,8 @@ def _search(
         trials_not_run=len(outcomes) - len(run),
         reference_reused=reused,
     )
-    return _profile_and_result(
+    result = _profile_and_result(
         setup, objective, reference_outcome, outcomes, budget, reference_verdict.notes
     )
+    record_result(study, result.chosen.label, [result.reference, *result.trials])
+    return result

@@ -10,6 +10,7 @@ import pytest
 from autoprec.cli import main
 
 REPO = Path(__file__).parents[1]
+MODES = {"fp32", "amp_bf16", "bf16_kahan"}
 
 
 def test_probe_text(capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,7 +150,7 @@ def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert schema == json.loads((REPO / "profiles/profile.schema.json").read_text())
 
 
-def test_tune_end_to_end_then_report(tmp_path: Path) -> None:
+def test_tune_end_to_end_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "runs" / "new" / "tiny.json"  # folders that do not exist yet
     done = subprocess.run(
         [
@@ -174,13 +175,34 @@ def test_tune_end_to_end_then_report(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Trials (objective: speed)" in done.stdout and f"wrote {out}" in done.stdout
+    # not a terminal: plain progress lines on stderr, from the first fp32 steps on
+    progress = done.stderr.splitlines()
+    assert progress[0].startswith("calibration (fp32) · 5 steps · ")
+    assert any(line.startswith("trial 1/2 amp_bf16 · ") for line in progress)
+    assert not any("WARNING" in line for line in progress), done.stderr  # no import chatter
+    # the compact table fits 80 columns with full labels, one row per trial
+    table = done.stdout.split("Profile:")[0].splitlines()
+    assert max(len(line) for line in table) <= 80
+    rows = [line for line in table if line.lstrip("★ ").split(" ")[0] in MODES]
+    assert [row.lstrip("★ ").split()[0] for row in rows] == ["fp32", "amp_bf16", "bf16_kahan"]
     profile = json.loads(out.read_text())
     assert profile["evidence"]["trial_steps"] >= 20
     assert out.with_suffix(".study.db").exists() and out.with_suffix(".trials.json").exists()
+    from autoprec.report import outcomes_from_result, outcomes_from_study
+
+    from_file = outcomes_from_result(out.with_suffix(".trials.json"))
+    from_study = outcomes_from_study(f"sqlite:///{out.with_suffix('.study.db')}", None)
+    assert sorted(from_study[0], key=lambda o: o.label) == sorted(
+        from_file[0], key=lambda o: o.label
+    )
+    assert from_study[1] == from_file[1]
     for source in (out.with_suffix(".trials.json"), out.with_suffix(".study.db")):
         png = tmp_path / f"{source.suffix}.png"
         assert main(["report", str(source), "--out", str(png)]) == 0
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = capsys.readouterr().out
+    count = profile["evidence"]["trial_count"]
+    assert written.count(f"({count} trials: ") == 2  # the profile's count, from both sources
 
 
 def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -405,3 +427,130 @@ def test_bad_numbers_are_refused_before_anything_is_created(
     assert main(command) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def _tune_command(out: Path, *flags: str) -> list[str]:
+    return [
+        "tune",
+        "examples.tiny_gpt:make_small_model",
+        "--data",
+        "examples.tiny_gpt:make_small_batches",
+        "--budget",
+        "0.2",
+        *flags,
+        "--out",
+        str(out),
+    ]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_data_factory_that_raises_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data.py"
+    data.write_text("def batches():\n    raise OSError('dataset shard 3 is missing')\n")
+    out = tmp_path / "new" / "p.json"
+    command = _tune_command(out)
+    command[3] = f"{data}:batches"
+    assert main(command) == 2
+    line = _one_line_error(capsys)
+    assert "--data: calling" in line and "OSError: dataset shard 3 is missing" in line
+    assert not (tmp_path / "new").exists()
+
+
+def _meta_factory(folder: Path) -> str:
+    factory = folder / "meta_model.py"
+    factory.write_text(
+        "import torch\n"
+        "def make():\n"
+        "    with torch.device('meta'):\n"
+        "        return torch.nn.Linear(4, 4)\n"
+    )
+    return f"{factory}:make"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [("cuda_on_cpu_build", "device='cuda:0', but this torch"), ("meta_model", "meta device")],
+)
+def test_unusable_device_or_model_is_one_line(
+    case: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    out = tmp_path / "new" / "p.json"
+    if case == "cuda_on_cpu_build":
+        if torch.version.cuda is not None:
+            pytest.skip("needs a CPU build of torch")
+        command = _tune_command(out, "--device", "cuda:0")
+    else:
+        command = _tune_command(out, "--device", "cpu")
+        command[1] = _meta_factory(tmp_path)
+    assert main(command) == 2
+    assert expected in _one_line_error(capsys)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_mode_that_cannot_run_here_is_an_error_not_an_fp32_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "new" / "p.json"
+    assert main(_tune_command(out, "--modes", "fp8_te")) == 2
+    line = _one_line_error(capsys)
+    assert "Requested mode(s) cannot run here: fp8_te: fp8_te needs a CUDA GPU" in line
+    assert not (tmp_path / "new").exists()
+    assert main(_tune_command(out, "--modes", "bf16")) == 2
+    assert "Unknown mode(s) ['bf16']" in _one_line_error(capsys)
+
+
+def test_report_and_show_on_the_wrong_file_say_which_file_to_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = REPO / "profiles" / "example-cpu-amp_bf16.json"
+    assert main(["report", str(profile), "--out", str(tmp_path / "r.png")]) == 2
+    assert "is a profile, not a tune run's trials" in _one_line_error(capsys)
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"x": 1}')
+    assert main(["report", str(junk), "--out", str(tmp_path / "r.png")]) == 2
+    line = _one_line_error(capsys)
+    assert "is not a tune run's trials file" in line and "pydantic" not in line
+    trials = tmp_path / "p.trials.json"
+    trials.write_text(json.dumps({"profile": {}, "trials": [], "reference": {}}))
+    assert main(["show", str(trials)]) == 2
+    assert "is a tune run's trials file (*.trials.json), not a profile" in _one_line_error(capsys)
+    assert main(["report", str(tmp_path / "nothing.db"), "--out", str(tmp_path / "r.png")]) == 2
+    assert "does not exist" in _one_line_error(capsys)
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_only_autoprecs_records_are_formatted_as_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import logging
+
+    from autoprec.cli import _configure_logging
+
+    try:
+        _configure_logging(debug=False)
+        logging.getLogger("autoprec.tuning").warning("own words")
+        logging.getLogger("somelib").warning("their words")
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: no such file")
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: No module"
+        )
+        err = capsys.readouterr().err
+        assert "autoprec: WARNING: own words" in err
+        assert "somelib: WARNING: their words" in err and "autoprec: WARNING: their" not in err
+        assert "Failed to load" not in err  # import chatter: only with --debug
+        _configure_logging(debug=True)
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: no such file")
+        assert "torchao: WARNING: Failed to load /x/_C_mxfp8.so" in capsys.readouterr().err
+    finally:
+        _configure_logging(debug=False)

@@ -121,5 +121,7 @@ def test_summary_records_the_optimizer_and_compares_by_value() -> None:
 
 def test_factory_returning_something_else_is_named() -> None:
     model = _model()
-    with pytest.raises(TypeError, match=r"returned dict, not a torch\.optim\.Optimizer"):
+    with pytest.raises(TypeError, match=r"returned a dict \(Lightning's configure_optimizers"):
         TrainingRecipe(optimizer=lambda params: {"optimizer": None}).make_optimizer(model, model)
+    with pytest.raises(TypeError, match=r"returned int, not a torch\.optim\.Optimizer"):
+        TrainingRecipe(optimizer=lambda params: 3).make_optimizer(model, model)

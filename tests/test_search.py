@@ -10,7 +10,7 @@ import pytest
 from autoprec.candidates import candidate_specs
 from autoprec.choice import choose, dominates, pareto_front
 from autoprec.probing import probe
-from autoprec.search import TrialOutcome, create_study, make_stop_check, search
+from autoprec.search import EventSink, TrialOutcome, create_study, make_stop_check, search
 from autoprec.specs import ModeSpec
 from autoprec.trial import TrialProgress
 from examples import tiny_gpt
@@ -73,7 +73,6 @@ def test_every_candidate_in_order_with_states_in_the_study() -> None:
         study=study,
         objective="speed",
         deadline=1000,
-        budget_seconds=1000,
         expected_trial_seconds=10,
         clock=clock,
     )
@@ -99,7 +98,6 @@ def test_budget_stops_launching_trials() -> None:
         study=create_study(None, None),
         objective="speed",
         deadline=24,
-        budget_seconds=24,
         expected_trial_seconds=10,
         clock=clock,
     )
@@ -123,11 +121,11 @@ def test_stop_check() -> None:
 
     assert stop(progress([1.0, 1.0, 0.01, 0.01])) is None  # too few measured steps
     assert stop(progress([1.0, 1.0, 0.011, 0.0104, 0.0102])) is None  # within 5%
-    assert stop(progress([1.0, 1.0, 0.02, 0.02, 0.02])).startswith("cannot beat amp_bf16")
+    assert stop(progress([1.0, 1.0, 0.02, 0.02, 0.02])).startswith("slower than amp_bf16")
     clock.now = 99.8
     assert stop(progress([1.0, 1.0, 0.01, 0.01, 0.01])).startswith("budget: 45 more steps")
     memory_stop = make_stop_check(best, "memory", deadline=100, clock=FakeClock())
-    assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000)).startswith("cannot beat")
+    assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000)).startswith("larger than")
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=900)) is None
 
 
@@ -148,7 +146,6 @@ def test_interrupted_study_resumes_from_sqlite(tmp_path: Path) -> None:
             study=create_study(storage, "s"),
             objective="speed",
             deadline=1000,
-            budget_seconds=1000,
             expected_trial_seconds=10,
             clock=clock,
         )
@@ -162,10 +159,9 @@ def test_interrupted_study_resumes_from_sqlite(tmp_path: Path) -> None:
         study=create_study(storage, "s"),
         objective="speed",
         deadline=1000,
-        budget_seconds=1000,
         expected_trial_seconds=10,
         clock=clock,
-        on_event=events.append,
+        events=EventSink(events.append, started=0.0, budget_seconds=1000, clock=clock),
     )
     assert log == ["amp_bf16", "bf16_kahan", "bf16_pure", "amp_fp16"]  # nothing run twice
     assert [e.kind for e in events if e.label == "amp_bf16"] == ["skip"]
@@ -226,8 +222,14 @@ def test_candidates_restricted_and_unknown() -> None:
 
 
 def test_unopenable_storage_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
     with pytest.raises(ValueError, match=r"Cannot open the study storage .*folder exists"):
-        create_study(f"sqlite:///{tmp_path / 'missing' / 'dir' / 'study.db'}", "s")
+        create_study(f"sqlite:///{tmp_path / 'a_file' / 'study.db'}", "s")
+
+
+def test_the_folder_of_an_sqlite_study_is_created(tmp_path: Path) -> None:
+    create_study(f"sqlite:///{tmp_path / 'missing' / 'dir' / 'study.db'}", "s")
+    assert (tmp_path / "missing" / "dir" / "study.db").is_file()
 
 
 def test_a_trial_left_waiting_does_not_hijack_the_next_candidate(tmp_path: Path) -> None:
@@ -241,7 +243,6 @@ def test_a_trial_left_waiting_does_not_hijack_the_next_candidate(tmp_path: Path)
         study=create_study(storage, "s"),
         objective="speed",
         deadline=1000,
-        budget_seconds=1000,
         expected_trial_seconds=10,
         clock=clock,
         choices=[s.label for s in SPECS],

@@ -19,7 +19,7 @@ ORDER = [
     "probing", "candidates", "batching", "recipe", "trial", "drift", "search",  # pipeline
     "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
-    "factories", "tuning", "report", "display", "cli",               # drivers
+    "factories", "progress", "tuning", "report", "display", "cli",               # drivers
 ]
 # fmt: on
 EXEMPT = {"__init__", "__main__"}

@@ -60,7 +60,7 @@ def test_falls_back_to_fp32_when_every_candidate_drifts() -> None:
         loss_fn=task.mse,
         optimizer=task.optimizer,
         objective="memory",
-        modes=["bf16_pure"],
+        modes=["bf16_pure", "bf16_pure+8bit-optim"],
     )
     assert result.chosen.mode == "fp32"
     # bf16_pure and its 8-bit-optimizer variant both lose their updates
@@ -114,15 +114,10 @@ def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
         on_event=events.append,
     )
     kinds = {e.label: e.kind for e in events if e.kind != "start"}
-    assert result.budget.reference_reused and result.budget.calibration_seconds == 0
+    assert result.budget.reference_reused
     assert kinds[done[0]] == "skip" and kinds[done[1]] == "skip"
     assert kinds["bf16_sr"] == "done"
-    assert {o.label for o in result.trials} == {
-        "amp_bf16",
-        "bf16_kahan",
-        "bf16_sr",
-        "amp_bf16+8bit-optim",
-    }
+    assert {o.label for o in result.trials} == {"amp_bf16", "bf16_kahan", "bf16_sr"}  # exactly
 
 
 @pytest.mark.parametrize(
@@ -143,7 +138,7 @@ def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
         (
             lambda m, b: tune(m, [torch.zeros(2, 3, 4)], budget_minutes=1),
             ValueError,
-            r"fp32 reference failed at step 0 .*Check that the loader's batches fit the model",
+            r"fp32 reference failed at step 0: .*Check that the loader's batches fit the model",
         ),
         (lambda m, b: tune(m, 42, budget_minutes=1), TypeError, "iterable of batches"),
         (
@@ -289,3 +284,92 @@ def test_a_study_refuses_to_resume_for_another_run(tmp_path: Path) -> None:
     again = tune(model, batches, modes=["amp_bf16"], **common)
     assert again.budget.reference_reused
     assert again.reference.final_loss == first.reference.final_loss
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _regression_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 8, generator=generator), torch.randn(16, 1)) for _ in range(10)]
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def test_a_loss_without_gradient_is_named_as_such() -> None:
+    def detached(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _mse(output.detach(), target)
+
+    with pytest.raises(ValueError, match="The loss has no gradient") as caught:
+        tune(_Regressor(), _regression_batches(), budget_minutes=0.2, loss_fn=detached)
+    assert "batches fit the model" not in str(caught.value)
+
+
+def test_a_model_that_cannot_be_copied_names_the_attribute() -> None:
+    import threading
+
+    model = _Regressor()
+    model.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"copy\.deepcopy.*attribute lock \(lock\)") as caught:
+        tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
+    assert "batches fit the model" not in str(caught.value)
+    with pytest.raises(TypeError, match=r"attribute lock \(lock\) cannot be copied"):
+        tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse, device="cpu")
+
+
+def test_an_optimizer_factory_returning_a_lightning_dict_says_what_to_return() -> None:
+    def configure(params: object) -> dict:
+        return {"optimizer": torch.optim.AdamW(params), "lr_scheduler": None}  # type: ignore[arg-type]
+
+    with pytest.raises(TypeError, match=r"returned a dict .Lightning.s configure_optimizers"):
+        tune(
+            _Regressor(),
+            _regression_batches(),
+            budget_minutes=0.2,
+            loss_fn=_mse,
+            optimizer=configure,
+        )
+    with pytest.raises(TypeError, match="a Lightning-style dict or list is not an optimizer"):
+        tune(_Regressor(), _regression_batches(), budget_minutes=0.2, optimizer={"optimizer": 1})  # type: ignore[arg-type]
+
+
+def test_a_tuple_batch_without_a_loss_says_how_the_model_was_called() -> None:
+    with pytest.raises(ValueError, match=r"called model\(\*batch\) with all 2 elements") as caught:
+        tune(_Regressor(), _regression_batches(), budget_minutes=0.2)
+    assert "--loss" in str(caught.value) and "positional argument" in str(caught.value)
+
+
+def test_a_meta_model_and_an_unusable_device_are_refused_up_front() -> None:
+    with torch.device("meta"):
+        meta = _Regressor()
+    with pytest.raises(ValueError, match=r"meta device .*to_empty"):
+        tune(meta, _regression_batches(), budget_minutes=0.2, loss_fn=_mse, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda:0', but this torch .* CPU build|sees"):
+            tune(_Regressor(), _regression_batches(), budget_minutes=0.2, device="cuda:0")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda:N'"):
+        tune(_Regressor(), _regression_batches(), budget_minutes=0.2, device="tpu")
+
+
+def test_a_requested_mode_that_cannot_run_here_is_an_error(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'new' / 'study.db'}"
+    with pytest.raises(
+        autoprec.UnsupportedModeError, match="fp8_te: fp8_te needs a CUDA GPU"
+    ) as caught:
+        tune(
+            _Regressor(),
+            _regression_batches(),
+            budget_minutes=0.2,
+            loss_fn=_mse,
+            modes=["amp_bf16", "fp8_te"],
+            storage=storage,
+        )
+    assert caught.value.reasons and not (tmp_path / "new").exists()  # nothing created

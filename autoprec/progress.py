@@ -1,0 +1,114 @@
+"""Live progress of a tune run: a status line that updates in place on an interactive terminal,
+plain lines where output goes to a log or a pipe. Used by the CLI and by ``tune(progress=True)``.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from autoprec.search import SearchEvent, TrialOutcome
+
+PLAIN_STEP_SECONDS = 15.0
+"""Without a live terminal, a trial's step count is printed at most every 15 s of the budget:
+a CI log shows a long trial moving without one line per second."""
+
+STATUS_STYLE = {"accepted": "green", "rejected": "red", "pruned": "yellow", "failed": "red"}
+
+
+def interactive(console: Console | None = None) -> bool:
+    """True in an interactive terminal or a notebook: where progress is shown by default."""
+    console = console or Console(stderr=True)
+    return console.is_terminal or console.is_jupyter
+
+
+def _seconds(value: float) -> str:
+    value = max(value, 0.0)
+    if value < 100:
+        return f"{value:.0f} s"
+    minutes, seconds = divmod(round(value), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+def status_line(event: SearchEvent) -> str:
+    """One line: what runs, its step count, the budget's elapsed and remaining time, the best."""
+    if event.in_search:
+        what = f"trial {event.index + 1}/{event.total} {event.label}"
+    else:
+        what = event.label
+    parts = [what]
+    if event.step is not None and event.steps:
+        parts.append(f"step {event.step}/{event.steps}")
+    elif event.steps:
+        parts.append(f"{event.steps} steps")
+    parts.append(
+        f"{_seconds(event.elapsed_seconds)} of {_seconds(event.budget_seconds)}, "
+        f"{_seconds(event.remaining_seconds)} left"
+    )
+    if event.in_search:
+        parts.append(f"best {event.best or 'fp32'}")
+    return " · ".join(parts)
+
+
+def outcome_line(outcome: TrialOutcome, *, earlier: bool = False) -> Text:
+    """A finished trial in one line: label, status, speed or the first reason."""
+    line = Text.assemble(
+        (f"{outcome.label} ", "bold"), (outcome.status, STATUS_STYLE[outcome.status])
+    )
+    if earlier:
+        line.append(" (from the study)", style="dim")
+    if outcome.status == "accepted" and outcome.samples_per_second:
+        line.append(f" {outcome.samples_per_second:,.1f} samples/s")
+    elif outcome.reasons:
+        line.append(f": {outcome.reasons[0]}")
+    return line
+
+
+class TuneProgress:
+    """An ``on_event`` callback that shows a tune run's progress on ``console`` (stderr).
+
+    Live (an interactive terminal or notebook): one status line updated in place, each finished
+    trial printed above it. Plain (a log, a pipe): a line when a phase or trial starts, its step
+    count every ``PLAIN_STEP_SECONDS``, a line when it ends.
+    """
+
+    def __init__(self, console: Console | None = None, *, live: bool | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.live = interactive(self.console) if live is None else live
+        self._display: Live | None = None
+        self._last_plain = -float("inf")
+
+    def __enter__(self) -> TuneProgress:
+        if self.live:
+            self._display = Live(
+                Text("starting: reading batches, probing the model..."),
+                console=self.console,
+                refresh_per_second=4,
+                transient=True,
+            )
+            self._display.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._display is not None:
+            self._display.__exit__(*exc)  # type: ignore[arg-type]
+            self._display = None
+
+    def _print(self, line: Text) -> None:
+        self.console.print(line, no_wrap=True, overflow="ellipsis")
+
+    def __call__(self, event: SearchEvent) -> None:
+        if event.kind in ("done", "skip") and event.outcome is not None:
+            earlier = event.kind == "skip" and event.outcome.seconds > 0
+            self._print(outcome_line(event.outcome, earlier=earlier))
+        status = status_line(event)
+        if self._display is not None:
+            self._display.update(Text(status, no_wrap=True, overflow="ellipsis"))
+            return
+        plain_step = (
+            event.kind == "step" and event.elapsed_seconds - self._last_plain >= PLAIN_STEP_SECONDS
+        )
+        if event.kind in ("phase", "start") or plain_step:
+            self._last_plain = event.elapsed_seconds
+            self._print(Text(status))
