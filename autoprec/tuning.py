@@ -439,11 +439,11 @@ def _check_device(device: str | None) -> None:
         return
     try:
         target = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be 'cpu' or 'cuda:N', not {device!r} ({error}).") from None
-    if target.type == "cpu":
+    except (RuntimeError, TypeError):
+        target = None
+    if target is not None and target.type == "cpu":
         return
-    if target.type != "cuda":
+    if target is None or target.type != "cuda":
         raise ValueError(f"autoprec tunes on 'cpu' or 'cuda:N', not {device!r}.")
     if torch.version.cuda is None:
         raise ValueError(

@@ -114,6 +114,30 @@ def test_console_script_end_to_end() -> None:
     assert json.loads(ok.stdout)["layers"] is None
 
 
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["--modes", "fp8_te"], "autoprec: error: Requested mode(s) cannot run here: fp8_te"),
+        (["--device", "tpu:0"], "autoprec: error: autoprec tunes on 'cpu' or 'cuda:N'"),
+    ],
+)
+def test_tune_errors_exit_2_through_the_console_script(
+    arguments: list[str], expected: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "new" / "p.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "autoprec", *_tune_command(out, *arguments)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(expected) and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["tune-everything"])
