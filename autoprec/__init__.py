@@ -16,6 +16,7 @@ from autoprec.errors import (
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.probing import ModeVerdict, ProbeReport, probe
 from autoprec.profile import Profile, load_profile, profile_for
+from autoprec.screening import QualityReport, check
 from autoprec.specs import ModeSpec
 from autoprec.tuning import TuneResult, tune
 
@@ -31,9 +32,11 @@ __all__ = [
     "ProbeReport",
     "Profile",
     "ProfileError",
+    "QualityReport",
     "TuneResult",
     "UnsupportedModeError",
     "__version__",
+    "check",
     "load_profile",
     "prepare",
     "probe",

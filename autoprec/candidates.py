@@ -8,8 +8,11 @@ on a CPU, FP8 on tiny Linears) come last; ineligible ones are returned separatel
 
 from __future__ import annotations
 
+import dataclasses
+
 from pydantic import BaseModel, ConfigDict
 
+from autoprec.eligibility import Situation, mode_eligibility
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec
 
@@ -126,7 +129,8 @@ def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> Cand
         if mode not in wanted | wanted_8bit:
             continue
         if not verdict.eligible:
-            for bits in ([32] if mode in wanted else []) + ([8] if mode in wanted_8bit else []):
+            named_8bit = modes is not None and mode in wanted_8bit
+            for bits in ([32] if mode in wanted else []) + ([8] if named_8bit else []):
                 spec = ModeSpec(mode=mode, optimizer_bits=bits)
                 skipped.append(Skipped(spec=spec, reasons=verdict.reasons))
             continue
@@ -169,3 +173,58 @@ def _eight_bit_specs(
         for spec in bases + eligible
         if spec.mode in wanted and spec.mode in EIGHT_BIT_MODES
     ]
+
+
+SCREEN_ORDER: tuple[ModeName, ...] = (
+    "amp_bf16", "amp_fp16", "bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan",
+    "fp8_torchao", "fp8_te", "tf32",
+)  # fmt: skip
+
+
+def _screen_specs_for(
+    mode: ModeName, report: ProbeReport, situation: Situation
+) -> tuple[list[ModeSpec], tuple[str, ...]]:
+    """(specs whose numerics run here, reasons when none do)."""
+    verdict = next(v for v in report.modes if v.name == mode)
+    if verdict.eligible:
+        return _specs_for(mode, report), ()
+    if mode != "fp8_torchao":
+        return [], verdict.reasons
+    emulated = mode_eligibility(mode, dataclasses.replace(situation, emulate_fp8=True))
+    if not emulated.eligible:
+        return [], emulated.reasons
+    spec = ModeSpec(
+        mode=mode,
+        fp8_recipe="torchao_tensorwise",
+        emulate=True,
+        keep_fp32=_keep_fp32(mode, report),
+    )
+    return [spec], ()
+
+
+def screen_specs(
+    report: ProbeReport, situation: Situation, modes: list[str] | None = None
+) -> CandidateList:
+    """Every mode whose numerics run here, for the quality screen (``autoprec check``): speed
+    plays no part, and fp8_torchao runs emulated where the hardware has no FP8. ``skipped``: the
+    modes whose numerics cannot run here (TF32 and Transformer Engine need their GPU), with
+    reasons. ``modes`` as in :func:`candidate_specs`."""
+    if modes is None:
+        wanted, wanted_8bit = set(SCREEN_ORDER), set(EIGHT_BIT_MODES)
+    else:
+        wanted, wanted_8bit = _parse_modes(modes)
+    specs: list[ModeSpec] = []
+    skipped: list[Skipped] = []
+    for mode in SCREEN_ORDER:
+        if mode not in wanted | wanted_8bit:
+            continue
+        runnable, reasons = _screen_specs_for(mode, report, situation)
+        specs.extend(runnable)
+        if reasons and (modes is not None or mode in wanted):
+            named_8bit = modes is not None and mode in wanted_8bit
+            for bits in ([32] if mode in wanted else []) + ([8] if named_8bit else []):
+                spec = ModeSpec(mode=mode, optimizer_bits=bits)
+                skipped.append(Skipped(spec=spec, reasons=reasons))
+    eight_bit = _eight_bit_specs(report, specs, wanted_8bit, skipped if modes is not None else [])
+    specs = [spec for spec in specs if spec.mode in wanted]
+    return CandidateList(specs=(ModeSpec(mode="fp32"), *specs, *eight_bit), skipped=tuple(skipped))

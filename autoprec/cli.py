@@ -18,6 +18,60 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 
 
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its data and the training recipe: what tune and check both run."""
+    parser.add_argument(
+        "model", metavar="MODEL_FACTORY", help="module.path:factory or file.py:factory"
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        metavar="LOADER_FACTORY",
+        help="factory returning an iterable of batches (a DataLoader, a list)",
+    )
+    parser.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
+    parser.add_argument(
+        "--eval",
+        metavar="MODULE:FN",
+        help="eval_fn(model) -> float, lower is better, judged against fp32",
+    )
+    recipe = parser.add_argument_group(
+        "training recipe",
+        "How your real run trains: trials run it, so the verdict holds for it. Without these, "
+        "trials train with AdamW(lr=3e-4), no schedule, no accumulation, no clipping.",
+    )
+    recipe.add_argument(
+        "--optimizer",
+        metavar="MODULE:FACTORY",
+        help="factory params -> optimizer, e.g. mytrain:make_optimizer (called with lr=--lr "
+        "when --lr is given)",
+    )
+    recipe.add_argument(
+        "--lr", type=float, help="learning rate (peak lr under a schedule); default 3e-4"
+    )
+    recipe.add_argument(
+        "--scheduler",
+        metavar="MODULE:FACTORY",
+        help="factory optimizer -> LRScheduler (gets total_steps=N if it takes total_steps); "
+        "needs --total-steps",
+    )
+    recipe.add_argument(
+        "--total-steps", type=int, metavar="N", help="optimizer steps of your real run"
+    )
+    recipe.add_argument(
+        "--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step"
+    )
+    recipe.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this norm")
+    parser.add_argument(
+        "--modes",
+        help="comma-separated modes, exactly (e.g. amp_bf16,bf16_kahan; "
+        "amp_bf16+8bit-optim for 8-bit optimizer states); a mode that cannot run here is an "
+        "error",
+    )
+    parser.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoprec",
@@ -63,15 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "reject those that drift from fp32, and write the winner as a profile. Interrupted runs "
         "resume from the study file next to the output.",
     )
-    tune.add_argument(
-        "model", metavar="MODEL_FACTORY", help="module.path:factory or file.py:factory"
-    )
-    tune.add_argument(
-        "--data",
-        required=True,
-        metavar="LOADER_FACTORY",
-        help="factory returning an iterable of batches (a DataLoader, a list)",
-    )
+    _add_training_arguments(tune)
     tune.add_argument(
         "--budget",
         required=True,
@@ -80,52 +126,11 @@ def _parser() -> argparse.ArgumentParser:
         help="hard wall for the whole search, in minutes",
     )
     tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
-    tune.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
-    tune.add_argument(
-        "--eval",
-        metavar="MODULE:FN",
-        help="eval_fn(model) -> float, lower is better, judged against fp32",
-    )
-    recipe = tune.add_argument_group(
-        "training recipe",
-        "How your real run trains: trials run it, so the verdict holds for it. Without these, "
-        "trials train with AdamW(lr=3e-4), no schedule, no accumulation, no clipping.",
-    )
-    recipe.add_argument(
-        "--optimizer",
-        metavar="MODULE:FACTORY",
-        help="factory params -> optimizer, e.g. mytrain:make_optimizer (called with lr=--lr "
-        "when --lr is given)",
-    )
-    recipe.add_argument(
-        "--lr", type=float, help="learning rate (peak lr under a schedule); default 3e-4"
-    )
-    recipe.add_argument(
-        "--scheduler",
-        metavar="MODULE:FACTORY",
-        help="factory optimizer -> LRScheduler (gets total_steps=N if it takes total_steps); "
-        "needs --total-steps",
-    )
-    recipe.add_argument(
-        "--total-steps", type=int, metavar="N", help="optimizer steps of your real run"
-    )
-    recipe.add_argument(
-        "--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step"
-    )
-    recipe.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this norm")
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
-    tune.add_argument(
-        "--modes",
-        help="comma-separated modes to try, exactly (e.g. amp_bf16,bf16_kahan; "
-        "amp_bf16+8bit-optim for 8-bit optimizer states); a mode that cannot run here is an "
-        "error",
-    )
     tune.add_argument(
         "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
     )
     tune.add_argument("--study", metavar="NAME", help="study name (default: the --out file name)")
-    tune.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
-    tune.add_argument("--seed", type=int, default=0)
     tune.add_argument(
         "--wide",
         "--verbose",
@@ -137,6 +142,24 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show tracebacks, debug logs and the backends' import messages",
     )
+    check = commands.add_parser(
+        "check",
+        help="would a precision mode hurt this model? every mode through the drift gate",
+        description="A quality screen: every mode whose numerics run here (FP8 via torchao "
+        "emulated where the hardware has none) trains your recipe from the same weights and "
+        "batches as fp32 and goes through the drift gate, whatever its speed. Prints safe / "
+        "unsafe with every reason; writes nothing.",
+    )
+    _add_training_arguments(check)
+    check.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        metavar="N",
+        help="optimizer steps per mode (default 200, as a tune trial)",
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     report = commands.add_parser(
         "report",
         help="plot speed vs memory of every trial",
@@ -259,6 +282,27 @@ def _loader(reference: str) -> Any:
         ) from error
 
 
+def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model, batches and recipe the command line names, as keyword arguments."""
+    from autoprec.factories import load_model, load_object
+
+    model, _ = load_model(args.model)
+    return {
+        "model": model,
+        "loader": _loader(args.data),
+        "loss_fn": load_object(args.loss, option="--loss") if args.loss else None,
+        "eval_fn": load_object(args.eval, option="--eval") if args.eval else None,
+        "optimizer": _optimizer_factory(args.optimizer, args.lr),
+        "scheduler": load_object(args.scheduler, option="--scheduler") if args.scheduler else None,
+        "total_steps": args.total_steps,
+        "grad_accumulation_steps": args.grad_accum,
+        "clip_grad_norm": args.clip,
+        "modes": [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None,
+        "device": args.device,
+        "seed": args.seed,
+    }
+
+
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -266,44 +310,26 @@ def _tune(args: argparse.Namespace) -> int:
 
     from autoprec._files import write_text_atomically
     from autoprec.display import print_profile, tune_table
-    from autoprec.factories import load_model, load_object
     from autoprec.progress import TuneProgress
     from autoprec.tuning import tune
 
     _check_tune_numbers(args)
-    model, _ = load_model(args.model)
-    loader = _loader(args.data)
-    loss_fn = load_object(args.loss, option="--loss") if args.loss else None
-    eval_fn = load_object(args.eval, option="--eval") if args.eval else None
-    optimizer = _optimizer_factory(args.optimizer, args.lr)
-    scheduler = load_object(args.scheduler, option="--scheduler") if args.scheduler else None
+    inputs = _training_inputs(args)
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {args.out!r} is a folder; give the profile's file name.")
     # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
     # the first fp32 steps have checked the inputs.
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     with TuneProgress() as progress:
         result = tune(
-            model,
-            loader,
-            args.budget,
-            loss_fn=loss_fn,
-            eval_fn=eval_fn,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            total_steps=args.total_steps,
-            grad_accumulation_steps=args.grad_accum,
-            clip_grad_norm=args.clip,
+            budget_minutes=args.budget,
             objective=args.objective,
-            modes=modes,
-            device=args.device,
             storage=storage,
             study_name=args.study or out.stem,
-            seed=args.seed,
             on_event=progress,
             progress=False,
+            **inputs,
         )
     console = Console()
     console.print(tune_table(result, wide=args.wide))
@@ -312,6 +338,27 @@ def _tune(args: argparse.Namespace) -> int:
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
     print_profile(result.profile, console=console)
     console.print(f"wrote {out}\n  every trial: {trials}\n  study: {storage}", soft_wrap=True)
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from autoprec.display import quality_table
+    from autoprec.progress import TuneProgress
+    from autoprec.screening import check
+
+    if args.steps < 4:
+        raise ValueError(f"--steps must be >= 4, not {args.steps}.")
+    if args.grad_accum < 1:
+        raise ValueError(f"--grad-accum must be >= 1, not {args.grad_accum}.")
+    inputs = _training_inputs(args)
+    with TuneProgress() as progress:
+        report = check(steps=args.steps, on_event=progress, progress=False, **inputs)
+    if args.json:
+        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
+    else:
+        Console().print(quality_table(report))
     return EXIT_OK
 
 
@@ -350,6 +397,7 @@ _COMMANDS = {
     "show": _show,
     "schema": _schema,
     "tune": _tune,
+    "check": _check,
     "report": _report,
 }
 

@@ -13,6 +13,7 @@ from autoprec.layers import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
 from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
+from autoprec.screening import QualityReport
 from autoprec.specs import MODE_DESCRIPTIONS
 from autoprec.tuning import TuneResult
 
@@ -355,4 +356,41 @@ def tune_table(result: TuneResult, *, wide: bool = False) -> Table | Group:
     ]
     if any(len(reasons) > 1 for *_, reasons in _trial_rows(result)) or result.skipped:
         lines.append(Text("(--wide shows every reason)", style="dim"))
+    return Group(table, *lines)
+
+
+_SCREEN_STYLE = {"safe": "green", "unsafe": "red", "failed": "red"}
+
+
+def quality_table(report: QualityReport) -> Group:
+    """The quality screen: every mode safe / unsafe / failed with every reason; the modes that
+    could not run here one line each."""
+    table = Table(
+        title=f"Quality screen: {report.steps} steps per mode on {report.device}, against fp32",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        expand=True,
+    )
+    table.add_column("verdict", no_wrap=True)
+    table.add_column("mode, and why", ratio=1)
+    for verdict in report.verdicts:
+        why = Text(verdict.label, style="bold")
+        for reason in verdict.reasons:
+            why.append(f"\n• {reason}")
+        table.add_row(Text(verdict.status, style=_SCREEN_STYLE[verdict.status]), why)
+    lines: list[Text] = [
+        Text(f"not checked {skipped.spec.label}: {'; '.join(skipped.reasons)}", style="dim")
+        for skipped in report.not_checked
+    ]
+    lines += [Text(f"note: {note}", style="dim") for note in report.checks_not_run]
+    lines.append(
+        Text(
+            f"trained under: {describe_recipe(report.recipe)}; {report.seconds:.0f} s. Safe is "
+            "about quality only: `autoprec tune` measures which safe mode is fastest.",
+            style="dim",
+        )
+    )
     return Group(table, *lines)

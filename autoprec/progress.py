@@ -42,12 +42,15 @@ def status_line(event: SearchEvent) -> str:
         parts.append(f"step {event.step}/{event.steps}")
     elif event.steps:
         parts.append(f"{event.steps} steps")
-    parts.append(
-        f"{_seconds(event.elapsed_seconds)} of {_seconds(event.budget_seconds)}, "
-        f"{_seconds(event.remaining_seconds)} left"
-    )
-    if event.in_search:
-        parts.append(f"best {event.best or 'fp32'}")
+    if event.budget_seconds > 0:
+        parts.append(
+            f"{_seconds(event.elapsed_seconds)} of {_seconds(event.budget_seconds)}, "
+            f"{_seconds(event.remaining_seconds)} left"
+        )
+    else:  # no budget (autoprec check): time so far
+        parts.append(f"{_seconds(event.elapsed_seconds)} elapsed")
+    if event.in_search and event.best is not None:
+        parts.append(f"best {event.best}")
     return " · ".join(parts)
 
 

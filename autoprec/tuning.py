@@ -227,7 +227,7 @@ def _figures(outcome: TrialOutcome) -> TrialFigures:
     )
 
 
-def _reference_hint(message: str, setup: _Setup) -> str:
+def _reference_hint(message: str, setup: RunSetup) -> str:
     """What to do about a failing fp32 reference, from what failed (the trial's one-line
     message: exception type and first line)."""
     recipe, batch = setup.recipe, setup.train[0]
@@ -260,7 +260,7 @@ def _reference_hint(message: str, setup: _Setup) -> str:
     )
 
 
-def _reference_failed(result: TrialResult, setup: _Setup) -> ValueError:
+def _reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
     failure = result.record.failure
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
@@ -350,14 +350,14 @@ def _confirm_speed(
     return [confirmed(o) for o in outcomes], confirmed(reference)
 
 
-def _retime(setup: _Setup, spec: ModeSpec, steps: int, stop: Any) -> Any:
+def _retime(setup: RunSetup, spec: ModeSpec, steps: int, stop: Any) -> Any:
     label = f"re-timing {spec.label}"
     setup.events.emit("phase", label, steps=steps)
     return setup.run(spec, steps, stop=setup.events.watch(stop, label)).record
 
 
 @dataclass
-class _Setup:
+class RunSetup:
     """What every stage of one tune() run shares."""
 
     user_model: nn.Module
@@ -393,7 +393,7 @@ class _Setup:
         )
 
 
-def _fingerprint(setup: _Setup, objective: Objective, budget_minutes: float) -> StudyFingerprint:
+def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -> StudyFingerprint:
     report = setup.report
     return StudyFingerprint(
         model=tensor_digest(setup.user_model),
@@ -411,7 +411,7 @@ def _fingerprint(setup: _Setup, objective: Objective, budget_minutes: float) -> 
     )
 
 
-def _check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
+def check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
@@ -433,7 +433,7 @@ def _check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
         )
 
 
-def _check_device(device: str | None) -> None:
+def check_device(device: str | None) -> None:
     """A ``device=`` that this torch cannot use fails here, before anything is copied."""
     if device is None:
         return
@@ -459,7 +459,7 @@ def _check_device(device: str | None) -> None:
         )
 
 
-def _refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> None:
+def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> None:
     """Modes asked for by name that cannot run here are an error, never quietly dropped."""
     if modes is None or not candidates.skipped:
         return
@@ -479,15 +479,27 @@ def _refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> No
     )
 
 
-def _setup(
+CandidateSelector = Callable[[ProbeReport, Situation, "list[str] | None"], CandidateList]
+
+
+def _tune_candidates(
+    report: ProbeReport, situation: Situation, modes: list[str] | None
+) -> CandidateList:
+    return candidate_specs(report, modes)
+
+
+def setup_run(
     model: nn.Module,
     loader: Iterable[Any],
     recipe: TrainingRecipe,
     *,
     modes: list[str] | None,
     device: str | None,
+    select: CandidateSelector | None = None,
     **shared: Any,
-) -> _Setup:
+) -> RunSetup:
+    """Read the batches, probe the model where it trains, choose the candidates with
+    ``select`` (default: tune's, by eligibility and promise; ``modes`` exactly)."""
     batches = _collect(loader)
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
@@ -503,9 +515,9 @@ def _setup(
         layers=report.layers,
         backends=report.backends,
     )
-    candidates = candidate_specs(report, modes)
-    _refuse_unrunnable(candidates, modes)
-    return _Setup(
+    candidates = (select or _tune_candidates)(report, situation, modes)
+    refuse_unrunnable(candidates, modes)
+    return RunSetup(
         user_model=model,
         trial_model=trial_model,
         recipe=recipe,
@@ -519,8 +531,9 @@ def _setup(
     )
 
 
-def _plan_steps(setup: _Setup, budget_minutes: float) -> tuple[int, float, float]:
-    """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
+def calibration_run(setup: RunSetup) -> tuple[float, float]:
+    """A few fp32 steps: they check the inputs (the batches fit, the loss has gradients) and
+    time a step. Returns (fp32 seconds per optimizer step, seconds taken)."""
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
     calibration = setup.run(
@@ -530,8 +543,12 @@ def _plan_steps(setup: _Setup, budget_minutes: float) -> tuple[int, float, float
     )
     if calibration.record.failure is not None:
         raise _reference_failed(calibration, setup)
-    step_seconds = calibration.record.median_step_seconds or 1e-3
-    calibration_seconds = setup.clock() - start
+    return calibration.record.median_step_seconds or 1e-3, setup.clock() - start
+
+
+def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float]:
+    """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
+    step_seconds, calibration_seconds = calibration_run(setup)
     trials = len(setup.candidates.specs) + 1  # every candidate and the noise run
     available = (setup.deadline - setup.clock()) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
@@ -545,8 +562,8 @@ def _plan_steps(setup: _Setup, budget_minutes: float) -> tuple[int, float, float
     return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
 
 
-def _references(
-    setup: _Setup, steps: int, budget_minutes: float, objective: Objective
+def reference_runs(
+    setup: RunSetup, steps: int, budget_minutes: float, objective: Objective
 ) -> tuple[TrialResult, TrialResult]:
     """The fp32 reference and the noise run (another seed and batch order)."""
     budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
@@ -576,7 +593,7 @@ def _references(
 
 
 def _profile_and_result(
-    setup: _Setup,
+    setup: RunSetup,
     objective: Objective,
     reference_outcome: TrialOutcome,
     outcomes: list[TrialOutcome],
@@ -681,8 +698,8 @@ def tune(
     Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
-    _check_arguments(model, budget_minutes, objective)
-    _check_device(device)
+    check_arguments(model, budget_minutes, objective)
+    check_device(device)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
         scheduler=scheduler,
@@ -694,8 +711,8 @@ def tune(
     )
     start = clock()
     budget_seconds = float(budget_minutes) * 60
-    with _progress_callback(progress, on_event) as callback, preserved_rng():
-        setup = _setup(
+    with progress_callback(progress, on_event) as callback, preserved_rng():
+        setup = setup_run(
             model,
             loader,
             recipe,
@@ -713,7 +730,7 @@ def tune(
 
 
 @contextlib.contextmanager
-def _progress_callback(
+def progress_callback(
     progress: bool | None, on_event: Callable[[SearchEvent], None] | None
 ) -> Iterator[Callable[[SearchEvent], None] | None]:
     """``on_event``, plus the live display on stderr when progress is wanted."""
@@ -735,7 +752,7 @@ def _progress_callback(
 
 
 def _measured_references(
-    setup: _Setup,
+    setup: RunSetup,
     study: Any,
     storage: str | None,
     budget_minutes: float,
@@ -759,14 +776,14 @@ def _measured_references(
     study.set_user_attr("trial_steps", steps)
     study.set_user_attr("fp32_step_seconds", step_seconds)
     study.set_user_attr("objective", objective)  # autoprec report reads it
-    reference, noise = _references(setup, steps, budget_minutes, objective)
+    reference, noise = reference_runs(setup, steps, budget_minutes, objective)
     if cache is not None:
         save_references(cache, fingerprint, (reference, noise))
     return reference, noise, steps, step_seconds, False
 
 
 def _search(
-    setup: _Setup,
+    setup: RunSetup,
     budget_minutes: float,
     objective: Objective,
     storage: str | None,
@@ -776,7 +793,7 @@ def _search(
     clock, candidates = setup.clock, setup.candidates
     # The first fp32 steps check the inputs (batches fit, the loss has gradients) before the
     # study creates any file.
-    planned_steps, step_seconds, calibration_seconds = _plan_steps(setup, budget_minutes)
+    planned_steps, step_seconds, calibration_seconds = calibrate(setup, budget_minutes)
     study = create_study(storage, study_name)
     measured = _measured_references(
         setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)

@@ -19,7 +19,7 @@ ORDER = [
     "probing", "candidates", "batching", "recipe", "trial", "drift", "search",  # pipeline
     "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
-    "factories", "progress", "tuning", "report", "display", "cli",               # drivers
+    "factories", "progress", "tuning", "screening", "report", "display", "cli",  # drivers
 ]
 # fmt: on
 EXEMPT = {"__init__", "__main__"}

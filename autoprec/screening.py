@@ -1,0 +1,215 @@
+"""check(): the quality screen. Every mode whose numerics run here goes through the drift gate,
+whatever its speed: "would pure bf16 hurt my model?", "would FP8 hurt it?" (torchao's FP8
+emulated where the hardware has none) — questions ``tune()`` cannot answer on a machine where
+those modes are slow, because it prunes them for speed before the gate sees them.
+
+Same inputs as ``tune()`` (the training recipe included), same fp32 reference and noise run, same
+gate; no study, no speed ranking, no profile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from autoprec.batching import LossFn, TrainStep
+from autoprec.candidates import Skipped, screen_specs
+from autoprec.drift import DriftThresholds, judge
+from autoprec.recipe import (
+    OptimizerSource,
+    RecipeSummary,
+    SchedulerFactory,
+    TrainingRecipe,
+    default_optimizer,
+)
+from autoprec.search import EventSink, SearchEvent, TrialOutcome
+from autoprec.specs import ModeSpec
+from autoprec.trial import TrialResult
+from autoprec.tuning import (
+    RunSetup,
+    calibration_run,
+    check_arguments,
+    check_device,
+    preserved_rng,
+    progress_callback,
+    reference_runs,
+    setup_run,
+)
+
+SCREEN_STEPS = 200
+"""Optimizer steps per mode by default: within tune()'s trial lengths (20-300), so a verdict
+here is the verdict tune() would reach with time to run the mode."""
+
+ScreenStatus = Literal["safe", "unsafe", "failed"]
+
+
+class ScreenVerdict(BaseModel):
+    """One mode's quality verdict: safe (passed the gate), unsafe (rejected), failed (crashed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: ModeSpec
+    status: ScreenStatus
+    reasons: tuple[str, ...] = ()
+    drift: dict[str, float] = Field(default_factory=dict)
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+
+class QualityReport(BaseModel):
+    """What check() found: a verdict per mode, and the modes it could not run here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    verdicts: tuple[ScreenVerdict, ...]
+    not_checked: tuple[Skipped, ...]
+    """Modes whose numerics cannot run on this machine (TF32, Transformer Engine), with why."""
+    steps: int
+    device: str
+    recipe: RecipeSummary
+    checks_not_run: tuple[str, ...] = ()
+    seconds: float
+
+    def verdict(self, label: str) -> ScreenVerdict:
+        """The verdict of the mode with this label (e.g. ``"bf16_pure"``)."""
+        for verdict in self.verdicts:
+            if verdict.label == label:
+                return verdict
+        known = ", ".join(v.label for v in self.verdicts)
+        raise KeyError(f"No verdict for {label!r}; checked: {known}.")
+
+    def summary(self) -> str:
+        """A plain-text table: every mode, safe / unsafe / failed, every reason."""
+        lines = [f"quality screen: {self.steps} steps per mode on {self.device}"]
+        for verdict in self.verdicts:
+            lines.append(f"{verdict.label:42} {verdict.status}")
+            lines.extend(f"    {reason}" for reason in verdict.reasons)
+        for skipped in self.not_checked:
+            lines.append(f"{skipped.spec.label:42} not checked: {'; '.join(skipped.reasons)}")
+        lines.extend(f"note: {note}" for note in self.checks_not_run)
+        return "\n".join(lines)
+
+
+def _screen(setup: RunSetup, spec: ModeSpec, steps: int, references: Any) -> ScreenVerdict:
+    reference, noise = references
+    index, total = setup.candidates.specs.index(spec) - 1, len(setup.candidates.specs) - 1
+    setup.events.emit("start", spec.label, index=index, total=total)
+    result: TrialResult = setup.run(
+        spec,
+        steps,
+        heldout=setup.heldout,
+        eval_fn=setup.eval_fn,
+        stop=setup.events.watch(None, spec.label, index=index, total=total),
+    )
+    failure = result.record.failure
+    if failure is not None and not failure.kind.startswith("non_finite"):
+        where = "" if failure.step is None else f" at step {failure.step}"
+        screened = ScreenVerdict(
+            spec=spec,
+            status="failed",
+            reasons=(f"{failure.kind.replace('_', ' ')}{where}: {failure.message}",),
+            steps=result.record.steps_run,
+            seconds=result.record.wall_seconds,
+        )
+    else:
+        verdict = judge(result, reference, noise, setup.thresholds)
+        screened = ScreenVerdict(
+            spec=spec,
+            status="safe" if verdict.accepted else "unsafe",
+            reasons=verdict.reasons,
+            drift=verdict.metrics.as_dict(),
+            steps=result.record.steps_run,
+            seconds=result.record.wall_seconds,
+        )
+    status = {"safe": "accepted", "unsafe": "rejected", "failed": "failed"}[screened.status]
+    outcome = TrialOutcome(spec=spec, status=status, reasons=screened.reasons)  # type: ignore[arg-type]
+    setup.events.emit("done", spec.label, index=index, total=total, outcome=outcome)
+    return screened
+
+
+def check(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    steps: int = SCREEN_STEPS,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerSource | None = None,
+    scheduler: SchedulerFactory | None = None,
+    total_steps: int | None = None,
+    grad_accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    train_step: TrainStep | None = None,
+    eval_fn: Callable[[nn.Module], float] | None = None,
+    modes: list[str] | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    thresholds: DriftThresholds | None = None,
+    on_event: Callable[[SearchEvent], None] | None = None,
+    progress: bool | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> QualityReport:
+    """Run every mode whose numerics run here through the drift gate, whatever its speed.
+
+    Every mode trains ``steps`` optimizer steps of your recipe (as in :func:`autoprec.tune`:
+    the peak and floor lrs of your schedule, accumulation, clipping) from the same weights and
+    batches as an fp32 reference, and is judged against it and a second fp32 run. FP8 via
+    torchao runs emulated where the hardware has no FP8 (quality only; no speed figure is
+    taken anywhere here). Arguments as in :func:`autoprec.tune`; ``modes`` picks exactly these
+    modes (default: every mode, 8-bit optimizer variants included where bitsandbytes works).
+    Your model, its gradients and the global RNG states are left as they were.
+
+    Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
+    ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
+    """
+    check_arguments(model, 1, "speed")
+    check_device(device)
+    if not isinstance(steps, int) or steps < 4:
+        raise ValueError(f"steps must be an int >= 4 (two lr legs of two steps), not {steps!r}.")
+    recipe = TrainingRecipe(
+        optimizer=optimizer if optimizer is not None else default_optimizer,
+        scheduler=scheduler,
+        total_steps=total_steps,
+        grad_accumulation_steps=grad_accumulation_steps,
+        clip_grad_norm=clip_grad_norm,
+        loss_fn=loss_fn,
+        train_step=train_step,
+    )
+    start = clock()
+    with progress_callback(progress, on_event) as callback, preserved_rng():
+        events = EventSink(callback, started=start, budget_seconds=0.0, clock=clock)
+        setup = setup_run(
+            model,
+            loader,
+            recipe,
+            modes=modes,
+            device=device,
+            select=screen_specs,
+            eval_fn=eval_fn,
+            seed=seed,
+            budget_seconds=float("inf"),
+            deadline=float("inf"),
+            clock=clock,
+            thresholds=thresholds,
+            events=events,
+        )
+        calibration_run(setup)  # checks the inputs before the long runs
+        references = reference_runs(setup, steps, 0, "speed")
+        verdicts = [_screen(setup, spec, steps, references) for spec in setup.candidates.specs[1:]]
+    reference_verdict = judge(references[0], *references, setup.thresholds)
+    return QualityReport(
+        verdicts=tuple(verdicts),
+        not_checked=setup.candidates.skipped,
+        steps=steps,
+        device=setup.report.device,
+        recipe=recipe.summary(model),
+        checks_not_run=reference_verdict.notes,
+        seconds=clock() - start,
+    )

@@ -1,0 +1,90 @@
+"""autoprec.check(): every mode through the drift gate, whatever its speed."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.cli import main
+from examples import tasks
+
+
+def test_check_judges_modes_tune_would_prune_for_speed() -> None:
+    task = tasks.regression(lr=1e-4)
+    before = copy.deepcopy(task.model.state_dict())
+    rng = torch.get_rng_state()
+    report = autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        steps=60,
+        modes=["bf16_pure", "bf16_sr", "fp8_torchao"],
+    )
+    assert [v.label for v in report.verdicts] == [
+        "bf16_pure",
+        "bf16_sr",
+        "fp8_torchao+tensorwise+emulated",
+    ]
+    pure = report.verdict("bf16_pure")
+    assert pure.status == "unsafe" and pure.steps == 60
+    assert any(reason.startswith("updates lost to rounding") for reason in pure.reasons)
+    assert report.verdict("bf16_sr").status == "safe"
+    assert report.verdict("fp8_torchao+tensorwise+emulated").status in ("safe", "unsafe")
+    assert not report.not_checked  # exactly the modes asked for, all runnable here
+    for name, value in task.model.state_dict().items():
+        assert torch.equal(value, before[name])  # the user's model is untouched
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert "bf16_pure" in report.summary() and "unsafe" in report.summary()
+
+
+def test_check_by_default_lists_what_it_cannot_run_here() -> None:
+    task = tasks.regression(lr=1e-3)
+    report = autoprec.check(
+        task.model, task.batches + task.heldout, loss_fn=task.mse, steps=8, modes=None
+    )
+    labels = {v.label for v in report.verdicts}
+    assert {"amp_bf16", "bf16_pure", "bf16_kahan", "bf16_sr_kahan"} <= labels
+    if not torch.cuda.is_available():
+        assert "tf32" in {s.spec.label for s in report.not_checked}
+        assert any(label.startswith("fp8_torchao") for label in labels)  # emulated
+
+
+def test_check_refuses_a_requested_mode_it_cannot_run() -> None:
+    task = tasks.regression(lr=1e-3)
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without TF32")
+    with pytest.raises(autoprec.UnsupportedModeError, match="tf32: tf32 needs a CUDA GPU"):
+        autoprec.check(task.model, task.batches, loss_fn=task.mse, steps=8, modes=["tf32"])
+    with pytest.raises(ValueError, match="steps must be an int >= 4"):
+        autoprec.check(task.model, task.batches, loss_fn=task.mse, steps=2)
+
+
+def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
+    command = [
+        "check",
+        "examples.raw_param_mlp:make_model",
+        "--data",
+        "examples.raw_param_mlp:make_batches",
+        "--loss",
+        "examples.raw_param_mlp:loss_fn",
+        "--steps",
+        "40",
+        "--modes",
+        "bf16_pure,amp_bf16",
+    ]
+    assert main(command) == 0
+    captured = capsys.readouterr()
+    assert "Quality screen: 40 steps per mode" in captured.out
+    assert "bf16_pure" in captured.out and "amp_bf16" in captured.out
+    assert "trial 2/2 bf16_pure · " in captured.err  # progress on stderr
+    assert main([*command, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [v["spec"]["mode"] for v in report["verdicts"]] == ["amp_bf16", "bf16_pure"]
+    assert {v["status"] for v in report["verdicts"]} <= {"safe", "unsafe", "failed"}
+    assert main([*command[:6], "--steps", "2"]) == 2
+    assert "--steps must be >= 4" in capsys.readouterr().err
