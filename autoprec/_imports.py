@@ -9,15 +9,59 @@ distribution's metadata are enough, so ``autoprec probe`` stays quick and quiet.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.errors import MissingBackendError
+
+logger = logging.getLogger(__name__)
+
+IMPORT_CHATTER: tuple[tuple[str, str], ...] = (
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    ("torchao", "Failed to load "),
+    ("torchao.kernel.intmm", "Warning: Detected no triton"),
+    ("torch.utils._pytree", "<enum "),
+)
+"""(logger, message start) of what the backends log when imported on a machine without their GPU
+kernels (bitsandbytes' CPU gemm kernels, torchao's CUDA extensions, its triton check, torch's enum
+deprecation): true, harmless where they are not used, and not autoprec's. :func:`require` turns
+them into autoprec debug records."""
+
+
+class _Demote(logging.Filter):
+    """Drops one kind of chatter from its logger and re-logs it as an autoprec debug record."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.start):
+            return True
+        logger.debug("%s while importing: %s", record.name, message)
+        return False
+
+
+@contextlib.contextmanager
+def import_chatter_demoted() -> Iterator[None]:
+    """Inside: the backends' known import chatter goes to autoprec's debug log, not stderr."""
+    installed = [(logging.getLogger(name), _Demote(start)) for name, start in IMPORT_CHATTER]
+    for chatter, demote in installed:
+        chatter.addFilter(demote)
+    try:
+        yield
+    finally:
+        for chatter, demote in installed:
+            chatter.removeFilter(demote)
 
 
 @dataclass(frozen=True)
@@ -97,7 +141,8 @@ def require(name: str) -> ModuleType:
             f"Install it with: {install_hint(name)}"
         )
     try:
-        return importlib.import_module(name)
+        with import_chatter_demoted():
+            return importlib.import_module(name)
     except Exception as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise MissingBackendError(

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from autoprec._imports import IMPORT_CHATTER
 from autoprec._version import __version__
 from autoprec.errors import AutoprecError
 
@@ -400,16 +401,6 @@ _COMMANDS = {
     "check": _check,
     "report": _report,
 }
-
-
-IMPORT_CHATTER: tuple[tuple[str, str], ...] = (
-    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
-    ("torchao", "Failed to load "),
-    ("torchao.kernel.intmm", "Warning: Detected no triton"),
-    ("torch.utils._pytree", "<enum "),
-)
-"""(logger, message start) of what optional backends log when imported on a machine without
-their GPU kernels: true, harmless here, and not autoprec's. Shown only under --debug."""
 
 
 class _DropChatter(logging.Filter):

@@ -62,3 +62,40 @@ def test_installed_backends_report_a_version() -> None:
     installed = [name for name in BACKENDS if is_installed(name)]
     for name in installed:
         assert backend_status(name).version not in (None, "")
+
+
+def test_backend_import_chatter_goes_to_autoprecs_debug_log() -> None:
+    """torchao and bitsandbytes log "Failed to load ..." when imported without their GPU
+    kernels; through require() that is an autoprec debug record, not a line on stderr."""
+    import subprocess
+    import sys
+
+    from autoprec._imports import is_installed
+
+    if not (is_installed("torchao") and is_installed("bitsandbytes")):
+        pytest.skip("needs torchao and bitsandbytes")
+    code = (
+        "import logging, sys\n"
+        "debug = sys.argv[1] == 'debug'\n"
+        "if debug:\n"
+        "    logging.basicConfig(level=logging.DEBUG, format='%(name)s: %(message)s')\n"
+        "from autoprec._imports import require\n"
+        "require('torchao').float8\n"
+        "require('bitsandbytes')\n"
+    )
+    quiet = subprocess.run(
+        [sys.executable, "-c", code, "quiet"], capture_output=True, text=True, timeout=120
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Failed to load" not in quiet.stderr and "Detected no triton" not in quiet.stderr
+    loud = subprocess.run(
+        [sys.executable, "-c", code, "debug"], capture_output=True, text=True, timeout=120
+    )
+    raw = subprocess.run(
+        [sys.executable, "-c", "import torchao, bitsandbytes"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if "Failed to load" in raw.stderr:  # the chatter exists here (no CUDA kernels)
+        assert "autoprec._imports: " in loud.stderr and "while importing: " in loud.stderr
