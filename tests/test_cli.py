@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -212,7 +213,19 @@ def test_tune_end_to_end_then_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     profile = json.loads(out.read_text())
     assert profile["evidence"]["trial_steps"] >= 20
     assert out.with_suffix(".study.db").exists() and out.with_suffix(".trials.json").exists()
+    from rich.console import Console
+
+    from autoprec.display import tune_table
     from autoprec.report import outcomes_from_result, outcomes_from_study
+    from autoprec.tuning import TuneResult
+
+    result = TuneResult.model_validate_json(out.with_suffix(".trials.json").read_text())
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(tune_table(result, wide=True))
+    wide = " ".join(console.export_text().replace("│", " ").split())
+    for outcome in (*result.trials, *result.skipped):
+        for reason in outcome.reasons:  # --wide: every reason in full, wrapped not cut
+            assert " ".join(reason.split()) in wide, reason
 
     from_file = outcomes_from_result(out.with_suffix(".trials.json"))
     from_study = outcomes_from_study(f"sqlite:///{out.with_suffix('.study.db')}", None)
