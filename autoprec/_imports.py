@@ -39,9 +39,10 @@ them into autoprec debug records."""
 class _Demote(logging.Filter):
     """Drops one kind of chatter from its logger and re-logs it as an autoprec debug record."""
 
-    def __init__(self, start: str) -> None:
+    def __init__(self, start: str, *, lasting: bool = False) -> None:
         super().__init__()
         self.start = start
+        self.lasting = lasting
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -49,6 +50,17 @@ class _Demote(logging.Filter):
             return True
         logger.debug("%s while importing: %s", record.name, message)
         return False
+
+
+def demote_import_chatter(demote: bool = True) -> None:
+    """Demote the backends' import chatter for the whole process (``demote=False``: leave it
+    as the backends log it). The CLI's setting: demoted unless ``--debug``."""
+    for name, start in IMPORT_CHATTER:
+        chatter = logging.getLogger(name)
+        for old in [f for f in chatter.filters if isinstance(f, _Demote) and f.lasting]:
+            chatter.removeFilter(old)
+        if demote:
+            chatter.addFilter(_Demote(start, lasting=True))
 
 
 @contextlib.contextmanager

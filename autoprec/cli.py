@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from autoprec._imports import IMPORT_CHATTER
+from autoprec._imports import demote_import_chatter
 from autoprec._version import __version__
 from autoprec.errors import AutoprecError
 
@@ -385,9 +385,9 @@ def _report(args: argparse.Namespace) -> int:
         storage = f"sqlite:///{source}" if Path(source).exists() else source
         outcomes, chosen = outcomes_from_study(storage, args.study)
     written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
-    modes = sum(1 for outcome in outcomes if outcome.seconds > 0)
+    count = trials_run(outcomes)
     sys.stdout.write(
-        f"wrote {written} ({trials_run(outcomes)} trials: {modes} modes measured and the fp32 "
+        f"wrote {written} ({count} trials: {count - 1} modes measured and the fp32 "
         f"noise run; chosen: {chosen or 'none'})\n"
     )
     return EXIT_OK
@@ -401,15 +401,6 @@ _COMMANDS = {
     "check": _check,
     "report": _report,
 }
-
-
-class _DropChatter(logging.Filter):
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.start)
 
 
 class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -436,12 +427,7 @@ def _configure_logging(debug: bool) -> None:
     root = logging.getLogger()
     _install(root, "%(name)s: %(levelname)s: %(message)s", others_only=True)
     root.setLevel(level)
-    for name, start in IMPORT_CHATTER:
-        chatter = logging.getLogger(name)
-        for old in [f for f in chatter.filters if isinstance(f, _DropChatter)]:
-            chatter.removeFilter(old)
-        if not debug:
-            chatter.addFilter(_DropChatter(start))
+    demote_import_chatter(not debug)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

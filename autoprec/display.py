@@ -332,7 +332,8 @@ def tune_table(result: TuneResult, *, wide: bool = False) -> Table | Group:
         table.add_column("why")
     else:
         table.add_column("why", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
-    for label, status, speed, memory, reasons in _trial_rows(result):
+    rows = _trial_rows(result)
+    for label, status, speed, memory, reasons in rows:
         why = "\n".join(reasons) if wide else (reasons[0] if reasons else "")
         table.add_row(label, status, speed, memory, Text(why))
     if wide:
@@ -354,7 +355,7 @@ def tune_table(result: TuneResult, *, wide: bool = False) -> Table | Group:
         )
         for skipped in result.skipped
     ]
-    if any(len(reasons) > 1 for *_, reasons in _trial_rows(result)) or result.skipped:
+    if any(len(reasons) > 1 for *_, reasons in rows) or result.skipped:
         lines.append(Text("(--wide shows every reason)", style="dim"))
     return Group(table, *lines)
 

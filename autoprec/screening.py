@@ -32,8 +32,8 @@ from autoprec.trial import TrialResult
 from autoprec.tuning import (
     RunSetup,
     calibration_run,
-    check_arguments,
     check_device,
+    check_model,
     preserved_rng,
     progress_callback,
     reference_runs,
@@ -98,9 +98,11 @@ class QualityReport(BaseModel):
         return "\n".join(lines)
 
 
-def _screen(setup: RunSetup, spec: ModeSpec, steps: int, references: Any) -> ScreenVerdict:
+def _screen(
+    setup: RunSetup, spec: ModeSpec, index: int, steps: int, references: Any
+) -> ScreenVerdict:
     reference, noise = references
-    index, total = setup.candidates.specs.index(spec) - 1, len(setup.candidates.specs) - 1
+    total = len(setup.candidates.specs) - 1  # the reference is not screened
     setup.events.emit("start", spec.label, index=index, total=total)
     result: TrialResult = setup.run(
         spec,
@@ -169,7 +171,7 @@ def check(
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
-    check_arguments(model, 1, "speed")
+    check_model(model)
     check_device(device)
     if not isinstance(steps, int) or steps < 4:
         raise ValueError(f"steps must be an int >= 4 (two lr legs of two steps), not {steps!r}.")
@@ -202,7 +204,10 @@ def check(
         )
         calibration_run(setup)  # checks the inputs before the long runs
         references = reference_runs(setup, steps, 0, "speed")
-        verdicts = [_screen(setup, spec, steps, references) for spec in setup.candidates.specs[1:]]
+        verdicts = [
+            _screen(setup, spec, index, steps, references)
+            for index, spec in enumerate(setup.candidates.specs[1:])
+        ]
     reference_verdict = judge(references[0], *references, setup.thresholds)
     return QualityReport(
         verdicts=tuple(verdicts),

@@ -21,7 +21,7 @@ from torch import nn
 
 from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep, to_device
-from autoprec.candidates import CandidateList, Skipped, candidate_specs
+from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, Skipped, candidate_specs
 from autoprec.choice import choose, pareto_front
 from autoprec.drift import DriftThresholds, judge
 from autoprec.eligibility import Situation, model_device
@@ -411,13 +411,17 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
     )
 
 
-def check_arguments(model: Any, budget_minutes: Any, objective: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+def _check_budget(budget_minutes: Any, objective: Any) -> None:
     if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
         raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+
+
+def check_model(model: Any) -> None:
+    """A model that can train here: a Module with trainable parameters that hold values."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     if next(model.parameters(), None) is None:
         raise ValueError("The model has no parameters: there is nothing to tune.")
     if not any(p.requires_grad for p in model.parameters()):
@@ -465,7 +469,7 @@ def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> Non
         return
 
     def name(spec: ModeSpec) -> str:
-        return spec.mode + ("+8bit-optim" if spec.optimizer_bits == 8 else "")
+        return spec.mode + (EIGHT_BIT_SUFFIX if spec.optimizer_bits == 8 else "")
 
     lines = "; ".join(
         f"{name(skipped.spec)}: {', '.join(skipped.reasons) or 'not eligible'}"
@@ -698,7 +702,8 @@ def tune(
     Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
-    check_arguments(model, budget_minutes, objective)
+    check_model(model)
+    _check_budget(budget_minutes, objective)
     check_device(device)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
