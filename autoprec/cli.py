@@ -375,7 +375,7 @@ def _report(args: argparse.Namespace) -> int:
 
     source = args.source
     if source.endswith(".json"):
-        outcomes, chosen = outcomes_from_result(source)
+        outcomes, chosen, noise_runs = outcomes_from_result(source)
     else:
         if "://" not in source and not Path(source).exists():
             raise FileNotFoundError(
@@ -383,12 +383,13 @@ def _report(args: argparse.Namespace) -> int:
                 "or a storage URL."
             )
         storage = f"sqlite:///{source}" if Path(source).exists() else source
-        outcomes, chosen = outcomes_from_study(storage, args.study)
+        outcomes, chosen, noise_runs = outcomes_from_study(storage, args.study)
     written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
-    count = trials_run(outcomes)
+    count = trials_run(outcomes, noise_runs)
+    noise = "the fp32 noise run" if noise_runs == 1 else f"{noise_runs} fp32 noise runs"
     sys.stdout.write(
-        f"wrote {written} ({count} trials: {count - 1} modes measured and the fp32 "
-        f"noise run; chosen: {chosen or 'none'})\n"
+        f"wrote {written} ({count} trials: {count - noise_runs} modes measured and {noise}; "
+        f"chosen: {chosen or 'none'})\n"
     )
     return EXIT_OK
 

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch.utils._pytree import tree_flatten
 
+from autoprec.drift import Fp32Runs
 from autoprec.trial import OutputSummary, TrialRecord, TrialResult
 
 SAMPLED_ELEMENTS = 4096
@@ -133,22 +134,18 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
     )
 
 
-def save_references(
-    path: Path, fingerprint: StudyFingerprint, references: tuple[TrialResult, TrialResult]
-) -> None:
-    """Write the reference and noise runs atomically (a temporary file, then a rename)."""
+def save_references(path: Path, fingerprint: StudyFingerprint, references: Fp32Runs) -> None:
+    """Write the fp32 reference and noise runs atomically (a temporary file, then a rename)."""
     temporary = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(
-        {"fingerprint": fingerprint.digest(), "runs": [_pack(r) for r in references]},
-        temporary,
-    )
+    runs = [references.reference, references.noise]
+    if references.paired is not None:
+        runs.append(references.paired)
+    torch.save({"fingerprint": fingerprint.digest(), "runs": [_pack(r) for r in runs]}, temporary)
     os.replace(temporary, path)
 
 
-def load_references(
-    path: Path | None, fingerprint: StudyFingerprint
-) -> tuple[TrialResult, TrialResult] | None:
-    """The stored reference and noise runs when they match ``fingerprint``, else None."""
+def load_references(path: Path | None, fingerprint: StudyFingerprint) -> Fp32Runs | None:
+    """The stored fp32 reference and noise runs when they match ``fingerprint``, else None."""
     if path is None or not path.exists():
         return None
     try:
@@ -157,8 +154,7 @@ def load_references(
         return None
     if not isinstance(data, dict) or data.get("fingerprint") != fingerprint.digest():
         return None
-    reference, noise = (_unpack(run) for run in data["runs"])
-    return reference, noise
+    return Fp32Runs(*(_unpack(run) for run in data["runs"]))
 
 
 def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None:

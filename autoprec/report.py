@@ -105,20 +105,25 @@ def _read_result(path: Path) -> TuneResult:
         ) from None
 
 
-def outcomes_from_result(path: str | Path) -> tuple[list[TrialOutcome], str]:
-    """Outcomes and the chosen label from a TuneResult JSON (``autoprec tune`` writes one)."""
+def outcomes_from_result(path: str | Path) -> tuple[list[TrialOutcome], str, int]:
+    """Outcomes, the chosen label and the number of fp32 noise runs from a TuneResult JSON
+    (``autoprec tune`` writes one)."""
     result = _read_result(Path(path))
-    return [result.reference, *result.trials], result.chosen.label
+    outcomes = [result.reference, *result.trials]
+    return outcomes, result.chosen.label, result.budget.fp32_noise_runs
 
 
-def trials_run(outcomes: list[TrialOutcome]) -> int:
+def trials_run(outcomes: list[TrialOutcome], noise_runs: int = 1) -> int:
     """Training runs behind these outcomes, counted as the profile's evidence counts them: every
-    outcome that ran, plus the fp32 noise run (never an outcome of its own)."""
-    return sum(1 for outcome in outcomes if outcome.seconds > 0) + 1
+    outcome that ran, plus the fp32 noise run(s) (never outcomes of their own)."""
+    return sum(1 for outcome in outcomes if outcome.seconds > 0) + noise_runs
 
 
-def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[TrialOutcome], str]:
-    """Outcomes from an Optuna study and its winner, chosen as tune() chose it."""
+def outcomes_from_study(
+    storage: str, study_name: str | None
+) -> tuple[list[TrialOutcome], str, int]:
+    """Outcomes from an Optuna study, its winner (chosen as tune() chose it) and the number of
+    fp32 noise runs."""
     import optuna
 
     names = optuna.get_all_study_names(storage=storage)
@@ -127,10 +132,11 @@ def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[Tria
             raise ValueError(f"{storage} holds studies {names}; pick one with --study.")
         study_name = names[0]
     study = optuna.load_study(study_name=study_name, storage=storage)
+    noise_runs = int(study.user_attrs.get("noise_runs", 1))
     finished = study.user_attrs.get("result")
     if finished:  # the run ended: its final figures (re-timed) and its choice
         outcomes = [TrialOutcome.model_validate(o) for o in finished["outcomes"]]
-        return outcomes, str(finished["chosen"])
+        return outcomes, str(finished["chosen"]), noise_runs
     latest = {  # an interrupted run: each candidate's last recorded outcome
         outcome.label: outcome
         for outcome in (
@@ -142,7 +148,7 @@ def outcomes_from_study(storage: str, study_name: str | None) -> tuple[list[Tria
     outcomes = list(latest.values())
     reference = next((o for o in outcomes if o.label == "fp32"), None)
     if reference is None:
-        return outcomes, ""
+        return outcomes, "", noise_runs
     others = [o for o in outcomes if o is not reference]
     objective = study.user_attrs.get("objective", "speed")
-    return outcomes, choose(others, reference, objective).label
+    return outcomes, choose(others, reference, objective).label, noise_runs

@@ -18,7 +18,7 @@ from torch import nn
 
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
-from autoprec.drift import DriftThresholds, judge
+from autoprec.drift import DriftThresholds, Fp32Runs
 from autoprec.recipe import (
     OptimizerSource,
     RecipeSummary,
@@ -99,9 +99,8 @@ class QualityReport(BaseModel):
 
 
 def _screen(
-    setup: RunSetup, spec: ModeSpec, index: int, steps: int, references: Any
+    setup: RunSetup, spec: ModeSpec, index: int, steps: int, references: Fp32Runs
 ) -> ScreenVerdict:
-    reference, noise = references
     total = len(setup.candidates.specs) - 1  # the reference is not screened
     setup.events.emit("start", spec.label, index=index, total=total)
     result: TrialResult = setup.run(
@@ -122,7 +121,7 @@ def _screen(
             seconds=result.record.wall_seconds,
         )
     else:
-        verdict = judge(result, reference, noise, setup.thresholds)
+        verdict = references.judge(result, setup.thresholds)
         screened = ScreenVerdict(
             spec=spec,
             status="safe" if verdict.accepted else "unsafe",
@@ -208,7 +207,7 @@ def check(
             _screen(setup, spec, index, steps, references)
             for index, spec in enumerate(setup.candidates.specs[1:])
         ]
-    reference_verdict = judge(references[0], *references, setup.thresholds)
+    reference_verdict = references.judge(references.reference, setup.thresholds)
     return QualityReport(
         verdicts=tuple(verdicts),
         not_checked=setup.candidates.skipped,

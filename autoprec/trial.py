@@ -158,6 +158,9 @@ class TrialRecord(BaseModel):
     """Adam's second moment when the optimizer keeps it in bf16 (read after the first step)."""
     leg_steps: tuple[int, ...] = ()
     """Optimizer steps of each leg."""
+    draws_random: bool = False
+    """Training drew from the global random streams (dropout, noise in the loss): a run with
+    another seed and the same batches would differ."""
 
     @property
     def completed(self) -> bool:
@@ -277,6 +280,14 @@ def _max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> float:
     largest = float(torch.stack(torch._foreach_norm(grads, math.inf)).max())  # one sync
     scale = getattr(plan.mode, "loss_scale", None)
     return largest / scale if scale else largest
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The global random streams a model's forward pass draws from on ``device``."""
+    states = [torch.random.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -585,6 +596,7 @@ def run_trial(
     )
     failure: TrialFailure | None = None
     stopped: str | None = None
+    draws_random = False
     plan: PrecisionPlan | None = None
     loop: _Loop | None = None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -612,7 +624,11 @@ def run_trial(
             _settle(loop, device)
             result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
             result.leg_weights.append(_sampled(plan, result.sample_indices))
+            before = _rng_states(device)
             failure, stopped = _train(loop, result, points, legs, warmup_steps, stop)
+            draws_random = any(
+                not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)
+            )
             if failure is None and not all(
                 bool(torch.isfinite(p).all()) for p in plan.model.parameters()
             ):
@@ -640,7 +656,12 @@ def run_trial(
         spec, seed, steps, warmup_steps, failure, figures, peak, mode, time.perf_counter() - started
     )
     result.record = record.model_copy(
-        update={"stopped": stopped, "lr_points": points or (), "leg_steps": tuple(legs)}
+        update={
+            "stopped": stopped,
+            "lr_points": points or (),
+            "leg_steps": tuple(legs),
+            "draws_random": draws_random,
+        }
     )
     return result
 

@@ -23,7 +23,7 @@ from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep, to_device
 from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, Skipped, candidate_specs
 from autoprec.choice import choose, pareto_front
-from autoprec.drift import DriftThresholds, judge
+from autoprec.drift import DriftThresholds, Fp32Runs
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
 from autoprec.fingerprint import (
@@ -90,9 +90,12 @@ class BudgetReport(BaseModel):
     trial_steps: int
     fp32_step_seconds: float
     trials_run: int
+    """Every training run: the measured modes, the fp32 reference and its noise run(s)."""
     trials_not_run: int
     reference_reused: bool = False
     """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
+    fp32_noise_runs: int = 1
+    """1, or 2 when the model draws random numbers (the paired run: same batches, other draws)."""
 
 
 class TuneResult(BaseModel):
@@ -535,9 +538,10 @@ def setup_run(
     )
 
 
-def calibration_run(setup: RunSetup) -> tuple[float, float]:
+def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     """A few fp32 steps: they check the inputs (the batches fit, the loss has gradients) and
-    time a step. Returns (fp32 seconds per optimizer step, seconds taken)."""
+    time a step. Returns (fp32 seconds per optimizer step, seconds taken, whether training drew
+    random numbers: then a paired noise run is needed)."""
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
     calibration = setup.run(
@@ -547,13 +551,15 @@ def calibration_run(setup: RunSetup) -> tuple[float, float]:
     )
     if calibration.record.failure is not None:
         raise _reference_failed(calibration, setup)
-    return calibration.record.median_step_seconds or 1e-3, setup.clock() - start
+    record = calibration.record
+    return record.median_step_seconds or 1e-3, setup.clock() - start, record.draws_random
 
 
 def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float]:
     """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
-    step_seconds, calibration_seconds = calibration_run(setup)
-    trials = len(setup.candidates.specs) + 1  # every candidate and the noise run
+    step_seconds, calibration_seconds, draws_random = calibration_run(setup)
+    # every candidate (the reference among them) and the noise run(s)
+    trials = len(setup.candidates.specs) + (2 if draws_random else 1)
     available = (setup.deadline - setup.clock()) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
     if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
@@ -566,13 +572,20 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float
     return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
 
 
+PAIRED_RUN = (1, None, "fp32 paired noise run")
+"""(seed offset, shuffle seed, label) of the run with other random draws on the same batches."""
+
+
 def reference_runs(
     setup: RunSetup, steps: int, budget_minutes: float, objective: Objective
-) -> tuple[TrialResult, TrialResult]:
-    """The fp32 reference and the noise run (another seed and batch order)."""
+) -> Fp32Runs:
+    """The fp32 reference, the noise run (another seed and batch order) and, when the reference
+    drew random numbers, the paired noise run (another seed, the same batches)."""
     budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
-    references = []
-    for seed_offset, shuffle, label in ((0, None, "fp32 reference"), (1, 1, "fp32 noise run")):
+    references: list[TrialResult] = []
+    runs = [(0, None, "fp32 reference"), (1, 1, "fp32 noise run")]
+    while runs:
+        seed_offset, shuffle, label = runs.pop(0)
         setup.events.emit("phase", label, steps=steps)
         result = setup.run(
             ModeSpec(mode="fp32"),
@@ -593,7 +606,9 @@ def reference_runs(
         if not result.moved():
             raise _reference_still(result)
         references.append(result)
-    return references[0], references[1]
+        if len(references) == 1 and result.record.draws_random:
+            runs.append(PAIRED_RUN)
+    return Fp32Runs(*references)
 
 
 def _profile_and_result(
@@ -763,8 +778,8 @@ def _measured_references(
     budget_minutes: float,
     objective: Objective,
     planned: tuple[int, float],
-) -> tuple[TrialResult, TrialResult, int, float, bool]:
-    """(reference, noise, trial steps, fp32 step seconds, reused): from the study when it was
+) -> tuple[Fp32Runs, int, float, bool]:
+    """(fp32 runs, trial steps, fp32 step seconds, reused): from the study when it was
     measured under the same fingerprint, else measured now with the ``planned`` (trial steps,
     fp32 step seconds)."""
     fingerprint = _fingerprint(setup, objective, budget_minutes)
@@ -775,16 +790,17 @@ def _measured_references(
     if stored is not None:  # a resumed run: the same fp32 runs, measured before
         logger.info("reusing the fp32 reference runs stored in %s", cache)
         steps, step_seconds = int(attrs["trial_steps"]), float(attrs["fp32_step_seconds"])
-        return (*stored, steps, step_seconds, True)
+        return stored, steps, step_seconds, True
     steps, step_seconds = planned
     steps = int(attrs.get("trial_steps", steps))
     study.set_user_attr("trial_steps", steps)
     study.set_user_attr("fp32_step_seconds", step_seconds)
     study.set_user_attr("objective", objective)  # autoprec report reads it
-    reference, noise = reference_runs(setup, steps, budget_minutes, objective)
+    runs = reference_runs(setup, steps, budget_minutes, objective)
+    study.set_user_attr("noise_runs", runs.noise_runs)  # autoprec report counts them
     if cache is not None:
-        save_references(cache, fingerprint, (reference, noise))
-    return reference, noise, steps, step_seconds, False
+        save_references(cache, fingerprint, runs)
+    return runs, steps, step_seconds, False
 
 
 def _search(
@@ -803,9 +819,10 @@ def _search(
     measured = _measured_references(
         setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)
     )
-    reference, noise, steps, step_seconds, reused = measured
+    fp32_runs, steps, step_seconds, reused = measured
+    reference = fp32_runs.reference
     device = setup.report.device
-    reference_verdict = judge(reference, reference, noise, setup.thresholds)
+    reference_verdict = fp32_runs.judge(reference, setup.thresholds)
     reference_outcome = _outcome(reference, reference_verdict, device)
     reference_seconds = clock() - start - calibration_seconds
     if "fp32" not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
@@ -818,7 +835,7 @@ def _search(
         judged = result.record.completed or (
             failure is not None and failure.kind.startswith("non_finite")
         )
-        verdict = judge(result, reference, noise, setup.thresholds) if judged else None
+        verdict = fp32_runs.judge(result, setup.thresholds) if judged else None
         return _outcome(result, verdict, device)
 
     outcomes = search(
@@ -852,9 +869,10 @@ def _search(
         search_seconds=used - calibration_seconds - reference_seconds,
         trial_steps=steps,
         fp32_step_seconds=step_seconds,
-        trials_run=len(run) + 2,
+        trials_run=len(run) + 1 + fp32_runs.noise_runs,
         trials_not_run=len(outcomes) - len(run),
         reference_reused=reused,
+        fp32_noise_runs=fp32_runs.noise_runs,
     )
     result = _profile_and_result(
         setup, objective, reference_outcome, outcomes, budget, reference_verdict.notes

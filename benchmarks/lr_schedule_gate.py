@@ -37,37 +37,16 @@ from autoprec.plan import prepare
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
+from benchmarks.ground_truth_tasks import cosine_to, warmup_linear
 from examples import tasks
 
 MODES = ("amp_bf16", "bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan")
 HURT_UNITS, HURT_FLOOR = 3.0, 0.02
 
 
-def _cosine(peak: float, floor: float) -> Callable[..., Any]:
-    def factory(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
-        return torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=total_steps, eta_min=floor
-        )
-
-    factory.__qualname__ = f"cosine {peak:g} -> {floor:g}"
-    return factory
-
-
-def _warmup_linear(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
-    """The Hugging Face Trainer's default shape: 5% linear warm-up, linear decay to 0."""
-    warmup = max(1, total_steps // 20)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return max(0.0, (total_steps - step) / (total_steps - warmup))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 SCHEDULES: dict[str, tuple[float, Callable[..., Any]]] = {
-    "cosine 1e-3 -> 1e-5": (1e-3, _cosine(1e-3, 1e-5)),
-    "warm-up + linear decay to 0, peak 1e-3": (1e-3, _warmup_linear),
+    "cosine 1e-3 -> 1e-5": (1e-3, cosine_to(1e-5)),
+    "warm-up + linear decay to 0, peak 1e-3": (1e-3, warmup_linear),
 }
 
 

@@ -20,15 +20,18 @@ class Task:
         return nn.functional.mse_loss(output.float(), target)
 
 
-def regression(lr: float = 1e-4, batches: int = 60) -> Task:
-    """sin(x W) regression with an MLP; AdamW at ``lr`` (1e-4: pure bf16 loses its updates)."""
+def regression(lr: float = 1e-4, batches: int = 60, dropout: float = 0.0) -> Task:
+    """sin(x W) regression with an MLP; AdamW at ``lr`` (1e-4: pure bf16 loses its updates);
+    ``dropout`` after the hidden layers (a model that draws random numbers)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(32, 64),
         nn.GELU(),
         nn.LayerNorm(64),
+        nn.Dropout(dropout),
         nn.Linear(64, 64),
         nn.GELU(),
+        nn.Dropout(dropout),
         nn.Linear(64, 16),
     )
     generator = torch.Generator().manual_seed(1)

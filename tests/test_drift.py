@@ -278,3 +278,44 @@ def test_a_skipped_output_check_is_said_not_silent() -> None:
         ModeSpec(mode="fp32"), task.model, task.batches, **{**common, "recipe": with_outputs}
     )
     assert judge(reference, reference, reference).notes == ()
+
+
+def _dropout_runs(lr: float, dropout: float) -> dict:
+    task = tasks.regression(lr=lr, dropout=dropout)
+    return {
+        "task": task,
+        "reference": _trial(task, ModeSpec(mode="fp32")),
+        "noise": _trial(task, ModeSpec(mode="fp32"), seed=1, shuffle_seed=1),
+        "paired": _trial(task, ModeSpec(mode="fp32"), seed=1),  # same batches, other draws
+    }
+
+
+def test_movement_and_outputs_are_judged_against_a_paired_fp32_run() -> None:
+    """Dropout 0.3, lr 1e-2: an fp32 run whose dropout masks differ (a stand-in for a mode whose
+    kernels draw their masks differently, as fused attention does) takes only ~71% of the
+    reference's movement and moves the outputs ~28%: fixed bars call that lost updates."""
+    runs = _dropout_runs(1e-2, 0.3)
+    assert runs["reference"].record.draws_random
+    other_masks = _trial(runs["task"], ModeSpec(mode="fp32"), seed=2)
+    fixed = judge(other_masks, runs["reference"], runs["noise"])
+    assert any(reason.startswith("updates lost to rounding") for reason in fixed.reasons)
+    verdict = judge(other_masks, runs["reference"], runs["noise"], paired=runs["paired"])
+    assert verdict.accepted, verdict.reasons
+    metrics = verdict.metrics
+    assert metrics.update_fraction is not None and metrics.update_fraction < 0.8
+    assert metrics.update_fraction_noise is not None and metrics.update_fraction_noise < 0.8
+    assert metrics.output_error_noise is not None and metrics.output_error_noise > 0.1
+
+
+def test_lost_updates_are_still_caught_in_a_model_that_draws_random_numbers() -> None:
+    runs = _dropout_runs(1e-4, 0.1)
+    pure = _trial(runs["task"], ModeSpec(mode="bf16_pure"))
+    verdict = judge(pure, runs["reference"], runs["noise"], paired=runs["paired"])
+    assert any(reason.startswith("updates lost to rounding") for reason in verdict.reasons)
+    assert "a second fp32 run with other random draws reaches" in " ".join(verdict.reasons)
+    sr = _trial(runs["task"], ModeSpec(mode="bf16_sr"))
+    assert judge(sr, runs["reference"], runs["noise"], paired=runs["paired"]).accepted
+
+
+def test_a_model_without_random_draws_says_so(low_lr: dict) -> None:
+    assert not low_lr["reference"].record.draws_random  # no paired run needed: it would repeat

@@ -129,3 +129,27 @@ def test_lr_schedule_benchmark_runs_in_quick_mode() -> None:
     assert pure[2] == "hurts" and pure[5] == "reject", pure
     assert float(pure[6]) < 0.8  # the floor leg sees the lost updates the peak leg misses
     assert float(pure[4]) > 0.9
+
+
+def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gate scored against long runs (--quick: 2 tasks, 300-step truth, 30-step trials);
+    a re-score reads every long run from the cache instead of training it again."""
+    from benchmarks import ground_truth
+
+    pairs = ground_truth.main(["--quick", "--cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert len(pairs) >= 20 and "false accepts" in out
+    pure = next(p for p in pairs if p.task == "digits_mlp" and p.label == "bf16_pure")
+    assert pure.truth_hurts and pure.gate == "unsafe"  # lr 1e-4: its updates round away
+    amp = next(p for p in pairs if p.task == "digits_mlp" and p.label == "amp_bf16")
+    assert not amp.truth_hurts and amp.gate == "safe"
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("a cached long run was trained again")
+
+    monkeypatch.setattr(ground_truth, "long_run", no_training)
+    again = ground_truth.main(["--quick", "--cache", str(tmp_path), "--tasks", "digits_mlp"])
+    truth = {p.label: (p.truth_hurts, p.metric) for p in pairs if p.task == "digits_mlp"}
+    assert {p.label: (p.truth_hurts, p.metric) for p in again} == truth

@@ -8,6 +8,7 @@ import optuna
 import pytest
 import torch
 
+from autoprec.drift import Fp32Runs
 from autoprec.fingerprint import (
     StudyFingerprint,
     check_study,
@@ -97,16 +98,20 @@ def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) 
             heldout=task.heldout,
             seed=seed,
         )
-        for seed in (0, 1)
+        for seed in (0, 1, 2)
     )
     path = references_path(f"sqlite:///{tmp_path / 'x.db'}", "s")
     assert path == tmp_path / "x.db.s.references.pt"
     assert references_path("postgresql://host/db", "s") is None
     assert references_path(None, "s") is None
-    save_references(path, _fingerprint(), runs)  # type: ignore[arg-type]
+    save_references(path, _fingerprint(), Fp32Runs(*runs[:2]))  # no paired run
     loaded = load_references(path, _fingerprint())
-    assert loaded is not None
-    for before, after in zip(runs, loaded, strict=True):
+    assert loaded is not None and loaded.paired is None and loaded.noise_runs == 1
+    save_references(path, _fingerprint(), Fp32Runs(*runs))  # the paired run too
+    loaded = load_references(path, _fingerprint())
+    assert loaded is not None and loaded.noise_runs == 2
+    for before, after in zip(runs, (loaded.reference, loaded.noise, loaded.paired), strict=True):
+        assert after is not None
         assert after.record == before.record
         assert all(
             torch.equal(x[k], y[k])

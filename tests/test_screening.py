@@ -88,3 +88,21 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert {v["status"] for v in report["verdicts"]} <= {"safe", "unsafe", "failed"}
     assert main([*command[:6], "--steps", "2"]) == 2
     assert "--steps must be >= 4" in capsys.readouterr().err
+
+
+def test_a_paired_noise_run_only_for_models_that_draw_random_numbers() -> None:
+    phases: dict[float, list[str]] = {}
+    for dropout in (0.0, 0.1):
+        task = tasks.regression(lr=1e-3, dropout=dropout)
+        events: list[str] = []
+        autoprec.check(
+            task.model,
+            task.batches + task.heldout,
+            loss_fn=task.mse,
+            steps=8,
+            modes=["amp_bf16"],
+            on_event=lambda event, seen=events: seen.append(event.label),
+        )
+        phases[dropout] = events
+    assert "fp32 paired noise run" not in phases[0.0]
+    assert "fp32 paired noise run" in phases[0.1]

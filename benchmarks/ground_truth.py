@@ -1,0 +1,250 @@
+"""Is the drift gate right? Its verdicts scored against long training runs.
+
+For every task of ``benchmarks.ground_truth_tasks`` (eight families) and every mode whose
+numerics run on this machine (what ``autoprec.check()`` screens: AMP, pure-bf16 variants, FP8 via
+torchao emulated where there is no FP8, 8-bit optimizer states):
+
+- **The truth.** The mode trains the whole run (``--steps``, default 2000: 10x the gate's trial)
+  as a user would (``apply()``, the task's optimizer and lr schedule stepped every step, the
+  batches reshuffled every epoch) and its final test metric (test loss, or sample quality for
+  the flow-matching U-Net; lower is better) is compared with ``FP32_SEEDS`` fp32 runs that differ
+  in batch order and random draws. The mode **hurts** when it ends worse than the fp32 mean by
+  more than ``HURT_SDS`` seed standard deviations and ``HURT_RELATIVE`` of the mean (a crash or
+  a non-finite loss hurts too).
+- **The gate.** ``autoprec.check()`` at ``--trial-steps`` (default 200, its default and within
+  ``tune()``'s 20-300) judges the mode against its fp32 reference and noise run.
+
+Printed: one row per task x mode pair, and the confusion matrix (false accepts: the gate passed a
+mode that hurts; false rejects: it rejected one that does not). Long runs are cached under
+``--cache`` (default ``runs/ground_truth``), keyed by task, mode, seed and steps, so a re-score
+after a gate change re-runs only the gate (minutes).
+
+    python -m benchmarks.ground_truth [--tasks a,b] [--steps 2000] [--trial-steps 200]
+    python -m benchmarks.ground_truth --quick     # 2 tasks, short runs: the CI variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import autoprec
+from autoprec._files import write_text_atomically
+from autoprec.batching import forward_and_loss
+from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.plan import prepare
+from autoprec.screening import QualityReport
+from autoprec.specs import ModeSpec
+from benchmarks.ground_truth_tasks import QUICK_TASKS, TASKS, GroundTask
+
+FP32_SEEDS = 3
+HURT_SDS, HURT_RELATIVE = 3.0, 0.02
+"""A mode hurts when its final metric is worse than the fp32 seeds' mean by more than three of
+their standard deviations (the gate's own unit) and 2% of the mean: smaller gaps after a long run
+are within what another seed or another shuffle gives (the seeds' spread here: see the table)."""
+TRUTH_VERSION = 2
+"""Part of every cache key: bump it when a task or the long-run loop changes."""
+
+
+@dataclass(frozen=True)
+class LongRun:
+    metric: float
+    final_loss: float
+    seconds: float
+    failure: str | None = None
+
+
+def _order(count: int, epoch: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(count, generator=generator).tolist()
+
+
+def long_run(task: GroundTask, spec: ModeSpec, seed: int, steps: int) -> LongRun:
+    """Train ``steps`` optimizer steps of ``spec`` as a user would; the final test metric."""
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    model = copy.deepcopy(task.model)
+    recipe = task.recipe
+    optimizer = recipe.make_optimizer(task.model, model)
+    scheduler = recipe.make_scheduler(optimizer)
+    with warnings.catch_warnings():  # the rebuilt-optimizer warning: no scheduler to rebind
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, model, optimizer, scheduler)
+    losses: list[float] = []
+    order: list[int] = []
+    for step in range(steps):
+        if step % len(task.batches) == 0:
+            order = _order(len(task.batches), step // len(task.batches), seed)
+        with plan.autocast():
+            loss, _ = forward_and_loss(plan, task.batches[order[step % len(order)]], recipe.loss_fn)
+        if step >= steps - 50:
+            losses.append(float(loss.detach()))
+        plan.step(loss)
+        if scheduler is not None:
+            scheduler.step()
+    final = statistics.fmean(losses)
+    seconds = time.perf_counter() - start
+    if not math.isfinite(final):
+        return LongRun(math.inf, final, seconds, failure="non-finite training loss")
+    metric = task.metric(plan)
+    failure = None if math.isfinite(metric) else "non-finite test metric"
+    return LongRun(metric if math.isfinite(metric) else math.inf, final, seconds, failure)
+
+
+def cached_long_run(
+    cache: Path, task: GroundTask, spec: ModeSpec, seed: int, steps: int
+) -> LongRun:
+    label = spec.label.replace("/", "_").replace(" ", "_")
+    path = cache / f"v{TRUTH_VERSION}" / task.name / f"{label}.seed{seed}.steps{steps}.json"
+    if path.exists():
+        return LongRun(**json.loads(path.read_text()))
+    try:
+        run = long_run(task, spec, seed, steps)
+    except Exception as error:  # noqa: BLE001 - a mode that crashes in a real run hurts
+        run = LongRun(math.inf, math.inf, 0.0, failure=f"{type(error).__name__}: {error}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(path, json.dumps(run.__dict__))
+    return run
+
+
+@dataclass(frozen=True)
+class Pair:
+    task: str
+    label: str
+    truth_hurts: bool
+    metric: float
+    fp32_mean: float
+    fp32_sd: float
+    gate: str  # safe / unsafe / failed
+    reason: str
+
+    @property
+    def outcome(self) -> str:
+        if self.gate == "safe":
+            return "FALSE ACCEPT" if self.truth_hurts else "ok"
+        return "ok" if self.truth_hurts else "FALSE REJECT"
+
+
+def hurts(metric: float, fp32: list[float]) -> bool:
+    mean = statistics.fmean(fp32)
+    sd = statistics.stdev(fp32) if len(fp32) > 1 else 0.0
+    return metric - mean > max(HURT_SDS * sd, HURT_RELATIVE * abs(mean))
+
+
+def gate(task: GroundTask, trial_steps: int) -> QualityReport:
+    recipe = task.recipe
+    return autoprec.check(
+        task.model,
+        task.batches,
+        steps=trial_steps,
+        loss_fn=recipe.loss_fn,
+        optimizer=recipe.optimizer,
+        scheduler=recipe.scheduler,
+        total_steps=recipe.total_steps,
+        eval_fn=task.eval_fn,
+        progress=False,
+    )
+
+
+def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pair]:
+    task = TASKS[name](steps)
+    started = time.perf_counter()
+    report = gate(task, trial_steps)
+    gate_seconds = time.perf_counter() - started
+    fp32 = [
+        cached_long_run(cache, task, ModeSpec(mode="fp32"), s, steps) for s in range(FP32_SEEDS)
+    ]
+    fp32_metrics = [run.metric for run in fp32]
+    mean = statistics.fmean(fp32_metrics)
+    sd = statistics.stdev(fp32_metrics)
+    print(
+        f"\n{name} ({task.family}): fp32 over {FP32_SEEDS} seeds {mean:.5g} +- {sd:.2g}; "
+        f"gate {gate_seconds:.0f} s for {len(report.verdicts)} modes",
+        flush=True,
+    )
+    pairs = []
+    for verdict in report.verdicts:
+        run = cached_long_run(cache, task, verdict.spec, 0, steps)
+        reason = verdict.reasons[0] if verdict.reasons else ""
+        pair = Pair(
+            task=name,
+            label=verdict.label,
+            truth_hurts=hurts(run.metric, fp32_metrics),
+            metric=run.metric,
+            fp32_mean=mean,
+            fp32_sd=sd,
+            gate=verdict.status,
+            reason=reason if run.failure is None else f"{reason} (long run: {run.failure})",
+        )
+        relative = (run.metric - mean) / abs(mean) if math.isfinite(run.metric) else math.inf
+        print(
+            f"  {pair.label:32} truth {'HURTS' if pair.truth_hurts else 'fine ':5} "
+            f"{run.metric:.5g} ({relative:+.1%}, {(run.metric - mean) / (sd or 1e-12):+.1f} sd)"
+            f"  gate {pair.gate:6} {pair.outcome:12} {pair.reason[:70]}",
+            flush=True,
+        )
+        pairs.append(pair)
+    return pairs
+
+
+def confusion(pairs: list[Pair]) -> str:
+    judged = [p for p in pairs if p.gate != "failed"]
+    cells = {
+        (hurt, accepted): sum(
+            1 for p in judged if p.truth_hurts == hurt and (p.gate == "safe") == accepted
+        )
+        for hurt in (True, False)
+        for accepted in (True, False)
+    }
+    failed = len(pairs) - len(judged)
+    lines = [
+        f"{len(pairs)} task x mode pairs ({failed} failed in the gate)",
+        "                     gate accepts   gate rejects",
+        f"  truth: hurts        {cells[True, True]:>5} (FA)     {cells[True, False]:>5}",
+        f"  truth: fine         {cells[False, True]:>5}          {cells[False, False]:>5} (FR)",
+        f"false accepts {cells[True, True]}, false rejects {cells[False, False]}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Pair]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", help="comma-separated task names (default: all)")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
+    parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
+    parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
+    parser.add_argument("--quick", action="store_true", help="2 tasks, 300/30 steps (CI)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("autoprec").setLevel(logging.ERROR)
+    names = args.tasks.split(",") if args.tasks else list(TASKS)
+    steps, trial_steps = args.steps, args.trial_steps
+    if args.quick:
+        names = list(args.tasks.split(",") if args.tasks else QUICK_TASKS)
+        steps, trial_steps = 300, 30
+    unknown = [name for name in names if name not in TASKS]
+    if unknown:
+        parser.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+    print(
+        f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
+        f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} fp32 sd and {HURT_RELATIVE:.0%}"
+    )
+    pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, args.cache)]
+    print("\n" + confusion(pairs))
+    return pairs
+
+
+if __name__ == "__main__":
+    main()
