@@ -44,9 +44,23 @@ _NORM_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2 family: ``c_attn``, ``c_proj``, ``c_fc``): a Linear
+    whose weight is stored (in, out), ``y = x @ W + b``; not an nn.Linear subclass."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or an HF Conv1D."""
+    if is_hf_conv1d(module):
+        return int(module.nx), int(module.nf)
+    return int(module.in_features), int(module.out_features)
+
+
 def module_kind(module: nn.Module) -> LayerKind | None:
-    """The layer kind of a module, or None for containers and custom modules."""
-    if isinstance(module, nn.Linear):
+    """The layer kind of a module, or None for containers and custom modules. HF ``Conv1D``
+    counts as a Linear (it is one, with a transposed weight)."""
+    if isinstance(module, nn.Linear) or is_hf_conv1d(module):
         return "linear"
     if isinstance(module, nn.modules.conv._ConvNd):
         return "conv"
@@ -83,7 +97,7 @@ class KindShare(BaseModel):
 
 
 class LinearInfo(BaseModel):
-    """One nn.Linear and its fit for FP8."""
+    """One nn.Linear (or HF Conv1D) and its fit for FP8."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -92,7 +106,11 @@ class LinearInfo(BaseModel):
     out_features: int
     flops: int | None
     fp8_compatible: bool
-    """Both dimensions divisible by 16 (what FP8 kernels take)."""
+    """An nn.Linear with both dimensions divisible by 16 (what FP8 kernels take and FP8 module
+    swaps convert)."""
+    hf_conv1d: bool = False
+    """A Hugging Face Conv1D: counted as a Linear, but torchao's and Transformer Engine's FP8
+    conversions replace nn.Linear modules only, so it stays out of FP8 (not compatible)."""
     fp8_worthwhile: bool
     """Compatible and big enough that FP8 is likely to gain (torchao's auto-filter rule)."""
 
@@ -304,14 +322,15 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     linears = tuple(
         LinearInfo(
             fqn=fqn,
-            in_features=module.in_features,
-            out_features=module.out_features,
+            in_features=(dims := _linear_dims(module))[0],
+            out_features=dims[1],
             flops=attribution.flops_by_module.get(fqn, 0) if ran else None,
             fp8_compatible=(compatible := _fp8_compatible(module)),
-            fp8_worthwhile=compatible and fp8_worthwhile(module.in_features, module.out_features),
+            fp8_worthwhile=compatible and fp8_worthwhile(*dims),
+            hf_conv1d=is_hf_conv1d(module),
         )
         for fqn, module in model.named_modules()
-        if isinstance(module, nn.Linear)
+        if module_kind(module) == "linear"
     )
     eligible_flops = sum(linear.flops or 0 for linear in linears if linear.fp8_compatible)
     mix_without_findings = LayerMix(
@@ -335,7 +354,9 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     )
 
 
-def _fp8_compatible(linear: nn.Linear) -> bool:
+def _fp8_compatible(linear: nn.Module) -> bool:
+    if not isinstance(linear, nn.Linear):  # HF Conv1D: FP8 module swaps do not convert it
+        return False
     return (
         linear.in_features % FP8_DIM_MULTIPLE == 0 and linear.out_features % FP8_DIM_MULTIPLE == 0
     )
@@ -408,6 +429,16 @@ def _findings(mix: LayerMix) -> list[str]:
         findings.append(
             f"{_percent(other.flop_share or 0)} of FLOPs are matmuls between activations "
             "(e.g. attention scores): autocast lowers their precision, FP8 Linear swaps do not"
+        )
+    conv1d = [linear for linear in mix.linears if linear.hf_conv1d]
+    if conv1d:
+        conv1d_share = _share(sum(linear.flops or 0 for linear in conv1d), mix.forward_flops)
+        findings.append(
+            f"{len(conv1d)} Hugging Face Conv1D layers ({', '.join(c.fqn for c in conv1d[:3])}"
+            f"{', ...' if len(conv1d) > 3 else ''}) carry {_percent(conv1d_share)} "
+            "of FLOPs: they are Linears with transposed (in, out) weights, counted as Linear; "
+            "torchao's and Transformer Engine's FP8 conversions replace nn.Linear modules only, "
+            "so FP8 leaves them in higher precision (AMP and pure bf16 do cover them)"
         )
     if mix.linears:
         compatible = mix.fp8_compatible_linears

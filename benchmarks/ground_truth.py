@@ -48,10 +48,12 @@ from autoprec.specs import ModeSpec
 from benchmarks.ground_truth_tasks import QUICK_TASKS, TASKS, GroundTask
 
 FP32_SEEDS = 3
-HURT_SDS, HURT_RELATIVE = 3.0, 0.02
+HURT_SDS, HURT_RELATIVE = 3.0, 0.005
 """A mode hurts when its final metric is worse than the fp32 seeds' mean by more than three of
-their standard deviations (the gate's own unit) and 2% of the mean: smaller gaps after a long run
-are within what another seed or another shuffle gives (the seeds' spread here: see the table)."""
+their standard deviations (the gate's own unit: beyond what another seed and shuffle give) and
+0.5% of the mean (for tasks whose seeds agree to a few decimals). 0.5%, not the 2% first tried:
+the Llama ends at its data's entropy floor (1.386) where pure bf16's +1.1% (14 seed sds) is a
+real loss that 2% called fine."""
 TRUTH_VERSION = 2
 """Part of every cache key: bump it when a task or the long-run loop changes."""
 
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[Pair]:
         parser.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     print(
         f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
-        f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} fp32 sd and {HURT_RELATIVE:.0%}"
+        f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} fp32 sd and {HURT_RELATIVE:.1%}"
     )
     pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, args.cache)]
     print("\n" + confusion(pairs))

@@ -153,3 +153,22 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     again = ground_truth.main(["--quick", "--cache", str(tmp_path), "--tasks", "digits_mlp"])
     truth = {p.label: (p.truth_hurts, p.metric) for p in pairs if p.task == "digits_mlp"}
     assert {p.label: (p.truth_hurts, p.metric) for p in again} == truth
+
+
+@pytest.mark.parametrize("script", ["hf_trainer", "lightning_module"])
+def test_trainer_examples_tune_and_apply_in_three_added_lines(script: str) -> None:
+    """The Trainer examples: an ordinary training script plus at most three autoprec lines,
+    run end to end (tune, apply, train) in smoke mode."""
+    source = (REPO / "examples" / f"{script}.py").read_text()
+    added = [line for line in source.splitlines() if line.rstrip().endswith("# autoprec")]
+    assert 1 <= len(added) <= 3, added
+    assert sum("autoprec" in line for line in source.splitlines() if "import" in line) == 1
+    done = subprocess.run(
+        [sys.executable, "-m", f"examples.{script}", "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained in " in done.stdout and ": 10 steps" in done.stdout

@@ -62,27 +62,6 @@ def test_raw_parameter_matmuls_are_found() -> None:
     assert mix.fp8_eligible_flop_share == pytest.approx(0.135, abs=0.01)
 
 
-def test_hugging_face_gpt2_conv1d_counts_as_raw_parameters() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=256,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    mix = scan_model(model, {"input_ids": torch.randint(0, 256, (2, 32))})
-    # GPT-2's projections are transformers' Conv1D (weight used in addmm), not nn.Linear
-    assert "transformer.h.0.attn.c_attn.weight" in mix.raw_param_matmuls
-    assert (mix.kind("raw_param").flop_share or 0) > 0.5
-    assert [linear.fqn for linear in mix.linears] == ["lm_head"]
-    assert any("FP8 module swapping cannot reach them" in f for f in mix.findings)
-
-
 def test_hugging_face_llama_uses_linears_and_custom_norms() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -206,3 +185,22 @@ def test_fp8_compatibility_needs_both_dims_divisible_by_16() -> None:
     mix = scan_model(model, torch.ones(2, 64))
     assert [linear.fp8_compatible for linear in mix.linears] == [True, False, False]
     assert {"1", "2"} <= {k.fqn for k in mix.keep_fp32}
+
+
+def test_hf_conv1d_counts_as_linear_and_says_why_fp8_skips_it() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    mix = scan_model(model, torch.randint(0, 128, (2, 16)))
+    assert mix.raw_param_matmuls == ()  # not "matmuls on raw nn.Parameter tensors" any more
+    assert (mix.kind("linear").flop_share or 0) > 0.9
+    c_attn = next(linear for linear in mix.linears if linear.fqn.endswith("h.0.attn.c_attn"))
+    assert (c_attn.in_features, c_attn.out_features) == (64, 192)  # from the (in, out) weight
+    assert c_attn.hf_conv1d and not c_attn.fp8_compatible
+    assert [linear.fqn for linear in mix.fp8_compatible_linears] == ["lm_head"]
+    assert any(
+        "Conv1D" in finding and "nn.Linear modules only" in finding for finding in mix.findings
+    )

@@ -20,8 +20,11 @@ def refuse_keep_fp32(spec: ModeSpec, target: str, ignore_keep_fp32: bool) -> Non
     if spec.keep_fp32 and spec.mode not in _FULL_PRECISION and not ignore_keep_fp32:
         raise ExportError(
             f"{target} cannot keep modules {list(spec.keep_fp32)} in fp32 under {spec.mode}. "
-            "Use profile.apply(model, optimizer), or pass ignore_keep_fp32=True to export the "
-            "mode without them (a different recipe from the one that was proven)."
+            "Use profile.apply(model, optimizer) in your loop, "
+            "autoprec.integrations.hf.apply_profile(trainer, profile) for a Hugging Face "
+            "Trainer, or Trainer(plugins=[autoprec.integrations.lightning.AutoprecPrecision("
+            "profile)]) for Lightning; or pass ignore_keep_fp32=True to export the mode without "
+            "them (a different recipe from the one that was proven)."
         )
 
 

@@ -27,8 +27,9 @@ def hf_training_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[
             "cast to bf16 yourself, and it has no stochastic rounding"
         )
         raise ExportError(
-            f"The Hugging Face Trainer cannot express {spec.mode} ({hint}); use "
-            "profile.apply(model, optimizer) and pass optimizers=(plan.optimizer, None)."
+            f"TrainingArguments cannot express {spec.mode} ({hint}); use "
+            "autoprec.integrations.hf.apply_profile(trainer, profile) on a Trainer built "
+            "without bf16/fp16: it installs the profile's plan through the Trainer's own hooks."
         )
     args = dict(_FLAGS[spec.mode])
     if spec.optimizer_bits == 8:

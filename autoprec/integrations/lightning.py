@@ -1,4 +1,5 @@
-"""Lightning (Trainer or Fabric): the ``precision`` argument for a ModeSpec."""
+"""Lightning (Trainer or Fabric): the ``precision`` argument for a ModeSpec; and, loaded on first
+use, ``tune_module`` and the ``AutoprecPrecision`` plugin (``lightning_trainer``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def lightning_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dic
     raise ExportError(
         f"Lightning has no precision setting for {spec.mode} (stochastic rounding, Kahan "
         "summation and torchao float8 need autoprec's optimizer or module conversion): use "
-        "profile.apply(model, optimizer) inside a LightningModule with manual optimization, "
-        "or Fabric."
+        "Trainer(plugins=[autoprec.integrations.lightning.AutoprecPrecision(profile)]), which "
+        "runs any profile under automatic optimization."
     )
+
+
+def __getattr__(name: str) -> Any:
+    """``tune_module`` and ``AutoprecPrecision`` import Lightning: loaded on first use, so that
+    profiles export to Lightning without importing it."""
+    if name in ("tune_module", "AutoprecPrecision", "module_recipe"):
+        from autoprec.integrations import lightning_trainer
+
+        return getattr(lightning_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,229 @@
+"""Tune and train inside a Hugging Face ``transformers.Trainer``.
+
+    result = tune_trainer(trainer, budget_minutes=30)   # the Trainer's own recipe
+    apply_profile(trainer, result.profile)               # any profile, before train()
+    trainer.train()
+
+``tune_trainer`` reads from the Trainer everything a trial must reproduce: the model, its train
+dataloader (with the collator), the loss (``compute_loss`` when the Trainer overrides it), the
+optimizer and LR scheduler the Trainer would create for its ``max_steps``, gradient
+accumulation and ``max_grad_norm``. ``apply_profile`` installs the profile's plan through the
+Trainer's own extension points: the plan's model, its optimizer (wrapped so that the Trainer's
+``optimizer.step()`` runs the plan's unscale / clip / step), the scheduler rebound to it, the
+mode's autocast around every forward pass (``compute_loss_context_manager``) and its backward
+(loss scaling for fp16). Every mode works this way, FP8 (torchao) and the pure-bf16 variants with
+``keep_fp32`` included; ``TrainingArguments(bf16=/fp16=)`` must stay off (the plan replaces them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autoprec.plan import PrecisionPlan
+
+if TYPE_CHECKING:
+    from autoprec.profile import Profile
+    from autoprec.tuning import TuneResult
+
+
+def _train_loader(trainer: Any) -> Any:
+    if getattr(trainer, "train_dataset", None) is None:
+        raise ValueError(
+            "The Trainer has no train_dataset: autoprec tunes on the batches the Trainer would "
+            "train on. Build it with Trainer(..., train_dataset=...)."
+        )
+    return trainer.get_train_dataloader()
+
+
+def max_steps(trainer: Any, loader: Any) -> int:
+    """Optimizer steps of the Trainer's run, computed as ``Trainer.train()`` computes them."""
+    args = trainer.args
+    if args.max_steps > 0:
+        return int(args.max_steps)
+    per_epoch = max(math.ceil(len(loader) / args.gradient_accumulation_steps), 1)
+    return math.ceil(args.num_train_epochs * per_epoch)
+
+
+def scheduler_factory(trainer: Any) -> Callable[..., Any]:
+    """``factory(optimizer, total_steps)``: the scheduler ``Trainer.create_scheduler`` builds
+    (``lr_scheduler_type``, warm-up, ``lr_scheduler_kwargs``)."""
+    args = trainer.args
+
+    def factory(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        from transformers import get_scheduler
+
+        return get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=args.get_warmup_steps(total_steps),
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        )
+
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum in 5.x
+    factory.__qualname__ = f"transformers.get_scheduler({str(kind)!r})"
+    return factory
+
+
+def _trainer_optimizer(trainer: Any) -> torch.optim.Optimizer:
+    """The Trainer's optimizer: the one it was given, or the one it would create (built here
+    and not kept: the Trainer still creates its own)."""
+    if trainer.optimizer is not None:
+        return trainer.optimizer
+    optimizer = trainer.create_optimizer()
+    trainer.optimizer = None
+    return optimizer
+
+
+def _uses_own_loss(trainer: Any) -> bool:
+    """The Trainer computes the loss as the model does (no compute_loss override, no label
+    smoothing): trials then call the model and compare its outputs too."""
+    from transformers import Trainer
+
+    return (
+        type(trainer).compute_loss is Trainer.compute_loss
+        and not trainer.args.label_smoothing_factor
+    )
+
+
+def trainer_recipe(trainer: Any, **options: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`autoprec.tune` that reproduce the Trainer's training:
+    optimizer, scheduler, total_steps, accumulation, clipping and (when the Trainer computes
+    the loss its own way) ``train_step``. ``options`` override any of them."""
+    if trainer.lr_scheduler is not None and "scheduler" not in options:
+        raise ValueError(
+            "The Trainer was given an LR scheduler object (optimizers=(optimizer, scheduler)): "
+            "autoprec cannot rebuild it for each trial. Pass scheduler=factory(optimizer, "
+            "total_steps) to tune_trainer, or let the Trainer build it from TrainingArguments "
+            "(lr_scheduler_type)."
+        )
+    args = trainer.args
+    loader = _train_loader(trainer)
+    recipe: dict[str, Any] = {
+        "optimizer": _trainer_optimizer(trainer),
+        "scheduler": scheduler_factory(trainer),
+        "total_steps": max_steps(trainer, loader),
+        "grad_accumulation_steps": args.gradient_accumulation_steps,
+        "clip_grad_norm": args.max_grad_norm or None,
+    }
+    if not _uses_own_loss(trainer):
+
+        def train_step(plan: PrecisionPlan, batch: Any) -> torch.Tensor:
+            return trainer.compute_loss(plan.model, batch)
+
+        recipe["train_step"] = train_step
+    recipe.update(options)
+    return recipe
+
+
+def tune_trainer(trainer: Any, budget_minutes: float = 30.0, **options: Any) -> TuneResult:
+    """:func:`autoprec.tune` on the Trainer's model, batches and recipe (see the module
+    docstring); ``options`` are tune()'s (``modes``, ``objective``, ``eval_fn``, ...) and
+    override what is read from the Trainer. The Trainer and its model are left unchanged."""
+    from autoprec.tuning import tune
+
+    if trainer.args.torch_compile:
+        warnings.warn(
+            "TrainingArguments(torch_compile=True): autoprec's trials run eager (compiled "
+            "trials are not measured yet), so speed figures are of the eager model.",
+            UserWarning,
+            stacklevel=2,
+        )
+    recipe = trainer_recipe(trainer, **options)
+    return tune(trainer.model, _train_loader(trainer), budget_minutes=budget_minutes, **recipe)
+
+
+class PlanOptimizer(torch.optim.Optimizer):
+    """The plan's optimizer as the Trainer sees it: ``step()`` runs the plan's end of a step
+    (accumulated gradients written back, unscale, clip, the mode's optimizer step with the loss
+    scaler's skip and update); groups and state are the plan optimizer's own objects."""
+
+    def __init__(self, plan: PrecisionPlan) -> None:
+        inner = plan.optimizer
+        super().__init__(inner.param_groups, inner.defaults)
+        self.plan = plan
+        self.param_groups = inner.param_groups  # the same dicts: the scheduler sets their lr
+        self.state = inner.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan, mode = self.plan, self.plan.mode
+        mode.gradients_ready()
+        if plan.clip_grad_norm is not None:
+            mode.unscale_gradients(plan.optimizer)
+            parameters = [p for group in plan.optimizer.param_groups for p in group["params"]]
+            plan.last_grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(parameters, plan.clip_grad_norm)
+            )
+        mode.optimizer_step(plan.optimizer)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.plan.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plan.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.plan.optimizer.load_state_dict(state_dict)
+
+
+def _with_autocast(trainer: Any, plan: PrecisionPlan) -> None:
+    own = trainer.compute_loss_context_manager
+
+    def compute_loss_context_manager(self: Any) -> contextlib.ExitStack:
+        stack = own()
+        stack.enter_context(plan.autocast())
+        return stack
+
+    trainer.compute_loss_context_manager = types.MethodType(compute_loss_context_manager, trainer)
+
+
+def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
+    """Set the Trainer up to train in ``profile`` (a Profile or its path); call before
+    ``trainer.train()``. The Trainer's optimizer and scheduler (the ones it was given or would
+    create) go through ``profile.apply``; the plan then does the clipping (after unscaling),
+    so ``args.max_grad_norm`` is set to 0. Returns the plan."""
+    from autoprec.profile import Profile, load_profile
+
+    profile = profile if isinstance(profile, Profile) else load_profile(profile)
+    args = trainer.args
+    if args.bf16 or args.fp16:
+        raise ValueError(
+            "TrainingArguments has bf16/fp16 on: the Trainer's own mixed precision would run "
+            f"on top of the profile's ({profile.spec.label}). Build TrainingArguments without "
+            "bf16/fp16 and let apply_profile() install the profile."
+        )
+    if trainer.lr_scheduler is not None and trainer.optimizer is None:
+        raise ValueError("The Trainer has an LR scheduler but no optimizer to rebind it from.")
+    loader = _train_loader(trainer)
+    optimizer = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
+    scheduler = trainer.lr_scheduler
+    if scheduler is None:
+        scheduler = scheduler_factory(trainer)(optimizer, max_steps(trainer, loader))
+    plan = profile.apply(
+        trainer.model,
+        optimizer,
+        scheduler,
+        grad_accumulation_steps=args.gradient_accumulation_steps,
+        clip_grad_norm=args.max_grad_norm or None,
+    )
+    trainer.model = trainer.model_wrapped = plan.model
+    trainer.optimizer = PlanOptimizer(plan)
+    trainer.lr_scheduler = plan.scheduler
+    args.max_grad_norm = 0.0  # the plan clips, after unscaling
+    _with_autocast(trainer, plan)
+    trainer.accelerator.backward = lambda loss, **_: plan.mode.backward(loss)
+    return plan

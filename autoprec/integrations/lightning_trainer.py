@@ -1,0 +1,223 @@
+"""Tune and train inside a Lightning ``Trainer``: :func:`tune_module` and the
+:class:`AutoprecPrecision` plugin (imported through ``autoprec.integrations.lightning``).
+
+    result = tune_module(module, train_loader, budget_minutes=30, trainer=trainer)
+    trainer = Trainer(..., plugins=[AutoprecPrecision(result.profile)])
+    trainer.fit(module, train_loader)
+
+Trials run the module's own ``training_step`` (``self.log`` is quietly ignored there: no Trainer
+is attached), the optimizer and LR scheduler of ``configure_optimizers`` in any form Lightning
+accepts, and the Trainer's ``accumulate_grad_batches`` / ``gradient_clip_val``. The plugin runs
+any profile under automatic optimization, so ``global_step``, checkpoints, schedulers and
+gradient clipping behave as with Lightning's own precision plugins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.plugins.precision import Precision
+
+from autoprec.plan import PrecisionPlan, _rebind_scheduler
+
+if TYPE_CHECKING:
+    from autoprec.profile import Profile
+    from autoprec.tuning import TuneResult
+
+
+def _single_optimizer(module: Any) -> tuple[torch.optim.Optimizer, dict[str, Any] | None]:
+    """(the optimizer, its scheduler config or None) from ``configure_optimizers()``."""
+    optimizers, schedulers, _ = _configure_optimizers(module.configure_optimizers())
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"configure_optimizers() returned {len(optimizers)} optimizers; autoprec tunes a "
+            "module trained with exactly one."
+        )
+    if len(schedulers) > 1:
+        raise ValueError(
+            f"configure_optimizers() returned {len(schedulers)} LR schedulers; autoprec "
+            "reproduces at most one (chain them with SequentialLR)."
+        )
+    if not schedulers:
+        return optimizers[0], None
+    config = schedulers[0]
+    return optimizers[0], dict(config) if isinstance(config, Mapping) else {"scheduler": config}
+
+
+def _scheduler_factory(module: Any) -> Any:
+    """``factory(optimizer)``: the module's scheduler, built by a fresh
+    ``configure_optimizers()`` call and rebound to ``optimizer`` (a trial's)."""
+
+    def factory(optimizer: torch.optim.Optimizer) -> Any:
+        built, config = _single_optimizer(module)
+        assert config is not None
+        scheduler = config["scheduler"]
+        _rebind_scheduler(scheduler, built, optimizer)
+        return scheduler
+
+    factory.__qualname__ = f"{type(module).__name__}.configure_optimizers"
+    return factory
+
+
+def _total_steps(trainer: Any, loader: Any, interval: str) -> int | None:
+    """Scheduler steps of the Trainer's run: its max_steps (or epochs x batches per step);
+    its epochs for an ``interval="epoch"`` scheduler."""
+    if trainer is None:
+        return None
+    steps, epochs = trainer.max_steps, trainer.max_epochs
+    per_epoch = None
+    if hasattr(loader, "__len__"):
+        per_epoch = max(-(-len(loader) // trainer.accumulate_grad_batches), 1)
+    if interval == "epoch":
+        if steps and steps > 0 and per_epoch is not None:
+            epochs_run = -(-steps // per_epoch)
+            return min(epochs_run, epochs) if epochs and epochs > 0 else epochs_run
+        return int(epochs) if epochs and epochs > 0 else None
+    if steps and steps > 0:
+        return int(steps)
+    if epochs and epochs > 0 and per_epoch is not None:
+        return int(epochs) * per_epoch
+    return None
+
+
+def _ignore(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _training_step(plan: PrecisionPlan, batch: Any) -> torch.Tensor:
+    """The module's own ``training_step``, ``self.log`` / ``self.log_dict`` ignored."""
+    module = plan.model
+    module.log = module.log_dict = _ignore  # instance attributes on the trial's copy
+    output = module.training_step(batch, 0)
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"training_step returned {type(output).__name__}; autoprec needs the loss "
+            '(a tensor, or a dict with "loss"), as automatic optimization does.'
+        )
+    return loss
+
+
+def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`autoprec.tune` that reproduce the module's training
+    (optimizer, scheduler, total steps, accumulation, clipping, ``train_step``); ``options``
+    override any of them."""
+    optimizer, config = _single_optimizer(module)
+    recipe: dict[str, Any] = {"optimizer": optimizer, "train_step": _training_step}
+    if config is not None:
+        interval = config.get("interval", "epoch")
+        recipe["scheduler"] = _scheduler_factory(module)
+        recipe["total_steps"] = _total_steps(trainer, loader, interval)
+        if recipe["total_steps"] is None and "total_steps" not in options:
+            raise ValueError(
+                f"configure_optimizers() returns an LR scheduler (interval={interval!r}): pass "
+                "trainer= (with max_steps or max_epochs) or total_steps= (the scheduler's "
+                "steps over the whole run) so every lr it reaches is judged."
+            )
+    if trainer is not None:
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: autoprec's "
+                "trials clip by norm only; tune without clipping by value or clip by norm."
+            )
+        recipe["grad_accumulation_steps"] = trainer.accumulate_grad_batches
+        recipe["clip_grad_norm"] = trainer.gradient_clip_val or None
+    recipe.update(options)
+    return recipe
+
+
+def tune_module(
+    module: Any,
+    train_dataloaders: Iterable[Any],
+    budget_minutes: float = 30.0,
+    trainer: Any = None,
+    **options: Any,
+) -> TuneResult:
+    """:func:`autoprec.tune` on a LightningModule: its ``training_step``, its
+    ``configure_optimizers`` and (from ``trainer``, when given) ``max_steps`` / ``max_epochs``,
+    ``accumulate_grad_batches`` and ``gradient_clip_val``. ``options`` are tune()'s and
+    override what is read. The module is left unchanged."""
+    from autoprec.tuning import tune
+
+    recipe = module_recipe(module, train_dataloaders, trainer, **options)
+    return tune(module, train_dataloaders, budget_minutes=budget_minutes, **recipe)
+
+
+class AutoprecPrecision(Precision):
+    """``Trainer(plugins=[AutoprecPrecision(profile)])``: train in a profile's mode (a Profile
+    or its path) under automatic optimization. The plan is built when the Trainer connects the
+    module and its optimizer (``configure_optimizers``; the scheduler is rebound when the mode
+    rebuilds the optimizer); the mode's autocast wraps every step, its backward scales the loss
+    for fp16, and ``optimizer_step`` writes accumulated gradients back, unscales, lets
+    Lightning clip, then steps with the loss scaler's skip and update."""
+
+    def __init__(self, profile: Profile | str | Path) -> None:
+        from autoprec.profile import Profile, load_profile
+
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        self.plan: PrecisionPlan | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
+        if not optimizers:  # validate / test / predict: nothing to train
+            return model, optimizers, lr_schedulers
+        if len(optimizers) != 1 or len(lr_schedulers) > 1:
+            raise ValueError(
+                f"AutoprecPrecision trains with one optimizer and at most one LR scheduler; "
+                f"configure_optimizers() gave {len(optimizers)} and {len(lr_schedulers)}."
+            )
+        module = getattr(model, "module", model)  # under DDP: the LightningModule inside
+        trainer = getattr(module, "_trainer", None)
+        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
+        scheduler = lr_schedulers[0].scheduler if lr_schedulers else None
+        self.plan = self.profile.apply(
+            module,
+            optimizers[0],
+            scheduler,
+            grad_accumulation_steps=accumulation,
+            clip_grad_norm=None,  # Lightning clips (gradient_clip_val), after our unscale
+        )
+        if self._pending_state is not None:
+            self.plan.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return model, [self.plan.optimizer], lr_schedulers
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self.plan.autocast() if self.plan is not None else contextlib.nullcontext()
+
+    def backward(
+        self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if self.plan is None:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+            return
+        self.plan.mode.backward(tensor)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        if self.plan is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()  # training_step and backward
+        mode = self.plan.mode
+        mode.gradients_ready()
+        mode.unscale_gradients(self.plan.optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, clipping
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return None  # training_step returned None: Lightning skips the step
+        mode.optimizer_step(self.plan.optimizer)
+        return closure_result
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plan.state_dict() if self.plan is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.plan is None:
+            self._pending_state = state_dict  # restored before connect: applied there
+        else:
+            self.plan.load_state_dict(state_dict)

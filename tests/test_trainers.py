@@ -1,0 +1,244 @@
+"""Tuning and training inside the trainers people use: Hugging Face Trainer, Lightning Trainer.
+
+Real libraries (the ``integrations`` extra), tiny models, a few steps each.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.profile import Profile
+from autoprec.specs import ModeSpec
+
+transformers = pytest.importorskip("transformers")
+lightning = pytest.importorskip("lightning.pytorch")
+
+from autoprec.integrations.hf import apply_profile, trainer_recipe, tune_trainer  # noqa: E402
+from autoprec.integrations.lightning import (  # noqa: E402
+    AutoprecPrecision,
+    module_recipe,
+    tune_module,
+)
+
+SPECS = [
+    ModeSpec(mode="amp_bf16"),
+    ModeSpec(mode="bf16_kahan", keep_fp32=("lm_head",)),
+    ModeSpec(mode="fp8_torchao", fp8_recipe="torchao_tensorwise", emulate=True),
+]
+
+
+def _gpt2_trainer(tmp_path: Path, **arguments: Any) -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    options = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 2,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+    }
+    options.update(arguments)
+    args = transformers.TrainingArguments(**options)
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens]
+    )
+
+
+def _profile_for(spec: ModeSpec, tuned: Profile) -> Profile:
+    return tuned.model_copy(update={"spec": spec})
+
+
+@pytest.fixture(scope="module")
+def hf_tuned(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    trainer = _gpt2_trainer(tmp_path_factory.mktemp("hf"))
+    before = copy.deepcopy(trainer.model.state_dict())
+    result = tune_trainer(trainer, budget_minutes=0.5, modes=["amp_bf16"], progress=False)
+    return trainer, result, before
+
+
+def test_tune_trainer_reads_the_trainers_recipe(hf_tuned: Any) -> None:
+    trainer, result, before = hf_tuned
+    recipe = result.recipe
+    group = recipe.optimizer_groups[0]
+    assert recipe.optimizer == "torch.optim.adamw:AdamW" and group["lr"] == 1e-3
+    assert "cosine" in str(recipe.scheduler) and recipe.total_steps == 6
+    assert recipe.grad_accumulation_steps == 2 and recipe.clip_grad_norm == 1.0
+    assert {t.label for t in result.trials} == {"amp_bf16"}
+    assert trainer.optimizer is None and trainer.lr_scheduler is None  # nothing left behind
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_tune_trainer_uses_an_overridden_compute_loss(tmp_path: Path) -> None:
+    class Doubled(transformers.Trainer):
+        def compute_loss(self, model: Any, inputs: Any, **kwargs: Any) -> Any:
+            return 2 * model(**inputs).loss
+
+    plain = _gpt2_trainer(tmp_path)
+    custom = Doubled(model=plain.model, args=plain.args, train_dataset=plain.train_dataset)
+    assert "train_step" not in trainer_recipe(plain)  # the model's own loss: outputs compared
+    assert "train_step" in trainer_recipe(custom)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.label)
+def test_apply_profile_trains_with_the_trainer(
+    spec: ModeSpec, hf_tuned: Any, tmp_path: Path
+) -> None:
+    trainer = _gpt2_trainer(tmp_path)
+    reference = _gpt2_trainer(tmp_path)  # the schedule an fp32 Trainer.train() ends at
+    reference.train()
+    dtypes: list[torch.dtype] = []
+    block = trainer.model.transformer.h[0]
+    block.mlp.c_fc.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    start = block.mlp.c_fc.weight.detach().float().clone()
+    plan = apply_profile(trainer, _profile_for(spec, hf_tuned[1].profile))
+    output = trainer.train()
+    assert trainer.state.global_step == 6 and torch.isfinite(torch.tensor(output.training_loss))
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(
+        reference.lr_scheduler.get_last_lr()[0]
+    )  # the scheduler drove the plan's optimizer
+    assert not torch.equal(block.mlp.c_fc.weight.detach().float(), start)  # it trained
+    assert dtypes and all(dtype == torch.bfloat16 for dtype in dtypes), dtypes  # the mode's
+    if spec.mode == "fp8_torchao":  # GPT-2's one nn.Linear (lm_head) runs in FP8
+        assert type(trainer.model.lm_head).__name__ == "Float8Linear"
+
+
+def test_apply_profile_refuses_the_trainers_own_mixed_precision(
+    hf_tuned: Any, tmp_path: Path
+) -> None:
+    trainer = _gpt2_trainer(tmp_path, bf16=True)
+    with pytest.raises(ValueError, match="bf16/fp16 on"):
+        apply_profile(trainer, _profile_for(SPECS[0], hf_tuned[1].profile))
+
+
+class _Regression(lightning.LightningModule):
+    def __init__(self, form: str = "dict") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16))
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss)  # no Trainer during trials: quietly ignored
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        if self.form == "optimizer":
+            return optimizer
+        if self.form == "lists":
+            return [optimizer], [scheduler]
+        if self.form == "two":
+            return [optimizer, torch.optim.SGD(self.parameters(), lr=0.1)]
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def _loader() -> Any:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 32, generator=generator)
+    data = torch.utils.data.TensorDataset(x, torch.sin(x[:, :16]))
+    return torch.utils.data.DataLoader(data, batch_size=16)
+
+
+def _lightning_trainer(plugins: list[Any] | None = None) -> Any:
+    return lightning.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=plugins or [],
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def lightning_tuned() -> Any:
+    module = _Regression()
+    result = tune_module(
+        module, _loader(), budget_minutes=0.4, trainer=_lightning_trainer(),
+        modes=["amp_bf16"], progress=False,
+    )  # fmt: skip
+    return module, result
+
+
+def test_tune_module_reads_the_modules_recipe(lightning_tuned: Any) -> None:
+    _, result = lightning_tuned
+    recipe = result.recipe
+    assert recipe.optimizer == "torch.optim.adamw:AdamW" and recipe.total_steps == 6
+    assert recipe.grad_accumulation_steps == 2 and recipe.clip_grad_norm == 1.0
+    assert "configure_optimizers" in str(recipe.scheduler)
+    assert result.trials[0].status != "failed", result.trials[0].reasons
+
+
+@pytest.mark.parametrize("form", ["optimizer", "lists", "dict"])
+def test_every_configure_optimizers_form(form: str) -> None:
+    recipe = module_recipe(_Regression(form), _loader(), _lightning_trainer())
+    assert isinstance(recipe["optimizer"], torch.optim.AdamW)
+    assert ("scheduler" in recipe) == (form != "optimizer")
+
+
+def test_two_optimizers_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 optimizers"):
+        module_recipe(_Regression("two"), _loader())
+
+
+def test_a_scheduler_without_a_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="total_steps"):
+        module_recipe(_Regression("dict"), _loader())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [*SPECS[:1], ModeSpec(mode="bf16_kahan", keep_fp32=("net.3",)), SPECS[2]],
+    ids=lambda spec: spec.label,
+)
+def test_the_plugin_trains_any_profile_under_automatic_optimization(
+    spec: ModeSpec, lightning_tuned: Any
+) -> None:
+    module = _Regression()
+    dtypes: list[torch.dtype] = []
+    module.net[1].register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    trainer = _lightning_trainer(
+        [AutoprecPrecision(_profile_for(spec, lightning_tuned[1].profile))]
+    )
+    trainer.fit(module, _loader())
+    assert trainer.global_step == 6  # max_steps reached: the run ends
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5**3)
+    assert dtypes and all(dtype == torch.bfloat16 for dtype in dtypes), dtypes
+    if spec.mode == "fp8_torchao":
+        assert [type(m).__name__ for m in module.net if isinstance(m, nn.Linear)] == [
+            "Float8Linear",
+            "Float8Linear",
+        ]
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, AutoprecPrecision) and plugin.plan is not None
+    assert plugin.plan.optimizer is trainer.optimizers[0]
