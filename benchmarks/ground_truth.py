@@ -129,6 +129,8 @@ class Pair:
     fp32_sd: float
     gate: str  # safe / unsafe / failed
     reason: str
+    state_rule_only: bool = False
+    """Rejected by the optimizer-state rule alone (a second moment rounded to nearest)."""
 
     @property
     def outcome(self) -> str:
@@ -187,6 +189,8 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pai
             fp32_sd=sd,
             gate=verdict.status,
             reason=reason if run.failure is None else f"{reason} (long run: {run.failure})",
+            state_rule_only=bool(verdict.reasons)
+            and all(r.startswith("optimizer state loses") for r in verdict.reasons),
         )
         relative = (run.metric - mean) / abs(mean) if math.isfinite(run.metric) else math.inf
         print(
@@ -214,7 +218,9 @@ def confusion(pairs: list[Pair]) -> str:
         "                     gate accepts   gate rejects",
         f"  truth: hurts        {cells[True, True]:>5} (FA)     {cells[True, False]:>5}",
         f"  truth: fine         {cells[False, True]:>5}          {cells[False, False]:>5} (FR)",
-        f"false accepts {cells[True, True]}, false rejects {cells[False, False]}",
+        f"false accepts {cells[True, True]}, false rejects {cells[False, False]} "
+        f"({sum(1 for p in judged if p.outcome == 'FALSE REJECT' and p.state_rule_only)} of "
+        "them by the optimizer-state rule alone)",
     ]
     return "\n".join(lines)
 

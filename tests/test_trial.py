@@ -461,3 +461,41 @@ def test_held_out_outputs_are_kept_as_bounded_summaries() -> None:
     assert error == pytest.approx(full, rel=0.05)
     exact = float((perturbed.argmax(-1) == logits.argmax(-1)).float().mean())
     assert agreement == pytest.approx(exact)
+
+
+def test_movement_sampling_cost_does_not_grow_with_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 2**25-element weight: the sample is drawn without permuting (or copying) the tensor."""
+    from autoprec import trial
+
+    def no_permutation(*args: object, **kwargs: object) -> None:
+        raise AssertionError("randperm over a whole parameter")
+
+    monkeypatch.setattr(torch, "randperm", no_permutation)
+    model = nn.Sequential(nn.Linear(4096, 8192, bias=False), nn.Linear(8192, 4))
+    indices = trial._sample_indices(model, 2**20)
+    big = indices["0.weight"]
+    assert 0.9 * 2**20 < big.numel() <= 2**20  # its share of the budget, duplicates dropped
+    assert bool((big[1:] > big[:-1]).all()) and int(big[-1]) < 4096 * 8192
+    assert indices["1.weight"].numel() >= 1  # every tensor is followed
+    small = trial._sample_indices(nn.Linear(8, 4), 2**20)
+    assert torch.equal(small["weight"], torch.arange(32))  # a small model: every element
+
+
+def test_peak_memory_is_the_trials_own() -> None:
+    """Memory held before the trial (here 256 MiB the caller keeps) is not the mode's."""
+    task = tasks.regression()
+    held = torch.ones(64 * 2**20)  # 256 MiB, touched: resident
+    result = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
+        steps=5,
+    )
+    record = result.record
+    assert record.peak_memory_source == "process_rss" and record.peak_memory_bytes is not None
+    assert record.peak_memory_bytes < 64 * 2**20, record.peak_memory_bytes
+    assert record.peak_reserved_bytes is None  # CUDA only
+    assert float(held[0]) == 1.0
