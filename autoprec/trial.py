@@ -176,7 +176,7 @@ class TrialRecord(BaseModel):
 
 TIMING_FIELDS = (
     "samples_per_second", "tokens_per_second", "median_step_seconds", "wall_seconds",
-    "peak_memory_bytes",
+    "peak_memory_bytes", "peak_reserved_bytes",
 )  # fmt: skip
 """Fields that differ between otherwise identical trials."""
 

@@ -91,7 +91,7 @@ def test_figures() -> None:
     assert record.samples_per_second and record.samples_per_second > 0
     assert record.tokens_per_second is None  # float features are not tokens
     assert record.median_step_seconds and record.wall_seconds >= record.median_step_seconds * 10
-    assert record.peak_memory_source == "process_rss" and record.peak_memory_bytes
+    assert record.peak_memory_source == "process_rss" and record.peak_memory_bytes is not None
     parameters = sum(p.numel() for p in task.model.parameters())
     assert record.state_bytes is not None
     assert record.state_bytes.parameters == 2 * parameters  # bf16
