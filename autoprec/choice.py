@@ -26,19 +26,42 @@ def pareto_front(outcomes: Sequence[TrialOutcome]) -> list[TrialOutcome]:
     return sorted(front, key=lambda o: -(o.samples_per_second or 0.0))
 
 
+FIDELITY_ORDER = (
+    "fp32", "tf32", "amp_bf16", "amp_fp16", "fp8_te", "fp8_torchao", "bf16_sr_kahan",
+    "bf16_kahan", "bf16_sr", "bf16_pure",
+)  # fmt: skip
+"""Modes from closest to fp32 to farthest: how much of training leaves fp32 (TF32: matmul
+inputs; AMP: activations, with fp32 weights and states; FP8: matmul operands in 8 bits; pure
+bf16: the weights, with compensation first). 8-bit optimizer states come after their 32-bit
+twin."""
+
+
+def fidelity_rank(outcome: TrialOutcome) -> tuple[int, int]:
+    """Sort key: lower is closer to fp32."""
+    return FIDELITY_ORDER.index(outcome.spec.mode), outcome.spec.optimizer_bits == 8
+
+
 def choose(
-    outcomes: Sequence[TrialOutcome], reference: TrialOutcome, objective: Objective
+    outcomes: Sequence[TrialOutcome],
+    reference: TrialOutcome,
+    objective: Objective,
+    speed_margin: float = 0.0,
 ) -> TrialOutcome:
     """The winner among accepted outcomes (the reference counts), for ``objective``.
 
-    speed: highest samples/s (less memory breaks ties); memory: least memory (more speed breaks
-    ties); balanced: largest product of speed-up and memory saving against the reference.
+    speed: highest samples/s (less memory breaks ties) — but among the modes within
+    ``speed_margin`` (the measured timing noise, a fraction) of the fastest, the one closest to
+    fp32 (``FIDELITY_ORDER``): a difference inside the noise is no reason to leave fp32 further;
+    memory: least memory (more speed breaks ties); balanced: largest product of speed-up and
+    memory saving against the reference.
     """
     pool = [o for o in [reference, *outcomes] if o.status == "accepted" and o.samples_per_second]
     if not pool:
         return reference
     if objective == "speed":
-        return max(pool, key=lambda o: (o.samples_per_second or 0.0, -(o.memory_bytes or 0)))
+        fastest = max(o.samples_per_second or 0.0 for o in pool)
+        close = [o for o in pool if (o.samples_per_second or 0.0) >= fastest * (1 - speed_margin)]
+        return min(close, key=lambda o: (fidelity_rank(o), -(o.samples_per_second or 0.0)))
     if objective == "memory":
         return min(pool, key=lambda o: (o.memory_bytes or 0, -(o.samples_per_second or 0.0)))
     reference_speed = reference.samples_per_second or 1.0

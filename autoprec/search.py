@@ -55,6 +55,9 @@ class TrialOutcome(BaseModel):
     steps: int = 0
     drift: dict[str, float] = Field(default_factory=dict)
     final_loss: float | None = None
+    step_seconds: tuple[float, ...] = ()
+    """Seconds of every optimizer step (warm-up included), in order: trials train on the same
+    batches in the same order, so step i of two trials is the same work (paired pruning)."""
 
     @property
     def label(self) -> str:
@@ -201,6 +204,33 @@ def better(a: TrialOutcome, b: TrialOutcome | None, objective: Objective) -> boo
     return (speed_a, -memory_a) > (speed_b, -memory_b)
 
 
+def _slower_than(best: TrialOutcome, step_seconds: Sequence[float], warmup: int) -> str | None:
+    """The prune reason when a trial is slower than ``best`` by more than PRUNE_MARGIN,
+    compared step by step on the same steps (the same batches) when ``best`` kept its step
+    times: a candidate 10% faster on every batch must not lose to a median taken over other
+    batches. Without them, the medians."""
+    paired = [
+        mine / theirs
+        for mine, theirs in zip(step_seconds[warmup:], best.step_seconds[warmup:], strict=False)
+        if theirs > 0
+    ]
+    if len(paired) >= MIN_MEASURED_STEPS:
+        ratio = statistics.median(paired)
+        if ratio > 1 + PRUNE_MARGIN:
+            return (
+                f"slower than {best.label}: {ratio:.2f}x its step time on the same "
+                f"{len(paired)} steps"
+            )
+        return None
+    per_step = statistics.median(step_seconds[warmup:])
+    if best.median_step_seconds and per_step > best.median_step_seconds * (1 + PRUNE_MARGIN):
+        return (
+            f"slower than {best.label}: {per_step * 1e3:.3g} vs "
+            f"{best.median_step_seconds * 1e3:.3g} ms/step"
+        )
+    return None
+
+
 def make_stop_check(
     best: TrialOutcome | None,
     objective: Objective,
@@ -222,12 +252,9 @@ def make_stop_check(
         if best is None or len(measured) < MIN_MEASURED_STEPS:
             return None
         if objective == "speed" and best.median_step_seconds:
-            limit = best.median_step_seconds * (1 + PRUNE_MARGIN)
-            if per_step > limit:
-                return (
-                    f"slower than {best.label}: {per_step * 1e3:.3g} vs "
-                    f"{best.median_step_seconds * 1e3:.3g} ms/step"
-                )
+            slower = _slower_than(best, progress.step_seconds, progress.warmup_steps)
+            if slower is not None:
+                return slower
         if (
             objective == "memory"
             and best.memory_kind == "state_bytes"

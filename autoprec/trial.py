@@ -136,6 +136,8 @@ class TrialRecord(BaseModel):
     samples_per_second: float | None = None
     tokens_per_second: float | None = None
     median_step_seconds: float | None = None
+    step_seconds: tuple[float, ...] = ()
+    """Every optimizer step's seconds, warm-up included, in order."""
     wall_seconds: float = 0.0
     peak_memory_bytes: int | None = None
     """Peak memory of the trial's training alone: the peak over its steps minus what was
@@ -176,7 +178,7 @@ class TrialRecord(BaseModel):
 
 TIMING_FIELDS = (
     "samples_per_second", "tokens_per_second", "median_step_seconds", "wall_seconds",
-    "peak_memory_bytes", "peak_reserved_bytes",
+    "peak_memory_bytes", "peak_reserved_bytes", "step_seconds",
 )  # fmt: skip
 """Fields that differ between otherwise identical trials."""
 
@@ -739,6 +741,7 @@ def _record(
             sum(tokens) / measured if times and measured > 0 and None not in tokens else None
         ),
         median_step_seconds=statistics.median(times) if times else None,
+        step_seconds=tuple(figures.get("times", [])),
         wall_seconds=wall,
         peak_memory_bytes=peak.get("allocated"),
         peak_reserved_bytes=peak.get("reserved"),

@@ -96,6 +96,10 @@ class BudgetReport(BaseModel):
     """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
     fp32_noise_runs: int = 1
     """1, or 2 when the model draws random numbers (the paired run: same batches, other draws)."""
+    speed_noise: float | None = None
+    """Timing noise measured by the side-by-side re-timing (largest relative difference between
+    a mode's two re-timings): modes within it of the fastest count as equally fast, and the
+    one closest to fp32 wins. None when nothing was re-timed."""
 
 
 class TuneResult(BaseModel):
@@ -217,6 +221,7 @@ def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
         steps=record.steps_run,
         drift={} if verdict is None else verdict.metrics.as_dict(),
         final_loss=record.losses[-1] if record.losses else None,
+        step_seconds=record.step_seconds,
     )
 
 
@@ -307,15 +312,17 @@ def _confirm_speed(
     deadline: float,
     clock: Callable[[], float],
     time_spec: Callable[[ModeSpec], Any],
-) -> tuple[list[TrialOutcome], TrialOutcome]:
-    """Re-time the fastest accepted modes side by side (ABC then CBA) and keep the medians."""
+) -> tuple[list[TrialOutcome], TrialOutcome, float | None]:
+    """Re-time the fastest accepted modes side by side (ABC then CBA) and keep the means.
+    Also returns the timing noise it measured: the largest relative difference between a
+    mode's two re-timings (None when nothing was re-timed)."""
     accepted = [
         o
         for o in [reference, *outcomes]
         if o.status == "accepted" and o.samples_per_second and o.median_step_seconds
     ]
     if len(accepted) < 2:
-        return outcomes, reference
+        return outcomes, reference, None
     fastest = max(o.samples_per_second or 0.0 for o in accepted)
     contenders = sorted(
         (o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)),
@@ -323,7 +330,7 @@ def _confirm_speed(
     )[:CONFIRM_CONTENDERS]
     needed = 2.5 * sum(CONFIRM_STEPS * (o.median_step_seconds or 0.0) for o in contenders)
     if len(contenders) < 2 or clock() + needed > deadline:
-        return outcomes, reference
+        return outcomes, reference, None
     speeds: dict[str, list[float]] = {o.label: [] for o in contenders}
     for order in (contenders, contenders[::-1]):
         for outcome in order:
@@ -331,7 +338,8 @@ def _confirm_speed(
             if record.completed and record.samples_per_second:
                 speeds[outcome.label].append(record.samples_per_second)
     if any(len(values) < 2 for values in speeds.values()):
-        return outcomes, reference  # the budget cut a re-timing short: keep the trial figures
+        return outcomes, reference, None  # the budget cut a re-timing short: trial figures
+    noise = max(abs(a - b) / ((a + b) / 2) for a, b in speeds.values())
 
     def confirmed(outcome: TrialOutcome) -> TrialOutcome:
         if outcome.label not in speeds:
@@ -349,8 +357,9 @@ def _confirm_speed(
             }
         )
 
-    logger.info("re-timed %s: %s", [o.label for o in contenders], speeds)
-    return [confirmed(o) for o in outcomes], confirmed(reference)
+    labels = [o.label for o in contenders]
+    logger.info("re-timed %s: %s (noise %.1f%%)", labels, speeds, noise * 100)
+    return [confirmed(o) for o in outcomes], confirmed(reference), noise
 
 
 def _retime(setup: RunSetup, spec: ModeSpec, steps: int, stop: Any) -> Any:
@@ -619,7 +628,7 @@ def _profile_and_result(
     budget: BudgetReport,
     checks_not_run: tuple[str, ...],
 ) -> TuneResult:
-    winner = choose(outcomes, reference_outcome, objective)
+    winner = choose(outcomes, reference_outcome, objective, budget.speed_noise or 0.0)
     run = [o for o in outcomes if o.seconds > 0]
     note = None
     if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
@@ -850,9 +859,10 @@ def _search(
         choices=[s.label for s in candidates.specs],
         clock=clock,
     )
+    speed_noise = None
     if objective != "memory":
         budget_only = make_stop_check(None, objective, setup.deadline, clock)
-        outcomes, reference_outcome = _confirm_speed(
+        outcomes, reference_outcome, speed_noise = _confirm_speed(
             outcomes,
             reference_outcome,
             setup.deadline,
@@ -873,6 +883,7 @@ def _search(
         trials_not_run=len(outcomes) - len(run),
         reference_reused=reused,
         fp32_noise_runs=fp32_runs.noise_runs,
+        speed_noise=speed_noise,
     )
     result = _profile_and_result(
         setup, objective, reference_outcome, outcomes, budget, reference_verdict.notes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import optuna
@@ -251,3 +252,31 @@ def test_a_trial_left_waiting_does_not_hijack_the_next_candidate(tmp_path: Path)
     trials = optuna.load_study(study_name="s", storage=storage).get_trials()
     recorded = {t.params["candidate"]: t.state.name for t in trials}
     assert recorded == {"bf16_pure": "FAIL", "amp_bf16": "COMPLETE", "bf16_kahan": "COMPLETE"}
+
+
+def test_pruning_compares_the_same_steps() -> None:
+    """The best run's first batches were its long ones (its median, over all its steps, is
+    short): a candidate 10% faster on every single step was pruned by its running median."""
+    best_steps = (1.0, 1.0) + (0.2,) * 5 + (0.1,) * 45
+    best = outcome("amp_bf16", speed=100, step_seconds=best_steps)
+    best = best.model_copy(update={"median_step_seconds": 0.1})
+    faster = tuple(0.9 * seconds for seconds in best_steps[:7])
+    progress = TrialProgress(
+        step=6, steps_planned=50, step_seconds=faster, warmup_steps=2, state_bytes=None
+    )
+    assert make_stop_check(best, "speed", deadline=1e9, clock=FakeClock())(progress) is None
+    unpaired = best.model_copy(update={"step_seconds": ()})  # the old comparison
+    stop = make_stop_check(unpaired, "speed", deadline=1e9, clock=FakeClock())
+    assert stop(progress).startswith("slower than amp_bf16: 180 vs 100 ms/step")
+    slower = tuple(1.2 * seconds for seconds in best_steps[:7])
+    check = make_stop_check(best, "speed", deadline=1e9, clock=FakeClock())
+    reason = check(dataclasses.replace(progress, step_seconds=slower))
+    assert reason == "slower than amp_bf16: 1.20x its step time on the same 5 steps"
+
+
+def test_within_the_measured_noise_the_mode_closest_to_fp32_wins() -> None:
+    reference = outcome("fp32", speed=100)
+    outcomes = [outcome("bf16_pure", speed=103), outcome("amp_bf16", speed=101)]
+    assert choose(outcomes, reference, "speed").label == "bf16_pure"  # no noise: fastest
+    assert choose(outcomes, reference, "speed", speed_margin=0.025).label == "amp_bf16"
+    assert choose(outcomes, reference, "speed", speed_margin=0.05).label == "fp32"
