@@ -75,12 +75,19 @@ def module_kind(module: nn.Module) -> LayerKind | None:
     return None
 
 
-def fp8_worthwhile(in_features: int, out_features: int) -> bool:
+def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwise") -> bool:
     """Whether an FP8 Linear of this shape is likely to be faster than bf16 on an H100.
 
-    torchao's own auto-filter for tensorwise scaling (``_auto_filter_for_tensorwise``, from its
-    H100 benchmarks): skip when K <= 4096 and N <= 1024, K = in_features, N = out_features.
+    torchao's own auto-filters (from its H100 benchmarks), K = in_features, N = out_features:
+    tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, or
+    N <= 4096 and K <= 2048.
     """
+    if recipe == "rowwise":
+        return not (
+            out_features <= 2048
+            or in_features <= 1024
+            or (out_features <= 4096 and in_features <= 2048)
+        )
     return not (in_features <= 4096 and out_features <= 1024)
 
 

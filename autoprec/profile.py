@@ -148,6 +148,8 @@ class Evidence(BaseModel):
     chosen: TrialFigures
     drift: dict[str, float] = Field(default_factory=dict)
     """Drift metrics of the chosen mode against the fp32 reference (name -> value)."""
+    fp8_layers: tuple[str, ...] = ()
+    """The modules the chosen mode's trial ran in FP8 (FP8 modes; its filters decided which)."""
 
 
 class Profile(BaseModel):

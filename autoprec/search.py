@@ -55,6 +55,8 @@ class TrialOutcome(BaseModel):
     steps: int = 0
     drift: dict[str, float] = Field(default_factory=dict)
     final_loss: float | None = None
+    fp8_layers: tuple[str, ...] = ()
+    """The modules the trial ran in FP8."""
     step_seconds: tuple[float, ...] = ()
     """Seconds of every optimizer step (warm-up included), in order: trials train on the same
     batches in the same order, so step i of two trials is the same work (paired pruning)."""

@@ -82,6 +82,12 @@ class ModeSpec(BaseModel):
     """fp8_torchao only: run FP8 numerics without FP8 hardware (quality screening, no speed)."""
     te_delayed_scaling: TeDelayedScaling | None = None
     """Filled in for the ``te_delayed_*`` recipes so a profile never relies on TE defaults."""
+    fp8_layers: Literal["worthwhile", "all"] | None = None
+    """fp8_torchao: which FP8-compatible Linears convert. ``"worthwhile"`` (the default):
+    torchao's own size rule for the recipe, from its H100 benchmarks — smaller Linears lose more
+    to their casts than FP8 gains (a 1024x2048x1024 layer runs 0.80x) and stay in the mode's
+    bf16 autocast; ``"all"``: every Linear FP8 kernels take (the quality screen uses it, the
+    strictest answer to "would FP8 hurt my model")."""
 
     @model_validator(mode="before")
     @classmethod
@@ -95,6 +101,8 @@ class ModeSpec(BaseModel):
         recipe = data.get("fp8_recipe")
         if isinstance(recipe, str) and recipe.startswith("te_delayed"):
             data.setdefault("te_delayed_scaling", TeDelayedScaling())
+        if mode == "fp8_torchao" and data.get("fp8_layers") is None:
+            data["fp8_layers"] = "worthwhile"
         return data
 
     @model_validator(mode="after")
@@ -108,6 +116,8 @@ class ModeSpec(BaseModel):
                 )
         if self.emulate and self.mode != "fp8_torchao":
             raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")
+        if self.fp8_layers is not None and self.mode != "fp8_torchao":
+            raise ValueError(f"fp8_layers applies only to 'fp8_torchao', not {self.mode!r}.")
         if self.te_delayed_scaling is not None and not (self.fp8_recipe or "").startswith(
             "te_delayed"
         ):

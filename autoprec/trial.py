@@ -166,6 +166,8 @@ class TrialRecord(BaseModel):
     """Adam's second moment when the optimizer keeps it in bf16 (read after the first step)."""
     leg_steps: tuple[int, ...] = ()
     """Optimizer steps of each leg."""
+    fp8_layers: tuple[str, ...] = ()
+    """The modules the mode ran in FP8 (FP8 modes: those its filters converted)."""
     draws_random: bool = False
     """Training drew from the global random streams (dropout, noise in the loss): a run with
     another seed and the same batches would differ."""
@@ -640,6 +642,7 @@ def run_trial(
     failure: TrialFailure | None = None
     stopped: str | None = None
     draws_random = False
+    fp8_layers: tuple[str, ...] = ()
     plan: PrecisionPlan | None = None
     loop: _Loop | None = None
     baseline = _memory_now(device)  # what is not this trial: subtracted from its peak
@@ -664,6 +667,7 @@ def run_trial(
                         lrs=tuple(float(g["lr"]) for g in plan.optimizer.param_groups),
                     ),
                 )
+            fp8_layers = plan.mode.fp8_modules(plan.model)
             loop = _Loop(plan, recipe, batches, order, device)
             _settle(loop, device)
             result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
@@ -708,6 +712,7 @@ def run_trial(
             "lr_points": points or (),
             "leg_steps": tuple(legs),
             "draws_random": draws_random,
+            "fp8_layers": fp8_layers,
         }
     )
     return result

@@ -222,6 +222,7 @@ def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
         drift={} if verdict is None else verdict.metrics.as_dict(),
         final_loss=record.losses[-1] if record.losses else None,
         step_seconds=record.step_seconds,
+        fp8_layers=record.fp8_layers,
     )
 
 
@@ -643,6 +644,7 @@ def _profile_and_result(
         reference=_figures(reference_outcome),
         chosen=_figures(winner),
         drift=winner.drift,
+        fp8_layers=winner.fp8_layers,
     )
     recipe = setup.recipe.summary(setup.user_model)
     profile = profile_for(

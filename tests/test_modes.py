@@ -153,7 +153,13 @@ def test_bf16_kahan_uses_optimi_with_the_users_hyperparameters(tmp_path: Path) -
 
 def test_fp8_torchao_emulated(tmp_path: Path) -> None:
     plan, user_optimizer, losses = train(
-        ModeSpec(mode="fp8_torchao", emulate=True, keep_fp32=("blocks.0.attn.c_attn",)), tmp_path
+        ModeSpec(
+            mode="fp8_torchao",
+            emulate=True,
+            keep_fp32=("blocks.0.attn.c_attn",),
+            fp8_layers="all",
+        ),
+        tmp_path,
     )
     assert_learns(losses)
     kinds = {fqn: type(m).__name__ for fqn, m in plan.model.named_modules()}
@@ -166,7 +172,8 @@ def test_fp8_torchao_emulated(tmp_path: Path) -> None:
 
 def test_fp8_torchao_rowwise_emulated(tmp_path: Path) -> None:
     plan, _, losses = train(
-        ModeSpec(mode="fp8_torchao", emulate=True, fp8_recipe="torchao_rowwise"), tmp_path
+        ModeSpec(mode="fp8_torchao", emulate=True, fp8_recipe="torchao_rowwise", fp8_layers="all"),
+        tmp_path,
     )
     assert_learns(losses)
     linear = plan.model.blocks[0].mlp[0]
@@ -238,3 +245,31 @@ def test_pure_bf16_casts_fp32_tensors_made_inside_forward() -> None:
     assert output.dtype == torch.bfloat16
     flow_unet.loss_fn(output, torch.zeros_like(x)).backward()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_fp8_torchao_converts_only_layers_large_enough_by_default() -> None:
+    """torchao's tensorwise size rule: K <= 4096 and N <= 1024 stays out of FP8 (in bf16
+    autocast); "all" converts every Linear FP8 kernels take. The trial says which ran in FP8."""
+    from torch import nn
+
+    from autoprec.recipe import TrainingRecipe
+    from autoprec.trial import run_trial
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2048), nn.Linear(2048, 16))
+    batches = [(torch.randn(4, 64), torch.randn(4, 16)) for _ in range(2)]
+    recipe = TrainingRecipe(
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        loss_fn=lambda out, target: nn.functional.mse_loss(out.float(), target),
+    )
+    converted = {}
+    for layers in ("worthwhile", "all"):
+        spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers=layers)
+        record = run_trial(spec, model, batches, recipe=recipe, steps=2).record
+        assert record.completed, record.failure
+        converted[layers] = record.fp8_layers
+    assert converted["worthwhile"] == ("2",)  # 64 -> 2048: N > 1024 pays; the rest do not
+    assert converted["all"] == ("0", "2", "3")
+    assert ModeSpec(mode="fp8_torchao").fp8_layers == "worthwhile"
+    with pytest.raises(ValueError, match="fp8_layers applies only"):
+        ModeSpec(mode="amp_bf16", fp8_layers="all")

@@ -29,7 +29,7 @@ from autoprec.integrations.lightning import (  # noqa: E402
 SPECS = [
     ModeSpec(mode="amp_bf16"),
     ModeSpec(mode="bf16_kahan", keep_fp32=("lm_head",)),
-    ModeSpec(mode="fp8_torchao", fp8_recipe="torchao_tensorwise", emulate=True),
+    ModeSpec(mode="fp8_torchao", fp8_recipe="torchao_tensorwise", emulate=True, fp8_layers="all"),
 ]
 
 

@@ -128,6 +128,10 @@ class PrecisionMode:
         """torchao's idiom: True when the mode may convert this module."""
         return not self.keeps_fp32(fqn)
 
+    def fp8_modules(self, model: nn.Module) -> tuple[str, ...]:
+        """Names of the modules this mode runs in FP8 (after ``convert_module``)."""
+        return ()
+
     def kept_modules(self, model: nn.Module) -> set[str]:
         """Modules kept in fp32: those matching a pattern, plus every module that shares a
         parameter with one (a tied ``lm_head`` must run in fp32 if its ``wte`` is kept)."""

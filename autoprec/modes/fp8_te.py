@@ -51,6 +51,7 @@ class Fp8TeMode(PrecisionMode):
         model = super().convert_module(model)
         te = require("transformer_engine").pytorch
         kept = self.kept_modules(model)
+        self.converted: list[str] = []
         for fqn, module in list(model.named_modules()):
             if not fqn or fqn in kept or not self.module_filter_fn(module, fqn):
                 continue
@@ -68,8 +69,13 @@ class Fp8TeMode(PrecisionMode):
                 if module.bias is not None:
                     replacement.bias.copy_(module.bias)
             setattr(parent, child_name, replacement)
+            self.converted.append(fqn)
         install_fp32_islands(model, self.kept_roots(model), self.device_type)
         return model
+
+    @override
+    def fp8_modules(self, model: nn.Module) -> tuple[str, ...]:
+        return tuple(getattr(self, "converted", ()))
 
     @override
     def forward_context(self) -> contextlib.AbstractContextManager[None]:

@@ -1,8 +1,9 @@
 """fp8_torchao: torchao float8 training (tensorwise or rowwise scaling) under bf16 autocast.
 
-nn.Linear layers whose dimensions FP8 kernels take (both divisible by 16) and that are not in
-``keep_fp32`` become ``Float8Linear``; everything else runs in bf16 autocast with fp32 master
-weights, and ``keep_fp32`` modules in fp32. ``emulate=True`` runs the same FP8 numerics
+nn.Linear layers whose dimensions FP8 kernels take (both divisible by 16), that are not in
+``keep_fp32`` and (``fp8_layers="worthwhile"``, the default) large enough for FP8 to pay by
+torchao's own size rule become ``Float8Linear``; everything else runs in bf16 autocast with
+fp32 master weights, and ``keep_fp32`` modules in fp32. ``emulate=True`` runs the same FP8 numerics
 without FP8 hardware: a quality screen, never a speed figure.
 """
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from autoprec._imports import require
 from autoprec.eligibility import Situation
-from autoprec.layers import FP8_DIM_MULTIPLE
+from autoprec.layers import FP8_DIM_MULTIPLE, fp8_worthwhile
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
 
 _TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
@@ -41,7 +42,17 @@ class Fp8TorchaoMode(PrecisionMode):
     @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
         # torchao on CPU does not enforce the multiple-of-16 rule; autoprec does.
-        return fp8_linear_fits(module) and not self.keeps_fp32(fqn)
+        if not fp8_linear_fits(module) or self.keeps_fp32(fqn):
+            return False
+        if self.spec.fp8_layers == "all":
+            return True
+        recipe = _TORCHAO_RECIPES[self.spec.fp8_recipe or "torchao_tensorwise"]
+        assert isinstance(module, nn.Linear)
+        return fp8_worthwhile(module.in_features, module.out_features, recipe)
+
+    @override
+    def fp8_modules(self, model: nn.Module) -> tuple[str, ...]:
+        return tuple(fqn for fqn, m in model.named_modules() if type(m).__name__ == "Float8Linear")
 
     def float8_config(self) -> object:
         float8 = require("torchao").float8
