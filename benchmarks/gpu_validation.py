@@ -1,10 +1,13 @@
 """Validate the GPU paths on a lent GPU and print the figures for the issue note.
 
 Prints: the probe's verdicts for cuda:0; for every mode that can run there, one measured trial
-on a mid-size TinyGPT (samples/s, tokens/s, median step, peak CUDA memory, exact state bytes)
-and its drift verdict against fp32; then a short ``tune()`` under a real recipe (nanoGPT's
-AdamW and cosine schedule, gradient accumulation, clipping). On a CPU (``--quick``) it runs the
-same code on a small model so the script itself stays tested.
+on a mid-size TinyGPT (samples/s, tokens/s, median step, peak CUDA memory, exact state bytes),
+the samples/s of the loop a user writes with ``apply()`` (same model, recipe and batches; one
+synchronization at each end of the timed window) and the trial's share of it (``trial/loop``,
+target 0.97-1.03: below it the trial charges the mode for host syncs a real run does not
+make), and its drift verdict against fp32; then a short ``tune()`` under a real recipe
+(nanoGPT's AdamW and cosine schedule, gradient accumulation, clipping). On a CPU
+(``--quick``) it runs the same code on a small model so the script itself stays tested.
 
 How it was meant to be run on the device machine (torch with CUDA there, no internet):
 
@@ -18,12 +21,17 @@ How it was meant to be run on the device machine (torch with CUDA there, no inte
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
+import time
+import warnings
 
 import torch
 
 from autoprec.candidates import candidate_specs
 from autoprec.drift import judge
+from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.plan import prepare
 from autoprec.probing import probe
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
@@ -32,6 +40,36 @@ from autoprec.tuning import tune
 from examples import tiny_gpt
 
 LARGE = {"vocab_size": 8192, "block_size": 256, "n_layer": 4, "n_head": 16, "n_embd": 1024}
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def loop_speed(
+    spec: ModeSpec, model: torch.nn.Module, batches: list, steps: int, device: str
+) -> float:
+    """Samples/s of a plain training loop with ``apply()``'s plan: warm-up steps, then
+    ``steps`` steps timed between two synchronizations, nothing read back in between."""
+    trained = copy.deepcopy(model)
+    with warnings.catch_warnings():  # the rebuilt-optimizer warning: no scheduler here
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, trained, torch.optim.AdamW(trained.parameters(), lr=3e-4))
+
+    def train(count: int) -> None:
+        for step in range(count):
+            inputs, targets = batches[step % len(batches)]
+            with plan.autocast():
+                loss = plan.model(inputs, targets)
+            plan.step(loss)
+
+    train(2)  # warm-up, as the trial's
+    _synchronize(device)
+    start = time.perf_counter()
+    train(steps)
+    _synchronize(device)
+    return steps * batches[0][0].shape[0] / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -77,7 +115,7 @@ def main() -> None:
     noise = run_trial(ModeSpec(mode="fp32"), model, train, seed=1, shuffle_seed=1, **common)
     print(
         f"\n{'mode':30} {'samples/s':>10} {'tokens/s':>11} {'step ms':>8} {'peak MiB':>9} "
-        f"{'state MiB':>9}  verdict"
+        f"{'state MiB':>9} {'loop s/s':>9} {'trial/loop':>10}  verdict"
     )
     for spec in candidate_specs(report).specs:
         result = reference if spec.label == "fp32" else run_trial(spec, model, train, **common)
@@ -93,8 +131,13 @@ def main() -> None:
             f"{record.peak_memory_bytes / 2**20:9.0f}" if record.peak_memory_bytes else f"{'-':>9}"
         )
         state = f"{record.state_bytes.total / 2**20:9.1f}" if record.state_bytes else f"{'-':>9}"
+        loop = loop_speed(spec, model, train, steps, device)
+        ratio = (record.samples_per_second or 0.0) / loop
         status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
-        print(f"{spec.label:30} {speed} {tokens} {step} {peak} {state}  {status}")
+        print(
+            f"{spec.label:30} {speed} {tokens} {step} {peak} {state} {loop:9.1f} {ratio:10.3f}"
+            f"  {status}"
+        )
 
     # a tune under a real recipe: nanoGPT's optimizer and cosine schedule, 2 micro-batches
     result = tune(
