@@ -206,6 +206,13 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
             f"on top of the profile's ({profile.spec.label}). Build TrainingArguments without "
             "bf16/fp16 and let apply_profile() install the profile."
         )
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
+        trainer, "is_fsdp_enabled", False
+    ):
+        raise ValueError(
+            "apply_profile() installs the plan in the Trainer's own backward and optimizer step; "
+            "DeepSpeed and FSDP replace both. Use profile.to_accelerate() / to_fsdp2() there."
+        )
     if trainer.lr_scheduler is not None and trainer.optimizer is None:
         raise ValueError("The Trainer has an LR scheduler but no optimizer to rebind it from.")
     loader = _train_loader(trainer)
