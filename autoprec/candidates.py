@@ -186,24 +186,19 @@ def _screen_specs_for(
 ) -> tuple[list[ModeSpec], tuple[str, ...]]:
     """(specs whose numerics run here, reasons when none do)."""
     verdict = next(v for v in report.modes if v.name == mode)
-    if verdict.eligible:  # the screen runs FP8 numerics on every layer its kernels take
+    if verdict.eligible:
         specs = _specs_for(mode, report)
-        if mode == "fp8_torchao":
-            specs = [spec.model_copy(update={"fp8_layers": "all"}) for spec in specs]
-        return specs, ()
-    if mode != "fp8_torchao":
+    elif mode != "fp8_torchao":
         return [], verdict.reasons
-    emulated = mode_eligibility(mode, dataclasses.replace(situation, emulate_fp8=True))
-    if not emulated.eligible:
-        return [], emulated.reasons
-    spec = ModeSpec(
-        mode=mode,
-        fp8_recipe="torchao_tensorwise",
-        emulate=True,
-        keep_fp32=_keep_fp32(mode, report),
-        fp8_layers="all",  # the screen: FP8 numerics on every layer its kernels take
-    )
-    return [spec], ()
+    else:
+        emulated = mode_eligibility(mode, dataclasses.replace(situation, emulate_fp8=True))
+        if not emulated.eligible:
+            return [], emulated.reasons
+        keep = _keep_fp32(mode, report)
+        specs = [ModeSpec(mode=mode, fp8_recipe="torchao_tensorwise", emulate=True, keep_fp32=keep)]
+    if mode == "fp8_torchao":  # the screen: FP8 numerics on every layer its kernels take
+        specs = [spec.model_copy(update={"fp8_layers": "all"}) for spec in specs]
+    return specs, ()
 
 
 def screen_specs(

@@ -360,7 +360,7 @@ def _movement_checks(
         paired_legs = leg_movements(paired, reference)
         if len(paired_legs) == len(legs):
             ceilings = [fraction for _, fraction, _ in paired_legs]
-    judged = [(leg, ceiling) for leg, ceiling in zip(legs, ceilings, strict=True)]
+    judged = list(zip(legs, ceilings, strict=True))
     weakest, ceiling = min(judged, key=lambda item: item[0][1] / max(item[1], 1e-12))
     point, metrics["update_fraction"], metrics["never_moved_fraction"] = weakest
     metrics["update_fraction_noise"] = ceiling if paired is not None else None

@@ -332,7 +332,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             in_features=(dims := _linear_dims(module))[0],
             out_features=dims[1],
             flops=attribution.flops_by_module.get(fqn, 0) if ran else None,
-            fp8_compatible=(compatible := _fp8_compatible(module)),
+            fp8_compatible=(compatible := fp8_linear_fits(module)),
             fp8_worthwhile=compatible and fp8_worthwhile(*dims),
             hf_conv1d=is_hf_conv1d(module),
         )
@@ -361,11 +361,13 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     )
 
 
-def _fp8_compatible(linear: nn.Module) -> bool:
-    if not isinstance(linear, nn.Linear):  # HF Conv1D: FP8 module swaps do not convert it
-        return False
+def fp8_linear_fits(module: nn.Module) -> bool:
+    """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
+    module swaps convert nn.Linear only)."""
     return (
-        linear.in_features % FP8_DIM_MULTIPLE == 0 and linear.out_features % FP8_DIM_MULTIPLE == 0
+        isinstance(module, nn.Linear)
+        and module.in_features % FP8_DIM_MULTIPLE == 0
+        and module.out_features % FP8_DIM_MULTIPLE == 0
     )
 
 
@@ -387,7 +389,7 @@ def _default_keep_fp32(model: nn.Module, compute_order: list[str]) -> tuple[Keep
         keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
         keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
     for fqn, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not _fp8_compatible(module):
+        if isinstance(module, nn.Linear) and not fp8_linear_fits(module):
             keep.setdefault(
                 fqn,
                 f"Linear {module.in_features}x{module.out_features}: dimensions not divisible "

@@ -88,7 +88,9 @@ def warmup_linear(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _split(pairs: list[Any], batch_size: int, train: int) -> tuple[list[Any], list[Any]]:
+def _split(
+    pairs: tuple[torch.Tensor, torch.Tensor], batch_size: int, train: int
+) -> tuple[list[Any], list[Any]]:
     """Batches of ``batch_size`` from stacked ``(x, y)``; the first ``train`` for training."""
     x, y = pairs
     batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]

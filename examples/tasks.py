@@ -24,14 +24,18 @@ def regression(lr: float = 1e-4, batches: int = 60, dropout: float = 0.0) -> Tas
     """sin(x W) regression with an MLP; AdamW at ``lr`` (1e-4: pure bf16 loses its updates);
     ``dropout`` after the hidden layers (a model that draws random numbers)."""
     torch.manual_seed(0)
+
+    def dropped() -> list[nn.Module]:  # no module at all without dropout
+        return [nn.Dropout(dropout)] if dropout else []
+
     model = nn.Sequential(
         nn.Linear(32, 64),
         nn.GELU(),
         nn.LayerNorm(64),
-        nn.Dropout(dropout),
+        *dropped(),
         nn.Linear(64, 64),
         nn.GELU(),
-        nn.Dropout(dropout),
+        *dropped(),
         nn.Linear(64, 16),
     )
     generator = torch.Generator().manual_seed(1)

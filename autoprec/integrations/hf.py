@@ -76,10 +76,9 @@ def scheduler_factory(trainer: Any) -> Callable[..., Any]:
 def _trainer_optimizer(trainer: Any) -> torch.optim.Optimizer:
     """The Trainer's optimizer: the one it was given, or the one it would create (built here
     and not kept: the Trainer still creates its own)."""
-    if trainer.optimizer is not None:
-        return trainer.optimizer
-    optimizer = trainer.create_optimizer()
-    trainer.optimizer = None
+    given = trainer.optimizer
+    optimizer = trainer.create_optimizer()  # builds one only when none was given
+    trainer.optimizer = given
     return optimizer
 
 
@@ -94,10 +93,11 @@ def _uses_own_loss(trainer: Any) -> bool:
     )
 
 
-def trainer_recipe(trainer: Any, **options: Any) -> dict[str, Any]:
+def trainer_recipe(trainer: Any, loader: Any = None, **options: Any) -> dict[str, Any]:
     """The keyword arguments of :func:`autoprec.tune` that reproduce the Trainer's training:
     optimizer, scheduler, total_steps, accumulation, clipping and (when the Trainer computes
-    the loss its own way) ``train_step``. ``options`` override any of them."""
+    the loss its own way) ``train_step``. ``loader``: the Trainer's train dataloader, when
+    already built. ``options`` override any of them."""
     if trainer.lr_scheduler is not None and "scheduler" not in options:
         raise ValueError(
             "The Trainer was given an LR scheduler object (optimizers=(optimizer, scheduler)): "
@@ -106,7 +106,7 @@ def trainer_recipe(trainer: Any, **options: Any) -> dict[str, Any]:
             "(lr_scheduler_type)."
         )
     args = trainer.args
-    loader = _train_loader(trainer)
+    loader = loader if loader is not None else _train_loader(trainer)
     recipe: dict[str, Any] = {
         "optimizer": _trainer_optimizer(trainer),
         "scheduler": scheduler_factory(trainer),
@@ -137,8 +137,9 @@ def tune_trainer(trainer: Any, budget_minutes: float = 30.0, **options: Any) -> 
             UserWarning,
             stacklevel=2,
         )
-    recipe = trainer_recipe(trainer, **options)
-    return tune(trainer.model, _train_loader(trainer), budget_minutes=budget_minutes, **recipe)
+    loader = _train_loader(trainer)
+    recipe = trainer_recipe(trainer, loader, **options)
+    return tune(trainer.model, loader, budget_minutes=budget_minutes, **recipe)
 
 
 class PlanOptimizer(torch.optim.Optimizer):
@@ -215,11 +216,12 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
         )
     if trainer.lr_scheduler is not None and trainer.optimizer is None:
         raise ValueError("The Trainer has an LR scheduler but no optimizer to rebind it from.")
-    loader = _train_loader(trainer)
-    optimizer = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
+    optimizer = trainer.create_optimizer()  # the one it was given, or the one it would build
     scheduler = trainer.lr_scheduler
     if scheduler is None:
-        scheduler = scheduler_factory(trainer)(optimizer, max_steps(trainer, loader))
+        scheduler = scheduler_factory(trainer)(
+            optimizer, max_steps(trainer, _train_loader(trainer))
+        )
     plan = profile.apply(
         trainer.model,
         optimizer,

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from autoprec._imports import require
+from autoprec.layers import fp8_linear_fits
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
-from autoprec.modes.fp8_torchao import fp8_linear_fits
 from autoprec.specs import TeDelayedScaling
 
 

@@ -17,19 +17,10 @@ from torch import nn
 
 from autoprec._imports import require
 from autoprec.eligibility import Situation
-from autoprec.layers import FP8_DIM_MULTIPLE, fp8_worthwhile
+from autoprec.layers import fp8_linear_fits, fp8_worthwhile
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
 
 _TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
-
-
-def fp8_linear_fits(module: nn.Module) -> bool:
-    """An nn.Linear whose both dimensions FP8 GEMM kernels take."""
-    return (
-        isinstance(module, nn.Linear)
-        and module.in_features % FP8_DIM_MULTIPLE == 0
-        and module.out_features % FP8_DIM_MULTIPLE == 0
-    )
 
 
 class Fp8TorchaoMode(PrecisionMode):
