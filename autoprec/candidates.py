@@ -59,12 +59,23 @@ def _fp8_recipes(mode: ModeName, report: ProbeReport) -> list[str]:
     return ["te_delayed_hybrid", "te_current"] + (["te_mxfp8"] if capability >= (10, 0) else [])
 
 
-def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
+FP8_SKIP_REASONS = ("first layer", "last layer", "Linear")
+"""Which of the probe's kept layers FP8 candidates keep out of FP8 (in bf16 autocast): the
+first and last layer and Linears FP8 kernels cannot take. Norms and embeddings need nothing:
+bf16 autocast already runs norms in fp32, and a lookup of fp32 weights stays fp32."""
+
+
+def _fp8_skip(report: ProbeReport) -> tuple[str, ...]:
     layers = report.layers
     if layers is None:
         return ()
-    if mode.startswith("fp8"):
-        return tuple(keep.fqn for keep in layers.keep_fp32)
+    return tuple(k.fqn for k in layers.keep_fp32 if k.reason.startswith(FP8_SKIP_REASONS))
+
+
+def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
+    layers = report.layers
+    if layers is None or mode.startswith("fp8"):  # FP8 keeps layers out of FP8 instead
+        return ()
     if mode.startswith("bf16"):
         wanted = ("normalisation", "embedding")
         return tuple(k.fqn for k in layers.keep_fp32 if k.reason.startswith(wanted))
@@ -74,8 +85,9 @@ def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
 def _specs_for(mode: ModeName, report: ProbeReport) -> list[ModeSpec]:
     keep = _keep_fp32(mode, report)
     if mode.startswith("fp8"):
+        skip = _fp8_skip(report)
         return [
-            ModeSpec(mode=mode, fp8_recipe=recipe, keep_fp32=keep)  # type: ignore[arg-type]
+            ModeSpec(mode=mode, fp8_recipe=recipe, fp8_skip=skip)  # type: ignore[arg-type]
             for recipe in _fp8_recipes(mode, report)
         ]
     return [ModeSpec(mode=mode, keep_fp32=keep)]
@@ -194,8 +206,8 @@ def _screen_specs_for(
         emulated = mode_eligibility(mode, dataclasses.replace(situation, emulate_fp8=True))
         if not emulated.eligible:
             return [], emulated.reasons
-        keep = _keep_fp32(mode, report)
-        specs = [ModeSpec(mode=mode, fp8_recipe="torchao_tensorwise", emulate=True, keep_fp32=keep)]
+        skip = _fp8_skip(report)
+        specs = [ModeSpec(mode=mode, fp8_recipe="torchao_tensorwise", emulate=True, fp8_skip=skip)]
     if mode == "fp8_torchao":  # the screen: FP8 numerics on every layer its kernels take
         specs = [spec.model_copy(update={"fp8_layers": "all"}) for spec in specs]
     return specs, ()

@@ -129,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
     tune.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train every run with torch.compile, as the profile's apply() then does "
+        "(default: when the model factory returns a compiled model)",
+    )
+    tune.add_argument(
         "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
     )
     tune.add_argument("--study", metavar="NAME", help="study name (default: the --out file name)")
@@ -330,6 +337,7 @@ def _tune(args: argparse.Namespace) -> int:
             study_name=args.study or out.stem,
             on_event=progress,
             progress=False,
+            compile="auto" if args.compile is None else args.compile,
             **inputs,
         )
     console = Console()

@@ -56,7 +56,9 @@ class PrecisionPlan:
         self.grad_accumulation_steps = grad_accumulation_steps
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
+        """The total gradient norm before the last clipping, on the device (reading it is a
+        host synchronization: do it when you log, not every step)."""
         self.scheduler: Any = None
         """The LR scheduler handed to ``prepare``/``apply``, rebound to ``optimizer``; the
         training loop steps it as before (the plan never does)."""
@@ -98,7 +100,7 @@ class PrecisionPlan:
         if clip is not None:
             self.mode.unscale_gradients(self.optimizer)
             parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip))
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip)
         stepped = self.mode.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
@@ -123,6 +125,16 @@ class PrecisionPlan:
 
     def __repr__(self) -> str:
         return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"
+
+
+def compile_model(model: nn.Module) -> None:
+    """``torch.compile`` the converted model's forward in place, with inductor's defaults, as a
+    user compiling their model does: the same object, the same state_dict keys (no
+    ``_orig_mod.`` prefix). Compilation happens on the first forward pass; errors surface
+    there. (``nn.Module.compile()`` is not used: in torch 2.13 it silently runs eager when the
+    root module's class is torch's own, an ``nn.Sequential``; the forward is what it must
+    compile.)"""
+    model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
 
 
 def build_plan(
@@ -153,6 +165,8 @@ def build_plan(
     groups = named_groups(optimizer, model)
     model = mode.convert_module(model)
     optimizer = mode.convert_optimizer(optimizer, model, groups)
+    if spec.compile:
+        compile_model(model)
     return PrecisionPlan(
         mode,
         model,

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from autoprec.specs import ModeSpec
-from autoprec.trial import StopCheck, TrialProgress
+from autoprec.trial import StepWindow, StopCheck, TrialProgress, measured_windows
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,9 @@ OBJECTIVES: tuple[Objective, ...] = ("speed", "memory", "balanced")
 TrialStatus = Literal["accepted", "rejected", "pruned", "failed"]
 
 PRUNE_MARGIN = 0.05
-"""A trial is pruned when, after warm-up and 3 measured steps, its median step is more than 5%
+"""A trial is pruned when, after warm-up and 3 measured windows of steps, it is more than 5%
 slower (objective speed) than the best accepted one: timing noise on a busy machine is ~2-5%."""
-MIN_MEASURED_STEPS = 3
+MIN_MEASURED_WINDOWS = 3
 
 
 class TrialOutcome(BaseModel):
@@ -57,9 +57,10 @@ class TrialOutcome(BaseModel):
     final_loss: float | None = None
     fp8_layers: tuple[str, ...] = ()
     """The modules the trial ran in FP8."""
-    step_seconds: tuple[float, ...] = ()
-    """Seconds of every optimizer step (warm-up included), in order: trials train on the same
-    batches in the same order, so step i of two trials is the same work (paired pruning)."""
+    windows: tuple[StepWindow, ...] = ()
+    """The trial's timed windows of steps (warm-up included), in order: trials train on the
+    same batches in the same order, so the window over steps i..j of two trials is the same
+    work (paired pruning)."""
 
     @property
     def label(self) -> str:
@@ -206,25 +207,25 @@ def better(a: TrialOutcome, b: TrialOutcome | None, objective: Objective) -> boo
     return (speed_a, -memory_a) > (speed_b, -memory_b)
 
 
-def _slower_than(best: TrialOutcome, step_seconds: Sequence[float], warmup: int) -> str | None:
+def _slower_than(best: TrialOutcome, windows: Sequence[StepWindow]) -> str | None:
     """The prune reason when a trial is slower than ``best`` by more than PRUNE_MARGIN,
-    compared step by step on the same steps (the same batches) when ``best`` kept its step
-    times: a candidate 10% faster on every batch must not lose to a median taken over other
+    compared window by window over the same steps (the same batches) when ``best`` kept its
+    windows: a candidate 10% faster on every batch must not lose to a median taken over other
     batches. Without them, the medians."""
+    theirs = {(w.first_step, w.steps): w.seconds for w in measured_windows(best.windows)}
+    mine = measured_windows(windows)
     paired = [
-        mine / theirs
-        for mine, theirs in zip(step_seconds[warmup:], best.step_seconds[warmup:], strict=False)
-        if theirs > 0
+        w.seconds / theirs[(w.first_step, w.steps)]
+        for w in mine
+        if theirs.get((w.first_step, w.steps), 0.0) > 0
     ]
-    if len(paired) >= MIN_MEASURED_STEPS:
+    if len(paired) >= MIN_MEASURED_WINDOWS:
         ratio = statistics.median(paired)
         if ratio > 1 + PRUNE_MARGIN:
-            return (
-                f"slower than {best.label}: {ratio:.2f}x its step time on the same "
-                f"{len(paired)} steps"
-            )
+            steps = sum(w.steps for w in mine if (w.first_step, w.steps) in theirs)
+            return f"slower than {best.label}: {ratio:.2f}x its step time on the same {steps} steps"
         return None
-    per_step = statistics.median(step_seconds[warmup:])
+    per_step = statistics.median(w.step_seconds for w in mine)
     if best.median_step_seconds and per_step > best.median_step_seconds * (1 + PRUNE_MARGIN):
         return (
             f"slower than {best.label}: {per_step * 1e3:.3g} vs "
@@ -242,19 +243,19 @@ def make_stop_check(
     """Stop when the trial would pass the deadline, or provably cannot beat ``best``."""
 
     def stop(progress: TrialProgress) -> str | None:
-        measured = progress.step_seconds[progress.warmup_steps :]
+        measured = measured_windows(progress.windows)
         remaining = progress.steps_planned - progress.step - 1
         if not measured:  # warm-up steps (compilation, allocator growth) predict nothing
             if remaining > 0 and clock() >= deadline:
                 return f"budget: the deadline passed during warm-up, {remaining} steps left"
             return None
-        per_step = statistics.median(measured)
+        per_step = statistics.median(w.step_seconds for w in measured)
         if remaining > 0 and clock() + remaining * per_step > deadline:
             return f"budget: {remaining} more steps of {per_step:.3g} s would pass the deadline"
-        if best is None or len(measured) < MIN_MEASURED_STEPS:
+        if best is None or len(measured) < MIN_MEASURED_WINDOWS:
             return None
         if objective == "speed" and best.median_step_seconds:
-            slower = _slower_than(best, progress.step_seconds, progress.warmup_steps)
+            slower = _slower_than(best, progress.windows)
             if slower is not None:
                 return slower
         if (

@@ -77,11 +77,19 @@ class ModeSpec(BaseModel):
     optimizer_bits: OptimizerBits = 32
     fp8_recipe: Fp8Recipe | None = None
     keep_fp32: tuple[str, ...] = ()
-    """Module-name patterns kept in full precision."""
+    """Module-name patterns kept in full precision: fp32 weights, autocast off."""
+    fp8_skip: tuple[str, ...] = ()
+    """FP8 modes: module-name patterns kept out of FP8. They run in the mode's bf16 autocast,
+    as torchtitan and Accelerate run the layers they keep out of FP8 — not in fp32, which is
+    what ``keep_fp32`` asks for (tune() puts the first and last layers here, not there)."""
     emulate: bool = False
     """fp8_torchao only: run FP8 numerics without FP8 hardware (quality screening, no speed)."""
     te_delayed_scaling: TeDelayedScaling | None = None
     """Filled in for the ``te_delayed_*`` recipes so a profile never relies on TE defaults."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` (inductor, ``nn.Module.compile`` in place):
+    trials train compiled (compilation in their warm-up) and ``apply()`` compiles the same
+    way. FP8 needs it to pay (torchao: eager float8 is slower than bf16)."""
     fp8_layers: Literal["worthwhile", "all"] | None = None
     """fp8_torchao: which FP8-compatible Linears convert. ``"worthwhile"`` (the default):
     torchao's own size rule for the recipe, from its H100 benchmarks — smaller Linears lose more
@@ -116,6 +124,8 @@ class ModeSpec(BaseModel):
                 )
         if self.emulate and self.mode != "fp8_torchao":
             raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")
+        if self.fp8_skip and not self.mode.startswith("fp8"):
+            raise ValueError(f"fp8_skip applies only to the FP8 modes, not {self.mode!r}.")
         if self.fp8_layers is not None and self.mode != "fp8_torchao":
             raise ValueError(f"fp8_layers applies only to 'fp8_torchao', not {self.mode!r}.")
         if self.te_delayed_scaling is not None and not (self.fp8_recipe or "").startswith(
@@ -134,6 +144,8 @@ class ModeSpec(BaseModel):
             parts.append("emulated")
         if self.optimizer_bits == 8:
             parts.append("8bit-optim")
+        if self.compile:
+            parts.append("compiled")
         return "+".join(parts)
 
 

@@ -38,7 +38,7 @@ from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 
 FailureKind = Literal[
-    "unsupported", "exception", "out_of_memory",
+    "unsupported", "exception", "out_of_memory", "compile_failed",
     "non_finite_loss", "non_finite_gradient", "non_finite_weight",
 ]  # fmt: skip
 
@@ -50,17 +50,52 @@ OUTPUT_SAMPLE_ELEMENTS = 2**16
 beside one argmax per row: an 8 x 2048 x 128k logits batch is 8.4 GB in fp32, its summary
 under 0.5 MB. The relative L2 error over 65k evenly spread values estimates the full one."""
 
+MAX_WINDOW_STEPS = 10
+"""Most optimizer steps timed as one window. A window ends in one host read, as a loop that
+logs its loss every 10 steps does (torchtitan's default ``log_freq``); longer windows would
+measure CPU/GPU overlap no better and give fewer windows to take a median over."""
+
+MIN_WINDOWS = 5
+"""Fewest measured windows a trial aims for: shorter trials time shorter windows."""
+
 _COMPENSATION_KEYS = ("kahan_comp", "compensation")  # torch-optimi, StochasticAdamW
+
+
+class StepWindow(BaseModel):
+    """Optimizer steps timed as one block, as a training loop that logs every few steps runs
+    them: no host synchronization inside (losses, non-finite checks and gradient maxima stay
+    on the device), one clock read at each end (CUDA events on a GPU) and one host read of the
+    window's figures after it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    first_step: int
+    steps: int
+    seconds: float
+    samples: int
+    tokens: int | None
+    warmup: bool
+    """Warm-up (first steps, compilation included): counted in the budget, not in speed."""
+
+    @property
+    def step_seconds(self) -> float:
+        """Mean seconds per optimizer step over the window."""
+        return self.seconds / self.steps
+
+
+def measured_windows(windows: Sequence[StepWindow]) -> list[StepWindow]:
+    """The windows speed figures come from: all but warm-up."""
+    return [window for window in windows if not window.warmup]
 
 
 @dataclass(frozen=True)
 class TrialProgress:
-    """What a stop check sees after each step."""
+    """What a stop check sees after each window of steps."""
 
     step: int
+    """The last step run."""
     steps_planned: int
-    step_seconds: tuple[float, ...]
-    warmup_steps: int
+    windows: tuple[StepWindow, ...]
     state_bytes: int | None
     """Exact parameter + gradient + optimizer-state bytes, known after the first step."""
 
@@ -136,8 +171,9 @@ class TrialRecord(BaseModel):
     samples_per_second: float | None = None
     tokens_per_second: float | None = None
     median_step_seconds: float | None = None
-    step_seconds: tuple[float, ...] = ()
-    """Every optimizer step's seconds, warm-up included, in order."""
+    """Median over the measured windows of their seconds per optimizer step."""
+    windows: tuple[StepWindow, ...] = ()
+    """Every timed window of steps, warm-up included, in order."""
     wall_seconds: float = 0.0
     peak_memory_bytes: int | None = None
     """Peak memory of the trial's training alone: the peak over its steps minus what was
@@ -168,6 +204,13 @@ class TrialRecord(BaseModel):
     """Optimizer steps of each leg."""
     fp8_layers: tuple[str, ...] = ()
     """The modules the mode ran in FP8 (FP8 modes: those its filters converted)."""
+    compiled_graphs: int | None = None
+    """Compiled trials: graphs torch.compile built during warm-up (more than one forward graph
+    means graph breaks)."""
+    recompiles: int | None = None
+    """Compiled trials: graphs built after warm-up (recompiles): their compile time is inside
+    the timed windows, so the speed figures are pessimistic; a run that recompiles every few
+    steps will in training too."""
     draws_random: bool = False
     """Training drew from the global random streams (dropout, noise in the loss): a run with
     another seed and the same batches would differ."""
@@ -180,7 +223,7 @@ class TrialRecord(BaseModel):
 
 TIMING_FIELDS = (
     "samples_per_second", "tokens_per_second", "median_step_seconds", "wall_seconds",
-    "peak_memory_bytes", "peak_reserved_bytes", "step_seconds",
+    "peak_memory_bytes", "peak_reserved_bytes", "windows",
 )  # fmt: skip
 """Fields that differ between otherwise identical trials."""
 
@@ -317,14 +360,15 @@ def _memory_peak(
     return {"allocated": max(0, max(samples) - baseline["rss"]), "source": "process_rss"}
 
 
-def _max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> float:
-    """Largest |gradient| of the parameters not in ``kept`` (ids), loss scaling removed."""
+def _max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> torch.Tensor | None:
+    """Largest |gradient| of the parameters not in ``kept`` (ids), loss scaling removed, as a
+    device tensor (no host read); None when no such parameter has a gradient."""
     grads = [p.grad for p in plan.model.parameters() if p.grad is not None and id(p) not in kept]
     if not grads:
-        return 0.0
-    largest = float(torch.stack(torch._foreach_norm(grads, math.inf)).max())  # one sync
-    scale = getattr(plan.mode, "loss_scale", None)
-    return largest / scale if scale else largest
+        return None
+    largest = torch.stack(torch._foreach_norm(grads, math.inf)).max().float()
+    scale = plan.mode.loss_scale_tensor()
+    return largest if scale is None else largest / scale.to(largest.device)
 
 
 def _rng_states(device: torch.device) -> list[torch.Tensor]:
@@ -344,14 +388,52 @@ def _is_oom(error: BaseException) -> bool:
     )
 
 
-class _Clock:
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+class _WindowClock:
+    """Times a window of steps. On a GPU: CUDA events recorded on the device's current stream,
+    waited for once, at the window's end. On a CPU, where ops run as they are called: the host
+    clock."""
 
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._started: float = 0.0
+        self._start_event: Any = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record(torch.cuda.current_stream(self.device))
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since :meth:`start`; on a GPU this waits for the window's work to finish."""
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            end.synchronize()
+            return float(self._start_event.elapsed_time(end)) / 1e3
+        return time.perf_counter() - self._started
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile (dynamo) has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compile_counts(figures: dict[str, Any], before: int) -> tuple[int | None, int | None]:
+    """(graphs built in warm-up, graphs built after it) of a compiled trial."""
+    after_warmup = figures.get("graphs_after_warmup")
+    if after_warmup is None:
+        return None, None
+    return after_warmup - before, compiled_graph_count() - after_warmup
+
+
+def window_steps_for(steps: int, warmup_steps: int) -> int:
+    """Steps per timed window: at most MAX_WINDOW_STEPS, and short enough for MIN_WINDOWS
+    windows after warm-up."""
+    return max(1, min(MAX_WINDOW_STEPS, (steps - warmup_steps) // MIN_WINDOWS))
 
 
 def _heldout_pass(
@@ -412,7 +494,8 @@ def _set_lrs(optimizer: torch.optim.Optimizer, point: LrPoint) -> None:
 
 class _Loop:
     """The training loop of one trial: optimizer steps of ``grad_accumulation_steps``
-    micro-batches each, run exactly as ``apply()`` runs them (``plan.step``)."""
+    micro-batches each, run exactly as ``apply()`` runs them (``plan.step``), timed in windows
+    with no host read inside one."""
 
     def __init__(
         self,
@@ -423,66 +506,99 @@ class _Loop:
         device: torch.device,
     ) -> None:
         self.plan, self.recipe, self.batches, self.order = plan, recipe, batches, order
-        self.device, self.clock = device, _Clock(device)
+        self.device, self.clock = device, _WindowClock(device)
         self.figures: dict[str, Any] = {
-            "losses": [], "times": [], "samples": [], "tokens": [], "rss": [],
-            "max_gradient": 0.0,
+            "losses": [], "windows": [], "rss": [], "max_gradient": 0.0,
         }  # fmt: skip
         self.micro = 0
         self.current_step: int | None = None
         self.kept = plan.mode.parameter_ids(plan.model, plan.mode.kept_roots(plan.model))
+        self._losses: list[torch.Tensor] = []  # this window's, on the device
+        self._gradients: list[torch.Tensor | None] = []
+        self._samples, self._tokens = 0, 0
 
-    def step(self, step: int) -> TrialFailure | None:
-        """One optimizer step; a failure (non-finite loss or gradient) or None."""
+    def run_window(self, first_step: int, steps: int, warmup: bool) -> TrialFailure | None:
+        """Steps ``first_step`` to ``first_step + steps - 1``, timed as one window; the
+        window's failure (non-finite loss or gradient, at the step it first appeared) or None."""
+        self._losses, self._gradients = [], []
+        self._samples, self._tokens = 0, 0
+        self.clock.start()
+        for step in range(first_step, first_step + steps):
+            self.step(step)
+        seconds = self.clock.stop()
+        if warmup:
+            self.figures["graphs_after_warmup"] = compiled_graph_count()
+        self.figures["windows"].append(
+            StepWindow(
+                first_step=first_step,
+                steps=steps,
+                seconds=seconds,
+                samples=self._samples,
+                tokens=self._tokens,
+                warmup=warmup,
+            )
+        )
+        return self._read_window(first_step)
+
+    def step(self, step: int) -> None:
+        """One optimizer step. Nothing is read back to the host: the loss and the gradient
+        maximum stay on the device until the window's end."""
         self.current_step = step
         plan, accumulation = self.plan, self.recipe.grad_accumulation_steps
-        start = self.clock.now()
-        loss_sum, samples, tokens = 0.0, 0, 0
+        losses: list[torch.Tensor] = []
         for micro in range(accumulation):
             batch = self.batches[self.order[self.micro % len(self.batches)]]
             batch = to_device(batch, self.device)
             self.micro += 1
             with plan.autocast():
                 loss, _ = forward_and_loss(plan, batch, self.recipe.loss_fn, self.recipe.train_step)
-            value = float(loss.detach().float())
-            if not math.isfinite(value):
-                self.figures["losses"].append(value)
-                return TrialFailure(
-                    kind="non_finite_loss", step=step, message=f"loss is {value} at step {step}"
-                )
-            loss_sum += value
-            samples += count_samples(batch)
+            losses.append(loss.detach().float().reshape(()))
+            self._samples += count_samples(batch)
             counted = count_tokens(batch)
-            tokens = None if counted is None or tokens is None else tokens + counted
+            if counted is None or self._tokens is None:
+                self._tokens = None
+            else:
+                self._tokens += counted
             if micro < accumulation - 1:
                 plan.step(loss)  # backward; an accumulation micro-batch does not step
             else:
                 plan.backward(loss)
-        self.figures["losses"].append(loss_sum / accumulation)
-        gradient = _max_abs_gradient(plan, self.kept)
-        scaled = plan.spec.mode == "amp_fp16"  # the loss scaler handles inf/nan gradients
-        if not math.isfinite(gradient) and not scaled:
-            message = f"gradient is {gradient} at step {step}"
-            return TrialFailure(kind="non_finite_gradient", step=step, message=message)
-        if math.isfinite(gradient):
-            self.figures["max_gradient"] = max(self.figures["max_gradient"], gradient)
+        self._losses.append(torch.stack(losses).mean())
+        self._gradients.append(_max_abs_gradient(plan, self.kept))
         stepped = plan.step()
-        self.figures["times"].append(self.clock.now() - start)
-        self.figures["samples"].append(samples)
-        self.figures["tokens"].append(tokens)
-        self.figures["rss"].append(_rss_bytes())
+        if self.device.type == "cpu":
+            self.figures["rss"].append(_rss_bytes())  # /proc, no device involved
+        self.figures["steps_done"] = step + 1
         if stepped and "state" not in self.figures:  # steady state: after a real step
             self.figures["state"] = _state_bytes(plan)
             self.figures["moment"] = _low_precision_moment(plan)
+
+    def _read_window(self, first_step: int) -> TrialFailure | None:
+        """The window's one host read: its losses and gradient maxima, checked for non-finite
+        values (the loss scaler handles amp_fp16's inf/nan gradients)."""
+        zero = torch.zeros((), device=self._losses[0].device)
+        gradients = [zero if g is None else g.to(zero.device) for g in self._gradients]
+        losses, maxima = torch.stack([torch.stack(self._losses), torch.stack(gradients)]).tolist()
+        for offset, (loss, gradient) in enumerate(zip(losses, maxima, strict=True)):
+            step = first_step + offset
+            self.figures["losses"].append(loss)
+            if not math.isfinite(loss):
+                return TrialFailure(
+                    kind="non_finite_loss", step=step, message=f"loss is {loss} at step {step}"
+                )
+            if not math.isfinite(gradient) and self.plan.spec.mode != "amp_fp16":
+                message = f"gradient is {gradient} at step {step}"
+                return TrialFailure(kind="non_finite_gradient", step=step, message=message)
+            if math.isfinite(gradient):
+                self.figures["max_gradient"] = max(self.figures["max_gradient"], gradient)
         return None
 
-    def progress(self, step: int, steps: int, warmup: int) -> TrialProgress:
+    def progress(self, step: int, steps: int) -> TrialProgress:
         state = self.figures.get("state")
         return TrialProgress(
             step=step,
             steps_planned=steps,
-            step_seconds=tuple(self.figures["times"]),
-            warmup_steps=warmup,
+            windows=tuple(self.figures["windows"]),
             state_bytes=None if state is None else state.total,
         )
 
@@ -522,14 +638,29 @@ def _measure_trained(
     return outputs
 
 
+def _is_compile_error(error: BaseException) -> bool:
+    """An error raised by torch.compile's tracer (dynamo) or compiler (inductor)."""
+    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
 def _failure_of(error: Exception, step: int | None) -> TrialFailure:
     if isinstance(error, UnsupportedModeError):
         return TrialFailure(
             kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
         )
     kind: FailureKind = "out_of_memory" if _is_oom(error) else "exception"
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return TrialFailure(kind=kind, step=step, message=f"{type(error).__name__}: {first_line}")
+    message = f"{type(error).__name__}: {_first_line(error)}"
+    if kind == "exception" and _is_compile_error(error):
+        kind = "compile_failed"
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is not None:  # the compiler's own error says what failed
+            message += f" {type(inner).__name__}: {_first_line(inner)}"
+        message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
+    return TrialFailure(kind=kind, step=step, message=message)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def _train(
@@ -538,22 +669,27 @@ def _train(
     points: Sequence[LrPoint],
     legs: list[int],
     warmup_steps: int,
+    window_steps: int,
     stop: StopCheck | None,
 ) -> tuple[TrialFailure | None, str | None]:
-    """Train every leg at its learning rates; (failure, stop reason). ``loop.current_step``
+    """Train every leg at its learning rates, in windows of steps (the warm-up steps form
+    their own window; no window crosses a leg); (failure, stop reason). ``loop.current_step``
     is the last step run."""
     step, total = 0, sum(legs)
     for point, leg in zip(points, legs, strict=True):
         _set_lrs(loop.plan.optimizer, point)
-        for _ in range(leg):
-            failure = loop.step(step)
+        leg_end = step + leg
+        while step < leg_end:
+            warmup = step < warmup_steps
+            end = min(leg_end, warmup_steps if warmup else step + window_steps)
+            failure = loop.run_window(step, end - step, warmup)
+            step = end
             if failure is not None:
                 return failure, None
             if stop is not None:
-                reason = stop(loop.progress(step, total, warmup_steps))
+                reason = stop(loop.progress(step - 1, total))
                 if reason is not None:
                     return None, reason
-            step += 1
         result.leg_weights.append(_sampled(loop.plan, result.sample_indices))
     return None, None
 
@@ -572,10 +708,22 @@ def _uncopyable_attribute(model: nn.Module) -> str | None:
     return None
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """Drop in-place compilation (``nn.Module.compile()``, or a compiled ``forward`` set on
+    the instance) from a copy: the copied compiled callable would still run the original."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+        if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable"):
+            del module.forward
+    return model
+
+
 def deep_copy(model: nn.Module) -> nn.Module:
-    """``copy.deepcopy(model)``, or a TypeError naming the attribute that cannot be copied."""
+    """``copy.deepcopy(model)`` without in-place compilation, or a TypeError naming the
+    attribute that cannot be copied."""
     try:
-        return copy.deepcopy(model)
+        return _uncompiled(copy.deepcopy(model))
     except Exception as error:
         culprit = _uncopyable_attribute(model)
         found = f"; the attribute {culprit} cannot be copied" if culprit else ""
@@ -598,6 +746,7 @@ def run_trial(
     heldout: Sequence[Any] = (),
     eval_fn: Callable[[nn.Module], float] | None = None,
     warmup_steps: int = 2,
+    window_steps: int | None = None,
     seed: int = 0,
     shuffle_seed: int | None = None,
     situation: Situation | None = None,
@@ -617,7 +766,10 @@ def run_trial(
         heldout: batches never trained on: loss, outputs and activation range are measured on
             them after training.
         eval_fn: ``eval_fn(model) -> float`` called on the trained copy (lower is better).
-        warmup_steps: first steps left out of speed figures (compilation, allocator growth).
+        warmup_steps: first steps left out of speed figures (compilation, allocator growth);
+            they are timed as one window of their own.
+        window_steps: steps per timed window (default: :func:`window_steps_for`). Speed
+            figures are medians over windows; nothing is read back to the host inside one.
         shuffle_seed: train on the batches in a seeded random order (the noise reference).
         stop: called after every step; a returned reason ends the trial early (not judged).
     """
@@ -629,6 +781,7 @@ def run_trial(
     device = torch.device(model_device(model))
     points = tuple(lr_points) if lr_points else None
     legs = _leg_steps(steps, points) if points else [steps]
+    window = window_steps or window_steps_for(steps, warmup_steps)
     order = list(range(len(batches)))
     if shuffle_seed is not None:
         generator = torch.Generator().manual_seed(shuffle_seed)
@@ -646,6 +799,9 @@ def run_trial(
     plan: PrecisionPlan | None = None
     loop: _Loop | None = None
     baseline = _memory_now(device)  # what is not this trial: subtracted from its peak
+    if spec.compile:
+        torch.compiler.reset()  # compile from scratch, as a fresh training process does
+    graphs_before = compiled_graph_count()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         try:
@@ -673,7 +829,7 @@ def run_trial(
             result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
             result.leg_weights.append(_sampled(plan, result.sample_indices))
             before = _rng_states(device)
-            failure, stopped = _train(loop, result, points, legs, warmup_steps, stop)
+            failure, stopped = _train(loop, result, points, legs, warmup_steps, window, stop)
             draws_random = any(
                 not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)
             )
@@ -715,7 +871,20 @@ def run_trial(
             "fp8_layers": fp8_layers,
         }
     )
+    if spec.compile:
+        graphs, recompiles = _compile_counts(figures, graphs_before)
+        result.record = result.record.model_copy(
+            update={"compiled_graphs": graphs, "recompiles": recompiles}
+        )
     return result
+
+
+def _steps_run(failure: TrialFailure | None, steps_done: int) -> int:
+    """Steps that ran cleanly: a non-finite loss or gradient is found when its window is read,
+    after the rest of the window ran on; the steps from the failing one on do not count."""
+    if failure is not None and failure.kind in ("non_finite_loss", "non_finite_gradient"):
+        return min(steps_done, failure.step or 0)
+    return steps_done
 
 
 def _record(
@@ -728,25 +897,31 @@ def _record(
     mode: Any,
     wall: float,
 ) -> TrialRecord:
-    times = figures.get("times", [])[warmup:]
-    measured = sum(times)
-    samples = sum(figures.get("samples", [])[warmup:])
-    tokens = figures.get("tokens", [])[warmup:]
+    windows = tuple(figures.get("windows", ()))
+    measured = measured_windows(windows)
+    seconds = sum(window.seconds for window in measured)
+    tokens = [window.tokens for window in measured]
     peak = figures.get("peak") or {}
     return TrialRecord(
         spec=spec,
         seed=seed,
         steps_planned=steps,
-        steps_run=len(figures.get("times", [])),
+        steps_run=_steps_run(failure, figures.get("steps_done", 0)),
         warmup_steps=warmup,
         failure=failure,
         losses=tuple(figures.get("losses", [])),
-        samples_per_second=samples / measured if times and measured > 0 else None,
-        tokens_per_second=(
-            sum(tokens) / measured if times and measured > 0 and None not in tokens else None
+        samples_per_second=(
+            sum(window.samples for window in measured) / seconds if seconds > 0 else None
         ),
-        median_step_seconds=statistics.median(times) if times else None,
-        step_seconds=tuple(figures.get("times", [])),
+        tokens_per_second=(
+            sum(tokens) / seconds  # type: ignore[arg-type]
+            if seconds > 0 and None not in tokens
+            else None
+        ),
+        median_step_seconds=(
+            statistics.median(window.step_seconds for window in measured) if measured else None
+        ),
+        windows=windows,
         wall_seconds=wall,
         peak_memory_bytes=peak.get("allocated"),
         peak_reserved_bytes=peak.get("reserved"),

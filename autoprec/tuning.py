@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -221,7 +221,7 @@ def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
         steps=record.steps_run,
         drift={} if verdict is None else verdict.metrics.as_dict(),
         final_loss=record.losses[-1] if record.losses else None,
-        step_seconds=record.step_seconds,
+        windows=record.windows,
         fp8_layers=record.fp8_layers,
     )
 
@@ -390,9 +390,13 @@ class RunSetup:
     clock: Callable[[], float]
     thresholds: DriftThresholds | None
     events: EventSink
+    compile: bool = False
+    """Every run (the fp32 reference and noise runs included) trains compiled."""
 
     def run(self, spec: ModeSpec, steps: int, **options: Any) -> TrialResult:
         options.setdefault("seed", self.seed)
+        if self.compile and not spec.compile:
+            spec = spec.model_copy(update={"compile": True})
         return run_trial(
             spec,
             self.trial_model,
@@ -429,6 +433,33 @@ def _check_budget(budget_minutes: Any, objective: Any) -> None:
         raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+
+
+def uncompiled_model(model: Any) -> tuple[Any, bool]:
+    """(the module to tune, whether the user compiled it): ``torch.compile(model)`` returns a
+    wrapper whose ``_orig_mod`` is the model; ``model.compile()`` and a compiled ``forward``
+    mark the model itself (trials drop that from their copies)."""
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
+        return original, True
+    if not isinstance(model, nn.Module):
+        return model, False
+    compiled = any(
+        getattr(module, "_compiled_call_impl", None) is not None
+        or hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+        for module in model.modules()
+    )
+    return model, compiled
+
+
+def resolve_compile(compile: bool | str, user_compiled: bool) -> bool:
+    """``compile=True`` / ``False`` as given; ``"auto"``: train compiled exactly when the user's
+    model is (measure the run the user makes)."""
+    if compile == "auto":
+        return user_compiled
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True, False or 'auto' but got {compile!r}.")
+    return compile
 
 
 def check_model(model: Any) -> None:
@@ -534,6 +565,9 @@ def setup_run(
     )
     candidates = (select or _tune_candidates)(report, situation, modes)
     refuse_unrunnable(candidates, modes)
+    if shared.get("compile"):
+        compiled = tuple(spec.model_copy(update={"compile": True}) for spec in candidates.specs)
+        candidates = candidates.model_copy(update={"specs": compiled})
     return RunSetup(
         user_model=model,
         trial_model=trial_model,
@@ -570,14 +604,17 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float
     step_seconds, calibration_seconds, draws_random = calibration_run(setup)
     # every candidate (the reference among them) and the noise run(s)
     trials = len(setup.candidates.specs) + (2 if draws_random else 1)
-    available = (setup.deadline - setup.clock()) * (1 - BUDGET_RESERVE)
+    # what a run costs beyond its steps (copying, converting, compiling): as calibration's
+    overhead = max(0.0, calibration_seconds - CALIBRATION_STEPS * step_seconds)
+    available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
     if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
         raise ValueError(
             f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
             f"{step_seconds:.3g} s and the reference and noise runs alone need "
             f"{2 * MIN_TRIAL_STEPS} steps. Give at least "
-            f"{(calibration_seconds + 3 * MIN_TRIAL_STEPS * step_seconds) / 60:.2f} minutes."
+            f"{(calibration_seconds + 3 * (MIN_TRIAL_STEPS * step_seconds + overhead)) / 60:.2f}"
+            " minutes."
         )
     return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
 
@@ -685,6 +722,7 @@ def tune(
     objective: Objective = "speed",
     modes: list[str] | None = None,
     device: str | None = None,
+    compile: bool | Literal["auto"] = "auto",
     storage: str | None = None,
     study_name: str | None = None,
     seed: int = 0,
@@ -716,6 +754,12 @@ def tune(
         objective: "speed", "memory" or "balanced".
         modes: restrict the candidates to these canonical mode names.
         device: "cpu" or "cuda:N" to tune on (default: where the model is).
+        compile: train every run (the fp32 reference too) with ``torch.compile``, as the
+            profile's ``apply()`` then does; ``"auto"`` (default): when you passed a compiled
+            model (``torch.compile(model)`` or ``model.compile()``). Compilation is timed in
+            each run's warm-up, counted in the budget, left out of the speed figures;
+            recompiles after warm-up are reported; a mode that fails to compile is a failed
+            trial with the compiler's message.
         storage / study_name: an Optuna storage URL to persist (and resume) the study.
         on_event: called with a :class:`~autoprec.search.SearchEvent` for every phase (fp32
             calibration, reference and noise runs), every trial's start and end, and its step
@@ -728,9 +772,11 @@ def tune(
     Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
+    model, compiled = uncompiled_model(model)
     check_model(model)
     _check_budget(budget_minutes, objective)
     check_device(device)
+    use_compile = resolve_compile(compile, compiled)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
         scheduler=scheduler,
@@ -756,6 +802,7 @@ def tune(
             clock=clock,
             thresholds=thresholds,
             events=EventSink(callback, started=start, budget_seconds=budget_seconds, clock=clock),
+            compile=use_compile,
         )
         return _search(setup, budget_minutes, objective, storage, study_name, start)
 
@@ -836,8 +883,9 @@ def _search(
     reference_verdict = fp32_runs.judge(reference, setup.thresholds)
     reference_outcome = _outcome(reference, reference_verdict, device)
     reference_seconds = clock() - start - calibration_seconds
-    if "fp32" not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
-        trial = ask_for(study, "fp32", [s.label for s in candidates.specs])
+    label = reference.record.spec.label  # fp32, or fp32+compiled
+    if label not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
+        trial = ask_for(study, label, [s.label for s in candidates.specs])
         record_outcome(study, trial, reference_outcome)
 
     def runner(spec: ModeSpec, stop: Any) -> TrialOutcome:

@@ -4,14 +4,17 @@ keep_fp32."""
 
 from __future__ import annotations
 
+import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import autoprec
 from autoprec.modes.amp import AmpFp16Mode
+from autoprec.plan import build_plan
 from autoprec.specs import ModeSpec
 from examples import tiny_gpt
 
@@ -201,7 +204,7 @@ def test_keep_fp32_modules_really_run_in_fp32(mode: str, tmp_path: Path) -> None
     plan, _, losses = train(spec, tmp_path, steps=60)
     assert_learns(losses)
     dtypes = parameter_dtypes(plan.model)
-    # wte is tied to lm_head: keeping one keeps both
+    # wte is tied to lm_head: the shared weight stays fp32
     for name in ("wte.weight", "ln_f.weight", "blocks.0.ln_1.weight", "blocks.0.ln_2.bias"):
         assert dtypes[name] == torch.float32, name
     low = torch.float32 if mode == "amp_bf16" else torch.bfloat16
@@ -218,11 +221,15 @@ def test_keep_fp32_modules_really_run_in_fp32(mode: str, tmp_path: Path) -> None
     with plan.autocast():
         logits = plan.model(tokens)
     assert inside["ln_f"] == (torch.float32, False)  # fp32 input, no autocast: an fp32 island
-    assert inside["lm_head"] == (torch.float32, False)  # tied to the kept wte
+    # tied to the kept wte, not kept itself: it computes in bf16 (pure bf16: from the fp32
+    # weight, under autocast)
+    assert inside["lm_head"] == (
+        (torch.float32, True) if mode == "amp_bf16" else (torch.bfloat16, True)
+    )
     assert inside["blocks.0.mlp.0"] == (
         (torch.float32, True) if mode == "amp_bf16" else (torch.bfloat16, False)
     )
-    assert logits.dtype == (torch.float32 if mode == "amp_bf16" else torch.bfloat16)
+    assert logits.dtype == torch.bfloat16
 
 
 def test_user_model_is_converted_in_place_and_returned(tmp_path: Path) -> None:
@@ -273,3 +280,107 @@ def test_fp8_torchao_converts_only_layers_large_enough_by_default() -> None:
     assert ModeSpec(mode="fp8_torchao").fp8_layers == "worthwhile"
     with pytest.raises(ValueError, match="fp8_layers applies only"):
         ModeSpec(mode="amp_bf16", fp8_layers="all")
+
+
+class _TiedLm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.relu(self.hidden(self.wte(tokens))))
+
+
+def test_fp8_te_swap_keeps_ties_and_the_optimizers_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stand-in for transformer_engine.pytorch.Linear (same constructor): the swap must
+    hand it the module's own Parameters, so a tied lm_head stays tied to wte and the user's
+    optimizer still steps every weight the model trains."""
+    from autoprec.modes import fp8_te
+    from autoprec.optim import named_groups
+
+    class StandInTeLinear(nn.Linear):
+        def __init__(self, i: int, o: int, bias: bool, params_dtype: torch.dtype, device: object):
+            super().__init__(i, o, bias=bias, dtype=params_dtype, device=device)
+
+    stand_in = types.SimpleNamespace(pytorch=types.SimpleNamespace(Linear=StandInTeLinear))
+    monkeypatch.setattr(fp8_te, "require", lambda name: stand_in)
+    model = _TiedLm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mode = fp8_te.Fp8TeMode(ModeSpec(mode="fp8_te", fp8_skip=("hidden",)))
+    groups = named_groups(optimizer, model)
+    converted = mode.convert_module(model)
+    assert isinstance(converted.lm_head, StandInTeLinear)
+    assert not isinstance(converted.hidden, StandInTeLinear)  # fp8_skip: left as it was
+    assert converted.lm_head.weight is converted.wte.weight
+    assert mode.convert_optimizer(optimizer, converted, groups) is optimizer
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert {id(p) for p in converted.parameters()} <= held
+
+
+def test_a_head_tied_to_a_kept_embedding_computes_in_bf16(tmp_path: Path) -> None:
+    """Pure bf16 with wte kept in fp32: the tied lm_head keeps the shared fp32 weight but
+    computes in bf16 from it (not an fp32 island: it is 39% of a small GPT's FLOPs)."""
+    model = _TiedLm()
+    plan = build_plan(
+        ModeSpec(mode="bf16_kahan", keep_fp32=("wte",)),
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+    )
+    assert plan.model.lm_head.weight is plan.model.wte.weight
+    assert plan.model.wte.weight.dtype == torch.float32
+    assert plan.model.hidden.weight.dtype == torch.bfloat16
+    seen = {}
+    plan.model.lm_head.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.dtype))
+    tokens = torch.randint(0, 64, (4, 8))
+    with plan.autocast():
+        logits = plan.model(tokens)
+    assert seen["out"] == torch.bfloat16 and logits.dtype == torch.bfloat16
+    plan.step(logits.float().logsumexp(-1).mean())
+    assert plan.model.wte.weight.dtype == torch.float32  # trained, still fp32 and tied
+    assert plan.model.lm_head.weight is plan.model.wte.weight
+
+
+def test_layers_kept_out_of_fp8_compute_in_bf16_and_keep_fp32_in_fp32() -> None:
+    """fp8_skip and keep_fp32 are two things: a layer kept out of FP8 runs in the mode's bf16
+    autocast (as torchtitan and Accelerate run it), a keep_fp32 layer in fp32."""
+    model, tokens = tiny_gpt.make_model(**SMALL)
+    spec = ModeSpec(
+        mode="fp8_torchao",
+        emulate=True,
+        fp8_layers="all",
+        fp8_skip=("lm_head",),
+        keep_fp32=("blocks.0.attn.c_proj",),
+    )
+    plan = build_plan(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    kinds = {fqn: type(m).__name__ for fqn, m in plan.model.named_modules()}
+    assert kinds["blocks.0.mlp.0"] == "Float8Linear"
+    assert kinds["lm_head"] == kinds["blocks.0.attn.c_proj"] == "Linear"
+    outputs: dict[str, torch.dtype] = {}
+    for name in ("lm_head", "blocks.0.attn.c_proj"):
+        plan.model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__(name, out.dtype)
+        )
+    with plan.autocast():
+        plan.model(tokens)
+    assert outputs == {"lm_head": torch.bfloat16, "blocks.0.attn.c_proj": torch.float32}
+
+
+def test_fp8_candidates_keep_first_and_last_layers_out_of_fp8_not_in_fp32() -> None:
+    from autoprec.candidates import screen_specs
+    from autoprec.eligibility import Situation
+    from autoprec.probing import probe
+
+    model, tokens = tiny_gpt.make_model(**SMALL)
+    report = probe(model, tokens)
+    situation = Situation(
+        hardware=report.hardware, device=report.device, layers=report.layers,
+        backends=report.backends,
+    )  # fmt: skip
+    fp8 = next(s for s in screen_specs(report, situation).specs if s.mode == "fp8_torchao")
+    assert fp8.keep_fp32 == ()
+    assert "lm_head" in fp8.fp8_skip and "blocks.0.attn.c_attn" in fp8.fp8_skip

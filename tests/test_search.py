@@ -13,7 +13,7 @@ from autoprec.choice import choose, dominates, pareto_front
 from autoprec.probing import probe
 from autoprec.search import EventSink, TrialOutcome, create_study, make_stop_check, search
 from autoprec.specs import ModeSpec
-from autoprec.trial import TrialProgress
+from autoprec.trial import StepWindow, TrialProgress
 from examples import tiny_gpt
 from tests.conftest import make_backends, make_hardware
 
@@ -106,6 +106,17 @@ def test_budget_stops_launching_trials() -> None:
     assert outcomes[2].status == "pruned" and outcomes[2].reasons[0].startswith("budget: 4 s left")
 
 
+def windows(times: list[float], warmup: int = 2) -> tuple[StepWindow, ...]:
+    """A warm-up window over the first ``warmup`` steps, then one window per step."""
+    made = [StepWindow(first_step=0, steps=warmup, seconds=sum(times[:warmup]), samples=warmup,
+                       tokens=None, warmup=True)]  # fmt: skip
+    made += [
+        StepWindow(first_step=i, steps=1, seconds=t, samples=1, tokens=None, warmup=False)
+        for i, t in enumerate(times[warmup:], start=warmup)
+    ]
+    return tuple(made)
+
+
 def test_stop_check() -> None:
     clock = FakeClock()
     best = outcome("amp_bf16", speed=100)  # 10 ms per step
@@ -113,11 +124,7 @@ def test_stop_check() -> None:
 
     def progress(times: list[float], steps: int = 50, state: int | None = 900) -> TrialProgress:
         return TrialProgress(
-            step=len(times) - 1,
-            steps_planned=steps,
-            step_seconds=tuple(times),
-            warmup_steps=2,
-            state_bytes=state,
+            step=len(times) - 1, steps_planned=steps, windows=windows(times), state_bytes=state
         )
 
     assert stop(progress([1.0, 1.0, 0.01, 0.01])) is None  # too few measured steps
@@ -257,20 +264,18 @@ def test_a_trial_left_waiting_does_not_hijack_the_next_candidate(tmp_path: Path)
 def test_pruning_compares_the_same_steps() -> None:
     """The best run's first batches were its long ones (its median, over all its steps, is
     short): a candidate 10% faster on every single step was pruned by its running median."""
-    best_steps = (1.0, 1.0) + (0.2,) * 5 + (0.1,) * 45
-    best = outcome("amp_bf16", speed=100, step_seconds=best_steps)
+    best_steps = [1.0, 1.0] + [0.2] * 5 + [0.1] * 45
+    best = outcome("amp_bf16", speed=100, windows=windows(best_steps))
     best = best.model_copy(update={"median_step_seconds": 0.1})
-    faster = tuple(0.9 * seconds for seconds in best_steps[:7])
-    progress = TrialProgress(
-        step=6, steps_planned=50, step_seconds=faster, warmup_steps=2, state_bytes=None
-    )
+    faster = windows([0.9 * seconds for seconds in best_steps[:7]])
+    progress = TrialProgress(step=6, steps_planned=50, windows=faster, state_bytes=None)
     assert make_stop_check(best, "speed", deadline=1e9, clock=FakeClock())(progress) is None
-    unpaired = best.model_copy(update={"step_seconds": ()})  # the old comparison
+    unpaired = best.model_copy(update={"windows": ()})  # the old comparison
     stop = make_stop_check(unpaired, "speed", deadline=1e9, clock=FakeClock())
     assert stop(progress).startswith("slower than amp_bf16: 180 vs 100 ms/step")
-    slower = tuple(1.2 * seconds for seconds in best_steps[:7])
+    slower = windows([1.2 * seconds for seconds in best_steps[:7]])
     check = make_stop_check(best, "speed", deadline=1e9, clock=FakeClock())
-    reason = check(dataclasses.replace(progress, step_seconds=slower))
+    reason = check(dataclasses.replace(progress, windows=slower))
     assert reason == "slower than amp_bf16: 1.20x its step time on the same 5 steps"
 
 

@@ -2,15 +2,18 @@ from __future__ import annotations
 
 import copy
 import random
+import traceback
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import autoprec
+import autoprec.trial as trial_module
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
-from autoprec.trial import TIMING_FIELDS, run_trial
+from autoprec.trial import TIMING_FIELDS, deep_copy, run_trial
 from examples import tasks, tiny_gpt
 
 
@@ -499,3 +502,134 @@ def test_peak_memory_is_the_trials_own() -> None:
     assert record.peak_memory_bytes < 64 * 2**20, record.peak_memory_bytes
     assert record.peak_reserved_bytes is None  # CUDA only
     assert float(held[0]) == 1.0
+
+
+_HOST_READS = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__bool__,
+    torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy,
+}  # fmt: skip
+"""Tensor methods that copy a value to the host: on a GPU, each one waits for the device."""
+
+
+class _HostReadLog(TorchFunctionMode):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS and not _reads_optimizer_step_count():
+            self.log.append("read")
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_optimizer_step_count() -> bool:
+    """torch's Adam reads its step counter with ``_get_value``: a tensor torch keeps on the
+    host even when the parameters are on a GPU, so the read waits for nothing."""
+    return any(frame.name == "_get_value" for frame in traceback.extract_stack(limit=4))
+
+
+def _window_log(monkeypatch: pytest.MonkeyPatch, spec: ModeSpec, steps: int) -> list[str]:
+    """Every host read and window clock read of a trial, in order."""
+    log: list[str] = []
+    start, stop = trial_module._WindowClock.start, trial_module._WindowClock.stop
+
+    def logged_start(clock: object) -> None:
+        log.append("start")
+        start(clock)
+
+    def logged_stop(clock: object) -> float:
+        log.append("stop")
+        return stop(clock)
+
+    monkeypatch.setattr(trial_module._WindowClock, "start", logged_start)
+    monkeypatch.setattr(trial_module._WindowClock, "stop", logged_stop)
+    task = tasks.regression()
+    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse, clip_grad_norm=1.0)
+    with _HostReadLog(log):
+        record = run_trial(spec, task.model, task.batches, recipe=recipe, steps=steps).record
+    assert record.completed and record.steps_run == steps
+    return log
+
+
+def _inside_windows(log: list[str]) -> list[int]:
+    """Host reads between each window's two clock reads."""
+    counts, inside = [], None
+    for entry in log:
+        if entry == "start":
+            inside = 0
+        elif entry == "stop":
+            counts.append(inside)
+            inside = None
+        elif inside is not None:
+            inside += 1
+    return counts
+
+
+def test_no_host_read_inside_a_timed_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Losses, non-finite checks, gradient maxima and the clipping norm stay on the device
+    while a window runs; they are read once, after it (the loop a user writes reads 0-1 times
+    per step: autoprec's timing must not charge more)."""
+    log = _window_log(monkeypatch, ModeSpec(mode="amp_bf16"), steps=22)
+    # warm-up window (2 steps), then windows of window_steps_for(22, 2) = 4 steps
+    assert _inside_windows(log) == [0] * 6
+    reads_after = log[log.index("stop") + 1 :].count("read")
+    assert reads_after >= 6  # each window's figures are read after it: not skipped
+
+
+def test_amp_fp16_reads_only_what_grad_scaler_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GradScaler reads its inf flags before each (non-fused) optimizer step, in the user's
+    loop too; autoprec's skip counting adds no read of its own."""
+    log = _window_log(monkeypatch, ModeSpec(mode="amp_fp16"), steps=12)
+    # warm-up window (2 steps), then windows of window_steps_for(12, 2) = 2 steps: one read
+    # per step, GradScaler's
+    assert _inside_windows(log) == [2] * 6
+
+
+def _broken_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_a_mode_that_fails_to_compile_is_a_failed_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    def compile_broken(model: nn.Module) -> None:
+        model.forward = torch.compile(model.forward, backend=_broken_backend)
+
+    monkeypatch.setattr(autoprec.plan, "compile_model", compile_broken)
+    task = tasks.regression()
+    record = run_trial(
+        ModeSpec(mode="amp_bf16", compile=True),
+        task.model,
+        task.batches,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
+        steps=6,
+    ).record
+    assert record.failure is not None and record.failure.kind == "compile_failed"
+    assert "this backend cannot compile anything" in record.failure.message
+    assert record.failure.step == 0
+
+
+def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
+    """Batches of another size after warm-up make torch.compile build a new graph: timings
+    then include compilation, and the record says so."""
+    task = tasks.regression(batches=12)
+    batches = task.batches[:8] + [(x[:40], y[:40]) for x, y in task.batches[8:]]
+    record = run_trial(
+        ModeSpec(mode="fp32", compile=True),
+        task.model,
+        batches,
+        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
+        steps=12,
+    ).record
+    assert record.completed, record.failure
+    assert record.compiled_graphs == 1 and record.recompiles == 1
+
+
+def test_trial_copies_do_not_run_the_users_compiled_forward() -> None:
+    """A model compiled in place (its forward replaced on the instance) deep-copies into a
+    module whose compiled forward still runs the original's weights: copies drop it."""
+    task = tasks.regression()
+    task.model.forward = torch.compile(task.model.forward)
+    copied = deep_copy(task.model)
+    assert "forward" not in vars(copied)
+    with torch.no_grad():
+        copied[0].weight.zero_()
+        assert not torch.equal(copied(task.batches[0][0]), task.model(task.batches[0][0]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 import autoprec
 from autoprec.search import SearchEvent
-from autoprec.tuning import tune
+from autoprec.tuning import resolve_compile, tune, uncompiled_model
 from examples import tasks, tiny_gpt
 
 
@@ -373,3 +374,42 @@ def test_a_requested_mode_that_cannot_run_here_is_an_error(tmp_path: Path) -> No
             storage=storage,
         )
     assert caught.value.reasons and not (tmp_path / "new").exists()  # nothing created
+
+
+def test_compiled_tune_writes_a_compiled_profile_that_trains(tmp_path: Path) -> None:
+    """compile=True: the reference and the candidate train compiled (graphs built in their
+    warm-up), the winner's profile records it, and apply() compiles the model the same way."""
+    task = tasks.regression(lr=1e-2, batches=30)
+    result = tune(
+        task.model,
+        task.batches,
+        budget_minutes=3,
+        loss_fn=task.mse,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        modes=["fp32", "amp_bf16"],
+        compile=True,
+        progress=False,
+    )
+    assert result.reference.spec.compile and all(t.spec.compile for t in result.trials)
+    assert result.profile.spec.compile and result.profile.spec.label.endswith("+compiled")
+    path = result.profile.save(tmp_path / "compiled.json")
+    model = copy.deepcopy(task.model)
+    plan = autoprec.load_profile(path).apply(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert plan.model is model and hasattr(model.forward, "_torchdynamo_orig_callable")
+    losses = []
+    for x, y in task.batches[:20]:
+        with plan.autocast():
+            loss = task.mse(plan.model(x), y)
+        plan.step(loss)
+        losses.append(float(loss.detach()))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+def test_compile_auto_follows_the_users_model() -> None:
+    model = tasks.regression().model
+    assert uncompiled_model(model) == (model, False)
+    assert uncompiled_model(torch.compile(model)) == (model, True)
+    assert resolve_compile("auto", True) and not resolve_compile("auto", False)
+    assert resolve_compile(True, False) and not resolve_compile(False, True)
+    with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
+        resolve_compile("yes", False)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,15 +129,9 @@ def tune_trainer(trainer: Any, budget_minutes: float = 30.0, **options: Any) -> 
     override what is read from the Trainer. The Trainer and its model are left unchanged."""
     from autoprec.tuning import tune
 
-    if trainer.args.torch_compile:
-        warnings.warn(
-            "TrainingArguments(torch_compile=True): autoprec's trials run eager (compiled "
-            "trials are not measured yet), so speed figures are of the eager model.",
-            UserWarning,
-            stacklevel=2,
-        )
     loader = _train_loader(trainer)
     recipe = trainer_recipe(trainer, loader, **options)
+    recipe.setdefault("compile", bool(trainer.args.torch_compile))  # trials train as it will
     return tune(trainer.model, loader, budget_minutes=budget_minutes, **recipe)
 
 
@@ -165,9 +158,7 @@ class PlanOptimizer(torch.optim.Optimizer):
         if plan.clip_grad_norm is not None:
             mode.unscale_gradients(plan.optimizer)
             parameters = [p for group in plan.optimizer.param_groups for p in group["params"]]
-            plan.last_grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(parameters, plan.clip_grad_norm)
-            )
+            plan.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, plan.clip_grad_norm)
         mode.optimizer_step(plan.optimizer)
         return loss
 
@@ -222,6 +213,9 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
         scheduler = scheduler_factory(trainer)(
             optimizer, max_steps(trainer, _train_loader(trainer))
         )
+    if profile.spec.compile and args.torch_compile:  # the Trainer compiles the model itself
+        spec = profile.spec.model_copy(update={"compile": False})
+        profile = profile.model_copy(update={"spec": spec})
     plan = profile.apply(
         trainer.model,
         optimizer,

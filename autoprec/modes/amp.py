@@ -15,6 +15,28 @@ SETTLE_TRIES = 24
 """Halvings :meth:`AmpFp16Mode.settle` tries: 2**16 down to 2**-8."""
 
 
+def _stepping(optimizer: torch.optim.Optimizer, run: Callable[[], object]) -> bool:
+    """Run ``run`` and say whether it called ``optimizer.step`` (found by wrapping it for the
+    call: nothing is read from the device)."""
+    called: list[bool] = []
+    own = vars(optimizer).get("step")  # an instance-level wrapper (schedulers set one)
+    inner = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        called.append(True)
+        return inner(*args, **kwargs)
+
+    optimizer.step = step  # type: ignore[method-assign]
+    try:
+        run()
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own  # type: ignore[method-assign]
+    return bool(called)
+
+
 class AmpBf16Mode(PrecisionMode):
     """Autocast to bf16; ``keep_fp32`` modules run with autocast off."""
 
@@ -41,9 +63,16 @@ class AmpFp16Mode(AmpBf16Mode):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.scaler: torch.amp.GradScaler | None = None
-        self.skipped_steps = 0
         self.steps = 0
         self._unscaled = False
+        self._skipped: torch.Tensor | None = None  # on the device: counting costs no host read
+        self._skipped_before = 0  # restored from a checkpoint
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the loss scaler skipped (reading it is a host read)."""
+        counted = 0 if self._skipped is None else int(self._skipped.item())
+        return self._skipped_before + counted
 
     @override
     def convert_module(self, model: nn.Module) -> nn.Module:
@@ -86,16 +115,24 @@ class AmpFp16Mode(AmpBf16Mode):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """GradScaler's step and update, with no host read of autoprec's own: whether the
+        step was taken is whether GradScaler called ``optimizer.step`` (it reads the inf flags
+        itself, as in any loop using it; a fused optimizer takes them on the device and is
+        always called, so this returns True). ``skipped_steps`` counts exactly on the device."""
         scaler = self._require_scaler()
-        scale_before = scaler.get_scale()
-        scaler.step(optimizer)
+        self.unscale_gradients(optimizer)  # what scaler.step would do first: the inf check
+        found = sum(scaler._found_inf_per_device(optimizer).values())  # device tensors
+        assert isinstance(found, torch.Tensor)
+        self._skipped = found.clone() if self._skipped is None else self._skipped + found
+        stepped = _stepping(optimizer, lambda: scaler.step(optimizer))
         scaler.update()
         self._unscaled = False
         self.steps += 1
-        stepped = scaler.get_scale() >= scale_before  # the scaler backs off only after inf/nan
-        if not stepped:
-            self.skipped_steps += 1
         return stepped
+
+    @override
+    def loss_scale_tensor(self) -> torch.Tensor | None:
+        return self._require_scaler()._get_scale_async()
 
     @property
     def loss_scale(self) -> float:
@@ -113,4 +150,4 @@ class AmpFp16Mode(AmpBf16Mode):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._require_scaler().load_state_dict(state["scaler"])
         self.steps = int(state.get("steps", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._skipped_before, self._skipped = int(state.get("skipped_steps", 0)), None

@@ -21,7 +21,7 @@ from autoprec.eligibility import Situation, mode_eligibility, optimizer_8bit_eli
 from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer
 from autoprec.specs import ModeName, ModeSpec, matches_keep_fp32
 
-__all__ = ["PrecisionMode", "install_fp32_islands", "override"]
+__all__ = ["PrecisionMode", "install_autocast_islands", "install_fp32_islands", "override"]
 
 
 @contextlib.contextmanager
@@ -87,6 +87,33 @@ def install_fp32_islands(
         module.register_forward_hook(leave)
 
 
+def install_autocast_islands(
+    model: nn.Module, fqns: list[str], device_type: str, dtype: torch.dtype
+) -> None:
+    """Run the named modules under autocast to ``dtype``, whatever surrounds them: a module
+    of a pure-bf16 model whose weight stays fp32 because it is tied to a kept module computes
+    in bf16 from it (autocast casts the weight per call; its gradient arrives in fp32)."""
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        contexts: list[torch.autocast] = []
+
+        def enter(
+            _module: nn.Module, _args: Any, contexts: list[torch.autocast] = contexts
+        ) -> None:
+            context = torch.autocast(device_type, dtype=dtype)
+            context.__enter__()
+            contexts.append(context)
+
+        def leave(
+            _module: nn.Module, _args: Any, _output: Any, contexts: list[torch.autocast] = contexts
+        ) -> None:
+            if contexts:
+                contexts.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
+
 class PrecisionMode:
     """Full fp32 training, TF32 off: the reference every other mode is measured against."""
 
@@ -124,6 +151,10 @@ class PrecisionMode:
         """True when module ``fqn`` (or an ancestor) matches a ``keep_fp32`` pattern."""
         return matches_keep_fp32(fqn, self.spec.keep_fp32)
 
+    def skips_fp8(self, fqn: str) -> bool:
+        """True when module ``fqn`` (or an ancestor) matches an ``fp8_skip`` pattern."""
+        return matches_keep_fp32(fqn, self.spec.fp8_skip)
+
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
         """torchao's idiom: True when the mode may convert this module."""
         return not self.keeps_fp32(fqn)
@@ -133,16 +164,10 @@ class PrecisionMode:
         return ()
 
     def kept_modules(self, model: nn.Module) -> set[str]:
-        """Modules kept in fp32: those matching a pattern, plus every module that shares a
-        parameter with one (a tied ``lm_head`` must run in fp32 if its ``wte`` is kept)."""
-        kept = {fqn for fqn, _ in model.named_modules() if fqn and self.keeps_fp32(fqn)}
-        kept_parameters = {
-            id(p) for fqn in kept for p in model.get_submodule(fqn).parameters(recurse=False)
-        }
-        for fqn, module in model.named_modules():
-            if fqn and any(id(p) in kept_parameters for p in module.parameters(recurse=False)):
-                kept.add(fqn)
-        return kept
+        """Modules kept in fp32: those matching a ``keep_fp32`` pattern. A module tied to one
+        (a ``lm_head`` sharing ``wte``'s weight) is not kept: it computes in the mode's
+        precision from the shared fp32 weight (pure bf16: :meth:`tied_to_kept`)."""
+        return {fqn for fqn, _ in model.named_modules() if fqn and self.keeps_fp32(fqn)}
 
     def kept_roots(self, model: nn.Module) -> list[str]:
         """The outermost kept modules (hooking those covers their children)."""
@@ -152,6 +177,19 @@ class PrecisionMode:
             if fqn in kept and not any(fqn.startswith(root + ".") for root in roots):
                 roots.append(fqn)
         return roots
+
+    def tied_to_kept(self, model: nn.Module) -> list[str]:
+        """Modules outside ``keep_fp32`` that hold a parameter of a kept module (weight tying):
+        where a mode casts parameters, that shared parameter stays fp32."""
+        kept = self.kept_roots(model)
+        shared = self.parameter_ids(model, kept)
+        return [
+            fqn
+            for fqn, module in model.named_modules()
+            if fqn
+            and not any(fqn == root or fqn.startswith(root + ".") for root in kept)
+            and any(id(p) in shared for p in module.parameters(recurse=False))
+        ]
 
     @staticmethod
     def parameter_ids(model: nn.Module, roots: list[str]) -> set[int]:
@@ -204,6 +242,10 @@ class PrecisionMode:
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``.grad`` hold true gradients (before clipping). No-op without loss scaling."""
+
+    def loss_scale_tensor(self) -> torch.Tensor | None:
+        """The loss scale as a device tensor (no host read); None without loss scaling."""
+        return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer; False when the step was skipped (loss scaler found inf/nan)."""

@@ -25,7 +25,7 @@ class Fp8TeMode(PrecisionMode):
 
     @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
-        return fp8_linear_fits(module) and not self.keeps_fp32(fqn)
+        return fp8_linear_fits(module) and not (self.keeps_fp32(fqn) or self.skips_fp8(fqn))
 
     def te_recipe(self) -> Any:
         """The Transformer Engine recipe object this spec describes, field by field."""
@@ -64,10 +64,11 @@ class Fp8TeMode(PrecisionMode):
                 params_dtype=module.weight.dtype,
                 device=module.weight.device,
             )
-            with torch.no_grad():
-                replacement.weight.copy_(module.weight)
-                if module.bias is not None:
-                    replacement.bias.copy_(module.bias)
+            # the same Parameter objects, not copies: a tied weight stays tied and the
+            # optimizer already holds them (te.Linear reads self.weight / self.bias per call)
+            replacement.weight = module.weight
+            if module.bias is not None:
+                replacement.bias = module.bias
             setattr(parent, child_name, replacement)
             self.converted.append(fqn)
         install_fp32_islands(model, self.kept_roots(model), self.device_type)

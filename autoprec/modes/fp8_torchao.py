@@ -33,7 +33,7 @@ class Fp8TorchaoMode(PrecisionMode):
     @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
         # torchao on CPU does not enforce the multiple-of-16 rule; autoprec does.
-        if not fp8_linear_fits(module) or self.keeps_fp32(fqn):
+        if not fp8_linear_fits(module) or self.keeps_fp32(fqn) or self.skips_fp8(fqn):
             return False
         if self.spec.fp8_layers == "all":
             return True

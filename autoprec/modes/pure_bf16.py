@@ -3,7 +3,8 @@
 ``bf16_pure`` rounds every update to nearest (updates below half a bf16 ulp vanish);
 ``bf16_sr`` rounds them stochastically, ``bf16_kahan`` carries the rounding error in a Kahan
 buffer (torch-optimi), ``bf16_sr_kahan`` does both. ``keep_fp32`` modules keep fp32 weights,
-run in fp32 and hand bf16 outputs on.
+run in fp32 and hand bf16 outputs on; a module tied to one (a ``lm_head`` sharing ``wte``'s
+weight) keeps that weight fp32 and computes in bf16 from it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+from autoprec.modes.base import (
+    PrecisionMode,
+    install_autocast_islands,
+    install_fp32_islands,
+    override,
+)
 
 
 def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
@@ -98,6 +104,8 @@ class Bf16PureMode(PrecisionMode):
             if fqn and own and all(p.dtype == torch.bfloat16 for p in own):
                 module.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
         install_fp32_islands(model, kept, self.device_type, output_dtype=torch.bfloat16)
+        tied = self.tied_to_kept(model)  # their shared weight is fp32: compute in bf16 from it
+        install_autocast_islands(model, tied, self.device_type, torch.bfloat16)
         self._parameters = [p for p in model.parameters() if p.dtype == torch.bfloat16]
         return model
 
