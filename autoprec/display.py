@@ -183,6 +183,8 @@ def _figures(figures: TrialFigures) -> str:
         parts.append(f"peak {_bytes(figures.peak_memory_bytes)}")
     if figures.state_bytes is not None:
         parts.append(f"state {figures.state_bytes / 2**20:.1f} MiB")
+    if figures.activation_bytes is not None:
+        parts.append(f"saved activations {figures.activation_bytes / 2**20:.1f} MiB")
     if figures.final_loss is not None:
         parts.append(f"loss {figures.final_loss:.4g}")
     return ", ".join(parts) or "—"
@@ -290,7 +292,9 @@ def _budget_caption(result: TuneResult) -> str:
 
 def _memory_header(result: TuneResult) -> str:
     kind = result.reference.memory_kind
-    return "peak MiB" if kind == "cuda_peak" else "state MiB"
+    return {"cuda_peak": "peak MiB", "state_and_activations": "state+act MiB"}.get(
+        kind or "", "state MiB"
+    )
 
 
 def _trial_rows(result: TuneResult) -> list[tuple[Text, Text, str, str, list[str]]]:

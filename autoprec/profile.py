@@ -132,6 +132,8 @@ class TrialFigures(BaseModel):
     peak_memory_bytes: int | None = None
     state_bytes: int | None = None
     """Exact bytes of parameters, gradients and optimizer state."""
+    activation_bytes: int | None = None
+    """CPU, eager: bytes autograd saved for backward in one micro-batch."""
     final_loss: float | None = None
 
 

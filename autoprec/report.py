@@ -71,9 +71,11 @@ def plot_outcomes(
             )
     kind = measured[0].memory_kind if measured else None
     axes.set_xlabel(
-        "peak CUDA memory (MiB)"
-        if kind == "cuda_peak"
-        else "parameters + gradients + optimizer state (MiB)"
+        {
+            "cuda_peak": "peak CUDA memory (MiB)",
+            "state_and_activations": "parameters + gradients + optimizer state + saved "
+            "activations (MiB)",
+        }.get(kind or "", "parameters + gradients + optimizer state (MiB)")
     )
     axes.set_ylabel("samples / s")
     axes.set_title(title or "autoprec trials: speed vs memory")

@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 Objective = Literal["speed", "memory", "balanced"]
 OBJECTIVES: tuple[Objective, ...] = ("speed", "memory", "balanced")
 TrialStatus = Literal["accepted", "rejected", "pruned", "failed"]
+MemoryKind = Literal["cuda_peak", "state_bytes", "state_and_activations"]
+"""What ``TrialOutcome.memory_bytes`` counts: the CUDA allocator's peak (GPU); on a CPU the
+exact parameter + gradient + optimizer-state bytes, plus the bytes saved for backward when they
+were measured (eager trials)."""
+CPU_MEMORY_KINDS = ("state_bytes", "state_and_activations")
 
 PRUNE_MARGIN = 0.05
 """A trial is pruned when, after warm-up and 3 measured windows of steps, it is more than 5%
@@ -50,7 +55,9 @@ class TrialOutcome(BaseModel):
     tokens_per_second: float | None = None
     median_step_seconds: float | None = None
     memory_bytes: int | None = None
-    memory_kind: Literal["cuda_peak", "state_bytes"] | None = None
+    memory_kind: MemoryKind | None = None
+    activation_bytes: int | None = None
+    """CPU, eager: bytes saved for backward, included in ``memory_bytes``."""
     seconds: float = 0.0
     steps: int = 0
     drift: dict[str, float] = Field(default_factory=dict)
@@ -65,6 +72,13 @@ class TrialOutcome(BaseModel):
     @property
     def label(self) -> str:
         return self.spec.label
+
+    @property
+    def state_bytes(self) -> int | None:
+        """CPU: parameter + gradient + optimizer-state bytes (memory less activations)."""
+        if self.memory_kind not in CPU_MEMORY_KINDS or self.memory_bytes is None:
+            return None
+        return self.memory_bytes - (self.activation_bytes or 0)
 
 
 Runner = Callable[[ModeSpec, StopCheck], TrialOutcome]
@@ -260,7 +274,7 @@ def make_stop_check(
                 return slower
         if (
             objective == "memory"
-            and best.memory_kind == "state_bytes"
+            and best.memory_kind in CPU_MEMORY_KINDS  # state alone bounds it from below
             and best.memory_bytes
             and progress.state_bytes is not None
             and progress.state_bytes > best.memory_bytes

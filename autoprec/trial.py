@@ -8,6 +8,7 @@ weight) are recorded with the step and message, never raised; memory is freed af
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -184,6 +185,10 @@ class TrialRecord(BaseModel):
     """CUDA only: the caching allocator's reserved bytes, same baseline: what an OOM answers to."""
     peak_memory_source: Literal["cuda_allocator", "process_rss"] | None = None
     state_bytes: StateBytes | None = None
+    activation_bytes: int | None = None
+    """CPU, eager: bytes autograd saved for backward in one micro-batch's forward (saved-tensor
+    hooks, exact; parameters left out). With ``state_bytes``, what a CPU training step holds at
+    its peak beyond temporaries."""
     max_abs_activation: float | None = None
     """Largest |output| of any leaf module not kept in fp32 over the held-out batches (fp16
     overflow risk)."""
@@ -324,6 +329,45 @@ def _state_bytes(plan: PrecisionPlan) -> StateBytes:
     )
 
 
+class _SavedForBackward:
+    """Counts the bytes autograd saves for backward during a forward pass (saved-tensor hooks
+    see every saved tensor, exactly): each storage once, the parameters' own left out (they
+    are state, counted in :class:`StateBytes`). An autocast copy of a weight is counted: it
+    is held until backward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._parameters = {_storage_key(p) for p in model.parameters()}
+        self._saved: dict[object, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._parameters:
+            self._saved[key] = _storage_bytes(tensor)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._saved.values())
+
+
+def _storage_key(tensor: torch.Tensor) -> object:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (FP8) has no storage
+        return ("tensor", id(tensor))
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
 def _rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as statm:
@@ -427,7 +471,8 @@ def _compile_counts(figures: dict[str, Any], before: int) -> tuple[int | None, i
     after_warmup = figures.get("graphs_after_warmup")
     if after_warmup is None:
         return None, None
-    return after_warmup - before, compiled_graph_count() - after_warmup
+    after_training = figures.get("graphs_after_training", compiled_graph_count())
+    return after_warmup - before, after_training - after_warmup
 
 
 def window_steps_for(steps: int, warmup_steps: int) -> int:
@@ -513,6 +558,10 @@ class _Loop:
         self.micro = 0
         self.current_step: int | None = None
         self.kept = plan.mode.parameter_ids(plan.model, plan.mode.kept_roots(plan.model))
+        self.counts_activations = device.type == "cpu" and not plan.spec.compile
+        """Count the bytes saved for backward (CPU memory objective) on the first micro-batch;
+        on a GPU the allocator's peak holds them already, and compiled graphs save inside
+        the compiled function."""
         self._losses: list[torch.Tensor] = []  # this window's, on the device
         self._gradients: list[torch.Tensor | None] = []
         self._samples, self._tokens = 0, 0
@@ -550,8 +599,17 @@ class _Loop:
             batch = self.batches[self.order[self.micro % len(self.batches)]]
             batch = to_device(batch, self.device)
             self.micro += 1
-            with plan.autocast():
+            counting = self.micro == 1 and self.counts_activations
+            saved = _SavedForBackward(plan.model) if counting else None
+            hooks = (
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+                if saved is not None
+                else contextlib.nullcontext()
+            )
+            with hooks, plan.autocast():
                 loss, _ = forward_and_loss(plan, batch, self.recipe.loss_fn, self.recipe.train_step)
+            if saved is not None:  # the first micro-batch, a warm-up step: not timed
+                self.figures["activation_bytes"] = saved.bytes
             losses.append(loss.detach().float().reshape(()))
             self._samples += count_samples(batch)
             counted = count_tokens(batch)
@@ -830,6 +888,8 @@ def run_trial(
             result.leg_weights.append(_sampled(plan, result.sample_indices))
             before = _rng_states(device)
             failure, stopped = _train(loop, result, points, legs, warmup_steps, window, stop)
+            # the held-out pass (eval mode, no grad) compiles graphs of its own: not training's
+            loop.figures["graphs_after_training"] = compiled_graph_count()
             draws_random = any(
                 not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)
             )
@@ -927,6 +987,7 @@ def _record(
         peak_reserved_bytes=peak.get("reserved"),
         peak_memory_source=peak.get("source"),
         state_bytes=figures.get("state"),
+        activation_bytes=figures.get("activation_bytes"),
         max_abs_activation=figures.get("activation"),
         max_abs_gradient=figures.get("max_gradient"),
         skipped_steps=getattr(mode, "skipped_steps", 0),

@@ -48,6 +48,7 @@ from autoprec.recipe import (
 from autoprec.search import (
     OBJECTIVES,
     EventSink,
+    MemoryKind,
     Objective,
     SearchEvent,
     TrialOutcome,
@@ -203,11 +204,12 @@ def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
     elif record.failure is not None:
         reasons = (f"{record.failure.kind.replace('_', ' ')}: {record.failure.message}",)
     on_gpu = device != "cpu"
-    memory = (
-        record.peak_memory_bytes
-        if on_gpu
-        else (record.state_bytes.total if record.state_bytes else None)
-    )
+    state = record.state_bytes.total if record.state_bytes else None
+    activations = None if on_gpu else record.activation_bytes
+    memory = record.peak_memory_bytes if on_gpu else state
+    kind: MemoryKind = "cuda_peak" if on_gpu else "state_bytes"
+    if memory is not None and activations is not None:  # CPU, eager: what a step holds
+        memory, kind = memory + activations, "state_and_activations"
     return TrialOutcome(
         spec=record.spec,
         status=status,
@@ -216,7 +218,8 @@ def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
         tokens_per_second=record.tokens_per_second,
         median_step_seconds=record.median_step_seconds,
         memory_bytes=memory,
-        memory_kind="cuda_peak" if on_gpu else "state_bytes",
+        memory_kind=kind,
+        activation_bytes=activations,
         seconds=record.wall_seconds,
         steps=record.steps_run,
         drift={} if verdict is None else verdict.metrics.as_dict(),
@@ -231,7 +234,8 @@ def _figures(outcome: TrialOutcome) -> TrialFigures:
         samples_per_second=outcome.samples_per_second,
         median_step_seconds=outcome.median_step_seconds,
         peak_memory_bytes=outcome.memory_bytes if outcome.memory_kind == "cuda_peak" else None,
-        state_bytes=outcome.memory_bytes if outcome.memory_kind == "state_bytes" else None,
+        state_bytes=outcome.state_bytes,
+        activation_bytes=outcome.activation_bytes,
         final_loss=outcome.final_loss,
     )
 

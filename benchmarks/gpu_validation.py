@@ -2,6 +2,7 @@
 
 Prints: the probe's verdicts for cuda:0; for every mode that can run there, one measured trial
 on a mid-size TinyGPT (samples/s, tokens/s, median step, peak CUDA memory, exact state bytes),
+eager and again compiled (``torch.compile``, graphs built and recompiles after warm-up shown),
 the samples/s of the loop a user writes with ``apply()`` (same model, recipe and batches; one
 synchronization at each end of the timed window) and the trial's share of it (``trial/loop``,
 target 0.97-1.03: below it the trial charges the mode for host syncs a real run does not
@@ -15,7 +16,8 @@ How it was meant to be run on the device machine (torch with CUDA there, no inte
     device:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
              && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \\
              && python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \\
-             && python3 -m benchmarks.gpu_validation | tee $OUT/gpu.txt
+             && python3 -m benchmarks.gpu_validation --profile-out $OUT/gpu-profile.json \\
+                | tee $OUT/gpu.txt
 """
 
 from __future__ import annotations
@@ -72,11 +74,57 @@ def loop_speed(
     return steps * batches[0][0].shape[0] / (time.perf_counter() - start)
 
 
+def mode_table(
+    specs: list[ModeSpec],
+    model: torch.nn.Module,
+    train: list,
+    common: dict,
+    steps: int,
+    device: str,
+) -> None:
+    """One row per mode: the trial's figures, the hand-written loop's samples/s, their ratio
+    and the drift verdict against an fp32 reference run the same way (eager or compiled)."""
+    reference = run_trial(specs[0], model, train, **common)
+    noise = run_trial(specs[0], model, train, seed=1, shuffle_seed=1, **common)
+    print(
+        f"{'mode':34} {'samples/s':>10} {'tokens/s':>11} {'step ms':>8} {'peak MiB':>9} "
+        f"{'state MiB':>9} {'loop s/s':>9} {'trial/loop':>10} {'graphs':>6} {'recomp':>6}"
+        "  verdict"
+    )
+    for spec in specs:
+        result = reference if spec == specs[0] else run_trial(spec, model, train, **common)
+        record, verdict = result.record, judge(result, reference, noise)
+        speed = f"{record.samples_per_second:10.1f}" if record.samples_per_second else f"{'-':>10}"
+        tokens = f"{record.tokens_per_second:11.0f}" if record.tokens_per_second else f"{'-':>11}"
+        step = (
+            f"{record.median_step_seconds * 1e3:8.2f}"
+            if record.median_step_seconds
+            else f"{'-':>8}"
+        )
+        peak = (
+            f"{record.peak_memory_bytes / 2**20:9.0f}" if record.peak_memory_bytes else f"{'-':>9}"
+        )
+        state = f"{record.state_bytes.total / 2**20:9.1f}" if record.state_bytes else f"{'-':>9}"
+        if record.failure is not None:
+            print(f"{spec.label:34} FAILED ({record.failure.kind}): {record.failure.message}")
+            continue
+        loop = loop_speed(spec, model, train, steps, device)
+        ratio = (record.samples_per_second or 0.0) / loop
+        graphs = "-" if record.compiled_graphs is None else str(record.compiled_graphs)
+        recompiles = "-" if record.recompiles is None else str(record.recompiles)
+        status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
+        print(
+            f"{spec.label:34} {speed} {tokens} {step} {peak} {state} {loop:9.1f} {ratio:10.3f}"
+            f" {graphs:>6} {recompiles:>6}  {status}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps (CPU check)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--budget", type=float, default=3.0, help="tune() budget in minutes")
+    parser.add_argument("--profile-out", help="save the tune's profile here (proven on this GPU)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -111,33 +159,14 @@ def main() -> None:
 
     optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
     common = {"recipe": TrainingRecipe(optimizer=optimizer), "steps": steps, "heldout": heldout}
-    reference = run_trial(ModeSpec(mode="fp32"), model, train, **common)
-    noise = run_trial(ModeSpec(mode="fp32"), model, train, seed=1, shuffle_seed=1, **common)
-    print(
-        f"\n{'mode':30} {'samples/s':>10} {'tokens/s':>11} {'step ms':>8} {'peak MiB':>9} "
-        f"{'state MiB':>9} {'loop s/s':>9} {'trial/loop':>10}  verdict"
-    )
-    for spec in candidate_specs(report).specs:
-        result = reference if spec.label == "fp32" else run_trial(spec, model, train, **common)
-        record, verdict = result.record, judge(result, reference, noise)
-        speed = f"{record.samples_per_second:10.1f}" if record.samples_per_second else f"{'-':>10}"
-        tokens = f"{record.tokens_per_second:11.0f}" if record.tokens_per_second else f"{'-':>11}"
-        step = (
-            f"{record.median_step_seconds * 1e3:8.2f}"
-            if record.median_step_seconds
-            else f"{'-':>8}"
-        )
-        peak = (
-            f"{record.peak_memory_bytes / 2**20:9.0f}" if record.peak_memory_bytes else f"{'-':>9}"
-        )
-        state = f"{record.state_bytes.total / 2**20:9.1f}" if record.state_bytes else f"{'-':>9}"
-        loop = loop_speed(spec, model, train, steps, device)
-        ratio = (record.samples_per_second or 0.0) / loop
-        status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
-        print(
-            f"{spec.label:30} {speed} {tokens} {step} {peak} {state} {loop:9.1f} {ratio:10.3f}"
-            f"  {status}"
-        )
+    specs = list(candidate_specs(report).specs)
+    for compiled in (False, True):
+        # --quick (CPU): compile two modes only, inductor on a CPU takes its time
+        chosen = specs[:2] if compiled and args.quick else specs
+        if compiled:
+            chosen = [spec.model_copy(update={"compile": True}) for spec in chosen]
+        print(f"\n{'compiled (torch.compile)' if compiled else 'eager'}:")
+        mode_table(chosen, model, train, common, steps, device)
 
     # a tune under a real recipe: nanoGPT's optimizer and cosine schedule, 2 micro-batches
     result = tune(
@@ -151,6 +180,8 @@ def main() -> None:
         clip_grad_norm=1.0,
     )
     print("\n" + result.summary())
+    if args.profile_out:
+        print(f"profile: {result.profile.save(args.profile_out)}")
 
 
 if __name__ == "__main__":

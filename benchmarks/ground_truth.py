@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -103,11 +104,19 @@ def long_run(task: GroundTask, spec: ModeSpec, seed: int, steps: int) -> LongRun
     return LongRun(metric if math.isfinite(metric) else math.inf, final, seconds, failure)
 
 
+def spec_key(spec: ModeSpec) -> str:
+    """A long run's cache name: the label plus a digest of every knob set (two specs with
+    one label — FP8 with other layers kept out of it — never share a run)."""
+    label = spec.label.replace("/", "_").replace(" ", "_")
+    knobs = spec.model_dump_json(exclude_defaults=True)
+    return f"{label}.{hashlib.sha256(knobs.encode()).hexdigest()[:10]}"
+
+
 def cached_long_run(
     cache: Path, task: GroundTask, spec: ModeSpec, seed: int, steps: int
 ) -> LongRun:
-    label = spec.label.replace("/", "_").replace(" ", "_")
-    path = cache / f"v{TRUTH_VERSION}" / task.name / f"{label}.seed{seed}.steps{steps}.json"
+    name = f"{spec_key(spec)}.seed{seed}.steps{steps}.json"
+    path = cache / f"v{TRUTH_VERSION}" / task.name / name
     if path.exists():
         return LongRun(**json.loads(path.read_text()))
     try:

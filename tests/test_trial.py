@@ -609,7 +609,7 @@ def test_a_mode_that_fails_to_compile_is_a_failed_trial(monkeypatch: pytest.Monk
 
 def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
     """Batches of another size after warm-up make torch.compile build a new graph: timings
-    then include compilation, and the record says so."""
+    then include compilation, and the record says so (the held-out pass is not counted)."""
     task = tasks.regression(batches=12)
     batches = task.batches[:8] + [(x[:40], y[:40]) for x, y in task.batches[8:]]
     record = run_trial(
@@ -618,6 +618,7 @@ def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
         batches,
         recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=12,
+        heldout=task.heldout,  # eval mode, no grad: graphs of its own, not recompiles
     ).record
     assert record.completed, record.failure
     assert record.compiled_graphs == 1 and record.recompiles == 1
@@ -633,3 +634,22 @@ def test_trial_copies_do_not_run_the_users_compiled_forward() -> None:
     with torch.no_grad():
         copied[0].weight.zero_()
         assert not torch.equal(copied(task.batches[0][0]), task.model(task.batches[0][0]))
+
+
+def test_cpu_trial_counts_the_bytes_saved_for_backward_exactly() -> None:
+    """x (8x32) -> Linear without bias -> ReLU -> squared error: autograd keeps x for the
+    weight's gradient (1024 B), ReLU's output (2048 B) and the difference it squares
+    (2048 B); the weight itself is state, not an activation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU())
+    batches = [(torch.randn(8, 32), torch.randn(8, 64)) for _ in range(4)]
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=lambda output, target: (output - target).pow(2).mean(),
+    )
+    record = run_trial(ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=4).record
+    assert record.activation_bytes == 1024 + 2048 + 2048
+    double = [(torch.cat([x, x]), torch.cat([y, y])) for x, y in batches]
+    assert run_trial(
+        ModeSpec(mode="fp32"), model, double, recipe=recipe, steps=4
+    ).record.activation_bytes == 2 * (1024 + 2048 + 2048)

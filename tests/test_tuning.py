@@ -45,6 +45,13 @@ def test_memory_objective_picks_an_accepted_lean_mode_and_rejects_lost_updates()
     assert (
         result.profile.evidence.chosen.state_bytes < result.profile.evidence.reference.state_bytes
     )
+    # the CPU memory objective counts what autograd saves for backward too
+    assert all(o.memory_kind == "state_and_activations" for o in result.trials)
+    chosen = next(o for o in result.trials if o.label == "bf16_sr")
+    assert chosen.activation_bytes and chosen.memory_bytes == (
+        chosen.state_bytes + chosen.activation_bytes
+    )
+    assert result.profile.evidence.chosen.activation_bytes == chosen.activation_bytes
     assert result.profile.evidence.drift["update_fraction"] == pytest.approx(1.0, abs=0.05)
     # the user's model is unchanged
     assert all(torch.equal(v, task.model.state_dict()[k]) for k, v in before.items())
