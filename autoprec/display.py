@@ -287,6 +287,7 @@ def _budget_caption(result: TuneResult) -> str:
         f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
         f"{budget.trials_run} trials of {budget.trial_steps} steps"
         + "".join(f"\nnote: {note}" for note in result.checks_not_run)
+        + "".join(f"\nadvice: {advice}" for advice in result.advice)
     )
 
 

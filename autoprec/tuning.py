@@ -121,6 +121,8 @@ class TuneResult(BaseModel):
     """The training recipe every trial ran (optimizer, lr legs, accumulation, clipping)."""
     checks_not_run: tuple[str, ...] = ()
     """Drift checks this run could not make, and why (e.g. no outputs with train_step)."""
+    advice: tuple[str, ...] = ()
+    """What to try next, from what the trials showed (e.g. FP8 lost to bf16 running eager)."""
 
     @property
     def chosen(self) -> ModeSpec:
@@ -150,6 +152,8 @@ class TuneResult(BaseModel):
             )
         for note in self.checks_not_run:
             lines.append(f"note: {note}")
+        for advice in self.advice:
+            lines.append(f"advice: {advice}")
         used = self.budget
         lines.append(
             f"chosen: {self.chosen.label} (objective {self.objective}); "
@@ -662,6 +666,28 @@ def reference_runs(
     return Fp32Runs(*references)
 
 
+def eager_fp8_advice(outcomes: list[TrialOutcome]) -> tuple[str, ...]:
+    """Advice when FP8 lost on speed while running eager: torchao's float8 casts are separate
+    kernels that torch.compile fuses; eager it is slower than bf16 (pytorch/ao#685: one FFN at
+    dim 512, eager 3.14 ms vs fp16 0.92 ms, compiled 0.95 ms)."""
+    slow = [
+        o.label
+        for o in outcomes
+        if o.spec.mode.startswith("fp8")
+        and not o.spec.compile
+        and not o.spec.emulate
+        and o.status == "pruned"
+        and any(reason.startswith("slower than") for reason in o.reasons)
+    ]
+    if not slow:
+        return ()
+    return (
+        f"{', '.join(slow)} ran eager and lost on speed: FP8 needs torch.compile to fuse its "
+        "casts and beat bf16. Tune again with compile=True (--compile) if your run can "
+        "compile.",
+    )
+
+
 def _profile_and_result(
     setup: RunSetup,
     objective: Objective,
@@ -707,6 +733,7 @@ def _profile_and_result(
         budget=budget,
         recipe=recipe,
         checks_not_run=checks_not_run,
+        advice=eager_fp8_advice(outcomes),
     )
 
 

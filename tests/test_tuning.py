@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.search import SearchEvent
-from autoprec.tuning import resolve_compile, tune, uncompiled_model
+from autoprec.search import SearchEvent, TrialOutcome
+from autoprec.specs import ModeSpec
+from autoprec.tuning import eager_fp8_advice, resolve_compile, tune, uncompiled_model
 from examples import tasks, tiny_gpt
 
 
@@ -420,3 +421,17 @@ def test_compile_auto_follows_the_users_model() -> None:
     assert resolve_compile(True, False) and not resolve_compile(False, True)
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         resolve_compile("yes", False)
+
+
+def test_fp8_that_lost_on_speed_eager_gets_compile_advice() -> None:
+    def outcome(spec: ModeSpec, status: str, reason: str) -> TrialOutcome:
+        return TrialOutcome(spec=spec, status=status, reasons=(reason,))
+
+    fp8 = ModeSpec(mode="fp8_torchao")
+    slower = "slower than amp_bf16: 1.40x its step time on the same 40 steps"
+    (advice,) = eager_fp8_advice([outcome(fp8, "pruned", slower)])
+    assert "fp8_torchao+tensorwise ran eager and lost on speed" in advice
+    assert "compile=True" in advice
+    compiled = fp8.model_copy(update={"compile": True})
+    assert eager_fp8_advice([outcome(compiled, "pruned", slower)]) == ()
+    assert eager_fp8_advice([outcome(fp8, "rejected", "held-out loss +0.1 worse")]) == ()
