@@ -237,6 +237,8 @@ def print_profile(
     table.add_row("keep in fp32", Text(", ".join(spec.keep_fp32) or "none"))
     if spec.fp8_skip:
         table.add_row("kept out of FP8 (bf16)", Text(", ".join(spec.fp8_skip)))
+    compiled = "yes: apply() compiles the model" if spec.compile else "no"
+    table.add_row("torch.compile", Text(compiled))
     hardware = profile.hardware
     where = (
         f"{hardware.gpu_name} (capability {hardware.capability[0]}.{hardware.capability[1]})"

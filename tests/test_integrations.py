@@ -225,3 +225,16 @@ def test_fsdp2_policy_on_cpu_with_gloo() -> None:
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_exports_carry_compile_and_the_profiles_fp8_layers() -> None:
+    compiled = {"mode": "amp_bf16", "compile": True}
+    assert _profile(**compiled).to_hf_training_args()["torch_compile"] is True
+    with pytest.raises(ExportError, match="no compile flag"):
+        _profile(**compiled).to_lightning()
+    pytest.importorskip("accelerate")
+    assert _profile(**compiled).to_accelerate()["dynamo_backend"] == "inductor"
+    ao = _profile(mode="fp8_torchao", fp8_skip=("head",), fp8_layers="all").to_accelerate()
+    convert = ao["kwargs_handlers"][0].module_filter_func
+    assert convert(torch.nn.Linear(64, 64), "body") and not convert(torch.nn.Linear(64, 64), "head")
+    assert not convert(torch.nn.Linear(60, 64), "body")  # dims FP8 kernels cannot take

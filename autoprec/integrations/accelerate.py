@@ -8,6 +8,7 @@ from typing import Any
 from autoprec._imports import install_hint
 from autoprec.errors import ExportError, MissingBackendError
 from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.modes.fp8_torchao import Fp8TorchaoMode
 from autoprec.specs import ModeSpec, TeDelayedScaling
 
 _MIXED = {"fp32": "no", "amp_fp16": "fp16", "amp_bf16": "bf16"}
@@ -24,7 +25,15 @@ def _accelerate_utils() -> Any:
 
 
 def accelerate_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
-    """Keyword arguments for ``accelerate.Accelerator``."""
+    """Keyword arguments for ``accelerate.Accelerator`` (``dynamo_backend="inductor"`` when
+    the profile was proven compiled)."""
+    settings = _precision_settings(spec, ignore_keep_fp32)
+    if spec.compile:
+        settings["dynamo_backend"] = "inductor"
+    return settings
+
+
+def _precision_settings(spec: ModeSpec, ignore_keep_fp32: bool) -> dict[str, Any]:
     refuse_keep_fp32(spec, "Accelerate's mixed_precision", ignore_keep_fp32)
     refuse_8bit_optimizer(
         spec,
@@ -34,6 +43,11 @@ def accelerate_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> di
     if spec.mode in _MIXED:
         return {"mixed_precision": _MIXED[spec.mode]}
     if spec.mode == "fp8_te":
+        if spec.fp8_skip:
+            raise ExportError(
+                f"Accelerate's Transformer Engine path converts every Linear; this profile keeps "
+                f"{list(spec.fp8_skip)} out of FP8. Use profile.apply(model, optimizer)."
+            )
         if spec.fp8_recipe == "te_current":
             raise ExportError(
                 "Accelerate's TERecipeKwargs has no current-scaling recipe; use profile.apply()."
@@ -65,7 +79,10 @@ def accelerate_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> di
         float8 = importlib.import_module("torchao.float8")
         recipe = (spec.fp8_recipe or "torchao_tensorwise").removeprefix("torchao_")
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
-        handler = _accelerate_utils().AORecipeKwargs(config=config)
+        # the profile's own choice of layers (fits, size rule, fp8_skip, keep_fp32), not
+        # Accelerate's default filter
+        convert = Fp8TorchaoMode(spec).module_filter_fn
+        handler = _accelerate_utils().AORecipeKwargs(config=config, module_filter_func=convert)
         return {"mixed_precision": "fp8", "kwargs_handlers": [handler]}
     if spec.mode == "tf32":
         raise ExportError(

@@ -17,7 +17,7 @@ _FLAGS = {
 
 
 def hf_training_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
-    """TrainingArguments fields (bf16, fp16, tf32, optim) for the spec."""
+    """TrainingArguments fields (bf16, fp16, tf32, optim, torch_compile) for the spec."""
     refuse_keep_fp32(spec, "TrainingArguments", ignore_keep_fp32)
     if spec.mode not in _FLAGS:
         hint = (
@@ -32,6 +32,8 @@ def hf_training_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[
             "without bf16/fp16: it installs the profile's plan through the Trainer's own hooks."
         )
     args = dict(_FLAGS[spec.mode])
+    if spec.compile:
+        args["torch_compile"] = True
     if spec.optimizer_bits == 8:
         args["optim"] = "adamw_bnb_8bit"  # the Trainer's default optimizer is AdamW
     return args

@@ -25,6 +25,12 @@ def lightning_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dic
         "Lightning",
         "return bitsandbytes.optim.AdamW8bit (same hyper-parameters) from configure_optimizers.",
     )
+    if spec.compile:
+        raise ExportError(
+            "Lightning's Trainer has no compile flag: compile the LightningModule yourself "
+            "(model = torch.compile(model)) before trainer.fit, or use "
+            "Trainer(plugins=[AutoprecPrecision(profile)]), which compiles it as proven."
+        )
     if spec.mode in _PRECISION:
         return {"precision": _PRECISION[spec.mode]}
     if spec.mode == "tf32":
