@@ -180,7 +180,7 @@ class TrialRecord(BaseModel):
     """Peak memory of the trial's training alone: the peak over its steps minus what was
     allocated before the trial began (the user's model, batches already on the device, earlier
     trials), read before the held-out pass and ``eval_fn``. CUDA: allocated bytes; CPU: the
-    process's resident set, sampled every step."""
+    process's resident set, sampled after every window of steps."""
     peak_reserved_bytes: int | None = None
     """CUDA only: the caching allocator's reserved bytes, same baseline: what an OOM answers to."""
     peak_memory_source: Literal["cuda_allocator", "process_rss"] | None = None
@@ -391,7 +391,7 @@ def _memory_peak(
     device: torch.device, baseline: dict[str, int], rss_samples: list[int | None]
 ) -> dict[str, Any]:
     """The trial's own peak: the peak since ``baseline`` was taken, minus the baseline (CUDA:
-    the allocator's peak counters; CPU: the RSS sampled after every step)."""
+    the allocator's peak counters; CPU: the RSS sampled after every window of steps)."""
     if device.type == "cuda":
         return {
             "allocated": max(0, torch.cuda.max_memory_allocated(device) - baseline["allocated"]),
@@ -575,6 +575,8 @@ class _Loop:
         for step in range(first_step, first_step + steps):
             self.step(step)
         seconds = self.clock.stop()
+        if self.device.type == "cpu":  # after the clock: reading /proc is not the mode's time
+            self.figures["rss"].append(_rss_bytes())
         if warmup:
             self.figures["graphs_after_warmup"] = compiled_graph_count()
         self.figures["windows"].append(
@@ -624,8 +626,6 @@ class _Loop:
         self._losses.append(torch.stack(losses).mean())
         self._gradients.append(_max_abs_gradient(plan, self.kept))
         stepped = plan.step()
-        if self.device.type == "cpu":
-            self.figures["rss"].append(_rss_bytes())  # /proc, no device involved
         self.figures["steps_done"] = step + 1
         if stepped and "state" not in self.figures:  # steady state: after a real step
             self.figures["state"] = _state_bytes(plan)
