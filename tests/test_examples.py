@@ -172,3 +172,12 @@ def test_trainer_examples_tune_and_apply_in_three_added_lines(script: str) -> No
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trained in " in done.stdout and ": 10 steps" in done.stdout
+
+
+def test_state_rule_horizon_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
+    """The longer-run check of the optimizer-state rule; --quick keeps it in CI."""
+    from benchmarks import state_rule_horizon
+
+    rows = state_rule_horizon.main(["--quick", "--cache", str(tmp_path)])
+    assert {row.label for row in rows} == {"bf16_kahan", "bf16_pure"}
+    assert all(row.task == "digits_convnet" and row.fp32_sd > 0 for row in rows)

@@ -1,0 +1,109 @@
+"""Does the optimizer-state rule's verdict hold over longer runs than the ground truth's?
+
+The drift gate rejects pure-bf16 modes whose Adam second moment is kept in bf16 with nearest
+rounding (``drift.max_rounded_beta2``): with beta2 = 0.999 such a moment can never decrease
+(its largest relative decrement, 0.1%, is below half a bf16 ulp). At the ground truth's 2000
+steps that rule made 6 of the gate's 8 false rejects. This benchmark trains those pairs longer
+(``--steps``, default 10000: 50x the gate's trial) with ``ground_truth.FP32_SEEDS`` fp32 seeds
+and prints, per task, whether each mode hurts by the ground truth's own criterion
+(``ground_truth.hurts``). Long runs share the ground truth's cache.
+
+    python -m benchmarks.state_rule_horizon [--steps 10000] [--tasks a,b] [--threads 1]
+    python -m benchmarks.state_rule_horizon --quick   # 1 task, 300 steps: the CI variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import autoprec
+from autoprec.specs import ModeSpec
+from benchmarks.ground_truth import FP32_SEEDS, cached_long_run, hurts
+from benchmarks.ground_truth_tasks import TASKS, GroundTask
+
+STATE_RULE_TASKS = ("hf_llama_lm", "encoder_dropout", "digits_convnet", "flow_unet")
+"""The tasks where the rule rejected a mode the 2000-step truth found fine."""
+
+MODES = ("bf16_kahan", "bf16_pure")
+"""The modes the rule judges (their second moment is bf16, rounded to nearest)."""
+
+
+@dataclass(frozen=True)
+class HorizonRow:
+    task: str
+    label: str
+    metric: float
+    fp32_mean: float
+    fp32_sd: float
+    hurts: bool
+
+
+def _specs(task: GroundTask) -> list[ModeSpec]:
+    """The specs ``autoprec.check()`` screens for MODES on this task (its keep_fp32 choices),
+    read from a 20-step screen: the long runs must train what the gate judged."""
+    recipe = task.recipe
+    report = autoprec.check(
+        task.model,
+        task.batches,
+        steps=20,
+        loss_fn=recipe.loss_fn,
+        optimizer=recipe.optimizer,
+        scheduler=recipe.scheduler,
+        total_steps=recipe.total_steps,
+        eval_fn=task.eval_fn,
+        modes=list(MODES),
+        progress=False,
+    )
+    return [verdict.spec for verdict in report.verdicts if verdict.spec.mode in MODES]
+
+
+def horizon(name: str, steps: int, cache: Path) -> list[HorizonRow]:
+    task = TASKS[name](steps)
+    fp32 = [
+        cached_long_run(cache, task, ModeSpec(mode="fp32"), seed, steps).metric
+        for seed in range(FP32_SEEDS)
+    ]
+    mean, sd = statistics.fmean(fp32), statistics.stdev(fp32)
+    print(f"{name}, {steps} steps: fp32 {mean:.5g} +- {sd:.2g}", flush=True)
+    rows = []
+    for spec in _specs(task):
+        metric = cached_long_run(cache, task, spec, 0, steps).metric
+        row = HorizonRow(name, spec.label, metric, mean, sd, hurts(metric, fp32))
+        print(
+            f"  {row.label:14} {metric:.5g} ({(metric - mean) / abs(mean):+.1%}, "
+            f"{(metric - mean) / (sd or 1e-12):+.1f} sd)  {'HURTS' if row.hurts else 'fine'}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[HorizonRow]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", help=f"comma-separated (default: {','.join(STATE_RULE_TASKS)})")
+    parser.add_argument("--steps", type=int, default=10000, help="optimizer steps of a long run")
+    parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
+    parser.add_argument("--quick", action="store_true", help="digits_convnet, 300 steps (CI)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("autoprec").setLevel(logging.ERROR)
+    names = args.tasks.split(",") if args.tasks else list(STATE_RULE_TASKS)
+    steps = args.steps
+    if args.quick:
+        names, steps = ["digits_convnet"], 300
+    unknown = [name for name in names if name not in TASKS]
+    if unknown:
+        parser.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+    return [row for name in names for row in horizon(name, steps, args.cache)]
+
+
+if __name__ == "__main__":
+    main()
