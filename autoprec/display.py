@@ -310,7 +310,7 @@ def _trial_rows(result: TuneResult) -> list[tuple[Text, Text, str, str, list[str
         speed = f"{outcome.samples_per_second:,.1f}" if outcome.samples_per_second else "—"
         memory = f"{outcome.memory_bytes / 2**20:,.2f}" if outcome.memory_bytes else "—"
         status = Text(outcome.status, style=_STATUS_STYLE[outcome.status])
-        rows.append((label, status, speed, memory, list(outcome.reasons)))
+        rows.append((label, status, speed, memory, [*outcome.reasons, *outcome.notes]))
     return rows
 
 

@@ -58,6 +58,8 @@ class TrialOutcome(BaseModel):
     memory_kind: MemoryKind | None = None
     activation_bytes: int | None = None
     """CPU, eager: bytes saved for backward, included in ``memory_bytes``."""
+    recompiles: int | None = None
+    """Compiled trials: graphs torch.compile built after warm-up (their time is in the speed)."""
     seconds: float = 0.0
     steps: int = 0
     drift: dict[str, float] = Field(default_factory=dict)
@@ -72,6 +74,16 @@ class TrialOutcome(BaseModel):
     @property
     def label(self) -> str:
         return self.spec.label
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What to know beside the verdict (shown with the reasons)."""
+        if self.recompiles:
+            return (
+                f"recompiled {self.recompiles}x after warm-up (compile time is in its speed; "
+                "a run that recompiles will in training too)",
+            )
+        return ()
 
     @property
     def state_bytes(self) -> int | None:

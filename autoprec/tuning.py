@@ -143,7 +143,7 @@ class TuneResult(BaseModel):
             mark = "*" if outcome.spec == self.chosen else " "
             lines.append(
                 f"{mark}{outcome.label:33} {outcome.status:9} {speed} {memory}  "
-                + "; ".join(outcome.reasons)
+                + "; ".join((*outcome.reasons, *outcome.notes))
             )
         for skipped in self.skipped:
             lines.append(
@@ -224,6 +224,7 @@ def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
         memory_bytes=memory,
         memory_kind=kind,
         activation_bytes=activations,
+        recompiles=record.recompiles,
         seconds=record.wall_seconds,
         steps=record.steps_run,
         drift={} if verdict is None else verdict.metrics.as_dict(),

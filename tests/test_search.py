@@ -285,3 +285,9 @@ def test_within_the_measured_noise_the_mode_closest_to_fp32_wins() -> None:
     assert choose(outcomes, reference, "speed").label == "bf16_pure"  # no noise: fastest
     assert choose(outcomes, reference, "speed", speed_margin=0.025).label == "amp_bf16"
     assert choose(outcomes, reference, "speed", speed_margin=0.05).label == "fp32"
+
+
+def test_recompiles_after_warmup_are_shown_with_the_verdict() -> None:
+    recompiled = outcome("amp_bf16", speed=100).model_copy(update={"recompiles": 3})
+    assert recompiled.notes[0].startswith("recompiled 3x after warm-up")
+    assert outcome("amp_bf16", speed=100).notes == ()
