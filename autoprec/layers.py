@@ -207,7 +207,7 @@ class _FlopAttribution(TorchDispatchMode):
                 return
         raw = [
             self.parameter_storages[key]
-            for key in (_storage_key(arg) for arg in args if isinstance(arg, torch.Tensor))
+            for key in (storage_key(arg) for arg in args if isinstance(arg, torch.Tensor))
             if key in self.parameter_storages
         ]
         if raw:
@@ -239,7 +239,8 @@ class _FlopAttribution(TorchDispatchMode):
                 handle.remove()
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """Identifies the storage a tensor views (None for subclasses without storage)."""
     try:
         return int(tensor.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError, AttributeError):
@@ -301,7 +302,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     storages = {
         key: fqn
         for fqn, parameter in named_parameters.items()
-        if (key := _storage_key(parameter)) is not None
+        if (key := storage_key(parameter)) is not None
     }
     attribution = _FlopAttribution(storages)
     forward_error: str | None = None

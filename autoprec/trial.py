@@ -34,6 +34,7 @@ from autoprec.batching import (
 )
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
+from autoprec.layers import storage_key
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
@@ -336,11 +337,11 @@ class _SavedForBackward:
     is held until backward."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._parameters = {_storage_key(p) for p in model.parameters()}
+        self._parameters = {_saved_key(p) for p in model.parameters()}
         self._saved: dict[object, int] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+        key = _saved_key(tensor)
         if key not in self._parameters:
             self._saved[key] = _storage_bytes(tensor)
         return tensor
@@ -354,11 +355,10 @@ class _SavedForBackward:
         return sum(self._saved.values())
 
 
-def _storage_key(tensor: torch.Tensor) -> object:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass (FP8) has no storage
-        return ("tensor", id(tensor))
+def _saved_key(tensor: torch.Tensor) -> object:
+    """The tensor's storage; a wrapper subclass (FP8) without one counts by identity."""
+    key = storage_key(tensor)
+    return ("tensor", id(tensor)) if key is None else key
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
@@ -577,7 +577,7 @@ class _Loop:
         seconds = self.clock.stop()
         if self.device.type == "cpu":  # after the clock: reading /proc is not the mode's time
             self.figures["rss"].append(_rss_bytes())
-        if warmup:
+        if warmup and self.plan.spec.compile:
             self.figures["graphs_after_warmup"] = compiled_graph_count()
         self.figures["windows"].append(
             StepWindow(
@@ -766,13 +766,26 @@ def _uncopyable_attribute(model: nn.Module) -> str | None:
     return None
 
 
+def _compiled_forward(module: nn.Module) -> bool:
+    """A compiled ``forward`` set on the instance (what ``plan.compile_model`` does)."""
+    return hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+
+
+def compiled_in_place(model: nn.Module) -> bool:
+    """Is any module compiled in place (``nn.Module.compile()`` or a compiled ``forward``)?"""
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None or _compiled_forward(module)
+        for module in model.modules()
+    )
+
+
 def _uncompiled(model: nn.Module) -> nn.Module:
-    """Drop in-place compilation (``nn.Module.compile()``, or a compiled ``forward`` set on
-    the instance) from a copy: the copied compiled callable would still run the original."""
+    """Drop in-place compilation from a copy: the copied compiled callable would still run the
+    original."""
     for module in model.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
-        if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable"):
+        if _compiled_forward(module):
             del module.forward
     return model
 
@@ -857,9 +870,10 @@ def run_trial(
     plan: PrecisionPlan | None = None
     loop: _Loop | None = None
     baseline = _memory_now(device)  # what is not this trial: subtracted from its peak
+    graphs_before = 0
     if spec.compile:
         torch.compiler.reset()  # compile from scratch, as a fresh training process does
-    graphs_before = compiled_graph_count()
+        graphs_before = compiled_graph_count()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         try:
@@ -888,8 +902,8 @@ def run_trial(
             result.leg_weights.append(_sampled(plan, result.sample_indices))
             before = _rng_states(device)
             failure, stopped = _train(loop, result, points, legs, warmup_steps, window, stop)
-            # the held-out pass (eval mode, no grad) compiles graphs of its own: not training's
-            loop.figures["graphs_after_training"] = compiled_graph_count()
+            if spec.compile:  # the held-out pass (eval mode, no grad) compiles graphs of its own
+                loop.figures["graphs_after_training"] = compiled_graph_count()
             draws_random = any(
                 not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)
             )

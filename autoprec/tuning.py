@@ -60,7 +60,7 @@ from autoprec.search import (
     search,
 )
 from autoprec.specs import ModeSpec
-from autoprec.trial import TrialResult, deep_copy, run_trial
+from autoprec.trial import TrialResult, compiled_in_place, deep_copy, run_trial
 
 logger = logging.getLogger(__name__)
 
@@ -402,10 +402,13 @@ class RunSetup:
     compile: bool = False
     """Every run (the fp32 reference and noise runs included) trains compiled."""
 
+    @property
+    def reference_spec(self) -> ModeSpec:
+        """fp32, compiled when the candidates are."""
+        return ModeSpec(mode="fp32", compile=self.compile)
+
     def run(self, spec: ModeSpec, steps: int, **options: Any) -> TrialResult:
         options.setdefault("seed", self.seed)
-        if self.compile and not spec.compile:
-            spec = spec.model_copy(update={"compile": True})
         return run_trial(
             spec,
             self.trial_model,
@@ -453,12 +456,7 @@ def uncompiled_model(model: Any) -> tuple[Any, bool]:
         return original, True
     if not isinstance(model, nn.Module):
         return model, False
-    compiled = any(
-        getattr(module, "_compiled_call_impl", None) is not None
-        or hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
-        for module in model.modules()
-    )
-    return model, compiled
+    return model, compiled_in_place(model)
 
 
 def resolve_compile(compile: bool | str, user_compiled: bool) -> bool:
@@ -598,7 +596,7 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
     calibration = setup.run(
-        ModeSpec(mode="fp32"),
+        setup.reference_spec,
         CALIBRATION_STEPS,
         stop=setup.events.watch(None, "calibration (fp32)"),
     )
@@ -644,7 +642,7 @@ def reference_runs(
         seed_offset, shuffle, label = runs.pop(0)
         setup.events.emit("phase", label, steps=steps)
         result = setup.run(
-            ModeSpec(mode="fp32"),
+            setup.reference_spec,
             steps,
             seed=setup.seed + seed_offset,
             shuffle_seed=shuffle,

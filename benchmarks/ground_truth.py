@@ -154,7 +154,8 @@ def hurts(metric: float, fp32: list[float]) -> bool:
     return metric - mean > max(HURT_SDS * sd, HURT_RELATIVE * abs(mean))
 
 
-def gate(task: GroundTask, trial_steps: int) -> QualityReport:
+def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> QualityReport:
+    """``autoprec.check()`` on the task's model, batches and recipe (``modes``: exactly these)."""
     recipe = task.recipe
     return autoprec.check(
         task.model,
@@ -165,6 +166,7 @@ def gate(task: GroundTask, trial_steps: int) -> QualityReport:
         scheduler=recipe.scheduler,
         total_steps=recipe.total_steps,
         eval_fn=task.eval_fn,
+        modes=modes,
         progress=False,
     )
 

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-import autoprec
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import FP32_SEEDS, cached_long_run, hurts
+from benchmarks.ground_truth import FP32_SEEDS, cached_long_run, gate, hurts
 from benchmarks.ground_truth_tasks import TASKS, GroundTask
 
 STATE_RULE_TASKS = ("hf_llama_lm", "encoder_dropout", "digits_convnet", "flow_unet")
@@ -47,19 +46,7 @@ class HorizonRow:
 def _specs(task: GroundTask) -> list[ModeSpec]:
     """The specs ``autoprec.check()`` screens for MODES on this task (its keep_fp32 choices),
     read from a 20-step screen: the long runs must train what the gate judged."""
-    recipe = task.recipe
-    report = autoprec.check(
-        task.model,
-        task.batches,
-        steps=20,
-        loss_fn=recipe.loss_fn,
-        optimizer=recipe.optimizer,
-        scheduler=recipe.scheduler,
-        total_steps=recipe.total_steps,
-        eval_fn=task.eval_fn,
-        modes=list(MODES),
-        progress=False,
-    )
+    report = gate(task, 20, list(MODES))
     return [verdict.spec for verdict in report.verdicts if verdict.spec.mode in MODES]
 
 

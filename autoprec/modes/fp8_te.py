@@ -50,10 +50,9 @@ class Fp8TeMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         te = require("transformer_engine").pytorch
-        kept = self.kept_modules(model)
         self.converted: list[str] = []
         for fqn, module in list(model.named_modules()):
-            if not fqn or fqn in kept or not self.module_filter_fn(module, fqn):
+            if not fqn or not self.module_filter_fn(module, fqn):
                 continue
             parent_name, _, child_name = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

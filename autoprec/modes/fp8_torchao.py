@@ -55,13 +55,8 @@ class Fp8TorchaoMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         float8 = require("torchao").float8
-        kept = self.kept_modules(model)
-        float8.convert_to_float8_training(
-            model,
-            config=self.float8_config(),
-            module_filter_fn=lambda module, fqn: (
-                fqn not in kept and self.module_filter_fn(module, fqn)
-            ),
+        float8.convert_to_float8_training(  # the filter leaves keep_fp32 and fp8_skip out
+            model, config=self.float8_config(), module_filter_fn=self.module_filter_fn
         )
         install_fp32_islands(model, self.kept_roots(model), self.device_type)
         return model
