@@ -34,6 +34,7 @@ import math
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ import autoprec
 from autoprec._files import write_text_atomically
 from autoprec.batching import forward_and_loss
 from autoprec.errors import OptimizerRebuiltWarning
-from autoprec.plan import prepare
+from autoprec.plan import PrecisionPlan, prepare
 from autoprec.screening import QualityReport
 from autoprec.specs import ModeSpec
 from benchmarks.ground_truth_tasks import QUICK_TASKS, TASKS, GroundTask
@@ -56,7 +57,8 @@ their standard deviations (the gate's own unit: beyond what another seed and shu
 the Llama ends at its data's entropy floor (1.386) where pure bf16's +1.1% (14 seed sds) is a
 real loss that 2% called fine."""
 TRUTH_VERSION = 2
-"""Part of every cache key: bump it when a task or the long-run loop changes."""
+"""Part of every cache key: bump it when the long-run loop changes (a task's own changes bump
+its ``GroundTask.revision``)."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,15 @@ def _order(count: int, epoch: int, seed: int) -> list[int]:
     return torch.randperm(count, generator=generator).tolist()
 
 
-def long_run(task: GroundTask, spec: ModeSpec, seed: int, steps: int) -> LongRun:
-    """Train ``steps`` optimizer steps of ``spec`` as a user would; the final test metric."""
+def long_run(
+    task: GroundTask,
+    spec: ModeSpec,
+    seed: int,
+    steps: int,
+    prepared: Callable[[PrecisionPlan], None] | None = None,
+) -> LongRun:
+    """Train ``steps`` optimizer steps of ``spec`` as a user would; the final test metric.
+    ``prepared`` sees the plan before the first step (to hook its optimizer, say)."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     model = copy.deepcopy(task.model)
@@ -83,6 +92,8 @@ def long_run(task: GroundTask, spec: ModeSpec, seed: int, steps: int) -> LongRun
     with warnings.catch_warnings():  # the rebuilt-optimizer warning: no scheduler to rebind
         warnings.simplefilter("ignore", OptimizerRebuiltWarning)
         plan = prepare(spec, model, optimizer, scheduler)
+    if prepared is not None:
+        prepared(plan)
     losses: list[float] = []
     order: list[int] = []
     for step in range(steps):
@@ -116,7 +127,7 @@ def cached_long_run(
     cache: Path, task: GroundTask, spec: ModeSpec, seed: int, steps: int
 ) -> LongRun:
     name = f"{spec_key(spec)}.seed{seed}.steps{steps}.json"
-    path = cache / f"v{TRUTH_VERSION}" / task.name / name
+    path = cache / f"v{TRUTH_VERSION}" / task.cache_name / name
     if path.exists():
         return LongRun(**json.loads(path.read_text()))
     try:
@@ -236,6 +247,24 @@ def confusion(pairs: list[Pair]) -> str:
     return "\n".join(lines)
 
 
+def chosen_tasks(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    default: Sequence[str],
+    quick: Sequence[str],
+) -> list[str]:
+    """For the benchmarks' ``main``: applies ``--threads`` and quiets autoprec's log; the task
+    names of ``--tasks``, else ``quick`` with ``--quick``, else ``default``, all known."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("autoprec").setLevel(logging.ERROR)
+    names = args.tasks.split(",") if args.tasks else list(quick if args.quick else default)
+    unknown = [name for name in names if name not in TASKS]
+    if unknown:
+        parser.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> list[Pair]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", help="comma-separated task names (default: all)")
@@ -245,17 +274,10 @@ def main(argv: list[str] | None = None) -> list[Pair]:
     parser.add_argument("--quick", action="store_true", help="2 tasks, 300/30 steps (CI)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.getLogger("autoprec").setLevel(logging.ERROR)
-    names = args.tasks.split(",") if args.tasks else list(TASKS)
+    names = chosen_tasks(parser, args, default=list(TASKS), quick=QUICK_TASKS)
     steps, trial_steps = args.steps, args.trial_steps
     if args.quick:
-        names = list(args.tasks.split(",") if args.tasks else QUICK_TASKS)
         steps, trial_steps = 300, 30
-    unknown = [name for name in names if name not in TASKS]
-    if unknown:
-        parser.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     print(
         f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
         f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} fp32 sd and {HURT_RELATIVE:.1%}"

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).parents[1]
 
@@ -181,3 +182,39 @@ def test_state_rule_horizon_benchmark_runs_in_quick_mode(tmp_path: Path) -> None
     rows = state_rule_horizon.main(["--quick", "--cache", str(tmp_path)])
     assert {row.label for row in rows} == {"bf16_kahan", "bf16_pure"}
     assert all(row.task == "digits_convnet" and row.fp32_sd > 0 for row in rows)
+
+
+def test_bf16_second_moment_shadow_inflates_with_steps_on_stationary_gradients() -> None:
+    """The measurement behind the optimizer-state rule: on gradients of one unchanging
+    distribution a bf16 second moment rounded to nearest still lets through nearly all of
+    Adam's step at tune's trial length, and markedly less ten times later (it cannot
+    decrease, and spikes raise it)."""
+    from benchmarks.state_ratchet import MomentShadows
+
+    shadows = MomentShadows.sampling([torch.nn.Parameter(torch.zeros(5000))])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        shadows.observe(torch.randn(len(shadows.m), generator=generator))
+    torch_200, optimi_200 = shadows.fractions[200]
+    torch_2000, optimi_2000 = shadows.fractions[2000]
+    assert torch_200 > 0.93 and abs(optimi_200 - 1) < 0.05
+    assert torch_2000 < 0.87 and optimi_2000 < 0.8
+
+
+def test_state_ratchet_benchmark_runs_in_quick_mode() -> None:
+    from benchmarks import state_ratchet
+
+    results = state_ratchet.main(["--quick"])
+    assert set(results) == {"digits_mlp"}
+    assert set(results["digits_mlp"].fractions) == {200, 500}
+
+
+def test_flow_unet_sample_score_measures_against_every_image_the_data_can_hold() -> None:
+    """A real image scores exactly 0 (the old score, against 256 random real images, gave a
+    perfect sample 0.27 on average: a floor that hid the models' differences)."""
+    from examples import flow_unet
+
+    possible = flow_unet.possible_images().flatten(1)
+    assert len(possible) == sum((flow_unet.SIZE - s + 1) ** 2 for s in flow_unet.SQUARE_SIZES)
+    real = flow_unet.make_images(300, torch.Generator().manual_seed(3)).flatten(1)
+    assert float(torch.cdist(real, possible).min(dim=1).values.max()) == 0.0
