@@ -87,7 +87,7 @@ class ModeSpec(BaseModel):
     te_delayed_scaling: TeDelayedScaling | None = None
     """Filled in for the ``te_delayed_*`` recipes so a profile never relies on TE defaults."""
     compile: bool = False
-    """Compile the model with ``torch.compile`` (inductor, ``nn.Module.compile`` in place):
+    """Compile the model with ``torch.compile`` (inductor; its ``forward``, in place):
     trials train compiled (compilation in their warm-up) and ``apply()`` compiles the same
     way. FP8 needs it to pay (torchao: eager float8 is slower than bf16)."""
     fp8_layers: Literal["worthwhile", "all"] | None = None

@@ -93,7 +93,11 @@ def mode_table(
     )
     for spec in specs:
         result = reference if spec == specs[0] else run_trial(spec, model, train, **common)
-        record, verdict = result.record, judge(result, reference, noise)
+        record = result.record
+        if record.failure is not None:
+            print(f"{spec.label:34} FAILED ({record.failure.kind}): {record.failure.message}")
+            continue
+        verdict = judge(result, reference, noise)
         speed = f"{record.samples_per_second:10.1f}" if record.samples_per_second else f"{'-':>10}"
         tokens = f"{record.tokens_per_second:11.0f}" if record.tokens_per_second else f"{'-':>11}"
         step = (
@@ -105,9 +109,6 @@ def mode_table(
             f"{record.peak_memory_bytes / 2**20:9.0f}" if record.peak_memory_bytes else f"{'-':>9}"
         )
         state = f"{record.state_bytes.total / 2**20:9.1f}" if record.state_bytes else f"{'-':>9}"
-        if record.failure is not None:
-            print(f"{spec.label:34} FAILED ({record.failure.kind}): {record.failure.message}")
-            continue
         loop = loop_speed(spec, model, train, steps, device)
         ratio = (record.samples_per_second or 0.0) / loop
         graphs = "-" if record.compiled_graphs is None else str(record.compiled_graphs)

@@ -43,9 +43,9 @@ CHECKPOINTS = (200, 500, 1000, 2000, 5000, 10000)
 
 
 def _update_fraction(m: torch.Tensor, low: torch.Tensor, exact: torch.Tensor) -> float:
-    """Share of the step size that arrives with the low-precision moment ``low`` (both moments
-    already bias-corrected)."""
-    arrived = (m / (low.float().sqrt() + EPS)).norm()
+    """Share of the step size that arrives with the rounded moment ``low`` instead of ``exact``
+    (both fp32 tensors, bias-corrected)."""
+    arrived = (m / (low.sqrt() + EPS)).norm()
     intended = (m / (exact.sqrt() + EPS)).norm()
     return float(arrived / intended) if intended > 0 else 1.0
 
@@ -101,32 +101,34 @@ class MomentShadows:
                 _update_fraction(
                     m, self.torch_bf16.float() / correction, self.torch_fp32 / correction
                 ),
-                _update_fraction(m, self.optimi_bf16, self.optimi_fp32),
+                _update_fraction(m, self.optimi_bf16.float(), self.optimi_fp32),
             )
 
 
-def shadow(plan: PrecisionPlan, shadows: list[MomentShadows]) -> None:
-    """Hook ``plan``'s optimizer: before each step, the sampled gradients enter new shadows."""
+def shadow(plan: PrecisionPlan) -> MomentShadows:
+    """Shadows for ``plan``'s parameters, fed the sampled gradients before each optimizer step."""
     parameters = [
         p for group in plan.optimizer.param_groups for p in group["params"] if p.requires_grad
     ]
-    shadows.append(MomentShadows.sampling(parameters))
+    shadows = MomentShadows.sampling(parameters)
 
     def before_step(*_: object) -> None:
         sampled = [
             (torch.zeros(len(i)) if p.grad is None else p.grad.detach().flatten()[i].float())
-            for p, i in zip(parameters, shadows[-1].indices, strict=True)
+            for p, i in zip(parameters, shadows.indices, strict=True)
         ]
-        shadows[-1].observe(torch.cat(sampled))
+        shadows.observe(torch.cat(sampled))
 
     plan.optimizer.register_step_pre_hook(before_step)
+    return shadows
 
 
 def measure(name: str, steps: int) -> MomentShadows:
+    """The task trained ``steps`` fp32 steps, its gradients shadowed."""
     shadows: list[MomentShadows] = []
     task = TASKS[name](steps)
-    long_run(task, ModeSpec(mode="fp32"), 0, steps, lambda plan: shadow(plan, shadows))
-    return shadows[-1]
+    long_run(task, ModeSpec(mode="fp32"), 0, steps, lambda plan: shadows.append(shadow(plan)))
+    return shadows[0]
 
 
 def main(argv: list[str] | None = None) -> dict[str, MomentShadows]:

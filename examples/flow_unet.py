@@ -79,13 +79,19 @@ class FlowUNet(nn.Module):
 
 def make_images(count: int, generator: torch.Generator) -> torch.Tensor:
     """Bright squares of random size and position on a dark background, in [-1, 1]."""
-    images = -torch.ones(count, 1, SIZE, SIZE)
     sizes = torch.randint(SQUARE_SIZES.start, SQUARE_SIZES.stop, (count,), generator=generator)
-    for index in range(count):
-        size = int(sizes[index])
+    images = []
+    for size in sizes.tolist():
         row, col = torch.randint(0, SIZE - size + 1, (2,), generator=generator).tolist()
-        images[index, 0, row : row + size, col : col + size] = 1.0
-    return images
+        images.append(_square(size, row, col))
+    return torch.stack(images)
+
+
+def _square(size: int, row: int, col: int) -> torch.Tensor:
+    """One image: a bright ``size`` x ``size`` square at (row, col) on a dark background."""
+    image = -torch.ones(1, SIZE, SIZE)
+    image[0, row : row + size, col : col + size] = 1.0
+    return image
 
 
 def make_batches(
@@ -113,14 +119,14 @@ def loss_fn(output: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
 def possible_images() -> torch.Tensor:
     """Every image the data can hold (each square size at each position: 615 images), built
     on first use, not at import."""
-    images = []
-    for size in SQUARE_SIZES:
-        for row in range(SIZE - size + 1):
-            for col in range(SIZE - size + 1):
-                image = -torch.ones(1, SIZE, SIZE)
-                image[0, row : row + size, col : col + size] = 1.0
-                images.append(image)
-    return torch.stack(images)
+    return torch.stack(
+        [
+            _square(size, row, col)
+            for size in SQUARE_SIZES
+            for row in range(SIZE - size + 1)
+            for col in range(SIZE - size + 1)
+        ]
+    )
 
 
 @torch.no_grad()

@@ -13,8 +13,18 @@ import autoprec
 import autoprec.trial as trial_module
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
-from autoprec.trial import TIMING_FIELDS, deep_copy, run_trial
+from autoprec.trial import TIMING_FIELDS, TrialResult, deep_copy, run_trial
 from examples import tasks, tiny_gpt
+
+
+def _trial_on(
+    task: tasks.Task, spec: ModeSpec, batches: list | None = None, **options: object
+) -> TrialResult:
+    """``run_trial`` on a task of ``examples.tasks`` with its own optimizer and MSE loss."""
+    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
+    return run_trial(
+        spec, task.model, task.batches if batches is None else batches, recipe=recipe, **options
+    )
 
 
 def _snapshot(model: torch.nn.Module) -> dict:
@@ -48,11 +58,9 @@ def test_users_model_and_rng_are_untouched() -> None:
     before = _snapshot(task.model)
     torch_rng, python_rng = torch.get_rng_state(), random.getstate()
     for mode in ("bf16_pure", "bf16_kahan", "amp_fp16"):
-        run_trial(
+        _trial_on(
+            task,
             ModeSpec(mode=mode),
-            task.model,
-            task.batches,
-            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
             steps=10,
             heldout=task.heldout,
         )
@@ -64,11 +72,9 @@ def test_users_model_and_rng_are_untouched() -> None:
 def test_identical_trials_give_identical_figures_except_timings() -> None:
     task = tasks.regression()
     records = [
-        run_trial(
+        _trial_on(
+            task,
             ModeSpec(mode="bf16_sr"),
-            task.model,
-            task.batches,
-            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
             steps=30,
             heldout=task.heldout,
         ).record
@@ -81,11 +87,9 @@ def test_identical_trials_give_identical_figures_except_timings() -> None:
 
 def test_figures() -> None:
     task = tasks.regression()
-    record = run_trial(
+    record = _trial_on(
+        task,
         ModeSpec(mode="bf16_kahan"),
-        task.model,
-        task.batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=12,
         warmup_steps=2,
         heldout=task.heldout,
@@ -114,11 +118,9 @@ def test_state_bytes_separate_fp32_bf16_and_8bit() -> None:
         ModeSpec(mode="bf16_pure"),
         ModeSpec(mode="fp32", optimizer_bits=8),
     ):
-        record = run_trial(
+        record = _trial_on(
+            task,
             spec,
-            task.model,
-            task.batches,
-            recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
             steps=2,
         ).record
         assert record.state_bytes is not None
@@ -145,11 +147,9 @@ def test_tokens_per_second_for_token_batches() -> None:
 
 def test_nan_is_recorded_with_its_step() -> None:
     task = tasks.fp16_range(1e5)
-    record = run_trial(
+    record = _trial_on(
+        task,
         ModeSpec(mode="amp_fp16"),
-        task.model,
-        task.batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
     ).record
     assert record.failure is not None and record.failure.kind == "non_finite_loss"
     assert record.failure.step == 0 and record.steps_run == 0
@@ -213,11 +213,9 @@ def test_out_of_memory_is_recorded(error: BaseException) -> None:
 
 def test_unsupported_mode_is_recorded() -> None:
     task = tasks.regression()
-    record = run_trial(
+    record = _trial_on(
+        task,
         ModeSpec(mode="fp8_te"),
-        task.model,
-        task.batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=2,
     ).record
     assert record.failure is not None and record.failure.kind == "unsupported"
@@ -303,11 +301,9 @@ def test_factory_optimizer_and_bad_arguments() -> None:
 def test_model_copy_is_deep() -> None:
     task = tasks.regression()
     reference = copy.deepcopy(task.model)
-    run_trial(
+    _trial_on(
+        task,
         ModeSpec(mode="bf16_pure"),
-        task.model,
-        task.batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=3,
     )
     assert all(p.dtype == torch.float32 for p in task.model.parameters())
@@ -490,11 +486,9 @@ def test_peak_memory_is_the_trials_own() -> None:
     """Memory held before the trial (here 256 MiB the caller keeps) is not the mode's."""
     task = tasks.regression()
     held = torch.ones(64 * 2**20)  # 256 MiB, touched: resident
-    result = run_trial(
+    result = _trial_on(
+        task,
         ModeSpec(mode="fp32"),
-        task.model,
-        task.batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=5,
     )
     record = result.record
@@ -595,11 +589,9 @@ def test_a_mode_that_fails_to_compile_is_a_failed_trial(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(autoprec.plan, "compile_model", compile_broken)
     task = tasks.regression()
-    record = run_trial(
+    record = _trial_on(
+        task,
         ModeSpec(mode="amp_bf16", compile=True),
-        task.model,
-        task.batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
         steps=6,
     ).record
     assert record.failure is not None and record.failure.kind == "compile_failed"
@@ -612,11 +604,10 @@ def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
     then include compilation, and the record says so (the held-out pass is not counted)."""
     task = tasks.regression(batches=12)
     batches = task.batches[:8] + [(x[:40], y[:40]) for x, y in task.batches[8:]]
-    record = run_trial(
+    record = _trial_on(
+        task,
         ModeSpec(mode="fp32", compile=True),
-        task.model,
-        batches,
-        recipe=TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse),
+        batches=batches,
         steps=12,
         heldout=task.heldout,  # eval mode, no grad: graphs of its own, not recompiles
     ).record
