@@ -238,6 +238,109 @@ def _relative_error(
     return error, agreement
 
 
+def _loss_checks(
+    trial: TrialResult,
+    reference: TrialResult,
+    noise: TrialResult,
+    limits: DriftThresholds,
+    metrics: dict[str, float | None],
+) -> list[str]:
+    """Held-out and late training loss against the fp32 reference, in noise floors."""
+    record, expected = trial.record, reference.record
+    reasons = []
+    floor = noise_floor(reference, noise, limits)
+    metrics["noise_floor"] = floor
+    allowed = limits.max_loss_gap_units * floor
+    if record.heldout_losses and len(record.heldout_losses) == len(expected.heldout_losses):
+        gap = statistics.fmean(
+            b - a for a, b in zip(expected.heldout_losses, record.heldout_losses, strict=True)
+        )
+        metrics["heldout_loss_gap"] = gap
+        if gap > allowed:
+            reasons.append(
+                f"held-out loss {gap:+.4g} worse than fp32, beyond {allowed:.3g} "
+                f"({limits.max_loss_gap_units:g} x noise floor {floor:.3g})"
+            )
+    late = max(1, int(len(record.losses) * limits.late_fraction))
+    if len(record.losses) == len(expected.losses) and record.losses:
+        pairs = zip(expected.losses[-late:], record.losses[-late:], strict=True)
+        late_gap = statistics.fmean(b - a for a, b in pairs)
+        metrics["late_loss_gap"] = late_gap
+        if late_gap > allowed:
+            reasons.append(
+                f"training loss over the last {late} steps {late_gap:+.4g} worse than "
+                f"fp32 on the same batches, beyond {allowed:.3g}"
+            )
+    return reasons
+
+
+def _state_check(
+    record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
+) -> list[str]:
+    """Adam's second moment kept in low precision, rounded to nearest (see max_rounded_beta2)."""
+    moment = record.low_precision_moment
+    if moment is None or moment.rounding != "nearest":
+        return []
+    metrics["rounded_beta2"] = moment.beta2
+    if moment.beta2 <= limits.max_rounded_beta2:
+        return []
+    return [
+        f"optimizer state loses its updates: Adam's second moment is kept in "
+        f"{moment.dtype} rounded to nearest, and with beta2={moment.beta2:g} a step "
+        f"changes it by {1 - moment.beta2:.2g} of itself, below half a {moment.dtype} ulp: "
+        "it can never decrease (long runs end worse). Stochastically rounded states "
+        f"(bf16_sr, bf16_sr_kahan) or beta2 <= {limits.max_rounded_beta2:.4f} avoid it"
+    ]
+
+
+def _output_check(
+    trial: TrialResult,
+    reference: TrialResult,
+    paired: TrialResult | None,
+    limits: DriftThresholds,
+    metrics: dict[str, float | None],
+) -> list[str]:
+    """Held-out outputs against the reference's, in units of the paired fp32 run's difference."""
+    error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
+    noise_error = 0.0  # without random draws a same-order fp32 run repeats the reference
+    if paired is not None:
+        noise_error = _relative_error(paired.heldout_outputs, reference.heldout_outputs)[0] or 0.0
+    metrics["output_error"], metrics["top1_agreement"] = error, agreement
+    metrics["output_error_noise"] = noise_error if error is not None else None
+    if error is None:
+        return []
+    allowed = max(limits.output_error_floor, limits.max_output_error_units * noise_error)
+    if error <= allowed:
+        return []
+    return [f"held-out outputs differ from fp32 by {error:.1%} (relative L2), beyond {allowed:.1%}"]
+
+
+def _eval_check(
+    record: TrialRecord,
+    reference: TrialRecord,
+    noise: TrialRecord,
+    limits: DriftThresholds,
+    metrics: dict[str, float | None],
+) -> list[str]:
+    """``eval_fn``'s score against the reference's, in units of the noise run's difference."""
+    if record.eval_score is None or reference.eval_score is None:
+        return []
+    gap = record.eval_score - reference.eval_score
+    metrics["eval_gap"] = gap
+    # a noise score of 0.0 is a score, not a missing one
+    noise_gap = 0.0 if noise.eval_score is None else abs(noise.eval_score - reference.eval_score)
+    allowed = max(
+        limits.eval_floor_relative * abs(reference.eval_score),
+        limits.max_eval_gap_units * noise_gap,
+    )
+    if gap <= allowed:
+        return []
+    return [
+        f"eval_fn {record.eval_score:.4g} vs fp32 {reference.eval_score:.4g}"
+        f" (worse by {gap:.3g}, beyond {allowed:.3g})"
+    ]
+
+
 def judge(
     trial: TrialResult,
     reference: TrialResult,
@@ -255,91 +358,24 @@ def judge(
     """
     limits = thresholds or DriftThresholds()
     record = trial.record
-    reasons: list[str] = []
-    metrics: dict[str, float | None] = {}
     if record.failure is not None:
         step = "" if record.failure.step is None else f" at step {record.failure.step}"
-        reasons.append(f"{record.failure.kind.replace('_', ' ')}{step}: {record.failure.message}")
-        return DriftVerdict(accepted=False, reasons=tuple(reasons), metrics=DriftMetrics())
-
-    floor = noise_floor(reference, noise, limits)
-    metrics["noise_floor"] = floor
-    allowed = limits.max_loss_gap_units * floor
-    if record.heldout_losses and len(record.heldout_losses) == len(reference.record.heldout_losses):
-        gap = statistics.fmean(
-            b - a
-            for a, b in zip(reference.record.heldout_losses, record.heldout_losses, strict=True)
-        )
-        metrics["heldout_loss_gap"] = gap
-        if gap > allowed:
-            reasons.append(
-                f"held-out loss {gap:+.4g} worse than fp32, beyond {allowed:.3g} "
-                f"({limits.max_loss_gap_units:g} x noise floor {floor:.3g})"
-            )
-    late = max(1, int(len(record.losses) * limits.late_fraction))
-    if len(record.losses) == len(reference.record.losses) and record.losses:
-        pairs = zip(reference.record.losses[-late:], record.losses[-late:], strict=True)
-        late_gap = statistics.fmean(b - a for a, b in pairs)
-        metrics["late_loss_gap"] = late_gap
-        if late_gap > allowed:
-            reasons.append(
-                f"training loss over the last {late} steps {late_gap:+.4g} worse than "
-                f"fp32 on the same batches, beyond {allowed:.3g}"
-            )
-
+        reason = f"{record.failure.kind.replace('_', ' ')}{step}: {record.failure.message}"
+        return DriftVerdict(accepted=False, reasons=(reason,), metrics=DriftMetrics())
+    metrics: dict[str, float | None] = {}
+    reasons = _loss_checks(trial, reference, noise, limits, metrics)
     movement_reasons, movement_notes = _movement_checks(trial, reference, paired, limits, metrics)
-    reasons.extend(movement_reasons)
-
-    moment = record.low_precision_moment
-    if moment is not None and moment.rounding == "nearest":
-        metrics["rounded_beta2"] = moment.beta2
-        if moment.beta2 > limits.max_rounded_beta2:
-            reasons.append(
-                f"optimizer state loses its updates: Adam's second moment is kept in "
-                f"{moment.dtype} rounded to nearest, and with beta2={moment.beta2:g} a step "
-                f"changes it by {1 - moment.beta2:.2g} of itself, below half a {moment.dtype} ulp: "
-                "it can never decrease (long runs end worse). Stochastically rounded states "
-                f"(bf16_sr, bf16_sr_kahan) or beta2 <= {limits.max_rounded_beta2:.4f} avoid it"
-            )
-    notes = (*_checks_not_run(trial, reference), *movement_notes)
-    error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
-    noise_error = 0.0  # without random draws a same-order fp32 run repeats the reference
-    if paired is not None:
-        noise_error = _relative_error(paired.heldout_outputs, reference.heldout_outputs)[0] or 0.0
-    metrics["output_error"], metrics["top1_agreement"] = error, agreement
-    metrics["output_error_noise"] = noise_error if error is not None else None
-    if error is not None:
-        allowed_error = max(limits.output_error_floor, limits.max_output_error_units * noise_error)
-        if error > allowed_error:
-            reasons.append(
-                f"held-out outputs differ from fp32 by {error:.1%} (relative L2), "
-                f"beyond {allowed_error:.1%}"
-            )
-
+    reasons += movement_reasons
+    reasons += _state_check(record, limits, metrics)
+    reasons += _output_check(trial, reference, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
-        reasons.extend(_fp16_risks(record, reference, limits, metrics))
-
-    if record.eval_score is not None and reference.record.eval_score is not None:
-        gap = record.eval_score - reference.record.eval_score
-        metrics["eval_gap"] = gap
-        noise_score = noise.record.eval_score
-        noise_gap = (
-            0.0 if noise_score is None else abs(noise_score - reference.record.eval_score)
-        )  # a noise score of 0.0 is a score, not a missing one
-        allowed_eval = max(
-            limits.eval_floor_relative * abs(reference.record.eval_score),
-            limits.max_eval_gap_units * noise_gap,
-        )
-        if gap > allowed_eval:
-            reasons.append(
-                f"eval_fn {record.eval_score:.4g} vs fp32 {reference.record.eval_score:.4g}"
-                f" (worse by {gap:.3g}, beyond {allowed_eval:.3g})"
-            )
+        reasons += _fp16_risks(record, reference, limits, metrics)
+    reasons += _eval_check(record, reference.record, noise.record, limits, metrics)
     return DriftVerdict(
         accepted=not reasons,
         reasons=tuple(reasons),
         metrics=DriftMetrics(**metrics),
-        notes=notes,
+        notes=(*_checks_not_run(trial, reference), *movement_notes),
     )
 
 

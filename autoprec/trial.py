@@ -806,6 +806,125 @@ def deep_copy(model: nn.Module) -> nn.Module:
         ) from error
 
 
+@dataclass(frozen=True)
+class _TrialInputs:
+    """What one trial trains and how (``run_trial``'s arguments, resolved)."""
+
+    spec: ModeSpec
+    model: nn.Module
+    batches: Sequence[Any]
+    order: list[int]
+    recipe: TrainingRecipe
+    device: torch.device
+    situation: Situation | None
+    points: tuple[LrPoint, ...] | None
+    """The legs' learning rates; None: the optimizer's own (one constant leg)."""
+    legs: list[int]
+    warmup_steps: int
+    window_steps: int
+    heldout: Sequence[Any]
+    eval_fn: Callable[[nn.Module], float] | None
+    stop: StopCheck | None
+
+
+@dataclass
+class _CopyRun:
+    """How training the copy went: the loop's figures, the mode (its loss-scaler figures), the
+    legs' learning rates and how it ended."""
+
+    figures: dict[str, Any] = field(default_factory=dict)
+    mode: Any = None
+    points: tuple[LrPoint, ...] = ()
+    fp8_layers: tuple[str, ...] = ()
+    failure: TrialFailure | None = None
+    stopped: str | None = None
+    draws_random: bool = False
+
+
+def _batch_order(count: int, shuffle_seed: int | None) -> list[int]:
+    """The batches in order, or in a seeded random order (the noise reference)."""
+    if shuffle_seed is None:
+        return list(range(count))
+    return torch.randperm(count, generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+
+
+def _constant_point(plan: PrecisionPlan) -> LrPoint:
+    """One leg at the optimizer's own learning rates."""
+    lrs = tuple(float(group["lr"]) for group in plan.optimizer.param_groups)
+    return LrPoint(role="constant", lrs=lrs)
+
+
+def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
+    """A deep copy of the model in train mode, in the trial's mode, with the recipe's optimizer."""
+    trained = deep_copy(inputs.model).train()
+    recipe = inputs.recipe
+    return build_plan(
+        inputs.spec,
+        trained,
+        recipe.make_optimizer(inputs.model, trained),
+        grad_accumulation_steps=recipe.grad_accumulation_steps,
+        clip_grad_norm=recipe.clip_grad_norm,
+        situation=inputs.situation,
+    )
+
+
+def _train_legs(
+    loop: _Loop, inputs: _TrialInputs, run: _CopyRun, result: TrialResult, baseline: dict[str, int]
+) -> None:
+    """Train every leg, sampling the weights before and after each; note whether training drew
+    random numbers, its peak memory and a weight left non-finite."""
+    plan, device = loop.plan, inputs.device
+    result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
+    result.leg_weights.append(_sampled(plan, result.sample_indices))
+    before = _rng_states(device)
+    run.failure, run.stopped = _train(
+        loop, result, run.points, inputs.legs, inputs.warmup_steps, inputs.window_steps, inputs.stop
+    )
+    if inputs.spec.compile:  # the held-out pass (eval mode, no grad) compiles graphs of its own
+        loop.figures["graphs_after_training"] = compiled_graph_count()
+    after = _rng_states(device)
+    run.draws_random = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # the peak before the held-out pass and eval_fn, which are not the mode's
+    loop.figures["peak"] = _memory_peak(device, baseline, loop.figures["rss"])
+    if run.failure is None and not all(
+        bool(torch.isfinite(p).all()) for p in plan.model.parameters()
+    ):
+        step = loop.current_step
+        message = f"weights are not finite after step {step}"
+        run.failure = TrialFailure(kind="non_finite_weight", step=step, message=message)
+
+
+def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, int]) -> _CopyRun:
+    """Train and measure a deep copy of the model; a failure is recorded in the run, never
+    raised, and the copy's memory is freed."""
+    run = _CopyRun()
+    plan: PrecisionPlan | None = None
+    loop: _Loop | None = None
+    try:
+        if inputs.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(inputs.device)
+        plan = _plan_for(inputs)
+        run.mode = plan.mode
+        run.points = inputs.points or (_constant_point(plan),)
+        run.fp8_layers = plan.mode.fp8_modules(plan.model)
+        loop = _Loop(plan, inputs.recipe, inputs.batches, inputs.order, inputs.device)
+        run.figures = loop.figures
+        _settle(loop, inputs.device)
+        _train_legs(loop, inputs, run, result, baseline)
+        if run.failure is None and run.stopped is None:
+            result.heldout_outputs = _measure_trained(loop, inputs.heldout, inputs.eval_fn)
+        if "state" not in loop.figures:  # no step stepped: measure what there is
+            loop.figures["state"] = _state_bytes(plan)
+    except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
+        run.failure = _failure_of(error, loop.current_step if loop is not None else None)
+    finally:
+        del plan, loop
+        gc.collect()
+        if inputs.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return run
+
+
 def run_trial(
     spec: ModeSpec,
     model: nn.Module,
@@ -849,26 +968,30 @@ def run_trial(
     steps = len(batches) if steps is None else steps
     if steps < 1:
         raise ValueError(f"steps must be >= 1 but got {steps}.")
-    device = torch.device(model_device(model))
     points = tuple(lr_points) if lr_points else None
-    legs = _leg_steps(steps, points) if points else [steps]
-    window = window_steps or window_steps_for(steps, warmup_steps)
-    order = list(range(len(batches)))
-    if shuffle_seed is not None:
-        generator = torch.Generator().manual_seed(shuffle_seed)
-        order = torch.randperm(len(batches), generator=generator).tolist()
+    inputs = _TrialInputs(
+        spec=spec,
+        model=model,
+        batches=batches,
+        order=_batch_order(len(batches), shuffle_seed),
+        recipe=recipe,
+        device=torch.device(model_device(model)),
+        situation=situation,
+        points=points,
+        legs=_leg_steps(steps, points) if points else [steps],
+        warmup_steps=warmup_steps,
+        window_steps=window_steps or window_steps_for(steps, warmup_steps),
+        heldout=heldout,
+        eval_fn=eval_fn,
+        stop=stop,
+    )
+    device = inputs.device
     started = time.perf_counter()
     result = TrialResult(
         record=TrialRecord(
             spec=spec, seed=seed, steps_planned=steps, steps_run=0, warmup_steps=warmup_steps
         )
     )
-    failure: TrialFailure | None = None
-    stopped: str | None = None
-    draws_random = False
-    fp8_layers: tuple[str, ...] = ()
-    plan: PrecisionPlan | None = None
-    loop: _Loop | None = None
     baseline = _memory_now(device)  # what is not this trial: subtracted from its peak
     graphs_before = 0
     if spec.compile:
@@ -876,80 +999,10 @@ def run_trial(
         graphs_before = compiled_graph_count()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        try:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            trained = deep_copy(model).train()
-            plan = build_plan(
-                spec,
-                trained,
-                recipe.make_optimizer(model, trained),
-                grad_accumulation_steps=recipe.grad_accumulation_steps,
-                clip_grad_norm=recipe.clip_grad_norm,
-                situation=situation,
-            )
-            if points is None:
-                points = (
-                    LrPoint(
-                        role="constant",
-                        lrs=tuple(float(g["lr"]) for g in plan.optimizer.param_groups),
-                    ),
-                )
-            fp8_layers = plan.mode.fp8_modules(plan.model)
-            loop = _Loop(plan, recipe, batches, order, device)
-            _settle(loop, device)
-            result.sample_indices = _sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
-            result.leg_weights.append(_sampled(plan, result.sample_indices))
-            before = _rng_states(device)
-            failure, stopped = _train(loop, result, points, legs, warmup_steps, window, stop)
-            if spec.compile:  # the held-out pass (eval mode, no grad) compiles graphs of its own
-                loop.figures["graphs_after_training"] = compiled_graph_count()
-            draws_random = any(
-                not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)
-            )
-            # the peak before the held-out pass and eval_fn, which are not the mode's
-            loop.figures["peak"] = _memory_peak(device, baseline, loop.figures["rss"])
-            if failure is None and not all(
-                bool(torch.isfinite(p).all()) for p in plan.model.parameters()
-            ):
-                step = loop.current_step
-                failure = TrialFailure(
-                    kind="non_finite_weight",
-                    step=step,
-                    message=f"weights are not finite after step {step}",
-                )
-            if failure is None and stopped is None:
-                result.heldout_outputs = _measure_trained(loop, heldout, eval_fn)
-            if "state" not in loop.figures:  # no step stepped: measure what there is
-                loop.figures["state"] = _state_bytes(plan)
-        except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
-            failure = _failure_of(error, loop.current_step if loop is not None else None)
-        finally:
-            mode = plan.mode if plan is not None else None
-            figures = loop.figures if loop is not None else {}
-            del plan, loop
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if "peak" not in figures:  # failed or stopped before the end: the peak so far
-        figures["peak"] = _memory_peak(device, baseline, figures.get("rss", []))
-    record = _record(
-        spec, seed, steps, warmup_steps, failure, figures, mode, time.perf_counter() - started
-    )
-    result.record = record.model_copy(
-        update={
-            "stopped": stopped,
-            "lr_points": points or (),
-            "leg_steps": tuple(legs),
-            "draws_random": draws_random,
-            "fp8_layers": fp8_layers,
-        }
-    )
-    if spec.compile:
-        graphs, recompiles = _compile_counts(figures, graphs_before)
-        result.record = result.record.model_copy(
-            update={"compiled_graphs": graphs, "recompiles": recompiles}
-        )
+        run = _train_copy(inputs, result, baseline)
+    if "peak" not in run.figures:  # failed or stopped before the end: the peak so far
+        run.figures["peak"] = _memory_peak(device, baseline, run.figures.get("rss", []))
+    result.record = _record(inputs, seed, steps, run, graphs_before, time.perf_counter() - started)
     return result
 
 
@@ -962,27 +1015,27 @@ def _steps_run(failure: TrialFailure | None, steps_done: int) -> int:
 
 
 def _record(
-    spec: ModeSpec,
+    inputs: _TrialInputs,
     seed: int,
     steps: int,
-    warmup: int,
-    failure: TrialFailure | None,
-    figures: dict[str, Any],
-    mode: Any,
+    run: _CopyRun,
+    graphs_before: int,
     wall: float,
 ) -> TrialRecord:
+    figures, mode, spec = run.figures, run.mode, inputs.spec
     windows = tuple(figures.get("windows", ()))
     measured = measured_windows(windows)
     seconds = sum(window.seconds for window in measured)
     tokens = [window.tokens for window in measured]
     peak = figures.get("peak") or {}
+    graphs, recompiles = _compile_counts(figures, graphs_before)
     return TrialRecord(
         spec=spec,
         seed=seed,
         steps_planned=steps,
-        steps_run=_steps_run(failure, figures.get("steps_done", 0)),
-        warmup_steps=warmup,
-        failure=failure,
+        steps_run=_steps_run(run.failure, figures.get("steps_done", 0)),
+        warmup_steps=inputs.warmup_steps,
+        failure=run.failure,
         losses=tuple(figures.get("losses", [])),
         samples_per_second=(
             sum(window.samples for window in measured) / seconds if seconds > 0 else None
@@ -1010,4 +1063,11 @@ def _record(
         low_precision_moment=figures.get("moment"),
         eval_score=figures.get("eval"),
         speed_is_meaningful=not spec.emulate,
+        stopped=run.stopped,
+        lr_points=run.points,
+        leg_steps=tuple(inputs.legs),
+        draws_random=run.draws_random,
+        fp8_layers=run.fp8_layers,
+        compiled_graphs=graphs,
+        recompiles=recompiles,
     )

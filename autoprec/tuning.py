@@ -891,6 +891,33 @@ def _measured_references(
     return runs, steps, step_seconds, False
 
 
+def _judged_runner(
+    setup: RunSetup, fp32_runs: Fp32Runs, steps: int
+) -> Callable[[ModeSpec, Any], TrialOutcome]:
+    """The search's runner: one trial of a candidate, judged against the fp32 runs when it
+    completed or went non-finite (a failure of any other kind is not a verdict on numerics)."""
+    device = setup.report.device
+
+    def runner(spec: ModeSpec, stop: Any) -> TrialOutcome:
+        result = setup.run(spec, steps, heldout=setup.heldout, eval_fn=setup.eval_fn, stop=stop)
+        failure = result.record.failure
+        judged = result.record.completed or (
+            failure is not None and failure.kind.startswith("non_finite")
+        )
+        verdict = fp32_runs.judge(result, setup.thresholds) if judged else None
+        return _outcome(result, verdict, device)
+
+    return runner
+
+
+def _record_reference(study: Any, outcome: TrialOutcome, candidates: list[ModeSpec]) -> None:
+    """The fp32 reference as the study's first trial (once: a resumed study has it)."""
+    label = outcome.label  # fp32, or fp32+compiled
+    if label not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
+        trial = ask_for(study, label, [s.label for s in candidates])
+        record_outcome(study, trial, outcome)
+
+
 def _search(
     setup: RunSetup,
     budget_minutes: float,
@@ -908,28 +935,13 @@ def _search(
         setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)
     )
     fp32_runs, steps, step_seconds, reused = measured
-    reference = fp32_runs.reference
-    device = setup.report.device
-    reference_verdict = fp32_runs.judge(reference, setup.thresholds)
-    reference_outcome = _outcome(reference, reference_verdict, device)
+    reference_verdict = fp32_runs.judge(fp32_runs.reference, setup.thresholds)
+    reference_outcome = _outcome(fp32_runs.reference, reference_verdict, setup.report.device)
     reference_seconds = clock() - start - calibration_seconds
-    label = reference.record.spec.label  # fp32, or fp32+compiled
-    if label not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
-        trial = ask_for(study, label, [s.label for s in candidates.specs])
-        record_outcome(study, trial, reference_outcome)
-
-    def runner(spec: ModeSpec, stop: Any) -> TrialOutcome:
-        result = setup.run(spec, steps, heldout=setup.heldout, eval_fn=setup.eval_fn, stop=stop)
-        failure = result.record.failure
-        judged = result.record.completed or (
-            failure is not None and failure.kind.startswith("non_finite")
-        )
-        verdict = fp32_runs.judge(result, setup.thresholds) if judged else None
-        return _outcome(result, verdict, device)
-
+    _record_reference(study, reference_outcome, candidates.specs)
     outcomes = search(
         candidates.specs[1:],
-        runner,
+        _judged_runner(setup, fp32_runs, steps),
         study=study,
         objective=objective,
         deadline=setup.deadline,
