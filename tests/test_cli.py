@@ -298,7 +298,6 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
 
 def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> None:
     import signal
-    import time
 
     import optuna
 
@@ -324,21 +323,24 @@ def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> No
     first = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    finished: list[str] = []
-    deadline = time.monotonic() + 100
-    while time.monotonic() < deadline and len(finished) < 2:  # fp32 and one candidate
-        time.sleep(0.5)
-        try:
-            study = optuna.load_study(study_name="resume", storage=storage)
-            finished = [
-                t.params["candidate"]
-                for t in study.get_trials(deepcopy=False)
-                if t.state.name in ("COMPLETE", "PRUNED")
-            ]
-        except Exception:  # noqa: BLE001 - the study does not exist yet
-            continue
-    first.send_signal(signal.SIGINT)  # Ctrl-C
-    _, err = first.communicate(timeout=60)
+    # Ctrl-C once the second candidate starts: fp32 and the first candidate are in the study.
+    # Driven by the progress lines, not by polling the study, so a fast run cannot finish first.
+    shown: list[str] = []
+    assert first.stderr is not None
+    for line in first.stderr:
+        shown.append(line)
+        if line.startswith("trial 2/"):
+            break
+    first.send_signal(signal.SIGINT)
+    _, rest = first.communicate(timeout=60)
+    err = "".join(shown) + rest
+    study = optuna.load_study(study_name="resume", storage=storage)
+    finished = [
+        t.params["candidate"]
+        for t in study.get_trials(deepcopy=False)
+        if t.state.name in ("COMPLETE", "PRUNED")
+    ]
+    assert len(finished) >= 2, err  # the reference and the first candidate
     assert first.returncode == 130, err
     assert "interrupted; run the same command again to resume" in err and not out.exists()
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,62 @@ def test_state_ratchet_benchmark_runs_in_quick_mode() -> None:
     results = state_ratchet.main(["--quick"])
     assert set(results) == {"digits_mlp"}
     assert set(results["digits_mlp"].fractions) == {200, 500}
+
+
+def test_state_rule_signals_measure_what_they_claim() -> None:
+    """Adam's signal share is 1 for steady gradients and (1 - beta1) / (1 + beta1) for pure
+    noise; the step-scaling hook moves the weights 0.7x as far as a plain step."""
+    from autoprec.plan import prepare
+    from autoprec.specs import ModeSpec
+    from benchmarks.state_ratchet import MomentShadows
+    from benchmarks.state_rule_signals import Signals, scaled_steps, separates, signal_share
+
+    steady = MomentShadows.sampling([torch.nn.Parameter(torch.zeros(1000))])
+    for _ in range(50):
+        steady.observe(torch.full_like(steady.m, 0.3))
+    assert signal_share(steady) == pytest.approx(1.0, rel=1e-4)
+    noise = MomentShadows.sampling([torch.nn.Parameter(torch.zeros(1000))])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        noise.observe(torch.randn(len(noise.m), generator=generator))
+    assert signal_share(noise) == pytest.approx(0.1 / 1.9, rel=0.1)
+
+    def moved(scale: float | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        start = model.weight.detach().clone()
+        plan = prepare(ModeSpec(mode="fp32"), model, torch.optim.SGD(model.parameters(), lr=0.1))
+        if scale is not None:
+            scaled_steps(scale)(plan)
+        plan.step(model(torch.ones(2, 4)).sum())
+        return model.weight.detach() - start
+
+    assert torch.allclose(moved(0.7), 0.7 * moved(None))
+
+    def rows(hurt: list[float], fine: list[float]) -> list[Signals]:
+        return [
+            Signals(f"t{i}", harmed, share, 1.0, 0.1, 1.0)
+            for i, (harmed, share) in enumerate(
+                [(True, x) for x in hurt] + [(False, x) for x in fine]
+            )
+        ]
+
+    assert separates(rows([0.1, 0.2], [0.3]), lambda row: row.signal_share) is True
+    assert separates(rows([0.1, 0.3], [0.2]), lambda row: row.signal_share) is False
+
+
+def test_state_rule_signals_benchmark_runs_in_quick_mode() -> None:
+    from benchmarks import state_rule_signals
+
+    rows = state_rule_signals.main(["--quick"])
+    assert [row.task for row in rows] == ["digits_mlp", "encoder_dropout"]
+    assert [row.hurt_at_2000 for row in rows] == [True, False]
+    assert all(0 < row.signal_share <= 1 and row.fp32_sd > 0 for row in rows)
+    # two tasks, one harmed: a figure that differs between them separates them, either way
+    flipped = [dataclasses.replace(row, hurt_at_2000=not row.hurt_at_2000) for row in rows]
+    assert state_rule_signals.separates(rows, lambda row: row.signal_share) is True
+    assert state_rule_signals.separates(flipped, lambda row: row.signal_share) is True
+    assert state_rule_signals.separates(rows[:1], lambda row: row.signal_share) is None
 
 
 def test_flow_unet_sample_score_measures_against_every_image_the_data_can_hold() -> None:
