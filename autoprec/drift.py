@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from autoprec.recipe import LrPoint
-from autoprec.trial import OutputSummary, TrialRecord, TrialResult
+from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
 
 FP16_MAX = 65504.0
 

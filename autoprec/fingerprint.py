@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from torch.utils._pytree import tree_flatten
 
 from autoprec.drift import Fp32Runs
-from autoprec.trial import OutputSummary, TrialRecord, TrialResult
+from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
 
 SAMPLED_ELEMENTS = 4096
 """Elements per tensor read into a digest (evenly strided): every tensor's name, shape and

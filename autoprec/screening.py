@@ -28,7 +28,7 @@ from autoprec.recipe import (
 )
 from autoprec.search import EventSink, SearchEvent, TrialOutcome
 from autoprec.specs import ModeSpec
-from autoprec.trial import TrialResult
+from autoprec.trial_records import TrialResult
 from autoprec.tuning import (
     RunSetup,
     calibration_run,

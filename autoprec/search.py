@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from autoprec.specs import ModeSpec
-from autoprec.trial import StepWindow, StopCheck, TrialProgress, measured_windows
+from autoprec.trial_records import StepWindow, StopCheck, TrialProgress, measured_windows
 
 logger = logging.getLogger(__name__)
 

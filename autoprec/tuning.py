@@ -34,6 +34,7 @@ from autoprec.fingerprint import (
     save_references,
     tensor_digest,
 )
+from autoprec.model_copies import compiled_in_place, deep_copy
 from autoprec.probing import ProbeReport, probe
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import (
@@ -60,7 +61,8 @@ from autoprec.search import (
     search,
 )
 from autoprec.specs import ModeSpec
-from autoprec.trial import TrialResult, compiled_in_place, deep_copy, run_trial
+from autoprec.trial import run_trial
+from autoprec.trial_records import TrialResult
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ import torch
 from autoprec.drift import DriftThresholds, judge, noise_floor
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
-from autoprec.trial import TrialFailure, TrialResult, run_trial
+from autoprec.trial import run_trial
+from autoprec.trial_records import TrialFailure, TrialResult
 from examples import tasks
 
 STEPS = 150

@@ -13,7 +13,7 @@ from autoprec.choice import choose, dominates, pareto_front
 from autoprec.probing import probe
 from autoprec.search import EventSink, TrialOutcome, create_study, make_stop_check, search
 from autoprec.specs import ModeSpec
-from autoprec.trial import StepWindow, TrialProgress
+from autoprec.trial_records import StepWindow, TrialProgress
 from examples import tiny_gpt
 from tests.conftest import make_backends, make_hardware
 

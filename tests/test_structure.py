@@ -16,7 +16,8 @@ ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
     "hardware", "layers", "eligibility",                             # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
-    "probing", "candidates", "batching", "recipe", "trial", "drift", "search",  # pipeline
+    "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
+    "trial_records", "trial_measures", "trial_loop", "trial", "drift", "search",
     "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "progress", "tuning", "screening", "trainers", "report", "display", "cli",

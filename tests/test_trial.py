@@ -10,10 +10,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import autoprec
-import autoprec.trial as trial_module
+import autoprec.trial_measures as trial_measures
+from autoprec.model_copies import deep_copy
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
-from autoprec.trial import TIMING_FIELDS, TrialResult, deep_copy, run_trial
+from autoprec.trial import run_trial
+from autoprec.trial_records import TIMING_FIELDS, TrialResult
 from examples import tasks, tiny_gpt
 
 
@@ -446,7 +448,7 @@ def test_stochastic_rounding_leaves_the_models_random_stream_in_step(mode: str) 
 
 def test_held_out_outputs_are_kept_as_bounded_summaries() -> None:
     from autoprec.drift import _relative_error
-    from autoprec.trial import OUTPUT_SAMPLE_ELEMENTS, summarize_output
+    from autoprec.trial_records import OUTPUT_SAMPLE_ELEMENTS, summarize_output
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 64, 4096, generator=generator)  # 2M values, 8 MB in fp32
@@ -466,19 +468,18 @@ def test_movement_sampling_cost_does_not_grow_with_the_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A 2**25-element weight: the sample is drawn without permuting (or copying) the tensor."""
-    from autoprec import trial
 
     def no_permutation(*args: object, **kwargs: object) -> None:
         raise AssertionError("randperm over a whole parameter")
 
     monkeypatch.setattr(torch, "randperm", no_permutation)
     model = nn.Sequential(nn.Linear(4096, 8192, bias=False), nn.Linear(8192, 4))
-    indices = trial._sample_indices(model, 2**20)
+    indices = trial_measures.sample_indices(model, 2**20)
     big = indices["0.weight"]
     assert 0.9 * 2**20 < big.numel() <= 2**20  # its share of the budget, duplicates dropped
     assert bool((big[1:] > big[:-1]).all()) and int(big[-1]) < 4096 * 8192
     assert indices["1.weight"].numel() >= 1  # every tensor is followed
-    small = trial._sample_indices(nn.Linear(8, 4), 2**20)
+    small = trial_measures.sample_indices(nn.Linear(8, 4), 2**20)
     assert torch.equal(small["weight"], torch.arange(32))  # a small model: every element
 
 
@@ -525,7 +526,7 @@ def _reads_optimizer_step_count() -> bool:
 def _window_log(monkeypatch: pytest.MonkeyPatch, spec: ModeSpec, steps: int) -> list[str]:
     """Every host read and window clock read of a trial, in order."""
     log: list[str] = []
-    start, stop = trial_module._WindowClock.start, trial_module._WindowClock.stop
+    start, stop = trial_measures.WindowClock.start, trial_measures.WindowClock.stop
 
     def logged_start(clock: object) -> None:
         log.append("start")
@@ -535,8 +536,8 @@ def _window_log(monkeypatch: pytest.MonkeyPatch, spec: ModeSpec, steps: int) -> 
         log.append("stop")
         return stop(clock)
 
-    monkeypatch.setattr(trial_module._WindowClock, "start", logged_start)
-    monkeypatch.setattr(trial_module._WindowClock, "stop", logged_stop)
+    monkeypatch.setattr(trial_measures.WindowClock, "start", logged_start)
+    monkeypatch.setattr(trial_measures.WindowClock, "stop", logged_stop)
     task = tasks.regression()
     recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse, clip_grad_norm=1.0)
     with _HostReadLog(log):

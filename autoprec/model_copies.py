@@ -1,0 +1,62 @@
+"""Deep copies of the user's model for trials: in-place compilation dropped, and an error that
+names the attribute when copying fails."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+
+def _uncopyable_attribute(model: nn.Module) -> str | None:
+    """``module.attribute (type)`` of the first attribute that copy.deepcopy refuses."""
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if attribute in ("_parameters", "_buffers", "_modules"):
+                continue
+            try:
+                copy.deepcopy(value)
+            except Exception:  # noqa: BLE001 - looking for the one that fails
+                where = f"{name}.{attribute}" if name else attribute
+                return f"{where} ({type(value).__name__})"
+    return None
+
+
+def _compiled_forward(module: nn.Module) -> bool:
+    """A compiled ``forward`` set on the instance (what ``plan.compile_model`` does)."""
+    return hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+
+
+def compiled_in_place(model: nn.Module) -> bool:
+    """Is any module compiled in place (``nn.Module.compile()`` or a compiled ``forward``)?"""
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None or _compiled_forward(module)
+        for module in model.modules()
+    )
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """Drop in-place compilation from a copy: the copied compiled callable would still run the
+    original."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+        if _compiled_forward(module):
+            del module.forward
+    return model
+
+
+def deep_copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` without in-place compilation, or a TypeError naming the
+    attribute that cannot be copied."""
+    try:
+        return _uncompiled(copy.deepcopy(model))
+    except Exception as error:
+        culprit = _uncopyable_attribute(model)
+        found = f"; the attribute {culprit} cannot be copied" if culprit else ""
+        raise TypeError(
+            f"autoprec trains copies of your model (copy.deepcopy), and copying "
+            f"{type(model).__name__} failed ({type(error).__name__}: {error}){found}. Keep "
+            "locks, files, open connections and loggers out of the model's attributes (create "
+            "them outside it, or define __deepcopy__)."
+        ) from error

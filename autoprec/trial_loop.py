@@ -1,0 +1,303 @@
+"""A trial's training loop: optimizer steps run as ``apply()`` runs them, timed in windows with
+no host read inside one, leg by leg at the recipe's learning rates; the held-out pass after."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.batching import (
+    LossFn,
+    TrainStep,
+    count_samples,
+    count_tokens,
+    forward_and_loss,
+    prediction,
+    to_device,
+)
+from autoprec.plan import PrecisionPlan
+from autoprec.recipe import LrPoint, TrainingRecipe
+from autoprec.trial_measures import (
+    SavedForBackward,
+    WindowClock,
+    compiled_graph_count,
+    low_precision_moment,
+    max_abs_gradient,
+    rss_bytes,
+    sampled_weights,
+    state_bytes,
+)
+from autoprec.trial_records import (
+    OutputSummary,
+    StepWindow,
+    StopCheck,
+    TrialFailure,
+    TrialProgress,
+    TrialResult,
+    summarize_output,
+)
+
+MAX_WINDOW_STEPS = 10
+"""Most optimizer steps timed as one window. A window ends in one host read, as a loop that
+logs its loss every 10 steps does (torchtitan's default ``log_freq``); longer windows would
+measure CPU/GPU overlap no better and give fewer windows to take a median over."""
+
+MIN_WINDOWS = 5
+"""Fewest measured windows a trial aims for: shorter trials time shorter windows."""
+
+
+def window_steps_for(steps: int, warmup_steps: int) -> int:
+    """Steps per timed window: at most MAX_WINDOW_STEPS, and short enough for MIN_WINDOWS
+    windows after warm-up."""
+    return max(1, min(MAX_WINDOW_STEPS, (steps - warmup_steps) // MIN_WINDOWS))
+
+
+def _heldout_pass(
+    plan: PrecisionPlan,
+    heldout: Sequence[Any],
+    device: torch.device,
+    loss_fn: LossFn | None,
+    train_step: TrainStep | None,
+) -> tuple[list[float], list[OutputSummary | None], float]:
+    maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
+
+    def watch(_module: nn.Module, _args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
+            maxima.append(output.detach().abs().max().float())
+
+    leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
+        module
+        for fqn, module in plan.model.named_modules()
+        if next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
+    ]
+    handles = [leaf.register_forward_hook(watch) for leaf in leaves]
+    was_training = plan.model.training
+    plan.model.eval()
+    losses, outputs = [], []
+    try:
+        with torch.no_grad(), plan.autocast():
+            for batch in heldout:
+                loss, output = forward_and_loss(plan, to_device(batch, device), loss_fn, train_step)
+                losses.append(float(loss.detach().float()))
+                predicted = prediction(output)
+                outputs.append(None if predicted is None else summarize_output(predicted))
+    finally:
+        plan.model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    largest = float(torch.stack(maxima).max()) if maxima else 0.0
+    return losses, outputs, largest
+
+
+def leg_steps(steps: int, points: Sequence[LrPoint]) -> list[int]:
+    """Split ``steps`` over the legs: equal shares, the first leg takes the remainder."""
+    if len(points) > steps:
+        raise ValueError(f"{len(points)} lr legs need at least {len(points)} steps, got {steps}.")
+    share = steps // len(points)
+    return [steps - share * (len(points) - 1)] + [share] * (len(points) - 1)
+
+
+def _set_lrs(optimizer: torch.optim.Optimizer, point: LrPoint) -> None:
+    if len(point.lrs) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The lr plan has {len(point.lrs)} group(s) but the trial's optimizer "
+            f"{len(optimizer.param_groups)}: the optimizer factory must build the same groups "
+            "every time."
+        )
+    for group, lr in zip(optimizer.param_groups, point.lrs, strict=True):
+        group["lr"] = lr
+
+
+class TrainingLoop:
+    """The training loop of one trial: optimizer steps of ``grad_accumulation_steps``
+    micro-batches each, run exactly as ``apply()`` runs them (``plan.step``), timed in windows
+    with no host read inside one."""
+
+    def __init__(
+        self,
+        plan: PrecisionPlan,
+        recipe: TrainingRecipe,
+        batches: Sequence[Any],
+        order: list[int],
+        device: torch.device,
+    ) -> None:
+        self.plan, self.recipe, self.batches, self.order = plan, recipe, batches, order
+        self.device, self.clock = device, WindowClock(device)
+        self.figures: dict[str, Any] = {
+            "losses": [], "windows": [], "rss": [], "max_gradient": 0.0,
+        }  # fmt: skip
+        self.micro = 0
+        self.current_step: int | None = None
+        self.kept = plan.mode.parameter_ids(plan.model, plan.mode.kept_roots(plan.model))
+        self.counts_activations = device.type == "cpu" and not plan.spec.compile
+        """Count the bytes saved for backward (CPU memory objective) on the first micro-batch;
+        on a GPU the allocator's peak holds them already, and compiled graphs save inside
+        the compiled function."""
+        self._losses: list[torch.Tensor] = []  # this window's, on the device
+        self._gradients: list[torch.Tensor | None] = []
+        self._samples, self._tokens = 0, 0
+
+    def run_window(self, first_step: int, steps: int, warmup: bool) -> TrialFailure | None:
+        """Steps ``first_step`` to ``first_step + steps - 1``, timed as one window; the
+        window's failure (non-finite loss or gradient, at the step it first appeared) or None."""
+        self._losses, self._gradients = [], []
+        self._samples, self._tokens = 0, 0
+        self.clock.start()
+        for step in range(first_step, first_step + steps):
+            self.step(step)
+        seconds = self.clock.stop()
+        if self.device.type == "cpu":  # after the clock: reading /proc is not the mode's time
+            self.figures["rss"].append(rss_bytes())
+        if warmup and self.plan.spec.compile:
+            self.figures["graphs_after_warmup"] = compiled_graph_count()
+        self.figures["windows"].append(
+            StepWindow(
+                first_step=first_step,
+                steps=steps,
+                seconds=seconds,
+                samples=self._samples,
+                tokens=self._tokens,
+                warmup=warmup,
+            )
+        )
+        return self._read_window(first_step)
+
+    def step(self, step: int) -> None:
+        """One optimizer step. Nothing is read back to the host: the loss and the gradient
+        maximum stay on the device until the window's end."""
+        self.current_step = step
+        plan, accumulation = self.plan, self.recipe.grad_accumulation_steps
+        losses: list[torch.Tensor] = []
+        for micro in range(accumulation):
+            batch = self.batches[self.order[self.micro % len(self.batches)]]
+            batch = to_device(batch, self.device)
+            self.micro += 1
+            counting = self.micro == 1 and self.counts_activations
+            saved = SavedForBackward(plan.model) if counting else None
+            hooks = (
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+                if saved is not None
+                else contextlib.nullcontext()
+            )
+            with hooks, plan.autocast():
+                loss, _ = forward_and_loss(plan, batch, self.recipe.loss_fn, self.recipe.train_step)
+            if saved is not None:  # the first micro-batch, a warm-up step: not timed
+                self.figures["activation_bytes"] = saved.bytes
+            losses.append(loss.detach().float().reshape(()))
+            self._samples += count_samples(batch)
+            counted = count_tokens(batch)
+            if counted is None or self._tokens is None:
+                self._tokens = None
+            else:
+                self._tokens += counted
+            if micro < accumulation - 1:
+                plan.step(loss)  # backward; an accumulation micro-batch does not step
+            else:
+                plan.backward(loss)
+        self._losses.append(torch.stack(losses).mean())
+        self._gradients.append(max_abs_gradient(plan, self.kept))
+        stepped = plan.step()
+        self.figures["steps_done"] = step + 1
+        if stepped and "state" not in self.figures:  # steady state: after a real step
+            self.figures["state"] = state_bytes(plan)
+            self.figures["moment"] = low_precision_moment(plan)
+
+    def _read_window(self, first_step: int) -> TrialFailure | None:
+        """The window's one host read: its losses and gradient maxima, checked for non-finite
+        values (the loss scaler handles amp_fp16's inf/nan gradients)."""
+        zero = torch.zeros((), device=self._losses[0].device)
+        gradients = [zero if g is None else g.to(zero.device) for g in self._gradients]
+        losses, maxima = torch.stack([torch.stack(self._losses), torch.stack(gradients)]).tolist()
+        for offset, (loss, gradient) in enumerate(zip(losses, maxima, strict=True)):
+            step = first_step + offset
+            self.figures["losses"].append(loss)
+            if not math.isfinite(loss):
+                return TrialFailure(
+                    kind="non_finite_loss", step=step, message=f"loss is {loss} at step {step}"
+                )
+            if not math.isfinite(gradient) and self.plan.spec.mode != "amp_fp16":
+                message = f"gradient is {gradient} at step {step}"
+                return TrialFailure(kind="non_finite_gradient", step=step, message=message)
+            if math.isfinite(gradient):
+                self.figures["max_gradient"] = max(self.figures["max_gradient"], gradient)
+        return None
+
+    def progress(self, step: int, steps: int) -> TrialProgress:
+        state = self.figures.get("state")
+        return TrialProgress(
+            step=step,
+            steps_planned=steps,
+            windows=tuple(self.figures["windows"]),
+            state_bytes=None if state is None else state.total,
+        )
+
+
+def settle(loop: TrainingLoop, device: torch.device) -> None:
+    """Let the mode calibrate on the first batch (amp_fp16 settles its loss scale) without
+    stepping and without moving the model's random stream."""
+    plan, recipe = loop.plan, loop.recipe
+
+    def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
+        batch = to_device(loop.batches[loop.order[0]], device)
+        with plan.autocast():
+            loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
+        return loss / recipe.grad_accumulation_steps
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        plan.mode.settle(compute_loss, plan.model)
+
+
+def measure_trained(
+    loop: TrainingLoop,
+    heldout: Sequence[Any],
+    eval_fn: Callable[[nn.Module], float] | None,
+) -> list[OutputSummary | None]:
+    """Held-out losses, outputs and activation range, and ``eval_fn``, on the trained copy."""
+    plan, figures, recipe = loop.plan, loop.figures, loop.recipe
+    losses, outputs, activation = _heldout_pass(
+        plan, heldout, loop.device, recipe.loss_fn, recipe.train_step
+    )
+    figures["heldout"] = losses
+    figures["activation"] = activation if heldout else None
+    if eval_fn is not None:
+        plan.model.eval()
+        with torch.no_grad(), plan.autocast():
+            figures["eval"] = float(eval_fn(plan.model))
+        plan.model.train()
+    return outputs
+
+
+def train_in_windows(
+    loop: TrainingLoop,
+    result: TrialResult,
+    points: Sequence[LrPoint],
+    legs: list[int],
+    warmup_steps: int,
+    window_steps: int,
+    stop: StopCheck | None,
+) -> tuple[TrialFailure | None, str | None]:
+    """Train every leg at its learning rates, in windows of steps (the warm-up steps form
+    their own window; no window crosses a leg); (failure, stop reason). ``loop.current_step``
+    is the last step run."""
+    step, total = 0, sum(legs)
+    for point, leg in zip(points, legs, strict=True):
+        _set_lrs(loop.plan.optimizer, point)
+        leg_end = step + leg
+        while step < leg_end:
+            warmup = step < warmup_steps
+            end = min(leg_end, warmup_steps if warmup else step + window_steps)
+            failure = loop.run_window(step, end - step, warmup)
+            step = end
+            if failure is not None:
+                return failure, None
+            if stop is not None:
+                reason = stop(loop.progress(step - 1, total))
+                if reason is not None:
+                    return None, reason
+        result.leg_weights.append(sampled_weights(loop.plan, result.sample_indices))
+    return None, None

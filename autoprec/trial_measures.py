@@ -1,0 +1,232 @@
+"""The instruments of a trial: sampled weights, exact state and saved-activation bytes, memory
+peaks, gradient maxima, random streams, window clocks and compile counters."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.layers import storage_key
+from autoprec.plan import PrecisionPlan
+from autoprec.trial_records import LowPrecisionMoment, StateBytes
+
+MOVEMENT_SAMPLE_ELEMENTS = 2**20
+"""Weight elements sampled (evenly across tensors) to measure how far training moved them."""
+
+_COMPENSATION_KEYS = ("kahan_comp", "compensation")  # torch-optimi, StochasticAdamW
+
+
+def low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
+    elements, beta2 = 0, 0.0
+    for group in plan.optimizer.param_groups:
+        group_beta2 = group["betas"][1] if "betas" in group else group.get("beta2", 0.0)
+        for parameter in group["params"]:
+            state = plan.optimizer.state.get(parameter, {}).get("exp_avg_sq")
+            if isinstance(state, torch.Tensor) and state.dtype == torch.bfloat16:
+                elements += state.numel()
+                beta2 = max(beta2, float(group_beta2))
+    if not elements:
+        return None
+    return LowPrecisionMoment(
+        dtype="bfloat16", rounding=plan.mode.state_rounding, beta2=beta2, elements=elements
+    )
+
+
+def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
+    """Which elements of each trainable parameter the movement check follows: all of them
+    when the model has at most ``budget`` elements, else a share of each tensor proportional to
+    its size, drawn with replacement (duplicates dropped) so that the cost grows with the
+    budget, never with the model (a permutation of a 45M-element tensor took 2.2 s)."""
+    parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for _, p in parameters) or 1
+    generator = torch.Generator().manual_seed(0)
+    indices = {}
+    for name, parameter in parameters:
+        size = parameter.numel()
+        if total <= budget:
+            indices[name] = torch.arange(size)
+            continue
+        count = max(1, size * budget // total)
+        drawn = torch.randint(0, size, (count,), generator=generator)
+        indices[name] = torch.unique(drawn)  # sorted
+    return indices
+
+
+def sampled_weights(
+    plan: PrecisionPlan, indices: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Sampled weight values in fp32, Kahan compensation included (it is part of the weight)."""
+    parameters = dict(plan.model.named_parameters())
+    values = {}
+    for name, chosen in indices.items():
+        parameter = parameters[name]
+        where = chosen.to(parameter.device)
+        weight = parameter.detach().reshape(-1)[where].float()  # only the sampled elements
+        state = plan.optimizer.state.get(parameter, {})
+        for key in _COMPENSATION_KEYS:
+            compensation = state.get(key)
+            if isinstance(compensation, torch.Tensor) and compensation.shape == parameter.shape:
+                weight = weight + compensation.detach().reshape(-1)[where].float()
+        values[name] = weight.cpu()
+    return values
+
+
+def state_bytes(plan: PrecisionPlan) -> StateBytes:
+    parameters = [p for p in plan.model.parameters()]
+    seen: set[tuple[int, str]] = set()
+    optimizer = 0
+    for state in plan.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                key = (value.data_ptr(), str(value.device))
+                if key not in seen:
+                    seen.add(key)
+                    optimizer += value.numel() * value.element_size()
+    return StateBytes(
+        parameters=sum(p.numel() * p.element_size() for p in parameters),
+        gradients=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+        + plan.mode.accumulation_bytes(),
+        optimizer=optimizer,
+    )
+
+
+class SavedForBackward:
+    """Counts the bytes autograd saves for backward during a forward pass (saved-tensor hooks
+    see every saved tensor, exactly): each storage once, the parameters' own left out (they
+    are state, counted in :class:`StateBytes`). An autocast copy of a weight is counted: it
+    is held until backward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._parameters = {_saved_key(p) for p in model.parameters()}
+        self._saved: dict[object, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _saved_key(tensor)
+        if key not in self._parameters:
+            self._saved[key] = _storage_bytes(tensor)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._saved.values())
+
+
+def _saved_key(tensor: torch.Tensor) -> object:
+    """The tensor's storage; a wrapper subclass (FP8) without one counts by identity."""
+    key = storage_key(tensor)
+    return ("tensor", id(tensor)) if key is None else key
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+def rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_now(device: torch.device) -> dict[str, int]:
+    """Memory in use before a trial: CUDA allocated and reserved, or the process's RSS."""
+    if device.type == "cuda":
+        return {
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+        }
+    rss = rss_bytes()
+    return {} if rss is None else {"rss": rss}
+
+
+def memory_peak(
+    device: torch.device, baseline: dict[str, int], rss_samples: list[int | None]
+) -> dict[str, Any]:
+    """The trial's own peak: the peak since ``baseline`` was taken, minus the baseline (CUDA:
+    the allocator's peak counters; CPU: the RSS sampled after every window of steps)."""
+    if device.type == "cuda":
+        return {
+            "allocated": max(0, torch.cuda.max_memory_allocated(device) - baseline["allocated"]),
+            "reserved": max(0, torch.cuda.max_memory_reserved(device) - baseline["reserved"]),
+            "source": "cuda_allocator",
+        }
+    samples = [value for value in rss_samples if value is not None]
+    if not samples or "rss" not in baseline:
+        return {}
+    return {"allocated": max(0, max(samples) - baseline["rss"]), "source": "process_rss"}
+
+
+def max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> torch.Tensor | None:
+    """Largest |gradient| of the parameters not in ``kept`` (ids), loss scaling removed, as a
+    device tensor (no host read); None when no such parameter has a gradient."""
+    grads = [p.grad for p in plan.model.parameters() if p.grad is not None and id(p) not in kept]
+    if not grads:
+        return None
+    largest = torch.stack(torch._foreach_norm(grads, math.inf)).max().float()
+    scale = plan.mode.loss_scale_tensor()
+    return largest if scale is None else largest / scale.to(largest.device)
+
+
+def rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The global random streams a model's forward pass draws from on ``device``."""
+    states = [torch.random.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+class WindowClock:
+    """Times a window of steps. On a GPU: CUDA events recorded on the device's current stream,
+    waited for once, at the window's end. On a CPU, where ops run as they are called: the host
+    clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._started: float = 0.0
+        self._start_event: Any = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record(torch.cuda.current_stream(self.device))
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since :meth:`start`; on a GPU this waits for the window's work to finish."""
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            end.synchronize()
+            return float(self._start_event.elapsed_time(end)) / 1e3
+        return time.perf_counter() - self._started
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile (dynamo) has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_counts(figures: dict[str, Any], before: int) -> tuple[int | None, int | None]:
+    """(graphs built in warm-up, graphs built after it) of a compiled trial."""
+    after_warmup = figures.get("graphs_after_warmup")
+    if after_warmup is None:
+        return None, None
+    after_training = figures.get("graphs_after_training", compiled_graph_count())
+    return after_warmup - before, after_training - after_warmup
