@@ -26,10 +26,7 @@ from autoprec.recipe import (
     TrainingRecipe,
     default_optimizer,
 )
-from autoprec.search import EventSink, SearchEvent, TrialOutcome
-from autoprec.specs import ModeSpec
-from autoprec.trial_records import TrialResult
-from autoprec.tuning import (
+from autoprec.run_setup import (
     RunSetup,
     calibration_run,
     check_device,
@@ -39,6 +36,9 @@ from autoprec.tuning import (
     reference_runs,
     setup_run,
 )
+from autoprec.search import EventSink, SearchEvent, TrialOutcome
+from autoprec.specs import ModeSpec
+from autoprec.trial_records import TrialResult
 
 SCREEN_STEPS = 200
 """Optimizer steps per mode by default: within tune()'s trial lengths (20-300), so a verdict

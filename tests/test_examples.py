@@ -39,6 +39,10 @@ def test_readme_training_snippet_runs(monkeypatch) -> None:
 
 
 EXAMPLES = ("tiny_gpt", "small_convnet", "raw_param_mlp", "flow_unet")
+SMOKE_BUDGET_MINUTES = {"small_convnet": 0.4}
+"""The conv net's fp32 step takes 0.27-0.31 s on a 2-core machine with another job running
+(measured), where 0.2 minutes cannot fit the reference and noise runs' 40 steps; the others
+fit in 0.2 with room to spare."""
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -53,7 +57,7 @@ def test_example_smoke_tune_then_after_loop(name: str, tmp_path: Path) -> None:
     result = autoprec.tune(
         model,
         example.make_batches()[:12],
-        budget_minutes=0.2,
+        budget_minutes=SMOKE_BUDGET_MINUTES.get(name, 0.2),
         loss_fn=getattr(example, "loss_fn", None),
         modes=["amp_bf16"],
         eval_fn=getattr(example, "eval_fn", None),

@@ -20,7 +20,8 @@ ORDER = [
     "trial_records", "trial_measures", "trial_loop", "trial", "drift", "search",
     "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
-    "factories", "progress", "tuning", "screening", "trainers", "report", "display", "cli",
+    "factories", "progress", "run_setup", "tuning", "screening", "trainers", "report",
+    "display", "cli",
 ]  # drivers
 # fmt: on
 EXEMPT = {"__init__", "__main__"}

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import autoprec
+from autoprec.run_setup import resolve_compile, uncompiled_model
 from autoprec.search import SearchEvent, TrialOutcome
 from autoprec.specs import ModeSpec
-from autoprec.tuning import eager_fp8_advice, resolve_compile, tune, uncompiled_model
+from autoprec.tuning import eager_fp8_advice, tune
 from examples import tasks, tiny_gpt
 
 

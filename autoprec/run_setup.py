@@ -1,0 +1,424 @@
+"""What one tune() or check() run shares: its inputs checked, its batches split, its model
+probed and candidates chosen, the fp32 calibration that plans trial lengths, and the fp32
+reference and noise runs every verdict is judged against."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.batching import LossFn, to_device
+from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, candidate_specs
+from autoprec.drift import DriftThresholds, Fp32Runs
+from autoprec.eligibility import Situation, model_device
+from autoprec.errors import UnsupportedModeError
+from autoprec.model_copies import compiled_in_place, deep_copy
+from autoprec.probing import ProbeReport, probe
+from autoprec.recipe import LrPoint, TrainingRecipe
+from autoprec.search import OBJECTIVES, EventSink, Objective, SearchEvent, make_stop_check
+from autoprec.specs import ModeSpec
+from autoprec.trial import run_trial
+from autoprec.trial_records import TrialResult
+
+HELDOUT_BATCHES = 4
+"""Batches kept out of training to compare outputs and losses (fewer when the loader is short)."""
+MAX_BATCHES = 64
+"""Batches read from the loader; trials cycle over them."""
+MIN_TRIAL_STEPS, MAX_TRIAL_STEPS = 20, 300
+WARMUP_STEPS = 2
+CALIBRATION_STEPS = 5
+BUDGET_RESERVE = 0.08
+"""Share of the budget kept back for what is not a trial step (copies, held-out passes)."""
+
+
+def collect_batches(loader: Iterable[Any]) -> list[Any]:
+    try:
+        iterator = iter(loader)
+    except TypeError:
+        raise TypeError(
+            f"loader must be an iterable of batches (a DataLoader, a list), not "
+            f"{type(loader).__name__}."
+        ) from None
+    batches = []
+    for batch in iterator:
+        batches.append(batch)
+        if len(batches) >= MAX_BATCHES:
+            break
+    if not batches:
+        raise ValueError("The loader yielded no batches: tune needs at least one batch.")
+    return batches
+
+
+def _example_input(batch: Any, loss_fn: LossFn | None) -> Any:
+    if loss_fn is not None and isinstance(batch, tuple | list) and len(batch) >= 2:
+        inputs = tuple(batch[:-1])
+        return inputs[0] if len(inputs) == 1 else inputs
+    return batch
+
+
+def _reference_hint(message: str, setup: RunSetup) -> str:
+    """What to do about a failing fp32 reference, from what failed (the trial's one-line
+    message: exception type and first line)."""
+    recipe, batch = setup.recipe, setup.train[0]
+    if "does not require grad" in message or "does not have a grad_fn" in message:
+        return (
+            "The loss has no gradient: it does not depend on any trainable parameter (a "
+            "detached output, torch.no_grad() in forward, or a loss of the targets alone). "
+            "Make the loss flow from the model's output."
+        )
+    if "copy.deepcopy" in message or "not a torch.optim.Optimizer" in message:
+        return ""  # the message itself says what to do
+    positional = "positional argument" in message or "unexpected keyword argument" in message
+    if positional and recipe.loss_fn is None and recipe.train_step is None:
+        if isinstance(batch, tuple | list):
+            return (
+                f"Without a loss function autoprec called model(*batch) with all "
+                f"{len(batch)} elements of the batch. If the last one is the target, pass "
+                "loss_fn(output, target) (CLI: --loss module:fn); for anything else pass "
+                "train_step(plan, batch) -> loss."
+            )
+        if isinstance(batch, dict):
+            return (
+                f"Without a loss function autoprec called model(**batch) with keys "
+                f"{sorted(batch)}. Pass loss_fn(output, batch) (CLI: --loss module:fn) or "
+                "train_step(plan, batch) -> loss."
+            )
+    return (
+        "Check that the loader's batches fit the model (and loss_fn / train_step): nothing "
+        "can be compared without it."
+    )
+
+
+def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
+    failure = result.record.failure
+    assert failure is not None
+    where = "" if failure.step is None else f" at step {failure.step}"
+    hint = _reference_hint(failure.message, setup)
+    return ValueError(f"The fp32 reference failed{where}: {failure.message}. {hint}".rstrip())
+
+
+def _reference_still(result: TrialResult) -> ValueError:
+    lrs = "; ".join(point.describe() for point in result.record.lr_points)
+    return ValueError(
+        f"The fp32 reference did not change any weight in {result.record.steps_run} steps "
+        f"({lrs}): the loss does not reach the trainable parameters (no gradients), or the "
+        "optimizer does not move them. Nothing can be judged against a run that does not train."
+    )
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Leave the global RNGs (torch CPU and CUDA, Python's random, NumPy's) as they were."""
+    python_state = random.getstate()
+    numpy_state = None
+    try:
+        import numpy
+
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        numpy = None  # type: ignore[assignment]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+@dataclass
+class RunSetup:
+    """What every stage of one tune() run shares."""
+
+    user_model: nn.Module
+    trial_model: nn.Module
+    recipe: TrainingRecipe
+    train: list[Any]
+    heldout: list[Any]
+    report: ProbeReport
+    situation: Situation
+    candidates: CandidateList
+    lr_points: tuple[LrPoint, ...]
+    """The learning rates of the trial legs, read once from the recipe's schedule."""
+    eval_fn: Callable[[nn.Module], float] | None
+    seed: int
+    budget_seconds: float
+    deadline: float
+    clock: Callable[[], float]
+    thresholds: DriftThresholds | None
+    events: EventSink
+    compile: bool = False
+    """Every run (the fp32 reference and noise runs included) trains compiled."""
+
+    @property
+    def reference_spec(self) -> ModeSpec:
+        """fp32, compiled when the candidates are."""
+        return ModeSpec(mode="fp32", compile=self.compile)
+
+    def run(self, spec: ModeSpec, steps: int, **options: Any) -> TrialResult:
+        options.setdefault("seed", self.seed)
+        return run_trial(
+            spec,
+            self.trial_model,
+            self.train,
+            recipe=self.recipe,
+            steps=steps,
+            lr_points=self.lr_points,
+            warmup_steps=WARMUP_STEPS,
+            situation=self.situation,
+            **options,
+        )
+
+
+def check_budget(budget_minutes: Any, objective: Any) -> None:
+    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
+        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+
+
+def uncompiled_model(model: Any) -> tuple[Any, bool]:
+    """(the module to tune, whether the user compiled it): ``torch.compile(model)`` returns a
+    wrapper whose ``_orig_mod`` is the model; ``model.compile()`` and a compiled ``forward``
+    mark the model itself (trials drop that from their copies)."""
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
+        return original, True
+    if not isinstance(model, nn.Module):
+        return model, False
+    return model, compiled_in_place(model)
+
+
+def resolve_compile(compile: bool | str, user_compiled: bool) -> bool:
+    """``compile=True`` / ``False`` as given; ``"auto"``: train compiled exactly when the user's
+    model is (measure the run the user makes)."""
+    if compile == "auto":
+        return user_compiled
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True, False or 'auto' but got {compile!r}.")
+    return compile
+
+
+def check_model(model: Any) -> None:
+    """A model that can train here: a Module with trainable parameters that hold values."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if next(model.parameters(), None) is None:
+        raise ValueError("The model has no parameters: there is nothing to tune.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "The model has no trainable parameters (requires_grad=False everywhere): the fp32 "
+            "reference would never move. Unfreeze the parameters your run trains."
+        )
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "The model's parameters are on the meta device (shapes without values): nothing "
+            "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
+            "initialize it or load a checkpoint."
+        )
+
+
+def check_device(device: str | None) -> None:
+    """A ``device=`` that this torch cannot use fails here, before anything is copied."""
+    if device is None:
+        return
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        target = None
+    if target is not None and target.type == "cpu":
+        return
+    if target is None or target.type != "cuda":
+        raise ValueError(f"autoprec tunes on 'cpu' or 'cuda:N', not {device!r}.")
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device={device!r}, but this torch ({torch.__version__}) is a CPU build without "
+            "CUDA. Tune on 'cpu', or install a CUDA build of torch on a machine with a GPU."
+        )
+    count = torch.cuda.device_count()
+    if (target.index or 0) >= count:
+        found = f"{count} CUDA device(s)" if count else "no CUDA device"
+        raise ValueError(
+            f"device={device!r}, but torch sees {found} here (CUDA_VISIBLE_DEVICES, driver). "
+            "Pick an existing device or 'cpu'."
+        )
+
+
+def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> None:
+    """Modes asked for by name that cannot run here are an error, never quietly dropped."""
+    if modes is None or not candidates.skipped:
+        return
+
+    def name(spec: ModeSpec) -> str:
+        return spec.mode + (EIGHT_BIT_SUFFIX if spec.optimizer_bits == 8 else "")
+
+    lines = "; ".join(
+        f"{name(skipped.spec)}: {', '.join(skipped.reasons) or 'not eligible'}"
+        for skipped in candidates.skipped
+    )
+    names = ", ".join(name(skipped.spec) for skipped in candidates.skipped)
+    raise UnsupportedModeError(
+        f"Requested mode(s) cannot run here: {lines}. Leave {names} out of the modes, or tune "
+        "where they can run (autoprec probe shows what this machine supports).",
+        tuple(reason for skipped in candidates.skipped for reason in skipped.reasons),
+    )
+
+
+CandidateSelector = Callable[[ProbeReport, Situation, "list[str] | None"], CandidateList]
+
+
+def _tune_candidates(
+    report: ProbeReport, situation: Situation, modes: list[str] | None
+) -> CandidateList:
+    return candidate_specs(report, modes)
+
+
+def setup_run(
+    model: nn.Module,
+    loader: Iterable[Any],
+    recipe: TrainingRecipe,
+    *,
+    modes: list[str] | None,
+    device: str | None,
+    select: CandidateSelector | None = None,
+    **shared: Any,
+) -> RunSetup:
+    """Read the batches, probe the model where it trains, choose the candidates with
+    ``select`` (default: tune's, by eligibility and promise; ``modes`` exactly)."""
+    batches = collect_batches(loader)
+    held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
+    train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
+    lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
+    trial_model = model if device is None else deep_copy(model).to(device)
+    example = None
+    if recipe.train_step is None:
+        example = to_device(_example_input(train[0], recipe.loss_fn), model_device(trial_model))
+    report = probe(trial_model, example)
+    situation = Situation(
+        hardware=report.hardware,
+        device=report.device,
+        layers=report.layers,
+        backends=report.backends,
+    )
+    candidates = (select or _tune_candidates)(report, situation, modes)
+    refuse_unrunnable(candidates, modes)
+    if shared.get("compile"):
+        compiled = tuple(spec.model_copy(update={"compile": True}) for spec in candidates.specs)
+        candidates = candidates.model_copy(update={"specs": compiled})
+    return RunSetup(
+        user_model=model,
+        trial_model=trial_model,
+        recipe=recipe,
+        train=train,
+        heldout=heldout,
+        report=report,
+        situation=situation,
+        candidates=candidates,
+        lr_points=lr_points,
+        **shared,
+    )
+
+
+def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
+    """A few fp32 steps: they check the inputs (the batches fit, the loss has gradients) and
+    time a step. Returns (fp32 seconds per optimizer step, seconds taken, whether training drew
+    random numbers: then a paired noise run is needed)."""
+    start = setup.clock()
+    setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
+    calibration = setup.run(
+        setup.reference_spec,
+        CALIBRATION_STEPS,
+        stop=setup.events.watch(None, "calibration (fp32)"),
+    )
+    if calibration.record.failure is not None:
+        raise reference_failed(calibration, setup)
+    record = calibration.record
+    return record.median_step_seconds or 1e-3, setup.clock() - start, record.draws_random
+
+
+def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float]:
+    """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
+    step_seconds, calibration_seconds, draws_random = calibration_run(setup)
+    # every candidate (the reference among them) and the noise run(s)
+    trials = len(setup.candidates.specs) + (2 if draws_random else 1)
+    # what a run costs beyond its steps (copying, converting, compiling): as calibration's
+    overhead = max(0.0, calibration_seconds - CALIBRATION_STEPS * step_seconds)
+    available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
+    steps = int(available / (trials * step_seconds * 1.5))
+    if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
+        raise ValueError(
+            f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
+            f"{step_seconds:.3g} s and the reference and noise runs alone need "
+            f"{2 * MIN_TRIAL_STEPS} steps. Give at least "
+            f"{(calibration_seconds + 3 * (MIN_TRIAL_STEPS * step_seconds + overhead)) / 60:.2f}"
+            " minutes."
+        )
+    return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
+
+
+PAIRED_RUN = (1, None, "fp32 paired noise run")
+"""(seed offset, shuffle seed, label) of the run with other random draws on the same batches."""
+
+
+def reference_runs(
+    setup: RunSetup, steps: int, budget_minutes: float, objective: Objective
+) -> Fp32Runs:
+    """The fp32 reference, the noise run (another seed and batch order) and, when the reference
+    drew random numbers, the paired noise run (another seed, the same batches)."""
+    budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
+    references: list[TrialResult] = []
+    runs = [(0, None, "fp32 reference"), (1, 1, "fp32 noise run")]
+    while runs:
+        seed_offset, shuffle, label = runs.pop(0)
+        setup.events.emit("phase", label, steps=steps)
+        result = setup.run(
+            setup.reference_spec,
+            steps,
+            seed=setup.seed + seed_offset,
+            shuffle_seed=shuffle,
+            heldout=setup.heldout,
+            eval_fn=setup.eval_fn,
+            stop=setup.events.watch(budget_only, label),
+        )
+        if result.record.failure is not None:
+            raise reference_failed(result, setup)
+        if result.record.stopped is not None:
+            raise ValueError(
+                f"budget_minutes={budget_minutes} is too small for the fp32 "
+                f"reference ({result.record.stopped})."
+            )
+        if not result.moved():
+            raise _reference_still(result)
+        references.append(result)
+        if len(references) == 1 and result.record.draws_random:
+            runs.append(PAIRED_RUN)
+    return Fp32Runs(*references)
+
+
+@contextlib.contextmanager
+def progress_callback(
+    progress: bool | None, on_event: Callable[[SearchEvent], None] | None
+) -> Iterator[Callable[[SearchEvent], None] | None]:
+    """``on_event``, plus the live display on stderr when progress is wanted."""
+    from autoprec.progress import TuneProgress, interactive
+
+    if not (interactive() if progress is None else progress):
+        yield on_event
+        return
+    with TuneProgress() as display:
+        if on_event is None:
+            yield display
+            return
+
+        def both(event: SearchEvent) -> None:
+            display(event)
+            on_event(event)
+
+        yield both
