@@ -247,6 +247,16 @@ def confusion(pairs: list[Pair]) -> str:
     return "\n".join(lines)
 
 
+def task_parser(doc: str, *, quick: str, default: str = "all") -> argparse.ArgumentParser:
+    """The options every task benchmark shares (``--tasks``, ``--quick``, ``--threads``: what
+    :func:`chosen_tasks` reads); each adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--tasks", help=f"comma-separated task names (default: {default})")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    return parser
+
+
 def chosen_tasks(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
@@ -266,13 +276,10 @@ def chosen_tasks(
 
 
 def main(argv: list[str] | None = None) -> list[Pair]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", help="comma-separated task names (default: all)")
+    parser = task_parser(__doc__, quick="2 tasks, 300/30 steps (CI)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
     parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
-    parser.add_argument("--quick", action="store_true", help="2 tasks, 300/30 steps (CI)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=list(TASKS), quick=QUICK_TASKS)
     steps, trial_steps = args.steps, args.trial_steps

@@ -25,14 +25,13 @@ tasks where bf16_kahan hurt apart from those where it did not.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 import torch
 
 from autoprec.plan import PrecisionPlan
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import chosen_tasks, long_run
+from benchmarks.ground_truth import chosen_tasks, long_run, task_parser
 from benchmarks.ground_truth_tasks import TASKS
 
 SAMPLED_ELEMENTS = 20_000
@@ -132,11 +131,8 @@ def measure(name: str, steps: int) -> MomentShadows:
 
 
 def main(argv: list[str] | None = None) -> dict[str, MomentShadows]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", help="comma-separated task names (default: all)")
+    parser = task_parser(__doc__, quick="digits_mlp, 500 steps (CI)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a run")
-    parser.add_argument("--quick", action="store_true", help="digits_mlp, 500 steps (CI)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=list(TASKS), quick=["digits_mlp"])
     steps = 500 if args.quick else args.steps

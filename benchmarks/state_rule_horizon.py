@@ -14,13 +14,19 @@ and prints, per task, whether each mode hurts by the ground truth's own criterio
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import FP32_SEEDS, cached_long_run, chosen_tasks, gate, hurts
+from benchmarks.ground_truth import (
+    FP32_SEEDS,
+    cached_long_run,
+    chosen_tasks,
+    gate,
+    hurts,
+    task_parser,
+)
 from benchmarks.ground_truth_tasks import TASKS, GroundTask
 
 STATE_RULE_TASKS = ("hf_llama_lm", "encoder_dropout", "digits_convnet", "flow_unet")
@@ -69,12 +75,11 @@ def horizon(name: str, steps: int, cache: Path) -> list[HorizonRow]:
 
 
 def main(argv: list[str] | None = None) -> list[HorizonRow]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", help=f"comma-separated (default: {','.join(STATE_RULE_TASKS)})")
+    parser = task_parser(
+        __doc__, quick="digits_convnet, 300 steps (CI)", default=",".join(STATE_RULE_TASKS)
+    )
     parser.add_argument("--steps", type=int, default=10000, help="optimizer steps of a long run")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
-    parser.add_argument("--quick", action="store_true", help="digits_convnet, 300 steps (CI)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=STATE_RULE_TASKS, quick=["digits_convnet"])
     steps = 300 if args.quick else args.steps

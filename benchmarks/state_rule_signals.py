@@ -25,7 +25,6 @@ either figure separates the harmed tasks from the others.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch
 
 from autoprec.plan import PrecisionPlan
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import FP32_SEEDS, chosen_tasks, long_run
+from benchmarks.ground_truth import FP32_SEEDS, chosen_tasks, long_run, task_parser
 from benchmarks.ground_truth_tasks import TASKS
 from benchmarks.state_ratchet import BETA1, BETA2, MomentShadows, shadow
 
@@ -127,11 +126,8 @@ def separates(rows: list[Signals], figure: Callable[[Signals], float]) -> bool |
 
 
 def main(argv: list[str] | None = None) -> list[Signals]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", help="comma-separated task names (default: all)")
+    parser = task_parser(__doc__, quick="2 tasks, 40 steps (CI)")
     parser.add_argument("--trial-steps", type=int, default=200, help="steps a trial sees")
-    parser.add_argument("--quick", action="store_true", help="2 tasks, 40 steps (CI)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=list(TASKS), quick=["digits_mlp", "encoder_dropout"])
     steps = 40 if args.quick else args.trial_steps
@@ -154,11 +150,11 @@ def main(argv: list[str] | None = None) -> list[Signals]:
             f"{row.sensitivity_sds:>+8.1f}",
             flush=True,
         )
+    verdict = {True: "separates", False: "does not separate", None: "cannot be judged"}
     for label, figure in (
         ("signal share", lambda r: r.signal_share),
         ("lr sensitivity", lambda r: r.sensitivity_sds),
     ):
-        verdict = {True: "separates", False: "does not separate", None: "cannot be judged"}
         print(f"{label}: a threshold {verdict[separates(rows, figure)]} (harmed vs fine tasks)")
     return rows
 
