@@ -18,7 +18,8 @@ from autoprec.probing import ModeVerdict, ProbeReport, probe
 from autoprec.profile import Profile, load_profile, profile_for
 from autoprec.screening import QualityReport, check
 from autoprec.specs import ModeSpec
-from autoprec.tuning import TuneResult, tune
+from autoprec.tune_result import TuneResult
+from autoprec.tuning import tune
 
 __all__ = [
     "AutoprecError",

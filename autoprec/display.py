@@ -15,7 +15,7 @@ from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport
 from autoprec.specs import MODE_DESCRIPTIONS
-from autoprec.tuning import TuneResult
+from autoprec.tune_result import TuneResult
 
 
 def _bytes(count: int | None) -> str:

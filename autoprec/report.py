@@ -12,7 +12,7 @@ from autoprec._files import read_json
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.search import TrialOutcome
-from autoprec.tuning import TuneResult
+from autoprec.tune_result import TuneResult
 
 _STYLE = {
     "accepted": {"marker": "o", "color": "tab:green"},

@@ -12,13 +12,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep
-from autoprec.candidates import Skipped
-from autoprec.choice import choose, pareto_front
 from autoprec.drift import DriftThresholds, Fp32Runs
 from autoprec.fingerprint import (
     StudyFingerprint,
@@ -28,15 +25,14 @@ from autoprec.fingerprint import (
     save_references,
     tensor_digest,
 )
-from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import (
     OptimizerSource,
-    RecipeSummary,
     SchedulerFactory,
     TrainingRecipe,
     default_optimizer,
     qualified_name,
 )
+from autoprec.retiming import CONFIRM_STEPS, confirm_speed
 from autoprec.run_setup import (
     RunSetup,
     calibrate,
@@ -52,7 +48,6 @@ from autoprec.run_setup import (
 )
 from autoprec.search import (
     EventSink,
-    MemoryKind,
     Objective,
     SearchEvent,
     TrialOutcome,
@@ -64,211 +59,9 @@ from autoprec.search import (
     search,
 )
 from autoprec.specs import ModeSpec
-from autoprec.trial_records import TrialResult
+from autoprec.tune_result import BudgetReport, TuneResult, build_result, trial_outcome
 
 logger = logging.getLogger(__name__)
-
-CONFIRM_WITHIN = 0.15
-"""Accepted modes within 15% of the fastest are re-timed side by side before choosing: one
-trial's timing on a shared machine drifts by several percent (allocator and cache state)."""
-CONFIRM_STEPS = 30
-CONFIRM_CONTENDERS = 3
-
-
-class BudgetReport(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    budget_seconds: float
-    used_seconds: float
-    calibration_seconds: float
-    reference_seconds: float
-    search_seconds: float
-    trial_steps: int
-    fp32_step_seconds: float
-    trials_run: int
-    """Every training run: the measured modes, the fp32 reference and its noise run(s)."""
-    trials_not_run: int
-    reference_reused: bool = False
-    """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
-    fp32_noise_runs: int = 1
-    """1, or 2 when the model draws random numbers (the paired run: same batches, other draws)."""
-    speed_noise: float | None = None
-    """Timing noise measured by the side-by-side re-timing (largest relative difference between
-    a mode's two re-timings): modes within it of the fastest count as equally fast, and the
-    one closest to fp32 wins. None when nothing was re-timed."""
-
-
-class TuneResult(BaseModel):
-    """What tune() found: the profile, every trial with its verdict, and how time was spent."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    profile: Profile
-    objective: Objective
-    reference: TrialOutcome
-    trials: tuple[TrialOutcome, ...]
-    """Every candidate after the reference: accepted / rejected / pruned / failed, reasons."""
-    pareto: tuple[TrialOutcome, ...]
-    skipped: tuple[Skipped, ...]
-    """Modes that cannot run here (never tried), with the probe's reasons."""
-    budget: BudgetReport
-    recipe: RecipeSummary
-    """The training recipe every trial ran (optimizer, lr legs, accumulation, clipping)."""
-    checks_not_run: tuple[str, ...] = ()
-    """Drift checks this run could not make, and why (e.g. no outputs with train_step)."""
-    advice: tuple[str, ...] = ()
-    """What to try next, from what the trials showed (e.g. FP8 lost to bf16 running eager)."""
-
-    @property
-    def chosen(self) -> ModeSpec:
-        return self.profile.spec
-
-    def summary(self) -> str:
-        """A plain-text table of every trial and the choice."""
-        lines = [f"{'mode':34} {'status':9} {'samples/s':>10} {'memory MiB':>10}  reasons"]
-        for outcome in (self.reference, *self.trials):
-            speed = (
-                f"{outcome.samples_per_second:10.1f}"
-                if outcome.samples_per_second
-                else (f"{'-':>10}")
-            )
-            memory = (
-                f"{outcome.memory_bytes / 2**20:10.2f}" if outcome.memory_bytes else (f"{'-':>10}")
-            )
-            mark = "*" if outcome.spec == self.chosen else " "
-            lines.append(
-                f"{mark}{outcome.label:33} {outcome.status:9} {speed} {memory}  "
-                + "; ".join((*outcome.reasons, *outcome.notes))
-            )
-        for skipped in self.skipped:
-            lines.append(
-                f" {skipped.spec.label:33} {'skipped':9} {'-':>10} {'-':>10}  "
-                + "; ".join(skipped.reasons)
-            )
-        for note in self.checks_not_run:
-            lines.append(f"note: {note}")
-        for advice in self.advice:
-            lines.append(f"advice: {advice}")
-        used = self.budget
-        lines.append(
-            f"chosen: {self.chosen.label} (objective {self.objective}); "
-            f"{used.used_seconds:.0f} s of {used.budget_seconds:.0f} s, "
-            f"{used.trials_run} trials of {used.trial_steps} steps"
-        )
-        return "\n".join(lines)
-
-
-def _outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
-    record = result.record
-    if record.failure is not None and record.failure.kind in (
-        "exception",
-        "out_of_memory",
-        "unsupported",
-    ):
-        status = "failed"
-    elif record.stopped is not None:
-        status = "pruned"
-    else:
-        status = "accepted" if verdict is not None and verdict.accepted else "rejected"
-    reasons: tuple[str, ...] = ()
-    if status == "pruned":
-        reasons = (record.stopped or "",)
-    elif verdict is not None:
-        reasons = verdict.reasons
-    elif record.failure is not None:
-        reasons = (f"{record.failure.kind.replace('_', ' ')}: {record.failure.message}",)
-    on_gpu = device != "cpu"
-    state = record.state_bytes.total if record.state_bytes else None
-    activations = None if on_gpu else record.activation_bytes
-    memory = record.peak_memory_bytes if on_gpu else state
-    kind: MemoryKind = "cuda_peak" if on_gpu else "state_bytes"
-    if memory is not None and activations is not None:  # CPU, eager: what a step holds
-        memory, kind = memory + activations, "state_and_activations"
-    return TrialOutcome(
-        spec=record.spec,
-        status=status,
-        reasons=reasons,
-        samples_per_second=record.samples_per_second,
-        tokens_per_second=record.tokens_per_second,
-        median_step_seconds=record.median_step_seconds,
-        memory_bytes=memory,
-        memory_kind=kind,
-        activation_bytes=activations,
-        recompiles=record.recompiles,
-        seconds=record.wall_seconds,
-        steps=record.steps_run,
-        drift={} if verdict is None else verdict.metrics.as_dict(),
-        final_loss=record.losses[-1] if record.losses else None,
-        windows=record.windows,
-        fp8_layers=record.fp8_layers,
-    )
-
-
-def _figures(outcome: TrialOutcome) -> TrialFigures:
-    return TrialFigures(
-        samples_per_second=outcome.samples_per_second,
-        median_step_seconds=outcome.median_step_seconds,
-        peak_memory_bytes=outcome.memory_bytes if outcome.memory_kind == "cuda_peak" else None,
-        state_bytes=outcome.state_bytes,
-        activation_bytes=outcome.activation_bytes,
-        final_loss=outcome.final_loss,
-    )
-
-
-def _confirm_speed(
-    outcomes: list[TrialOutcome],
-    reference: TrialOutcome,
-    deadline: float,
-    clock: Callable[[], float],
-    time_spec: Callable[[ModeSpec], Any],
-) -> tuple[list[TrialOutcome], TrialOutcome, float | None]:
-    """Re-time the fastest accepted modes side by side (ABC then CBA) and keep the means.
-    Also returns the timing noise it measured: the largest relative difference between a
-    mode's two re-timings (None when nothing was re-timed)."""
-    accepted = [
-        o
-        for o in [reference, *outcomes]
-        if o.status == "accepted" and o.samples_per_second and o.median_step_seconds
-    ]
-    if len(accepted) < 2:
-        return outcomes, reference, None
-    fastest = max(o.samples_per_second or 0.0 for o in accepted)
-    contenders = sorted(
-        (o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)),
-        key=lambda o: -(o.samples_per_second or 0.0),
-    )[:CONFIRM_CONTENDERS]
-    needed = 2.5 * sum(CONFIRM_STEPS * (o.median_step_seconds or 0.0) for o in contenders)
-    if len(contenders) < 2 or clock() + needed > deadline:
-        return outcomes, reference, None
-    speeds: dict[str, list[float]] = {o.label: [] for o in contenders}
-    for order in (contenders, contenders[::-1]):
-        for outcome in order:
-            record = time_spec(outcome.spec)
-            if record.completed and record.samples_per_second:
-                speeds[outcome.label].append(record.samples_per_second)
-    if any(len(values) < 2 for values in speeds.values()):
-        return outcomes, reference, None  # the budget cut a re-timing short: trial figures
-    noise = max(abs(a - b) / ((a + b) / 2) for a, b in speeds.values())
-
-    def confirmed(outcome: TrialOutcome) -> TrialOutcome:
-        if outcome.label not in speeds:
-            return outcome
-        values = speeds[outcome.label]
-        samples = sum(values) / len(values)
-        ratio = (outcome.samples_per_second or samples) / samples
-        return outcome.model_copy(
-            update={
-                "samples_per_second": samples,
-                "tokens_per_second": None
-                if outcome.tokens_per_second is None
-                else outcome.tokens_per_second / ratio,
-                "median_step_seconds": (outcome.median_step_seconds or 0.0) * ratio,
-            }
-        )
-
-    labels = [o.label for o in contenders]
-    logger.info("re-timed %s: %s (noise %.1f%%)", labels, speeds, noise * 100)
-    return [confirmed(o) for o in outcomes], confirmed(reference), noise
 
 
 def _retime(setup: RunSetup, spec: ModeSpec, steps: int, stop: Any) -> Any:
@@ -292,77 +85,6 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
         seed=setup.seed,
         eval_fn=qualified_name(setup.eval_fn),
         autoprec_version=__version__,
-    )
-
-
-def eager_fp8_advice(outcomes: list[TrialOutcome]) -> tuple[str, ...]:
-    """Advice when FP8 lost on speed while running eager: torchao's float8 casts are separate
-    kernels that torch.compile fuses; eager it is slower than bf16 (pytorch/ao#685: one FFN at
-    dim 512, eager 3.14 ms vs fp16 0.92 ms, compiled 0.95 ms)."""
-    slow = [
-        o.label
-        for o in outcomes
-        if o.spec.mode.startswith("fp8")
-        and not o.spec.compile
-        and not o.spec.emulate
-        and o.status == "pruned"
-        and any(reason.startswith("slower than") for reason in o.reasons)
-    ]
-    if not slow:
-        return ()
-    return (
-        f"{', '.join(slow)} ran eager and lost on speed: FP8 needs torch.compile to fuse its "
-        "casts and beat bf16. Tune again with compile=True (--compile) if your run can "
-        "compile.",
-    )
-
-
-def _profile_and_result(
-    setup: RunSetup,
-    objective: Objective,
-    reference_outcome: TrialOutcome,
-    outcomes: list[TrialOutcome],
-    budget: BudgetReport,
-    checks_not_run: tuple[str, ...],
-) -> TuneResult:
-    winner = choose(outcomes, reference_outcome, objective, budget.speed_noise or 0.0)
-    run = [o for o in outcomes if o.seconds > 0]
-    note = None
-    if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
-        note = "No candidate passed the drift gate; this is the fp32 reference. " + " ".join(
-            f"{o.label}: {o.status} ({'; '.join(o.reasons) or 'no reason'})." for o in run
-        )
-    evidence = Evidence(
-        trial_steps=budget.trial_steps,
-        trial_count=budget.trials_run,
-        budget_seconds=budget.budget_seconds,
-        budget_used_seconds=budget.used_seconds,
-        reference=_figures(reference_outcome),
-        chosen=_figures(winner),
-        drift=winner.drift,
-        fp8_layers=winner.fp8_layers,
-    )
-    recipe = setup.recipe.summary(setup.user_model)
-    profile = profile_for(
-        winner.spec,
-        model_layers=setup.report.layers,
-        hardware=setup.report.hardware,
-        device=setup.report.device,
-        evidence=evidence,
-        recipe=recipe,
-        note=note,
-    )
-    return TuneResult(
-        profile=profile,
-        objective=objective,
-        reference=reference_outcome,
-        trials=tuple(outcomes),
-        pareto=tuple(pareto_front([reference_outcome, *outcomes])),
-        skipped=setup.candidates.skipped,
-        budget=budget,
-        recipe=recipe,
-        checks_not_run=checks_not_run,
-        advice=eager_fp8_advice(outcomes),
     )
 
 
@@ -513,7 +235,7 @@ def _judged_runner(
             failure is not None and failure.kind.startswith("non_finite")
         )
         verdict = fp32_runs.judge(result, setup.thresholds) if judged else None
-        return _outcome(result, verdict, device)
+        return trial_outcome(result, verdict, device)
 
     return runner
 
@@ -544,7 +266,7 @@ def _search(
     )
     fp32_runs, steps, step_seconds, reused = measured
     reference_verdict = fp32_runs.judge(fp32_runs.reference, setup.thresholds)
-    reference_outcome = _outcome(fp32_runs.reference, reference_verdict, setup.report.device)
+    reference_outcome = trial_outcome(fp32_runs.reference, reference_verdict, setup.report.device)
     reference_seconds = clock() - start - calibration_seconds
     _record_reference(study, reference_outcome, candidates.specs)
     outcomes = search(
@@ -562,7 +284,7 @@ def _search(
     speed_noise = None
     if objective != "memory":
         budget_only = make_stop_check(None, objective, setup.deadline, clock)
-        outcomes, reference_outcome, speed_noise = _confirm_speed(
+        outcomes, reference_outcome, speed_noise = confirm_speed(
             outcomes,
             reference_outcome,
             setup.deadline,
@@ -585,7 +307,7 @@ def _search(
         fp32_noise_runs=fp32_runs.noise_runs,
         speed_noise=speed_noise,
     )
-    result = _profile_and_result(
+    result = build_result(
         setup, objective, reference_outcome, outcomes, budget, reference_verdict.notes
     )
     record_result(study, result.chosen.label, [result.reference, *result.trials])

@@ -217,7 +217,7 @@ def test_tune_end_to_end_then_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     from autoprec.display import tune_table
     from autoprec.report import outcomes_from_result, outcomes_from_study
-    from autoprec.tuning import TuneResult
+    from autoprec.tune_result import TuneResult
 
     result = TuneResult.model_validate_json(out.with_suffix(".trials.json").read_text())
     console = Console(width=80, record=True, file=io.StringIO())

@@ -18,10 +18,10 @@ ORDER = [
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
     "trial_records", "trial_measures", "trial_loop", "trial", "drift", "search",
-    "choice", "fingerprint",
+    "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
-    "factories", "progress", "run_setup", "tuning", "screening", "trainers", "report",
-    "display", "cli",
+    "factories", "progress", "run_setup", "tune_result", "tuning", "screening", "trainers",
+    "report", "display", "cli",
 ]  # drivers
 # fmt: on
 EXEMPT = {"__init__", "__main__"}

@@ -14,7 +14,8 @@ import autoprec
 from autoprec.run_setup import resolve_compile, uncompiled_model
 from autoprec.search import SearchEvent, TrialOutcome
 from autoprec.specs import ModeSpec
-from autoprec.tuning import eager_fp8_advice, tune
+from autoprec.tune_result import eager_fp8_advice
+from autoprec.tuning import tune
 from examples import tasks, tiny_gpt
 
 

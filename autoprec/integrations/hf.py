@@ -30,7 +30,7 @@ from autoprec.plan import PrecisionPlan
 
 if TYPE_CHECKING:
     from autoprec.profile import Profile
-    from autoprec.tuning import TuneResult
+    from autoprec.tune_result import TuneResult
 
 
 def _train_loader(trainer: Any) -> Any:

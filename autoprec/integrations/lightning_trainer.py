@@ -27,7 +27,7 @@ from autoprec.plan import PrecisionPlan, _rebind_scheduler
 
 if TYPE_CHECKING:
     from autoprec.profile import Profile
-    from autoprec.tuning import TuneResult
+    from autoprec.tune_result import TuneResult
 
 
 def _single_optimizer(module: Any) -> tuple[torch.optim.Optimizer, dict[str, Any] | None]:

@@ -1,0 +1,231 @@
+"""What tune() returns: every trial's outcome, how the budget was spent, the winner's profile.
+
+``trial_outcome`` turns a trial and its verdict into the search's record; ``build_result``
+chooses the winner among the outcomes and builds its :class:`~autoprec.profile.Profile`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from autoprec.candidates import Skipped
+from autoprec.choice import choose, pareto_front
+from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
+from autoprec.recipe import RecipeSummary
+from autoprec.run_setup import RunSetup
+from autoprec.search import MemoryKind, Objective, TrialOutcome
+from autoprec.specs import ModeSpec
+from autoprec.trial_records import TrialResult
+
+
+class BudgetReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_seconds: float
+    used_seconds: float
+    calibration_seconds: float
+    reference_seconds: float
+    search_seconds: float
+    trial_steps: int
+    fp32_step_seconds: float
+    trials_run: int
+    """Every training run: the measured modes, the fp32 reference and its noise run(s)."""
+    trials_not_run: int
+    reference_reused: bool = False
+    """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
+    fp32_noise_runs: int = 1
+    """1, or 2 when the model draws random numbers (the paired run: same batches, other draws)."""
+    speed_noise: float | None = None
+    """Timing noise measured by the side-by-side re-timing (largest relative difference between
+    a mode's two re-timings): modes within it of the fastest count as equally fast, and the
+    one closest to fp32 wins. None when nothing was re-timed."""
+
+
+class TuneResult(BaseModel):
+    """What tune() found: the profile, every trial with its verdict, and how time was spent."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    profile: Profile
+    objective: Objective
+    reference: TrialOutcome
+    trials: tuple[TrialOutcome, ...]
+    """Every candidate after the reference: accepted / rejected / pruned / failed, reasons."""
+    pareto: tuple[TrialOutcome, ...]
+    skipped: tuple[Skipped, ...]
+    """Modes that cannot run here (never tried), with the probe's reasons."""
+    budget: BudgetReport
+    recipe: RecipeSummary
+    """The training recipe every trial ran (optimizer, lr legs, accumulation, clipping)."""
+    checks_not_run: tuple[str, ...] = ()
+    """Drift checks this run could not make, and why (e.g. no outputs with train_step)."""
+    advice: tuple[str, ...] = ()
+    """What to try next, from what the trials showed (e.g. FP8 lost to bf16 running eager)."""
+
+    @property
+    def chosen(self) -> ModeSpec:
+        return self.profile.spec
+
+    def summary(self) -> str:
+        """A plain-text table of every trial and the choice."""
+        lines = [f"{'mode':34} {'status':9} {'samples/s':>10} {'memory MiB':>10}  reasons"]
+        for outcome in (self.reference, *self.trials):
+            speed = (
+                f"{outcome.samples_per_second:10.1f}"
+                if outcome.samples_per_second
+                else (f"{'-':>10}")
+            )
+            memory = (
+                f"{outcome.memory_bytes / 2**20:10.2f}" if outcome.memory_bytes else (f"{'-':>10}")
+            )
+            mark = "*" if outcome.spec == self.chosen else " "
+            lines.append(
+                f"{mark}{outcome.label:33} {outcome.status:9} {speed} {memory}  "
+                + "; ".join((*outcome.reasons, *outcome.notes))
+            )
+        for skipped in self.skipped:
+            lines.append(
+                f" {skipped.spec.label:33} {'skipped':9} {'-':>10} {'-':>10}  "
+                + "; ".join(skipped.reasons)
+            )
+        for note in self.checks_not_run:
+            lines.append(f"note: {note}")
+        for advice in self.advice:
+            lines.append(f"advice: {advice}")
+        used = self.budget
+        lines.append(
+            f"chosen: {self.chosen.label} (objective {self.objective}); "
+            f"{used.used_seconds:.0f} s of {used.budget_seconds:.0f} s, "
+            f"{used.trials_run} trials of {used.trial_steps} steps"
+        )
+        return "\n".join(lines)
+
+
+def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
+    record = result.record
+    if record.failure is not None and record.failure.kind in (
+        "exception",
+        "out_of_memory",
+        "unsupported",
+    ):
+        status = "failed"
+    elif record.stopped is not None:
+        status = "pruned"
+    else:
+        status = "accepted" if verdict is not None and verdict.accepted else "rejected"
+    reasons: tuple[str, ...] = ()
+    if status == "pruned":
+        reasons = (record.stopped or "",)
+    elif verdict is not None:
+        reasons = verdict.reasons
+    elif record.failure is not None:
+        reasons = (f"{record.failure.kind.replace('_', ' ')}: {record.failure.message}",)
+    on_gpu = device != "cpu"
+    state = record.state_bytes.total if record.state_bytes else None
+    activations = None if on_gpu else record.activation_bytes
+    memory = record.peak_memory_bytes if on_gpu else state
+    kind: MemoryKind = "cuda_peak" if on_gpu else "state_bytes"
+    if memory is not None and activations is not None:  # CPU, eager: what a step holds
+        memory, kind = memory + activations, "state_and_activations"
+    return TrialOutcome(
+        spec=record.spec,
+        status=status,
+        reasons=reasons,
+        samples_per_second=record.samples_per_second,
+        tokens_per_second=record.tokens_per_second,
+        median_step_seconds=record.median_step_seconds,
+        memory_bytes=memory,
+        memory_kind=kind,
+        activation_bytes=activations,
+        recompiles=record.recompiles,
+        seconds=record.wall_seconds,
+        steps=record.steps_run,
+        drift={} if verdict is None else verdict.metrics.as_dict(),
+        final_loss=record.losses[-1] if record.losses else None,
+        windows=record.windows,
+        fp8_layers=record.fp8_layers,
+    )
+
+
+def trial_figures(outcome: TrialOutcome) -> TrialFigures:
+    return TrialFigures(
+        samples_per_second=outcome.samples_per_second,
+        median_step_seconds=outcome.median_step_seconds,
+        peak_memory_bytes=outcome.memory_bytes if outcome.memory_kind == "cuda_peak" else None,
+        state_bytes=outcome.state_bytes,
+        activation_bytes=outcome.activation_bytes,
+        final_loss=outcome.final_loss,
+    )
+
+
+def eager_fp8_advice(outcomes: list[TrialOutcome]) -> tuple[str, ...]:
+    """Advice when FP8 lost on speed while running eager: torchao's float8 casts are separate
+    kernels that torch.compile fuses; eager it is slower than bf16 (pytorch/ao#685: one FFN at
+    dim 512, eager 3.14 ms vs fp16 0.92 ms, compiled 0.95 ms)."""
+    slow = [
+        o.label
+        for o in outcomes
+        if o.spec.mode.startswith("fp8")
+        and not o.spec.compile
+        and not o.spec.emulate
+        and o.status == "pruned"
+        and any(reason.startswith("slower than") for reason in o.reasons)
+    ]
+    if not slow:
+        return ()
+    return (
+        f"{', '.join(slow)} ran eager and lost on speed: FP8 needs torch.compile to fuse its "
+        "casts and beat bf16. Tune again with compile=True (--compile) if your run can "
+        "compile.",
+    )
+
+
+def build_result(
+    setup: RunSetup,
+    objective: Objective,
+    reference_outcome: TrialOutcome,
+    outcomes: list[TrialOutcome],
+    budget: BudgetReport,
+    checks_not_run: tuple[str, ...],
+) -> TuneResult:
+    winner = choose(outcomes, reference_outcome, objective, budget.speed_noise or 0.0)
+    run = [o for o in outcomes if o.seconds > 0]
+    note = None
+    if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
+        note = "No candidate passed the drift gate; this is the fp32 reference. " + " ".join(
+            f"{o.label}: {o.status} ({'; '.join(o.reasons) or 'no reason'})." for o in run
+        )
+    evidence = Evidence(
+        trial_steps=budget.trial_steps,
+        trial_count=budget.trials_run,
+        budget_seconds=budget.budget_seconds,
+        budget_used_seconds=budget.used_seconds,
+        reference=trial_figures(reference_outcome),
+        chosen=trial_figures(winner),
+        drift=winner.drift,
+        fp8_layers=winner.fp8_layers,
+    )
+    recipe = setup.recipe.summary(setup.user_model)
+    profile = profile_for(
+        winner.spec,
+        model_layers=setup.report.layers,
+        hardware=setup.report.hardware,
+        device=setup.report.device,
+        evidence=evidence,
+        recipe=recipe,
+        note=note,
+    )
+    return TuneResult(
+        profile=profile,
+        objective=objective,
+        reference=reference_outcome,
+        trials=tuple(outcomes),
+        pareto=tuple(pareto_front([reference_outcome, *outcomes])),
+        skipped=setup.candidates.skipped,
+        budget=budget,
+        recipe=recipe,
+        checks_not_run=checks_not_run,
+        advice=eager_fp8_advice(outcomes),
+    )
