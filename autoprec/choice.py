@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoprec.search import Objective, TrialOutcome
+from autoprec.outcomes import Objective, TrialOutcome
 
 
 def _key(outcome: TrialOutcome) -> tuple[float, float]:

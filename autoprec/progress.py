@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from autoprec.search import SearchEvent, TrialOutcome
+from autoprec.outcomes import TrialOutcome
+from autoprec.search_events import SearchEvent
 
 PLAIN_STEP_SECONDS = 15.0
 """Without a live terminal, a trial's step count is printed at most every 15 s of the budget:

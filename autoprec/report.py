@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from autoprec._files import read_json
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
-from autoprec.search import TrialOutcome
+from autoprec.outcomes import TrialOutcome
 from autoprec.tune_result import TuneResult
 
 _STYLE = {

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from autoprec.search import TrialOutcome
+from autoprec.outcomes import TrialOutcome
 from autoprec.specs import ModeSpec
 
 logger = logging.getLogger(__name__)

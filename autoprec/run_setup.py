@@ -19,9 +19,11 @@ from autoprec.drift import DriftThresholds, Fp32Runs
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
 from autoprec.model_copies import compiled_in_place, deep_copy
+from autoprec.outcomes import OBJECTIVES, Objective
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import LrPoint, TrainingRecipe
-from autoprec.search import OBJECTIVES, EventSink, Objective, SearchEvent, make_stop_check
+from autoprec.search import make_stop_check
+from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import TrialResult

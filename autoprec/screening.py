@@ -19,6 +19,7 @@ from torch import nn
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
 from autoprec.drift import DriftThresholds, Fp32Runs
+from autoprec.outcomes import TrialOutcome
 from autoprec.recipe import (
     OptimizerSource,
     RecipeSummary,
@@ -36,7 +37,7 @@ from autoprec.run_setup import (
     reference_runs,
     setup_run,
 )
-from autoprec.search import EventSink, SearchEvent, TrialOutcome
+from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import TrialResult
 

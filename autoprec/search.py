@@ -19,23 +19,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome
+from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow, StopCheck, TrialProgress, measured_windows
 
 logger = logging.getLogger(__name__)
-
-Objective = Literal["speed", "memory", "balanced"]
-OBJECTIVES: tuple[Objective, ...] = ("speed", "memory", "balanced")
-TrialStatus = Literal["accepted", "rejected", "pruned", "failed"]
-MemoryKind = Literal["cuda_peak", "state_bytes", "state_and_activations"]
-"""What ``TrialOutcome.memory_bytes`` counts: the CUDA allocator's peak (GPU); on a CPU the
-exact parameter + gradient + optimizer-state bytes, plus the bytes saved for backward when they
-were measured (eager trials)."""
-CPU_MEMORY_KINDS = ("state_bytes", "state_and_activations")
 
 PRUNE_MARGIN = 0.05
 """A trial is pruned when, after warm-up and 3 measured windows of steps, it is more than 5%
@@ -43,183 +34,8 @@ slower (objective speed) than the best accepted one: timing noise on a busy mach
 MIN_MEASURED_WINDOWS = 3
 
 
-class TrialOutcome(BaseModel):
-    """One candidate's result, as the study stores it (JSON in ``user_attrs``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    spec: ModeSpec
-    status: TrialStatus
-    reasons: tuple[str, ...] = ()
-    samples_per_second: float | None = None
-    tokens_per_second: float | None = None
-    median_step_seconds: float | None = None
-    memory_bytes: int | None = None
-    memory_kind: MemoryKind | None = None
-    activation_bytes: int | None = None
-    """CPU, eager: bytes saved for backward, included in ``memory_bytes``."""
-    recompiles: int | None = None
-    """Compiled trials: graphs torch.compile built after warm-up (their time is in the speed)."""
-    seconds: float = 0.0
-    steps: int = 0
-    drift: dict[str, float] = Field(default_factory=dict)
-    final_loss: float | None = None
-    fp8_layers: tuple[str, ...] = ()
-    """The modules the trial ran in FP8."""
-    windows: tuple[StepWindow, ...] = ()
-    """The trial's timed windows of steps (warm-up included), in order: trials train on the
-    same batches in the same order, so the window over steps i..j of two trials is the same
-    work (paired pruning)."""
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        """What to know beside the verdict (shown with the reasons)."""
-        if self.recompiles:
-            return (
-                f"recompiled {self.recompiles}x after warm-up (compile time is in its speed; "
-                "a run that recompiles will in training too)",
-            )
-        return ()
-
-    @property
-    def state_bytes(self) -> int | None:
-        """CPU: parameter + gradient + optimizer-state bytes (memory less activations)."""
-        if self.memory_kind not in CPU_MEMORY_KINDS or self.memory_bytes is None:
-            return None
-        return self.memory_bytes - (self.activation_bytes or 0)
-
-
 Runner = Callable[[ModeSpec, StopCheck], TrialOutcome]
 """Runs one candidate; the stop check says when to give up (budget, cannot beat the best)."""
-
-
-EventKind = Literal["phase", "start", "step", "done", "skip"]
-
-STEP_EVENT_SECONDS = 1.0
-"""A "step" event goes out at most once a second of the tune's clock (and at a trial's last
-step): displays stay live without a callback on every step."""
-
-
-class SearchEvent(BaseModel):
-    """Progress of a ``tune()`` run, for displays: ``tune(on_event=callback)`` gets every one.
-
-    ``kind`` is one of:
-
-    - ``"phase"``: work before the search (``label``: "calibration", "fp32 reference",
-      "fp32 noise run"), with ``steps`` planned;
-    - ``"start"``: candidate ``index`` of ``total`` (``label``) starts;
-    - ``"step"``: ``step`` of ``steps`` optimizer steps done in the current phase or trial;
-    - ``"done"``: the candidate ended; ``outcome`` holds its status, figures and reasons;
-    - ``"skip"``: the candidate was not run: finished in an earlier run of the same study, or
-      no time left (``outcome`` says which).
-
-    Times count from the start of ``tune()``, so ``remaining_seconds`` is the whole budget's.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: EventKind
-    index: int
-    total: int
-    label: str
-    elapsed_seconds: float
-    budget_seconds: float
-    best: str | None = None
-    outcome: TrialOutcome | None = None
-    step: int | None = None
-    steps: int | None = None
-
-    @property
-    def remaining_seconds(self) -> float:
-        return max(self.budget_seconds - self.elapsed_seconds, 0.0)
-
-    @property
-    def in_search(self) -> bool:
-        """A candidate's event (not the reference work before the search)."""
-        return self.kind != "phase" and self.index >= 0
-
-
-class EventSink:
-    """Sends :class:`SearchEvent`s to ``on_event`` with times counted from ``started``."""
-
-    def __init__(
-        self,
-        on_event: Callable[[SearchEvent], None] | None,
-        *,
-        started: float,
-        budget_seconds: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.on_event = on_event
-        self.started = started
-        self.budget_seconds = budget_seconds
-        self.clock = clock
-
-    def emit(
-        self,
-        kind: EventKind,
-        label: str,
-        *,
-        index: int = -1,
-        total: int = 0,
-        best: str | None = None,
-        outcome: TrialOutcome | None = None,
-        step: int | None = None,
-        steps: int | None = None,
-    ) -> None:
-        if self.on_event is None:
-            return
-        self.on_event(
-            SearchEvent(
-                kind=kind,
-                index=index,
-                total=total,
-                label=label,
-                elapsed_seconds=self.clock() - self.started,
-                budget_seconds=self.budget_seconds,
-                best=best,
-                outcome=outcome,
-                step=step,
-                steps=steps,
-            )
-        )
-
-    def watch(
-        self,
-        stop: StopCheck | None,
-        label: str,
-        *,
-        index: int = -1,
-        total: int = 0,
-        best: str | None = None,
-    ) -> StopCheck | None:
-        """``stop`` wrapped to also send "step" events (no host sync: it reads the step count
-        and the clock only)."""
-        if self.on_event is None:
-            return stop
-        last = [-float("inf")]
-
-        def check(progress: TrialProgress) -> str | None:
-            now = self.clock()
-            done = progress.step + 1
-            if now - last[0] >= STEP_EVENT_SECONDS or done == progress.steps_planned:
-                last[0] = now
-                self.emit(
-                    "step",
-                    label,
-                    index=index,
-                    total=total,
-                    best=best,
-                    step=done,
-                    steps=progress.steps_planned,
-                )
-            return None if stop is None else stop(progress)
-
-        return check
 
 
 def better(a: TrialOutcome, b: TrialOutcome | None, objective: Objective) -> bool:

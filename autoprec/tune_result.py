@@ -12,10 +12,10 @@ from pydantic import BaseModel, ConfigDict
 
 from autoprec.candidates import Skipped
 from autoprec.choice import choose, pareto_front
+from autoprec.outcomes import MemoryKind, Objective, TrialOutcome
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import RecipeSummary
 from autoprec.run_setup import RunSetup
-from autoprec.search import MemoryKind, Objective, TrialOutcome
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import TrialResult
 

@@ -25,6 +25,7 @@ from autoprec.fingerprint import (
     save_references,
     tensor_digest,
 )
+from autoprec.outcomes import Objective, TrialOutcome
 from autoprec.recipe import (
     OptimizerSource,
     SchedulerFactory,
@@ -47,10 +48,6 @@ from autoprec.run_setup import (
     uncompiled_model,
 )
 from autoprec.search import (
-    EventSink,
-    Objective,
-    SearchEvent,
-    TrialOutcome,
     ask_for,
     create_study,
     make_stop_check,
@@ -58,6 +55,7 @@ from autoprec.search import (
     record_result,
     search,
 )
+from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.tune_result import BudgetReport, TuneResult, build_result, trial_outcome
 
@@ -143,7 +141,7 @@ def tune(
             recompiles after warm-up are reported; a mode that fails to compile is a failed
             trial with the compiler's message.
         storage / study_name: an Optuna storage URL to persist (and resume) the study.
-        on_event: called with a :class:`~autoprec.search.SearchEvent` for every phase (fp32
+        on_event: called with a :class:`~autoprec.search_events.SearchEvent` for every phase (fp32
             calibration, reference and noise runs), every trial's start and end, and its step
             count about once a second: ``event.kind``, ``.label``, ``.step`` / ``.steps``,
             ``.elapsed_seconds``, ``.remaining_seconds`` (of the whole budget), ``.best``,

@@ -7,8 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
+from autoprec.outcomes import TrialOutcome
 from autoprec.progress import TuneProgress, status_line
-from autoprec.search import SearchEvent, TrialOutcome
+from autoprec.search_events import SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.tuning import tune
 from examples import tiny_gpt

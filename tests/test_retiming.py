@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from autoprec.outcomes import TrialOutcome
 from autoprec.retiming import CONFIRM_WITHIN, confirm_speed
-from autoprec.search import TrialOutcome
 from autoprec.specs import ModeSpec
 
 

@@ -10,8 +10,10 @@ import pytest
 
 from autoprec.candidates import candidate_specs
 from autoprec.choice import choose, dominates, pareto_front
+from autoprec.outcomes import TrialOutcome
 from autoprec.probing import probe
-from autoprec.search import EventSink, TrialOutcome, create_study, make_stop_check, search
+from autoprec.search import create_study, make_stop_check, search
+from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow, TrialProgress
 from examples import tiny_gpt

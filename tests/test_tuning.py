@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import autoprec
+from autoprec.outcomes import TrialOutcome
 from autoprec.run_setup import resolve_compile, uncompiled_model
-from autoprec.search import SearchEvent, TrialOutcome
+from autoprec.search_events import SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.tune_result import eager_fp8_advice
 from autoprec.tuning import tune

@@ -1,0 +1,69 @@
+"""A candidate's outcome as the study stores it, and the objectives that rank outcomes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from autoprec.specs import ModeSpec
+from autoprec.trial_records import StepWindow
+
+Objective = Literal["speed", "memory", "balanced"]
+OBJECTIVES: tuple[Objective, ...] = ("speed", "memory", "balanced")
+TrialStatus = Literal["accepted", "rejected", "pruned", "failed"]
+MemoryKind = Literal["cuda_peak", "state_bytes", "state_and_activations"]
+"""What ``TrialOutcome.memory_bytes`` counts: the CUDA allocator's peak (GPU); on a CPU the
+exact parameter + gradient + optimizer-state bytes, plus the bytes saved for backward when they
+were measured (eager trials)."""
+CPU_MEMORY_KINDS = ("state_bytes", "state_and_activations")
+
+
+class TrialOutcome(BaseModel):
+    """One candidate's result, as the study stores it (JSON in ``user_attrs``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: ModeSpec
+    status: TrialStatus
+    reasons: tuple[str, ...] = ()
+    samples_per_second: float | None = None
+    tokens_per_second: float | None = None
+    median_step_seconds: float | None = None
+    memory_bytes: int | None = None
+    memory_kind: MemoryKind | None = None
+    activation_bytes: int | None = None
+    """CPU, eager: bytes saved for backward, included in ``memory_bytes``."""
+    recompiles: int | None = None
+    """Compiled trials: graphs torch.compile built after warm-up (their time is in the speed)."""
+    seconds: float = 0.0
+    steps: int = 0
+    drift: dict[str, float] = Field(default_factory=dict)
+    final_loss: float | None = None
+    fp8_layers: tuple[str, ...] = ()
+    """The modules the trial ran in FP8."""
+    windows: tuple[StepWindow, ...] = ()
+    """The trial's timed windows of steps (warm-up included), in order: trials train on the
+    same batches in the same order, so the window over steps i..j of two trials is the same
+    work (paired pruning)."""
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What to know beside the verdict (shown with the reasons)."""
+        if self.recompiles:
+            return (
+                f"recompiled {self.recompiles}x after warm-up (compile time is in its speed; "
+                "a run that recompiles will in training too)",
+            )
+        return ()
+
+    @property
+    def state_bytes(self) -> int | None:
+        """CPU: parameter + gradient + optimizer-state bytes (memory less activations)."""
+        if self.memory_kind not in CPU_MEMORY_KINDS or self.memory_bytes is None:
+            return None
+        return self.memory_bytes - (self.activation_bytes or 0)
