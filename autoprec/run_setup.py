@@ -15,7 +15,8 @@ from torch import nn
 
 from autoprec.batching import LossFn, to_device
 from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, candidate_specs
-from autoprec.drift import DriftThresholds, Fp32Runs
+from autoprec.drift import Fp32Runs
+from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
 from autoprec.model_copies import compiled_in_place, deep_copy

@@ -18,7 +18,8 @@ from torch import nn
 
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
-from autoprec.drift import DriftThresholds, Fp32Runs
+from autoprec.drift import Fp32Runs
+from autoprec.drift_thresholds import DriftThresholds
 from autoprec.outcomes import TrialOutcome
 from autoprec.recipe import (
     OptimizerSource,

@@ -16,7 +16,8 @@ from torch import nn
 
 from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep
-from autoprec.drift import DriftThresholds, Fp32Runs
+from autoprec.drift import Fp32Runs
+from autoprec.drift_thresholds import DriftThresholds
 from autoprec.fingerprint import (
     StudyFingerprint,
     check_study,

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from autoprec.drift import DriftThresholds, judge
+from autoprec.drift import judge
+from autoprec.drift_thresholds import DriftThresholds
 from autoprec.plan import prepare
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoprec.drift import DriftThresholds, judge, noise_floor
+from autoprec.drift import judge, noise_floor
+from autoprec.drift_thresholds import DriftThresholds
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial

@@ -17,8 +17,8 @@ ORDER = [
     "hardware", "layers", "eligibility",                             # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
-    "trial_records", "trial_measures", "trial_loop", "trial", "drift", "outcomes",
-    "search_events", "search", "retiming", "choice", "fingerprint",
+    "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds", "drift",
+    "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "progress", "run_setup", "tune_result", "tuning", "screening", "trainers",
     "report", "display", "cli",

@@ -1,0 +1,74 @@
+"""Every threshold of the drift gate: a named field with its default and the measurement behind it.
+
+The defaults are justified by figures measured here: run-to-run noise of fp32 trials, and
+``benchmarks/ground_truth.py``'s long runs (README, "Scored against long runs"). A study's
+fingerprint includes them: a stored study refuses to resume under other thresholds.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DriftThresholds(BaseModel):
+    """Every threshold of the gate, with its default and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    max_loss_gap_units: float = Field(3.0, gt=0)
+    """Reject when the held-out or late training loss is worse than the reference by more than
+    this many noise floors: three standard errors is the usual "not chance" line."""
+    loss_floor_relative: float = Field(0.01, ge=0)
+    """Noise floor of at least 1% of the reference loss: deterministic models have ~0 noise, and
+    a gap below 1% after a short trial is not evidence of harm."""
+    loss_floor_absolute: float = Field(1e-4, ge=0)
+    """Absolute noise floor, for losses near zero."""
+    late_fraction: float = Field(0.25, gt=0, le=1)
+    """The trial's "last part": the final quarter of steps, paired step by step."""
+    min_update_fraction: float = Field(0.8, ge=0)
+    """Reject when the trial's weights took less than 80% of the reference's movement that the
+    paired fp32 run takes (its projection onto the reference's movement divided by the paired
+    run's; 1 without random draws). Measured here: nearest-rounding bf16 reaches ~0.5 at lr
+    1e-4, stochastic rounding and Kahan ~1.0; with dropout a second fp32 run reaches only
+    0.55-0.69 of the reference's movement, which a fixed bar on the raw projection mistook for
+    lost updates. Scored against long runs by benchmarks/ground_truth.py."""
+    max_output_error_units: float = Field(3.0, gt=0)
+    """Reject when held-out outputs differ from the reference's by more than this many times the
+    paired run's difference (0 without random draws)..."""
+    output_error_floor: float = Field(0.10, ge=0)
+    """...and by more than 10% relative L2 (a floor for deterministic models). Measured on our
+    CPU regression task: FP8 forward quantization alone moves outputs 7.5% with an unchanged
+    loss, while nearest-rounding bf16 that lost its updates moved them 52%."""
+    fp16_headroom: float = Field(0.25, gt=0, le=1)
+    """Flag fp16 when activations or gradients reach a quarter of the fp16 maximum (65504):
+    a few more steps of growth overflow them, and loss scaling cannot protect the forward pass."""
+    max_skipped_step_rate: float = Field(0.1, ge=0, le=1)
+    """Reject amp_fp16 when the loss scaler skipped more than 10% of its steps. The trial settles
+    the scale on the first batch before training, so start-up skips are not counted."""
+    min_loss_scale: float = Field(1.0, gt=0)
+    """Reject amp_fp16 when the loss scale collapsed below 1 (gradients overflow even unscaled)."""
+    max_rounded_beta2: float = Field(1 - 2**-8, gt=0, lt=1)
+    """Reject a mode whose optimizer keeps Adam's second moment in bf16 rounded to nearest with
+    beta2 above 1 - 2**-8 (0.9961). A step moves that moment by (1 - beta2) of itself, which is
+    below half a bf16 ulp (2**-9 to 2**-8 of the value): with beta2 = 0.999 it can never
+    decrease, and rises only on gradient spikes. No short trial shows it (from a zero state the
+    moment still grows ~1/t a step); long runs do: bf16_kahan (torch-optimi, states in bf16)
+    ended 3000-step AdamW runs 33% and 41% worse than fp32 on held-out loss while its weights
+    moved as fp32's (benchmarks/lr_schedule_gate.py); fp32 AdamW with only exp_avg_sq rounded
+    to bf16 ended 20% worse (NUMERICS.md). In benchmarks/ground_truth.py (2000-step runs)
+    bf16_kahan ended worse on 4 of 8 tasks (+2.0% to +17.6%: the fine-tune, the cosine run, raw
+    parameters, the digits MLP) and within noise on the others; no figure of a 200-step trial
+    told them apart (the fp32 reference's second moment fell 1.01x below its peak on the digits
+    MLP, which it hurt, 1.03x on the Llama, which it did not), so the rule stays a rule and
+    costs those false rejects. Why no trial can do better (benchmarks/state_ratchet.py, a bf16
+    moment shadowing each task's fp32 gradients): the share of Adam's step it lets through is
+    0.96-1.00 at 200 steps on all eight tasks and 0.53-0.85 at 2000 on all eight, the harmed
+    and the unharmed alike; the distortion is the same everywhere, and whether a task's loss
+    suffers from it is decided late in the run. Stochastically rounded states (bf16_sr,
+    bf16_sr_kahan) are exempt: they ended every run within fp32's noise, and are offered
+    beside it."""
+    max_eval_gap_units: float = Field(3.0, gt=0)
+    """Reject when eval_fn (lower is better) is worse than the reference by more than this many
+    times the noise run's difference..."""
+    eval_floor_relative: float = Field(0.02, ge=0)
+    """...and by more than 2% of the reference's score."""
