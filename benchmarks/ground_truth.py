@@ -9,8 +9,10 @@ torchao emulated where there is no FP8, 8-bit optimizer states):
   batches reshuffled every epoch) and its final test metric (test loss, or sample quality for
   the flow-matching U-Net; lower is better) is compared with ``FP32_SEEDS`` fp32 runs that differ
   in batch order and random draws. The mode **hurts** when it ends worse than the fp32 mean by
-  more than ``HURT_SDS`` seed standard deviations and ``HURT_RELATIVE`` of the mean (a crash or
-  a non-finite loss hurts too).
+  more than ``HURT_SDS`` standard errors of the difference (in fp32 seed standard deviations)
+  and ``HURT_RELATIVE`` of the mean (a crash or
+  a non-finite loss hurts too); a mode whose first run lands near that line is judged on the
+  mean of ``CONFIRM_SEEDS`` runs.
 - **The gate.** ``autoprec.check()`` at ``--trial-steps`` (default 200, its default and within
   ``tune()``'s 20-300) judges the mode against its fp32 reference and noise run.
 
@@ -49,13 +51,27 @@ from autoprec.screening import QualityReport
 from autoprec.specs import ModeSpec
 from benchmarks.ground_truth_tasks import QUICK_TASKS, TASKS, GroundTask
 
-FP32_SEEDS = 3
+FP32_SEEDS = 8
+"""fp32 runs per task whose spread is the truth's unit. 8, not the 3 first used: a standard
+deviation from 3 runs is within 0.23-1.73x the true one only 90% of the time (2 degrees of
+freedom), from 8 within 0.56-1.42x; fp32 long runs are the cheap ones (2-48 s each)."""
 HURT_SDS, HURT_RELATIVE = 3.0, 0.005
-"""A mode hurts when its final metric is worse than the fp32 seeds' mean by more than three of
-their standard deviations (the gate's own unit: beyond what another seed and shuffle give) and
-0.5% of the mean (for tasks whose seeds agree to a few decimals). 0.5%, not the 2% first tried:
-the Llama ends at its data's entropy floor (1.386) where pure bf16's +1.1% (14 seed sds) is a
-real loss that 2% called fine."""
+"""A mode hurts when its final metric (the mean of its runs) is worse than the fp32 seeds' mean
+by more than three standard errors of that difference (in fp32 seed sds: beyond what another
+seed and shuffle give; :func:`hurt_line`) and 0.5% of the mean (for tasks whose seeds agree to
+a few decimals). 0.5%, not the 2% first tried: the Llama ends at its data's entropy floor
+(1.386) where pure bf16's +1.1% (14 seed sds) is a real loss that 2% called fine. Standard
+errors, not the single-run sds first used: with 3 fp32 seeds the line was 3 sds for every pair,
+which read a mean over 3 confirmation runs as if it were one run."""
+CONFIRM_SEEDS = 3
+"""A mode trains once, at seed 0 (fp32 seed 0's initial weights, batch order and draws). When
+that run lands within a factor 2 of the hurt line either side (its gap to the fp32 mean between
+half and twice :func:`hurt_line`), it trains at seeds 1 and 2 too and is judged on the mean of
+its 3 runs, so that one seed's luck decides no verdict near the line. Measured on the conv net
+(325 test images): seed 0 is an unlucky draw for every mode there. fp32's own seed-0 run is 2.2
+fp32 sds above the 8 seeds' mean, and all ten modes' seed-0 runs (0.054-0.083) lie above every
+other fp32 seed (0.026-0.041); amp_bf16+8bit's 0.083 (+4.0 sd: "hurts") was 0.025-0.038 at
+seeds 1-4. Pairs far from the line keep their single run."""
 TRUTH_VERSION = 2
 """Part of every cache key: bump it when the long-run loop changes (a task's own changes bump
 its ``GroundTask.revision``)."""
@@ -151,6 +167,9 @@ class Pair:
     reason: str
     state_rule_only: bool = False
     """Rejected by the optimizer-state rule alone (a second moment rounded to nearest)."""
+    runs: int = 1
+    """The mode's long runs behind ``metric`` (``CONFIRM_SEEDS`` when its first landed near
+    the line)."""
 
     @property
     def outcome(self) -> str:
@@ -159,10 +178,38 @@ class Pair:
         return "ok" if self.truth_hurts else "FALSE REJECT"
 
 
-def hurts(metric: float, fp32: list[float]) -> bool:
+def hurt_line(fp32: list[float], runs: int = 1) -> float:
+    """How far above the fp32 mean the mean of a mode's ``runs`` runs may end: ``HURT_SDS``
+    standard errors of that difference (the fp32 seed sd x sqrt(1/runs + 1/fp32 runs): a mean
+    of 3 runs is less noisy than one run, and the fp32 mean has an error too) and
+    ``HURT_RELATIVE`` of the mean, whichever is larger."""
     mean = statistics.fmean(fp32)
     sd = statistics.stdev(fp32) if len(fp32) > 1 else 0.0
-    return metric - mean > max(HURT_SDS * sd, HURT_RELATIVE * abs(mean))
+    error = sd * math.sqrt(1 / runs + 1 / len(fp32))
+    return max(HURT_SDS * error, HURT_RELATIVE * abs(mean))
+
+
+def hurts(metric: float, fp32: list[float], runs: int = 1) -> bool:
+    return metric - statistics.fmean(fp32) > hurt_line(fp32, runs)
+
+
+def near_the_line(metric: float, fp32: list[float]) -> bool:
+    """Within a factor 2 of the hurt line either side: one run does not settle it."""
+    line = hurt_line(fp32)
+    return line / 2 < metric - statistics.fmean(fp32) < 2 * line
+
+
+def mode_metric(
+    cache: Path, task: GroundTask, spec: ModeSpec, steps: int, fp32: list[float]
+) -> tuple[float, int, str | None]:
+    """(metric, runs, failure): the seed-0 run's metric, or the mean over ``CONFIRM_SEEDS``
+    runs when the first lands near the line (any failed run fails the pair)."""
+    runs = [cached_long_run(cache, task, spec, 0, steps)]
+    if runs[0].failure is None and near_the_line(runs[0].metric, fp32):
+        runs += [cached_long_run(cache, task, spec, s, steps) for s in range(1, CONFIRM_SEEDS)]
+    failure = next((run.failure for run in runs if run.failure is not None), None)
+    metric = math.inf if failure else statistics.fmean(run.metric for run in runs)
+    return metric, len(runs), failure
 
 
 def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> QualityReport:
@@ -200,24 +247,26 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pai
     )
     pairs = []
     for verdict in report.verdicts:
-        run = cached_long_run(cache, task, verdict.spec, 0, steps)
+        metric, runs, failure = mode_metric(cache, task, verdict.spec, steps, fp32_metrics)
         reason = verdict.reasons[0] if verdict.reasons else ""
         pair = Pair(
             task=name,
             label=verdict.label,
-            truth_hurts=hurts(run.metric, fp32_metrics),
-            metric=run.metric,
+            truth_hurts=hurts(metric, fp32_metrics, runs),
+            metric=metric,
             fp32_mean=mean,
             fp32_sd=sd,
             gate=verdict.status,
-            reason=reason if run.failure is None else f"{reason} (long run: {run.failure})",
+            reason=reason if failure is None else f"{reason} (long run: {failure})",
             state_rule_only=bool(verdict.reasons)
             and all(r.startswith("optimizer state loses") for r in verdict.reasons),
+            runs=runs,
         )
-        relative = (run.metric - mean) / abs(mean) if math.isfinite(run.metric) else math.inf
+        relative = (metric - mean) / abs(mean) if math.isfinite(metric) else math.inf
         print(
             f"  {pair.label:32} truth {'HURTS' if pair.truth_hurts else 'fine ':5} "
-            f"{run.metric:.5g} ({relative:+.1%}, {(run.metric - mean) / (sd or 1e-12):+.1f} sd)"
+            f"{metric:.5g} ({relative:+.1%}, {(metric - mean) / (sd or 1e-12):+.1f} sd"
+            f"{f', mean of {runs} seeds' if runs > 1 else ''})"
             f"  gate {pair.gate:6} {pair.outcome:12} {pair.reason[:70]}",
             flush=True,
         )
@@ -287,7 +336,9 @@ def main(argv: list[str] | None = None) -> list[Pair]:
         steps, trial_steps = 300, 30
     print(
         f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
-        f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} fp32 sd and {HURT_RELATIVE:.1%}"
+        f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} standard errors and "
+        f"{HURT_RELATIVE:.1%} "
+        f"(the mean of {CONFIRM_SEEDS} seeds when its first run lands near that line)"
     )
     pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, args.cache)]
     print("\n" + confusion(pairs))

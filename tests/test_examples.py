@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from autoprec.specs import ModeSpec
 
 REPO = Path(__file__).parents[1]
 
@@ -161,6 +164,47 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     assert {p.label: (p.truth_hurts, p.metric) for p in again} == truth
 
 
+def test_ground_truth_confirms_a_run_near_the_hurt_line_with_more_seeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One seed's luck decides no verdict near the line: a first run within a factor 2 of it
+    is judged on the mean of CONFIRM_SEEDS runs; runs far from it keep their single run."""
+    from benchmarks import ground_truth
+    from benchmarks.ground_truth import LongRun, hurt_line, hurts, mode_metric, near_the_line
+
+    fp32 = [1.0, 1.1, 0.9, 1.0]  # mean 1.0, sd 0.0816
+    # one run: 3 standard errors of (run - fp32 mean), sd * sqrt(1 + 1/4)
+    assert hurt_line(fp32) == pytest.approx(3 * 0.08165 * 1.25**0.5, rel=1e-3)
+    assert hurt_line(fp32, runs=3) == pytest.approx(3 * 0.08165 * (1 / 3 + 1 / 4) ** 0.5, rel=1e-3)
+    assert hurt_line([1.0, 1.0]) == pytest.approx(0.005)  # no spread: 0.5% of the mean
+    assert hurts(1.28, fp32) and not hurts(1.27, fp32)
+    assert hurts(1.19, fp32, runs=3) and not hurts(1.18, fp32, runs=3)
+    assert near_the_line(1.2, fp32) and near_the_line(1.5, fp32)
+    assert not near_the_line(1.13, fp32) and not near_the_line(1.55, fp32)
+
+    by_seed: dict[int, LongRun] = {}
+
+    def cached(cache: object, task: object, spec: object, seed: int, steps: int) -> LongRun:
+        return by_seed[seed]
+
+    monkeypatch.setattr(ground_truth, "cached_long_run", cached)
+    spec = ModeSpec(mode="amp_bf16")
+    by_seed.update({0: LongRun(1.4, 0.0, 1.0)})  # +4.9 sd: "hurts" on one run alone
+    with pytest.raises(KeyError):  # near the line: seeds 1 and 2 are asked for
+        mode_metric(Path(), None, spec, 100, fp32)  # type: ignore[arg-type]
+    by_seed.update({1: LongRun(1.0, 0.0, 1.0), 2: LongRun(1.0, 0.0, 1.0)})
+    metric, runs, failure = mode_metric(Path(), None, spec, 100, fp32)  # type: ignore[arg-type]
+    assert (runs, failure) == (ground_truth.CONFIRM_SEEDS, None)
+    assert metric == pytest.approx(1.4 / 3 + 2 / 3) and not hurts(metric, fp32, runs)
+
+    by_seed[0] = LongRun(2.0, 0.0, 1.0)  # far beyond the line: one run settles it
+    assert mode_metric(Path(), None, spec, 100, fp32) == (2.0, 1, None)  # type: ignore[arg-type]
+    by_seed[0] = LongRun(1.3, 0.0, 1.0)
+    by_seed[2] = LongRun(math.inf, math.inf, 0.0, failure="RuntimeError: boom")
+    metric, runs, failure = mode_metric(Path(), None, spec, 100, fp32)  # type: ignore[arg-type]
+    assert metric == math.inf and failure == "RuntimeError: boom" and hurts(metric, fp32)
+
+
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_module"])
 def test_trainer_examples_tune_and_apply_in_three_added_lines(script: str) -> None:
     """The Trainer examples: an ordinary training script plus at most three autoprec lines,
@@ -218,7 +262,6 @@ def test_state_rule_signals_measure_what_they_claim() -> None:
     """Adam's signal share is 1 for steady gradients and (1 - beta1) / (1 + beta1) for pure
     noise; the step-scaling hook moves the weights 0.7x as far as a plain step."""
     from autoprec.plan import prepare
-    from autoprec.specs import ModeSpec
     from benchmarks.state_ratchet import MomentShadows
     from benchmarks.state_rule_signals import Signals, scaled_steps, separates, signal_share
 
