@@ -10,9 +10,8 @@ torchao emulated where there is no FP8, 8-bit optimizer states):
   the flow-matching U-Net; lower is better) is compared with ``FP32_SEEDS`` fp32 runs that differ
   in batch order and random draws. The mode **hurts** when it ends worse than the fp32 mean by
   more than ``HURT_SDS`` standard errors of the difference (in fp32 seed standard deviations)
-  and ``HURT_RELATIVE`` of the mean (a crash or
-  a non-finite loss hurts too); a mode whose first run lands near that line is judged on the
-  mean of ``CONFIRM_SEEDS`` runs.
+  and ``HURT_RELATIVE`` of the mean (a crash or a non-finite loss hurts too); a mode whose
+  first run lands near that line is judged on the mean of ``CONFIRM_SEEDS`` runs.
 - **The gate.** ``autoprec.check()`` at ``--trial-steps`` (default 200, its default and within
   ``tune()``'s 20-300) judges the mode against its fp32 reference and noise run.
 
@@ -337,8 +336,8 @@ def main(argv: list[str] | None = None) -> list[Pair]:
     print(
         f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
         f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} standard errors and "
-        f"{HURT_RELATIVE:.1%} "
-        f"(the mean of {CONFIRM_SEEDS} seeds when its first run lands near that line)"
+        f"{HURT_RELATIVE:.1%} (the mean of {CONFIRM_SEEDS} seeds when its first run lands near "
+        "that line)"
     )
     pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, args.cache)]
     print("\n" + confusion(pairs))
