@@ -22,7 +22,8 @@ from autoprec.hardware import (
     HardwareInfo,
     detect_hardware,
 )
-from autoprec.layers import BNB_MIN_8BIT_SIZE, FP8_DIM_MULTIPLE, LayerMix, scan_model
+from autoprec.layer_kinds import BNB_MIN_8BIT_SIZE, FP8_DIM_MULTIPLE
+from autoprec.layers import LayerMix, scan_model
 from autoprec.specs import MODE_NAMES, ModeName
 
 FP8_MIN_FLOP_SHARE = 0.3

@@ -14,81 +14,25 @@ runs wherever the model lives: CPU, or the meta device for models too big to mat
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-logger = logging.getLogger(__name__)
-
-LayerKind = Literal["linear", "conv", "embedding", "norm", "raw_param", "other"]
-LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "conv", "embedding", "norm", "raw_param", "other")
-
-FP8_DIM_MULTIPLE = 16
-"""FP8 GEMM kernels (torch._scaled_mm, Transformer Engine) need both Linear dims divisible by 16."""
-
-BNB_MIN_8BIT_SIZE = 4096
-"""bitsandbytes keeps optimizer state of tensors smaller than this in 32 bit (min_8bit_size)."""
-
-_NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+from autoprec.layer_flops import FlopAttribution, run_forward, storage_key
+from autoprec.layer_kinds import (
+    BNB_MIN_8BIT_SIZE,
+    FP8_DIM_MULTIPLE,
+    LAYER_KINDS,
+    LayerKind,
+    fp8_linear_fits,
+    fp8_worthwhile,
+    is_hf_conv1d,
+    linear_dims,
+    module_kind,
 )
 
-
-def is_hf_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2 family: ``c_attn``, ``c_proj``, ``c_fc``): a Linear
-    whose weight is stored (in, out), ``y = x @ W + b``; not an nn.Linear subclass."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-
-
-def _linear_dims(module: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of an nn.Linear or an HF Conv1D."""
-    if is_hf_conv1d(module):
-        return int(module.nx), int(module.nf)
-    return int(module.in_features), int(module.out_features)
-
-
-def module_kind(module: nn.Module) -> LayerKind | None:
-    """The layer kind of a module, or None for containers and custom modules. HF ``Conv1D``
-    counts as a Linear (it is one, with a transposed weight)."""
-    if isinstance(module, nn.Linear) or is_hf_conv1d(module):
-        return "linear"
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return "conv"
-    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
-        return "embedding"
-    if isinstance(module, _NORM_TYPES):
-        return "norm"
-    if type(module).__name__.endswith("Norm") and next(module.children(), None) is None:
-        # Custom norms (LlamaRMSNorm, T5LayerNorm, ...) are recognised by name; a wrapper such
-        # as ``PreNorm(dim, fn)`` has children and is not a norm itself.
-        return "norm"
-    return None
-
-
-def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwise") -> bool:
-    """Whether an FP8 Linear of this shape is likely to be faster than bf16 on an H100.
-
-    torchao's own auto-filters (from its H100 benchmarks), K = in_features, N = out_features:
-    tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, or
-    N <= 4096 and K <= 2048.
-    """
-    if recipe == "rowwise":
-        return not (
-            out_features <= 2048
-            or in_features <= 1024
-            or (out_features <= 4096 and in_features <= 2048)
-        )
-    return not (in_features <= 4096 and out_features <= 1024)
+logger = logging.getLogger(__name__)
 
 
 class KindShare(BaseModel):
@@ -162,109 +106,6 @@ class LayerMix(BaseModel):
         return tuple(linear for linear in self.linears if linear.fp8_compatible)
 
 
-class _FlopAttribution(TorchDispatchMode):
-    """Credits each FLOP-counted aten op to a layer kind, using a module stack kept by hooks."""
-
-    def __init__(self, parameter_storages: dict[int, str]) -> None:
-        super().__init__()
-        self.parameter_storages = parameter_storages
-        self.stack: list[tuple[str, LayerKind | None]] = []
-        self.flops_by_kind: dict[LayerKind, int] = dict.fromkeys(LAYER_KINDS, 0)
-        self.flops_by_module: dict[str, int] = {}
-        self.raw_params: dict[str, None] = {}
-        self.compute_order: list[str] = []
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps __torch_dispatch__ in a dynamo-disable shim that imports torch._dynamo
-        # (~2 s) on first use. The scan never compiles, so the shim buys nothing here.
-        return False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flops = self._flops(func, args, kwargs, out)
-        if flops:
-            self._credit(flops, args)
-        return out
-
-    @staticmethod
-    def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            return int(flop_registry[packet](*args, **kwargs, out_val=out))
-        if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-            # CPU SDPA kernel; torch's flop registry knows only the CUDA ones.
-            query, key, value = args[:3]
-            return int(sdpa_flop_count(query.shape, key.shape, value.shape))
-        return 0
-
-    def _credit(self, flops: int, args: Any) -> None:
-        for fqn, kind in reversed(self.stack):
-            if kind is not None:
-                self.flops_by_kind[kind] += flops
-                self.flops_by_module[fqn] = self.flops_by_module.get(fqn, 0) + flops
-                return
-        raw = [
-            self.parameter_storages[key]
-            for key in (storage_key(arg) for arg in args if isinstance(arg, torch.Tensor))
-            if key in self.parameter_storages
-        ]
-        if raw:
-            self.flops_by_kind["raw_param"] += flops
-            self.raw_params.update(dict.fromkeys(raw))
-        else:
-            self.flops_by_kind["other"] += flops
-
-    @contextmanager
-    def tracking(self, model: nn.Module) -> Iterator[None]:
-        handles = []
-        for fqn, module in model.named_modules():
-            kind = module_kind(module)
-
-            def push(_module: nn.Module, _args: Any, fqn: str = fqn, kind: Any = kind) -> None:
-                self.stack.append((fqn, kind))
-                if kind in ("linear", "conv", "embedding") and fqn not in self.compute_order:
-                    self.compute_order.append(fqn)
-
-            def pop(_module: nn.Module, _args: Any, _out: Any) -> None:
-                self.stack.pop()
-
-            handles.append(module.register_forward_pre_hook(push))
-            handles.append(module.register_forward_hook(pop))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-def storage_key(tensor: torch.Tensor) -> int | None:
-    """Identifies the storage a tensor views (None for subclasses without storage)."""
-    try:
-        return int(tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None  # tensor subclasses without storage
-
-
-def _call(model: nn.Module, example_input: Any) -> Any:
-    if isinstance(example_input, dict):
-        return model(**example_input)
-    if isinstance(example_input, tuple | list):
-        return model(*example_input)
-    return model(example_input)
-
-
-def _run_forward(model: nn.Module, example_input: Any, attribution: _FlopAttribution) -> None:
-    was_training = model.training
-    model.eval()  # no BatchNorm statistic updates, no dropout randomness
-    try:
-        with torch.no_grad(), attribution.tracking(model), attribution:
-            _call(model, example_input)
-    finally:
-        model.train(was_training)
-
-
 def _parameter_kinds(model: nn.Module) -> dict[str, tuple[LayerKind, int]]:
     """fqn -> (kind of the owning module, element count), each shared parameter once."""
     seen: set[int] = set()
@@ -304,12 +145,12 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         for fqn, parameter in named_parameters.items()
         if (key := storage_key(parameter)) is not None
     }
-    attribution = _FlopAttribution(storages)
+    attribution = FlopAttribution(storages)
     forward_error: str | None = None
     ran = False
     if example_input is not None:
         try:
-            _run_forward(model, example_input, attribution)
+            run_forward(model, example_input, attribution)
             ran = True
         except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
             forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
@@ -330,7 +171,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     linears = tuple(
         LinearInfo(
             fqn=fqn,
-            in_features=(dims := _linear_dims(module))[0],
+            in_features=(dims := linear_dims(module))[0],
             out_features=dims[1],
             flops=attribution.flops_by_module.get(fqn, 0) if ran else None,
             fp8_compatible=(compatible := fp8_linear_fits(module)),
@@ -359,16 +200,6 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     )
     return mix_without_findings.model_copy(
         update={"findings": tuple(_findings(mix_without_findings))}
-    )
-
-
-def fp8_linear_fits(module: nn.Module) -> bool:
-    """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
-    module swaps convert nn.Linear only)."""
-    return (
-        isinstance(module, nn.Linear)
-        and module.in_features % FP8_DIM_MULTIPLE == 0
-        and module.out_features % FP8_DIM_MULTIPLE == 0
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.layers import storage_key
+from autoprec.layer_flops import storage_key
 from autoprec.plan import PrecisionPlan
 from autoprec.trial_records import LowPrecisionMoment, StateBytes
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.layers import LAYER_KINDS, fp8_worthwhile, module_kind, scan_model
+from autoprec.layer_kinds import LAYER_KINDS, fp8_worthwhile, module_kind
+from autoprec.layers import scan_model
 from examples import raw_param_mlp, small_convnet, tiny_gpt
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autoprec._imports import require
-from autoprec.layers import fp8_linear_fits
+from autoprec.layer_kinds import fp8_linear_fits
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
 from autoprec.specs import TeDelayedScaling
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from autoprec._imports import require
 from autoprec.eligibility import Situation
-from autoprec.layers import fp8_linear_fits, fp8_worthwhile
+from autoprec.layer_kinds import fp8_linear_fits, fp8_worthwhile
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
 
 _TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}

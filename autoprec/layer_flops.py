@@ -1,0 +1,122 @@
+"""Forward FLOPs by layer kind: one forward pass under a dispatch mode.
+
+Every matmul, convolution and attention FLOP (``torch.utils.flop_counter`` formulas) is credited
+to the innermost module kind it ran in; a matmul outside any such module whose operand is a
+parameter held directly by a custom module (``x @ self.W``) counts as ``raw_param``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from autoprec.layer_kinds import LAYER_KINDS, LayerKind, module_kind
+
+
+class FlopAttribution(TorchDispatchMode):
+    """Credits each FLOP-counted aten op to a layer kind, using a module stack kept by hooks."""
+
+    def __init__(self, parameter_storages: dict[int, str]) -> None:
+        super().__init__()
+        self.parameter_storages = parameter_storages
+        self.stack: list[tuple[str, LayerKind | None]] = []
+        self.flops_by_kind: dict[LayerKind, int] = dict.fromkeys(LAYER_KINDS, 0)
+        self.flops_by_module: dict[str, int] = {}
+        self.raw_params: dict[str, None] = {}
+        self.compute_order: list[str] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in a dynamo-disable shim that imports torch._dynamo
+        # (~2 s) on first use. The scan never compiles, so the shim buys nothing here.
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = self._flops(func, args, kwargs, out)
+        if flops:
+            self._credit(flops, args)
+        return out
+
+    @staticmethod
+    def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            return int(flop_registry[packet](*args, **kwargs, out_val=out))
+        if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+            # CPU SDPA kernel; torch's flop registry knows only the CUDA ones.
+            query, key, value = args[:3]
+            return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+        return 0
+
+    def _credit(self, flops: int, args: Any) -> None:
+        for fqn, kind in reversed(self.stack):
+            if kind is not None:
+                self.flops_by_kind[kind] += flops
+                self.flops_by_module[fqn] = self.flops_by_module.get(fqn, 0) + flops
+                return
+        raw = [
+            self.parameter_storages[key]
+            for key in (storage_key(arg) for arg in args if isinstance(arg, torch.Tensor))
+            if key in self.parameter_storages
+        ]
+        if raw:
+            self.flops_by_kind["raw_param"] += flops
+            self.raw_params.update(dict.fromkeys(raw))
+        else:
+            self.flops_by_kind["other"] += flops
+
+    @contextmanager
+    def tracking(self, model: nn.Module) -> Iterator[None]:
+        handles = []
+        for fqn, module in model.named_modules():
+            kind = module_kind(module)
+
+            def push(_module: nn.Module, _args: Any, fqn: str = fqn, kind: Any = kind) -> None:
+                self.stack.append((fqn, kind))
+                if kind in ("linear", "conv", "embedding") and fqn not in self.compute_order:
+                    self.compute_order.append(fqn)
+
+            def pop(_module: nn.Module, _args: Any, _out: Any) -> None:
+                self.stack.pop()
+
+            handles.append(module.register_forward_pre_hook(push))
+            handles.append(module.register_forward_hook(pop))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """Identifies the storage a tensor views (None for subclasses without storage)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None  # tensor subclasses without storage
+
+
+def call_model(model: nn.Module, example_input: Any) -> Any:
+    if isinstance(example_input, dict):
+        return model(**example_input)
+    if isinstance(example_input, tuple | list):
+        return model(*example_input)
+    return model(example_input)
+
+
+def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> None:
+    was_training = model.training
+    model.eval()  # no BatchNorm statistic updates, no dropout randomness
+    try:
+        with torch.no_grad(), attribution.tracking(model), attribution:
+            call_model(model, example_input)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,81 @@
+"""What kind of layer a module is, and whether FP8 kernels can take (and pay for) a Linear."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+
+LayerKind = Literal["linear", "conv", "embedding", "norm", "raw_param", "other"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "conv", "embedding", "norm", "raw_param", "other")
+
+FP8_DIM_MULTIPLE = 16
+"""FP8 GEMM kernels (torch._scaled_mm, Transformer Engine) need both Linear dims divisible by 16."""
+
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes keeps optimizer state of tensors smaller than this in 32 bit (min_8bit_size)."""
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2 family: ``c_attn``, ``c_proj``, ``c_fc``): a Linear
+    whose weight is stored (in, out), ``y = x @ W + b``; not an nn.Linear subclass."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or an HF Conv1D."""
+    if is_hf_conv1d(module):
+        return int(module.nx), int(module.nf)
+    return int(module.in_features), int(module.out_features)
+
+
+def module_kind(module: nn.Module) -> LayerKind | None:
+    """The layer kind of a module, or None for containers and custom modules. HF ``Conv1D``
+    counts as a Linear (it is one, with a transposed weight)."""
+    if isinstance(module, nn.Linear) or is_hf_conv1d(module):
+        return "linear"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        return "embedding"
+    if isinstance(module, _NORM_TYPES):
+        return "norm"
+    if type(module).__name__.endswith("Norm") and next(module.children(), None) is None:
+        # Custom norms (LlamaRMSNorm, T5LayerNorm, ...) are recognised by name; a wrapper such
+        # as ``PreNorm(dim, fn)`` has children and is not a norm itself.
+        return "norm"
+    return None
+
+
+def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwise") -> bool:
+    """Whether an FP8 Linear of this shape is likely to be faster than bf16 on an H100.
+
+    torchao's own auto-filters (from its H100 benchmarks), K = in_features, N = out_features:
+    tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, or
+    N <= 4096 and K <= 2048.
+    """
+    if recipe == "rowwise":
+        return not (
+            out_features <= 2048
+            or in_features <= 1024
+            or (out_features <= 4096 and in_features <= 2048)
+        )
+    return not (in_features <= 4096 and out_features <= 1024)
+
+
+def fp8_linear_fits(module: nn.Module) -> bool:
+    """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
+    module swaps convert nn.Linear only)."""
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % FP8_DIM_MULTIPLE == 0
+        and module.out_features % FP8_DIM_MULTIPLE == 0
+    )
