@@ -12,179 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoprec._imports import demote_import_chatter
-from autoprec._version import __version__
+from autoprec.cli_parser import build_parser
 from autoprec.errors import AutoprecError
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-
-
-def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, its data and the training recipe: what tune and check both run."""
-    parser.add_argument(
-        "model", metavar="MODEL_FACTORY", help="module.path:factory or file.py:factory"
-    )
-    parser.add_argument(
-        "--data",
-        required=True,
-        metavar="LOADER_FACTORY",
-        help="factory returning an iterable of batches (a DataLoader, a list)",
-    )
-    parser.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
-    parser.add_argument(
-        "--eval",
-        metavar="MODULE:FN",
-        help="eval_fn(model) -> float, lower is better, judged against fp32",
-    )
-    recipe = parser.add_argument_group(
-        "training recipe",
-        "How your real run trains: trials run it, so the verdict holds for it. Without these, "
-        "trials train with AdamW(lr=3e-4), no schedule, no accumulation, no clipping.",
-    )
-    recipe.add_argument(
-        "--optimizer",
-        metavar="MODULE:FACTORY",
-        help="factory params -> optimizer, e.g. mytrain:make_optimizer (called with lr=--lr "
-        "when --lr is given)",
-    )
-    recipe.add_argument(
-        "--lr", type=float, help="learning rate (peak lr under a schedule); default 3e-4"
-    )
-    recipe.add_argument(
-        "--scheduler",
-        metavar="MODULE:FACTORY",
-        help="factory optimizer -> LRScheduler (gets total_steps=N if it takes total_steps); "
-        "needs --total-steps",
-    )
-    recipe.add_argument(
-        "--total-steps", type=int, metavar="N", help="optimizer steps of your real run"
-    )
-    recipe.add_argument(
-        "--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step"
-    )
-    recipe.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this norm")
-    parser.add_argument(
-        "--modes",
-        help="comma-separated modes, exactly (e.g. amp_bf16,bf16_kahan; "
-        "amp_bf16+8bit-optim for 8-bit optimizer states); a mode that cannot run here is an "
-        "error",
-    )
-    parser.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="autoprec",
-        description="Pick the fastest training precision that does not hurt quality.",
-    )
-    parser.add_argument("--version", action="version", version=f"autoprec {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    probe = commands.add_parser(
-        "probe",
-        help="what this machine (and a model) can train in, with reasons",
-        description="Inspect GPUs, CPU, installed backends and optionally a model; give a "
-        "verdict with reasons for every precision mode.",
-    )
-    probe.add_argument(
-        "--model",
-        metavar="MODULE:FACTORY",
-        help="model factory, e.g. examples.tiny_gpt:make_model or path/to/file.py:make_model; "
-        "it returns a model or (model, example_input)",
-    )
-    probe.add_argument("--device", help="cpu, cuda, cuda:N or N (default: first GPU, else cpu)")
-    probe.add_argument("--json", action="store_true", help="print the report as JSON")
-    probe.add_argument(
-        "--import-backends",
-        action="store_true",
-        help="also import each installed backend to check that it works (takes seconds)",
-    )
-    probe.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    show = commands.add_parser(
-        "show",
-        help="print a profile readably",
-        description="Validate a profile and print its mode, knobs, hardware and evidence.",
-    )
-    show.add_argument("profile", metavar="PROFILE", help="path to a profile JSON file")
-    show.add_argument("--json", action="store_true", help="print the validated profile as JSON")
-    show.add_argument(
-        "--strict", action="store_true", help="fail when this hardware differs from the proven"
-    )
-    show.add_argument("--debug", action="store_true", help="show tracebacks")
-    tune = commands.add_parser(
-        "tune",
-        help="find the fastest precision that passes the drift gate, write a profile",
-        description="Run short measured trials of every eligible mode within a time budget, "
-        "reject those that drift from fp32, and write the winner as a profile. Interrupted runs "
-        "resume from the study file next to the output.",
-    )
-    _add_training_arguments(tune)
-    tune.add_argument(
-        "--budget",
-        required=True,
-        type=float,
-        metavar="MINUTES",
-        help="hard wall for the whole search, in minutes",
-    )
-    tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
-    tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
-    tune.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="train every run with torch.compile, as the profile's apply() then does "
-        "(default: when the model factory returns a compiled model)",
-    )
-    tune.add_argument(
-        "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
-    )
-    tune.add_argument("--study", metavar="NAME", help="study name (default: the --out file name)")
-    tune.add_argument(
-        "--wide",
-        "--verbose",
-        action="store_true",
-        help="the full trial table: every reason, every skipped mode's reasons",
-    )
-    tune.add_argument(
-        "--debug",
-        action="store_true",
-        help="show tracebacks, debug logs and the backends' import messages",
-    )
-    check = commands.add_parser(
-        "check",
-        help="would a precision mode hurt this model? every mode through the drift gate",
-        description="A quality screen: every mode whose numerics run here (FP8 via torchao "
-        "emulated where the hardware has none) trains your recipe from the same weights and "
-        "batches as fp32 and goes through the drift gate, whatever its speed. Prints safe / "
-        "unsafe with every reason; writes nothing.",
-    )
-    _add_training_arguments(check)
-    check.add_argument(
-        "--steps",
-        type=int,
-        default=200,
-        metavar="N",
-        help="optimizer steps per mode (default 200, as a tune trial)",
-    )
-    check.add_argument("--json", action="store_true", help="print the report as JSON")
-    check.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    report = commands.add_parser(
-        "report",
-        help="plot speed vs memory of every trial",
-        description="Draw samples/s against memory for every trial of a tune run (its "
-        "*.trials.json) or an Optuna study (a .db file or storage URL).",
-    )
-    report.add_argument("source", metavar="STUDY_OR_RESULT")
-    report.add_argument("--out", required=True, metavar="FILE.png")
-    report.add_argument("--study", metavar="NAME", help="study name inside a storage")
-    report.add_argument("--debug", action="store_true", help="show tracebacks")
-    schema = commands.add_parser(
-        "schema",
-        help="print the profile JSON schema",
-        description="Print the JSON schema of profile files (profiles/profile.schema.json).",
-    )
-    schema.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
-    return parser
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -441,7 +273,7 @@ def _configure_logging(debug: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     _configure_logging(args.debug)
     try:
         return _COMMANDS[args.command](args)

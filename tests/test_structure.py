@@ -21,7 +21,7 @@ ORDER = [
     "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "progress", "run_setup", "tune_result", "tuning", "screening", "trainers",
-    "report", "display", "cli",
+    "report", "display", "cli_parser", "cli",
 ]  # drivers
 # fmt: on
 EXEMPT = {"__init__", "__main__"}
