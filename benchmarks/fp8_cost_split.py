@@ -5,9 +5,11 @@ The ground truth's one false accept is emulated FP8 (torchao, tensorwise) on the
 This benchmark trains fp32 and the gate's FP8 spec at the same seeds (same batches and draws)
 and evaluates each trained model twice, with an fp32 forward and with an FP8 forward, so the
 cost splits into training (FP8-trained weights read in fp32) and evaluation (the FP8 forward).
+Then it asks whether a longer trial would have seen it: the gate's verdict on the FP8 spec at
+``--check-steps`` trial lengths, with its held-out loss gap and noise floor.
 
     python -m benchmarks.fp8_cost_split [--tasks cosine_regression] [--steps 2000] [--threads 1]
-    python -m benchmarks.fp8_cost_split --quick    # 1 seed, 300 steps: the CI variant
+    python -m benchmarks.fp8_cost_split --quick    # 1 seed, 300 steps, a 30-step check: CI
 """
 
 from __future__ import annotations
@@ -76,12 +78,22 @@ def split(task: GroundTask, fp8: ModeSpec, seed: int, steps: int) -> CostSplit:
     )
 
 
+def gate_at(task: GroundTask, fp8: ModeSpec, steps: int) -> str:
+    """The gate's verdict on ``fp8`` after a ``steps``-step trial, with the figures its loss
+    check compares (the held-out gap against 3 noise floors)."""
+    (verdict,) = [v for v in gate(task, steps, ["fp8_torchao"]).verdicts if v.spec == fp8]
+    gap, floor = verdict.drift["heldout_loss_gap"], verdict.drift["noise_floor"]
+    return f"{verdict.status} (held-out gap {gap:.5f}, noise floor {floor:.5f})"
+
+
 def main(argv: list[str] | None = None) -> list[CostSplit]:
     parser = task_parser(__doc__, quick="1 seed, 300 steps (CI)", default="cosine_regression")
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--check-steps", default="200,1000,2000", help="trial lengths to judge")
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=["cosine_regression"], quick=["cosine_regression"])
     steps, seeds = (300, 1) if args.quick else (args.steps, SEEDS)
+    check_steps = [30] if args.quick else [int(n) for n in args.check_steps.split(",")]
     rows = []
     for name in names:
         task = TASKS[name](steps)
@@ -104,6 +116,8 @@ def main(argv: list[str] | None = None) -> list[CostSplit]:
         ):
             mean = statistics.fmean(getattr(r, field) for r in rows)
             print(f"  {label:34} {mean / base - 1:+.2%} over fp32 (mean of {len(rows)} seeds)")
+        for trial_steps in check_steps:
+            print(f"  the gate after a {trial_steps}-step trial: {gate_at(task, fp8, trial_steps)}")
     return rows
 
 

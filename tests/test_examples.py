@@ -205,14 +205,18 @@ def test_ground_truth_confirms_a_run_near_the_hurt_line_with_more_seeds(
     assert metric == math.inf and failure == "RuntimeError: boom" and hurts(metric, fp32)
 
 
-def test_fp8_cost_split_reads_each_trained_model_in_both_forwards() -> None:
+def test_fp8_cost_split_reads_each_trained_model_in_both_forwards(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """--quick: the fp32-weights/fp32-forward figure is the fp32 long run's own metric (the
-    trained weights arrive intact), and the FP8 forward changes what they score."""
+    trained weights arrive intact), the FP8 forward changes what they score, and the gate's
+    verdict at a trial length is printed with the figures it compared."""
     from benchmarks import fp8_cost_split
     from benchmarks.ground_truth import long_run
     from benchmarks.ground_truth_tasks import TASKS
 
     (row,) = fp8_cost_split.main(["--quick"])
+    assert "the gate after a 30-step trial: safe (held-out gap" in capsys.readouterr().out
     fp32_run = long_run(TASKS["cosine_regression"](300), ModeSpec(mode="fp32"), 0, 300)
     assert row.fp32_fp32 == pytest.approx(fp32_run.metric, rel=1e-6)
     assert row.fp32_fp8 != row.fp32_fp32  # at 300 steps (loss 0.107) by a few 1e-5 only
