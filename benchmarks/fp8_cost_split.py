@@ -86,6 +86,19 @@ def gate_at(task: GroundTask, fp8: ModeSpec, steps: int) -> str:
     return f"{verdict.status} (held-out gap {gap:.5f}, noise floor {floor:.5f})"
 
 
+def print_costs(rows: list[CostSplit]) -> None:
+    """Each way of reading a model, over the fp32 weights read in fp32 (means over ``rows``,
+    one task's seeds)."""
+    base = statistics.fmean(r.fp32_fp32 for r in rows)
+    for label, field in (
+        ("FP8 forward on fp32 weights", "fp32_fp8"),
+        ("FP8-trained weights, fp32 forward", "fp8_fp32"),
+        ("FP8-trained weights, FP8 forward", "fp8_fp8"),
+    ):
+        mean = statistics.fmean(getattr(r, field) for r in rows)
+        print(f"  {label:34} {mean / base - 1:+.2%} over fp32 (mean of {len(rows)} seeds)")
+
+
 def main(argv: list[str] | None = None) -> list[CostSplit]:
     parser = task_parser(__doc__, quick="1 seed, 300 steps (CI)", default="cosine_regression")
     parser.add_argument("--steps", type=int, default=2000)
@@ -94,30 +107,22 @@ def main(argv: list[str] | None = None) -> list[CostSplit]:
     names = chosen_tasks(parser, args, default=["cosine_regression"], quick=["cosine_regression"])
     steps, seeds = (300, 1) if args.quick else (args.steps, SEEDS)
     check_steps = [30] if args.quick else [int(n) for n in args.check_steps.split(",")]
-    rows = []
+    rows: list[CostSplit] = []
     for name in names:
         task = TASKS[name](steps)
         fp8 = fp8_spec(task)
         print(f"{name}, {steps} steps, {fp8.label}: test metric by weights / forward", flush=True)
-        for seed in range(seeds):
-            row = split(task, fp8, seed, steps)
+        task_rows = [split(task, fp8, seed, steps) for seed in range(seeds)]
+        for row in task_rows:
             print(
-                f"  seed {seed}: fp32 weights {row.fp32_fp32:.6f} / fp8 forward "
+                f"  seed {row.seed}: fp32 weights {row.fp32_fp32:.6f} / fp8 forward "
                 f"{row.fp32_fp8:.6f}   fp8 weights fp32 forward {row.fp8_fp32:.6f} / "
-                f"fp8 forward {row.fp8_fp8:.6f}",
-                flush=True,
+                f"fp8 forward {row.fp8_fp8:.6f}"
             )
-            rows.append(row)
-        base = statistics.fmean(r.fp32_fp32 for r in rows)
-        for label, field in (
-            ("FP8 forward on fp32 weights", "fp32_fp8"),
-            ("FP8-trained weights, fp32 forward", "fp8_fp32"),
-            ("FP8-trained weights, FP8 forward", "fp8_fp8"),
-        ):
-            mean = statistics.fmean(getattr(r, field) for r in rows)
-            print(f"  {label:34} {mean / base - 1:+.2%} over fp32 (mean of {len(rows)} seeds)")
+        print_costs(task_rows)
         for trial_steps in check_steps:
             print(f"  the gate after a {trial_steps}-step trial: {gate_at(task, fp8, trial_steps)}")
+        rows += task_rows
     return rows
 
 
