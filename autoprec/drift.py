@@ -25,14 +25,12 @@ import math
 import statistics
 from dataclasses import dataclass
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
+from autoprec.drift_fp16 import fp16_risks
+from autoprec.drift_movement import movement_checks
 from autoprec.drift_thresholds import DriftThresholds
-from autoprec.recipe import LrPoint
 from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
-
-FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -113,49 +111,6 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     if len(differences) > 1:
         spread = max(spread, statistics.stdev(differences) / math.sqrt(len(differences)))
     return max(floor, spread)
-
-
-def _movement(
-    trial: dict[str, torch.Tensor],
-    trial_start: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    reference_start: dict[str, torch.Tensor],
-) -> tuple[float, float] | None:
-    """(projection of the trial's movement onto the reference's, share of weights the
-    reference moved that the trial never moved); None when the reference did not move."""
-    dot = norm = 0.0
-    reference_moved = trial_still = 0
-    for name, start in reference_start.items():
-        if name not in trial or name not in trial_start:
-            return None
-        intended = reference[name] - start
-        actual = trial[name] - trial_start[name]
-        dot += float(torch.dot(actual, intended))
-        norm += float(torch.dot(intended, intended))
-        moved = intended != 0
-        reference_moved += int(moved.sum())
-        trial_still += int((moved & (actual == 0)).sum())
-    if norm == 0:
-        return None
-    return dot / norm, trial_still / max(reference_moved, 1)
-
-
-def leg_movements(
-    trial: TrialResult, reference: TrialResult
-) -> list[tuple[LrPoint | None, float, float]]:
-    """Per lr leg: (its lr point, update fraction, never-moved share). Legs the reference did
-    not move in are left out; a trial with other legs than the reference's has none."""
-    ours, theirs = trial.leg_weights, reference.leg_weights
-    points = reference.record.lr_points
-    if len(ours) != len(theirs) or len(ours) < 2 or trial.record.lr_points != points:
-        return []
-    found = []
-    for leg in range(len(ours) - 1):
-        movement = _movement(ours[leg + 1], ours[leg], theirs[leg + 1], theirs[leg])
-        if movement is not None:
-            point = points[leg] if leg < len(points) else None
-            found.append((point, *movement))
-    return found
 
 
 def _relative_error(
@@ -301,12 +256,12 @@ def judge(
         return DriftVerdict(accepted=False, reasons=(reason,), metrics=DriftMetrics())
     metrics: dict[str, float | None] = {}
     reasons = _loss_checks(trial, reference, noise, limits, metrics)
-    movement_reasons, movement_notes = _movement_checks(trial, reference, paired, limits, metrics)
+    movement_reasons, movement_notes = movement_checks(trial, reference, paired, limits, metrics)
     reasons += movement_reasons
     reasons += _state_check(record, limits, metrics)
     reasons += _output_check(trial, reference, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
-        reasons += _fp16_risks(record, reference, limits, metrics)
+        reasons += fp16_risks(record, reference, limits, metrics)
     reasons += _eval_check(record, reference.record, noise.record, limits, metrics)
     return DriftVerdict(
         accepted=not reasons,
@@ -314,55 +269,6 @@ def judge(
         metrics=DriftMetrics(**metrics),
         notes=(*_checks_not_run(trial, reference), *movement_notes),
     )
-
-
-MIN_PAIRED_MOVEMENT = 0.25
-"""Below this projection of the paired fp32 run onto the reference's movement, random draws
-dominate the trajectory and the movement check is not run (said in the verdict's notes)."""
-
-
-def _movement_checks(
-    trial: TrialResult,
-    reference: TrialResult,
-    paired: TrialResult | None,
-    limits: DriftThresholds,
-    metrics: dict[str, float | None],
-) -> tuple[list[str], list[str]]:
-    """(reasons, notes) of the weight-movement check, leg by leg: the trial's projection onto
-    the reference's movement, relative to the paired fp32 run's (1 without one)."""
-    legs = leg_movements(trial, reference)
-    if not legs:
-        return [], []
-    ceilings = [1.0] * len(legs)
-    if paired is not None:
-        paired_legs = leg_movements(paired, reference)
-        if len(paired_legs) == len(legs):
-            ceilings = [fraction for _, fraction, _ in paired_legs]
-    judged = list(zip(legs, ceilings, strict=True))
-    weakest, ceiling = min(judged, key=lambda item: item[0][1] / max(item[1], 1e-12))
-    point, metrics["update_fraction"], metrics["never_moved_fraction"] = weakest
-    metrics["update_fraction_noise"] = ceiling if paired is not None else None
-    metrics["update_fraction_lr"] = None if point is None else point.lr
-    reasons, notes = [], []
-    for (point, fraction, never), ceiling in judged:
-        at = "" if point is None or len(legs) == 1 else f" at {point.describe()}"
-        if ceiling < MIN_PAIRED_MOVEMENT:
-            notes.append(
-                f"weight movement not judged{at}: a second fp32 run with other random draws "
-                f"takes only {ceiling:.0%} of the reference's movement (random draws dominate)"
-            )
-        elif fraction < limits.min_update_fraction * ceiling:
-            paired_said = (
-                f"; a second fp32 run with other random draws reaches {ceiling:.0%}"
-                if paired is not None
-                else ""
-            )
-            reasons.append(
-                f"updates lost to rounding{at}: only {fraction:.0%} of the fp32 weight "
-                f"movement reached the weights ({never:.0%} of weights the reference moved "
-                f"never moved{paired_said})"
-            )
-    return reasons, notes
 
 
 def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ...]:
@@ -377,38 +283,3 @@ def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ..
             "prediction tensor); losses, movement and eval_fn are judged",
         )
     return ()
-
-
-def _fp16_risks(
-    record: TrialRecord,
-    reference: TrialResult,
-    limits: DriftThresholds,
-    metrics: dict[str, float | None],
-) -> list[str]:
-    reasons = []
-    limit = limits.fp16_headroom * FP16_MAX
-    if record.spec.keep_fp32:  # the kept modules run in fp32: only the trial saw the fp16 parts
-        activation = record.max_abs_activation or 0.0
-        gradient = record.max_abs_gradient or 0.0
-    else:
-        activation = max(
-            reference.record.max_abs_activation or 0.0, record.max_abs_activation or 0.0
-        )
-        gradient = reference.record.max_abs_gradient or 0.0
-    if activation > limit:
-        reasons.append(
-            f"fp16 overflow risk: activations reach {activation:.3g} "
-            f"(fp16 max {FP16_MAX:.0f}; loss scaling cannot protect the forward pass)"
-        )
-    if gradient > limit:
-        reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g} (fp16 max 65504)")
-    rate = record.skipped_steps / max(record.steps_run, 1)  # skips are counted over every step
-    metrics["skipped_step_rate"] = rate
-    if rate > limits.max_skipped_step_rate:
-        reasons.append(
-            f"loss scaler skipped {record.skipped_steps} of {record.steps_run} steps "
-            f"({rate:.0%} > {limits.max_skipped_step_rate:.0%})"
-        )
-    if record.final_loss_scale is not None and record.final_loss_scale < limits.min_loss_scale:
-        reasons.append(f"loss scale collapsed to {record.final_loss_scale:g}")
-    return reasons

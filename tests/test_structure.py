@@ -17,7 +17,8 @@ ORDER = [
     "hardware", "layer_kinds", "layer_flops", "layers", "eligibility",  # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
-    "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds", "drift",
+    "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds",
+    "drift_movement", "drift_fp16", "drift",
     "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "progress", "run_setup", "tune_result", "tuning", "screening", "trainers",

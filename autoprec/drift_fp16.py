@@ -1,0 +1,50 @@
+"""The drift gate's fp16 checks: range headroom and the loss scaler's health.
+
+Loss scaling protects gradients from underflow, not the forward pass from overflow: activations
+above 65504 overflow fp16 whatever the scaler does (NUMERICS.md). Modules kept in fp32 are not
+counted. The scaler's start-up skips are settled on the first batch before the trial
+(``trial_loop.settle``, ``AmpFp16Mode.settle``), so a skip here is drift, not calibration.
+"""
+
+from __future__ import annotations
+
+from autoprec.drift_thresholds import DriftThresholds
+from autoprec.trial_records import TrialRecord, TrialResult
+
+FP16_MAX = 65504.0
+
+
+def fp16_risks(
+    record: TrialRecord,
+    reference: TrialResult,
+    limits: DriftThresholds,
+    metrics: dict[str, float | None],
+) -> list[str]:
+    """Activations or gradients near fp16's range, and an unhealthy loss scaler."""
+    reasons = []
+    limit = limits.fp16_headroom * FP16_MAX
+    if record.spec.keep_fp32:  # the kept modules run in fp32: only the trial saw the fp16 parts
+        activation = record.max_abs_activation or 0.0
+        gradient = record.max_abs_gradient or 0.0
+    else:
+        activation = max(
+            reference.record.max_abs_activation or 0.0, record.max_abs_activation or 0.0
+        )
+        gradient = reference.record.max_abs_gradient or 0.0
+    if activation > limit:
+        reasons.append(
+            f"fp16 overflow risk: activations reach {activation:.3g} "
+            f"(fp16 max {FP16_MAX:.0f}; loss scaling cannot protect the forward pass)"
+        )
+    if gradient > limit:
+        reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g} (fp16 max 65504)")
+    rate = record.skipped_steps / max(record.steps_run, 1)  # skips are counted over every step
+    metrics["skipped_step_rate"] = rate
+    if rate > limits.max_skipped_step_rate:
+        reasons.append(
+            f"loss scaler skipped {record.skipped_steps} of {record.steps_run} steps "
+            f"({rate:.0%} > {limits.max_skipped_step_rate:.0%})"
+        )
+    if record.final_loss_scale is not None and record.final_loss_scale < limits.min_loss_scale:
+        reasons.append(f"loss scale collapsed to {record.final_loss_scale:g}")
+    return reasons
