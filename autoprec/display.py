@@ -266,6 +266,8 @@ def print_profile(
         if evidence.budget_used_seconds is not None:
             budget += f", {evidence.budget_used_seconds:.0f} s used"
         table.add_row("search", budget)
+        for spot in evidence.blind_spots:
+            table.add_row("not seen by a short trial", Text(spot, style="yellow"))
     table.add_row(
         "created",
         f"{profile.created_at:%Y-%m-%d %H:%M} UTC by autoprec "
@@ -386,12 +388,17 @@ def quality_table(report: QualityReport) -> Group:
     )
     table.add_column("verdict", no_wrap=True)
     table.add_column("mode, and why", ratio=1)
+    spots: list[str] = []  # each blind spot once, below the table, numbered
     for verdict in report.verdicts:
         why = Text(verdict.label, style="bold")
         for reason in verdict.reasons:
             why.append(f"\n• {reason}")
+        for spot in verdict.blind_spots:
+            spots += [] if spot in spots else [spot]
+            why.append(f"\n◦ not seen by a short trial: [{spots.index(spot) + 1}]", style="yellow")
         table.add_row(Text(verdict.status, style=_SCREEN_STYLE[verdict.status]), why)
-    lines: list[Text] = [
+    lines: list[Text] = [Text(f"[{n}] {spot}", style="yellow") for n, spot in enumerate(spots, 1)]
+    lines += [
         Text(f"not checked {skipped.spec.label}: {'; '.join(skipped.reasons)}", style="dim")
         for skipped in report.not_checked
     ]

@@ -33,8 +33,9 @@ from autoprec.plan import PrecisionPlan, prepare
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec, matches_keep_fp32
 
-SCHEMA_VERSION = 2
-"""Bump on any change that an older autoprec could not read correctly. 2: ``recipe``."""
+SCHEMA_VERSION = 3
+"""Bump on any change that an older autoprec could not read correctly. 2: ``recipe``;
+3: ``evidence.blind_spots``."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -152,6 +153,9 @@ class Evidence(BaseModel):
     """Drift metrics of the chosen mode against the fp32 reference (name -> value)."""
     fp8_layers: tuple[str, ...] = ()
     """The modules the chosen mode's trial ran in FP8 (FP8 modes; its filters decided which)."""
+    blind_spots: tuple[str, ...] = ()
+    """What the trials could not show for this mode: harm measured (or reported) to appear only
+    after a longer run, with its figures (see autoprec.drift_blind_spots)."""
 
 
 class Profile(BaseModel):

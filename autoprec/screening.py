@@ -19,6 +19,7 @@ from torch import nn
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
 from autoprec.drift import Fp32Runs
+from autoprec.drift_blind_spots import blind_spots
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.outcomes import TrialOutcome
 from autoprec.recipe import (
@@ -58,6 +59,9 @@ class ScreenVerdict(BaseModel):
     status: ScreenStatus
     reasons: tuple[str, ...] = ()
     drift: dict[str, float] = Field(default_factory=dict)
+    blind_spots: tuple[str, ...] = ()
+    """A safe verdict's known limits: harm that shows only after a longer run than the
+    trial's, with the figures it was measured by (see autoprec.drift_blind_spots)."""
     steps: int = 0
     seconds: float = 0.0
 
@@ -94,6 +98,7 @@ class QualityReport(BaseModel):
         for verdict in self.verdicts:
             lines.append(f"{verdict.label:42} {verdict.status}")
             lines.extend(f"    {reason}" for reason in verdict.reasons)
+            lines.extend(f"    not seen by a short trial: {spot}" for spot in verdict.blind_spots)
         for skipped in self.not_checked:
             lines.append(f"{skipped.spec.label:42} not checked: {'; '.join(skipped.reasons)}")
         lines.extend(f"note: {note}" for note in self.checks_not_run)
@@ -129,6 +134,7 @@ def _screen(
             status="safe" if verdict.accepted else "unsafe",
             reasons=verdict.reasons,
             drift=verdict.metrics.as_dict(),
+            blind_spots=blind_spots(spec) if verdict.accepted else (),
             steps=result.record.steps_run,
             seconds=result.record.wall_seconds,
         )

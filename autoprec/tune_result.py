@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from autoprec.candidates import Skipped
 from autoprec.choice import choose, pareto_front
+from autoprec.drift_blind_spots import blind_spots
 from autoprec.outcomes import MemoryKind, Objective, TrialOutcome
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import RecipeSummary
@@ -206,6 +207,7 @@ def build_result(
         chosen=trial_figures(winner),
         drift=winner.drift,
         fp8_layers=winner.fp8_layers,
+        blind_spots=blind_spots(winner.spec),
     )
     recipe = setup.recipe.summary(setup.user_model)
     profile = profile_for(

@@ -6,8 +6,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 import autoprec
+from autoprec.display import print_profile
+from autoprec.drift_blind_spots import FP16_LATE_GROWTH
 from autoprec.errors import HardwareMismatchWarning, ModelMismatchWarning, ProfileError
 from autoprec.layers import scan_model
 from autoprec.profile import (
@@ -39,9 +42,10 @@ def test_round_trip_with_evidence(tmp_path: Path) -> None:
         reference=TrialFigures(samples_per_second=100.0, state_bytes=4_000_000, final_loss=2.1),
         chosen=TrialFigures(samples_per_second=180.0, state_bytes=2_000_000, final_loss=2.11),
         drift={"loss_gap_in_noise_units": 0.4, "update_fraction": 0.99},
+        blind_spots=(FP16_LATE_GROWTH,),
     )
     profile = profile_for(
-        ModeSpec(mode="amp_bf16", keep_fp32=("lm_head",)),
+        ModeSpec(mode="amp_fp16", keep_fp32=("lm_head",)),
         model_layers=scan_model(*tiny_gpt.make_model()),
         evidence=evidence,
     )
@@ -49,6 +53,18 @@ def test_round_trip_with_evidence(tmp_path: Path) -> None:
     assert load_profile(path) == profile
     assert profile.model is not None and profile.model.model_class == "TinyGPT"
     assert len(profile.model.layer_mix_digest) == 16
+    console = Console(width=240, record=True)
+    print_profile(load_profile(path), console=console)
+    shown = console.export_text()
+    assert "not seen by a short trial" in shown and "fp16's range was checked" in shown
+
+
+def test_profiles_of_an_earlier_schema_still_load(tmp_path: Path) -> None:
+    data = json.loads(_profile(mode="amp_bf16").model_dump_json())
+    data["schema_version"] = 2  # before evidence.blind_spots
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    assert load_profile(path).schema_version == 2
 
 
 def test_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 import autoprec
+from autoprec.candidates import Skipped
 from autoprec.cli import main
+from autoprec.display import quality_table
+from autoprec.drift_blind_spots import FP8_CONVERGED_COST, FP16_LATE_GROWTH, blind_spots
+from autoprec.recipe import RecipeSummary
+from autoprec.screening import QualityReport, ScreenVerdict
+from autoprec.specs import ModeSpec
 from examples import tasks
 
 
@@ -34,7 +40,11 @@ def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     assert pure.status == "unsafe" and pure.steps == 60
     assert any(reason.startswith("updates lost to rounding") for reason in pure.reasons)
     assert report.verdict("bf16_sr").status == "safe"
-    assert report.verdict("fp8_torchao+tensorwise+emulated").status in ("safe", "unsafe")
+    fp8 = report.verdict("fp8_torchao+tensorwise+emulated")
+    assert fp8.status in ("safe", "unsafe")
+    # a safe FP8 verdict says what a short trial cannot see; the others have no known blind spot
+    assert fp8.blind_spots == ((FP8_CONVERGED_COST,) if fp8.status == "safe" else ())
+    assert pure.blind_spots == () and report.verdict("bf16_sr").blind_spots == ()
     assert not report.not_checked  # exactly the modes asked for, all runnable here
     for name, value in task.model.state_dict().items():
         assert torch.equal(value, before[name])  # the user's model is untouched
@@ -106,3 +116,40 @@ def test_a_paired_noise_run_only_for_models_that_draw_random_numbers() -> None:
         phases[dropout] = events
     assert "fp32 paired noise run" not in phases[0.0]
     assert "fp32 paired noise run" in phases[0.1]
+
+
+def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
+    assert blind_spots(ModeSpec(mode="fp8_torchao", emulate=True)) == (FP8_CONVERGED_COST,)
+    assert blind_spots(ModeSpec(mode="fp8_te")) == (FP8_CONVERGED_COST,)
+    assert blind_spots(ModeSpec(mode="amp_fp16")) == (FP16_LATE_GROWTH,)
+    for mode in ("amp_bf16", "bf16_sr", "bf16_sr_kahan", "fp32"):
+        assert blind_spots(ModeSpec(mode=mode, optimizer_bits=8 if mode == "fp32" else 32)) == ()
+    assert "+2.1%" in FP8_CONVERGED_COST and "fp8_cost_split" in FP8_CONVERGED_COST
+
+
+def test_the_quality_table_prints_each_blind_spot_once() -> None:
+    from rich.console import Console
+
+    verdicts = tuple(
+        ScreenVerdict(
+            spec=ModeSpec(mode="fp8_torchao", emulate=True, optimizer_bits=bits),
+            status="safe",
+            blind_spots=(FP8_CONVERGED_COST,),
+        )
+        for bits in (32, 8)
+    )
+    report = QualityReport(
+        verdicts=(*verdicts, ScreenVerdict(spec=ModeSpec(mode="bf16_pure"), status="unsafe")),
+        not_checked=(Skipped(spec=ModeSpec(mode="tf32"), reasons=("tf32 needs a CUDA GPU",)),),
+        steps=200,
+        device="cpu",
+        recipe=RecipeSummary(optimizer="torch.optim.adamw:AdamW", optimizer_groups=({"lr": 1e-3},)),
+        seconds=1.0,
+    )
+    console = Console(width=200, record=True)
+    console.print(quality_table(report))
+    text = console.export_text()
+    assert text.count("not seen by a short trial: [1]") == 2
+    assert text.count("FP8's cost at a converged loss") == 1
+    assert text.index("[1] FP8's cost") > text.index("bf16_pure")  # below the table
+    assert report.summary().count("not seen by a short trial: FP8's cost") == 2

@@ -18,7 +18,7 @@ ORDER = [
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
     "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds",
-    "drift_movement", "drift_fp16", "drift",
+    "drift_movement", "drift_fp16", "drift", "drift_blind_spots",
     "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "progress", "run_setup", "tune_result", "tuning", "screening", "trainers",
