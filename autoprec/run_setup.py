@@ -1,16 +1,14 @@
-"""What one tune() or check() run shares: its inputs checked, its batches split, its model
-probed and candidates chosen, the fp32 calibration that plans trial lengths, and the fp32
+"""What one tune() or check() run shares: its batches split (the inputs themselves are checked
+in run_inputs), its model probed and candidates chosen, the fp32 calibration that plans trial lengths, and the fp32
 reference and noise runs every verdict is judged against."""
 
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from autoprec.batching import LossFn, to_device
@@ -19,10 +17,11 @@ from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
-from autoprec.model_copies import compiled_in_place, deep_copy
-from autoprec.outcomes import OBJECTIVES, Objective
+from autoprec.model_copies import deep_copy
+from autoprec.outcomes import Objective
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import LrPoint, TrainingRecipe
+from autoprec.run_inputs import collect_batches
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -31,31 +30,11 @@ from autoprec.trial_records import TrialResult
 
 HELDOUT_BATCHES = 4
 """Batches kept out of training to compare outputs and losses (fewer when the loader is short)."""
-MAX_BATCHES = 64
-"""Batches read from the loader; trials cycle over them."""
 MIN_TRIAL_STEPS, MAX_TRIAL_STEPS = 20, 300
 WARMUP_STEPS = 2
 CALIBRATION_STEPS = 5
 BUDGET_RESERVE = 0.08
 """Share of the budget kept back for what is not a trial step (copies, held-out passes)."""
-
-
-def collect_batches(loader: Iterable[Any]) -> list[Any]:
-    try:
-        iterator = iter(loader)
-    except TypeError:
-        raise TypeError(
-            f"loader must be an iterable of batches (a DataLoader, a list), not "
-            f"{type(loader).__name__}."
-        ) from None
-    batches = []
-    for batch in iterator:
-        batches.append(batch)
-        if len(batches) >= MAX_BATCHES:
-            break
-    if not batches:
-        raise ValueError("The loader yielded no batches: tune needs at least one batch.")
-    return batches
 
 
 def _example_input(batch: Any, loss_fn: LossFn | None) -> Any:
@@ -115,27 +94,6 @@ def _reference_still(result: TrialResult) -> ValueError:
     )
 
 
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Leave the global RNGs (torch CPU and CUDA, Python's random, NumPy's) as they were."""
-    python_state = random.getstate()
-    numpy_state = None
-    try:
-        import numpy
-
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy ships with torch
-        numpy = None  # type: ignore[assignment]
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)
-
-
 @dataclass
 class RunSetup:
     """What every stage of one tune() run shares."""
@@ -177,80 +135,6 @@ class RunSetup:
             warmup_steps=WARMUP_STEPS,
             situation=self.situation,
             **options,
-        )
-
-
-def check_budget(budget_minutes: Any, objective: Any) -> None:
-    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
-        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
-
-
-def uncompiled_model(model: Any) -> tuple[Any, bool]:
-    """(the module to tune, whether the user compiled it): ``torch.compile(model)`` returns a
-    wrapper whose ``_orig_mod`` is the model; ``model.compile()`` and a compiled ``forward``
-    mark the model itself (trials drop that from their copies)."""
-    original = getattr(model, "_orig_mod", None)
-    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
-        return original, True
-    if not isinstance(model, nn.Module):
-        return model, False
-    return model, compiled_in_place(model)
-
-
-def resolve_compile(compile: bool | str, user_compiled: bool) -> bool:
-    """``compile=True`` / ``False`` as given; ``"auto"``: train compiled exactly when the user's
-    model is (measure the run the user makes)."""
-    if compile == "auto":
-        return user_compiled
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True, False or 'auto' but got {compile!r}.")
-    return compile
-
-
-def check_model(model: Any) -> None:
-    """A model that can train here: a Module with trainable parameters that hold values."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    if next(model.parameters(), None) is None:
-        raise ValueError("The model has no parameters: there is nothing to tune.")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            "The model has no trainable parameters (requires_grad=False everywhere): the fp32 "
-            "reference would never move. Unfreeze the parameters your run trains."
-        )
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(
-            "The model's parameters are on the meta device (shapes without values): nothing "
-            "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
-            "initialize it or load a checkpoint."
-        )
-
-
-def check_device(device: str | None) -> None:
-    """A ``device=`` that this torch cannot use fails here, before anything is copied."""
-    if device is None:
-        return
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError):
-        target = None
-    if target is not None and target.type == "cpu":
-        return
-    if target is None or target.type != "cuda":
-        raise ValueError(f"autoprec tunes on 'cpu' or 'cuda:N', not {device!r}.")
-    if torch.version.cuda is None:
-        raise ValueError(
-            f"device={device!r}, but this torch ({torch.__version__}) is a CPU build without "
-            "CUDA. Tune on 'cpu', or install a CUDA build of torch on a machine with a GPU."
-        )
-    count = torch.cuda.device_count()
-    if (target.index or 0) >= count:
-        found = f"{count} CUDA device(s)" if count else "no CUDA device"
-        raise ValueError(
-            f"device={device!r}, but torch sees {found} here (CUDA_VISIBLE_DEVICES, driver). "
-            "Pick an existing device or 'cpu'."
         )
 
 

@@ -29,12 +29,10 @@ from autoprec.recipe import (
     TrainingRecipe,
     default_optimizer,
 )
+from autoprec.run_inputs import check_device, check_model, preserved_rng
 from autoprec.run_setup import (
     RunSetup,
     calibration_run,
-    check_device,
-    check_model,
-    preserved_rng,
     progress_callback,
     reference_runs,
     setup_run,

@@ -35,19 +35,15 @@ from autoprec.recipe import (
     qualified_name,
 )
 from autoprec.retiming import CONFIRM_STEPS, confirm_speed
-from autoprec.run_setup import (
-    RunSetup,
-    calibrate,
+from autoprec.run_inputs import (
     check_budget,
     check_device,
     check_model,
     preserved_rng,
-    progress_callback,
-    reference_runs,
     resolve_compile,
-    setup_run,
     uncompiled_model,
 )
+from autoprec.run_setup import RunSetup, calibrate, progress_callback, reference_runs, setup_run
 from autoprec.search import (
     ask_for,
     create_study,

@@ -21,7 +21,8 @@ ORDER = [
     "drift_movement", "drift_fp16", "drift", "drift_blind_spots",
     "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
-    "factories", "progress", "run_setup", "tune_result", "tuning", "screening", "trainers",
+    "factories", "progress", "run_inputs", "run_setup", "tune_result", "tuning", "screening",
+    "trainers",
     "report", "display", "cli_parser", "cli",
 ]  # drivers
 # fmt: on

@@ -12,7 +12,7 @@ import torch
 
 import autoprec
 from autoprec.outcomes import TrialOutcome
-from autoprec.run_setup import resolve_compile, uncompiled_model
+from autoprec.run_inputs import resolve_compile, uncompiled_model
 from autoprec.search_events import SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.tune_result import eager_fp8_advice

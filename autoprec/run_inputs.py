@@ -1,0 +1,132 @@
+"""What the user passed to tune() or check(), checked before anything is copied or trained:
+the model, the device, the budget and objective, the compile choice; the loader read into a
+list of batches; and the global RNG states, left as they were."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.model_copies import compiled_in_place
+from autoprec.outcomes import OBJECTIVES
+
+MAX_BATCHES = 64
+"""Batches read from the loader; trials cycle over them."""
+
+
+def collect_batches(loader: Iterable[Any]) -> list[Any]:
+    try:
+        iterator = iter(loader)
+    except TypeError:
+        raise TypeError(
+            f"loader must be an iterable of batches (a DataLoader, a list), not "
+            f"{type(loader).__name__}."
+        ) from None
+    batches = []
+    for batch in iterator:
+        batches.append(batch)
+        if len(batches) >= MAX_BATCHES:
+            break
+    if not batches:
+        raise ValueError("The loader yielded no batches: tune needs at least one batch.")
+    return batches
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Leave the global RNGs (torch CPU and CUDA, Python's random, NumPy's) as they were."""
+    python_state = random.getstate()
+    numpy_state = None
+    try:
+        import numpy
+
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        numpy = None  # type: ignore[assignment]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def check_budget(budget_minutes: Any, objective: Any) -> None:
+    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
+        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+
+
+def uncompiled_model(model: Any) -> tuple[Any, bool]:
+    """(the module to tune, whether the user compiled it): ``torch.compile(model)`` returns a
+    wrapper whose ``_orig_mod`` is the model; ``model.compile()`` and a compiled ``forward``
+    mark the model itself (trials drop that from their copies)."""
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
+        return original, True
+    if not isinstance(model, nn.Module):
+        return model, False
+    return model, compiled_in_place(model)
+
+
+def resolve_compile(compile: bool | str, user_compiled: bool) -> bool:
+    """``compile=True`` / ``False`` as given; ``"auto"``: train compiled exactly when the user's
+    model is (measure the run the user makes)."""
+    if compile == "auto":
+        return user_compiled
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True, False or 'auto' but got {compile!r}.")
+    return compile
+
+
+def check_model(model: Any) -> None:
+    """A model that can train here: a Module with trainable parameters that hold values."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if next(model.parameters(), None) is None:
+        raise ValueError("The model has no parameters: there is nothing to tune.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "The model has no trainable parameters (requires_grad=False everywhere): the fp32 "
+            "reference would never move. Unfreeze the parameters your run trains."
+        )
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "The model's parameters are on the meta device (shapes without values): nothing "
+            "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
+            "initialize it or load a checkpoint."
+        )
+
+
+def check_device(device: str | None) -> None:
+    """A ``device=`` that this torch cannot use fails here, before anything is copied."""
+    if device is None:
+        return
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        target = None
+    if target is not None and target.type == "cpu":
+        return
+    if target is None or target.type != "cuda":
+        raise ValueError(f"autoprec tunes on 'cpu' or 'cuda:N', not {device!r}.")
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device={device!r}, but this torch ({torch.__version__}) is a CPU build without "
+            "CUDA. Tune on 'cpu', or install a CUDA build of torch on a machine with a GPU."
+        )
+    count = torch.cuda.device_count()
+    if (target.index or 0) >= count:
+        found = f"{count} CUDA device(s)" if count else "no CUDA device"
+        raise ValueError(
+            f"device={device!r}, but torch sees {found} here (CUDA_VISIBLE_DEVICES, driver). "
+            "Pick an existing device or 'cpu'."
+        )
