@@ -28,7 +28,7 @@ def _probe(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(report.model_dump_json(indent=2) + "\n")
     else:
-        from autoprec.display import print_probe_report
+        from autoprec.display_probe import print_probe_report
 
         print_probe_report(report)
     return EXIT_OK

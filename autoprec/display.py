@@ -1,4 +1,5 @@
-"""Readable terminal output with rich. Only the drivers (cli, tuning) import this module."""
+"""Readable terminal output with rich: profiles, tune and quality-screen tables, and the number
+formats every table shares (display_probe holds the probe's). Only the CLI imports it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from autoprec.hardware import GpuInfo, HardwareInfo
-from autoprec.layers import LayerMix
-from autoprec.probing import ModeVerdict, ProbeReport
 from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport
@@ -18,13 +16,13 @@ from autoprec.specs import MODE_DESCRIPTIONS
 from autoprec.tune_result import TuneResult
 
 
-def _bytes(count: int | None) -> str:
+def format_bytes(count: int | None) -> str:
     if count is None:
         return "?"
     return f"{count / 2**30:.1f} GiB"
 
 
-def _count(number: int | None) -> str:
+def format_count(number: int | None) -> str:
     if number is None:
         return "?"
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -33,146 +31,12 @@ def _count(number: int | None) -> str:
     return str(number)
 
 
-def _percent(share: float | None) -> str:
+def format_percent(share: float | None) -> str:
     return "?" if share is None else f"{share * 100:.1f}%"
 
 
-def _yes(flag: bool) -> Text:
+def yes_no(flag: bool) -> Text:
     return Text("yes", style="green") if flag else Text("no", style="red")
-
-
-def _hardware(hardware: HardwareInfo, device: str) -> Table:
-    table = Table(title="Machine", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    cuda = hardware.torch_cuda_runtime or "none (CPU build)"
-    table.add_row("torch", f"{hardware.torch_version} (CUDA runtime: {cuda})")
-    table.add_row("NVIDIA driver", hardware.driver_version or "—")
-    table.add_row("NVML", Text(hardware.nvml_status))
-    cpu = hardware.cpu
-    table.add_row(
-        "CPU",
-        f"{cpu.model_name}, {cpu.usable_cores} of {cpu.logical_cores} cores usable, "
-        f"{_bytes(cpu.memory_total_bytes)} RAM",
-    )
-    autocast = ", ".join(
-        f"{check.dtype} {'works' if check.works else 'fails: ' + (check.error or '?')}"
-        for check in cpu.autocast
-    )
-    table.add_row("CPU autocast", Text(autocast or "not checked"))
-    table.add_row("verdicts for", device)
-    return table
-
-
-def _gpus(gpus: tuple[GpuInfo, ...]) -> Table:
-    table = Table(title="GPUs", title_justify="left")
-    for column in ("#", "name", "capability", "memory free / total", "source", "usable by torch"):
-        table.add_column(column)
-    for gpu in gpus:
-        table.add_row(
-            str(gpu.index),
-            gpu.name,
-            gpu.capability_str,
-            f"{_bytes(gpu.memory_free_bytes)} / {_bytes(gpu.memory_total_bytes)}",
-            gpu.source,
-            _yes(gpu.usable_by_torch),
-        )
-    return table
-
-
-def _formats(gpu: GpuInfo) -> Table:
-    table = Table(title=f"Tensor-core formats on cuda:{gpu.index}", title_justify="left")
-    table.add_column("format")
-    table.add_column("supported")
-    table.add_column("needs")
-    for support in gpu.formats():
-        table.add_row(support.format, _yes(support.supported), Text(support.reason))
-    return table
-
-
-def _backends(report: ProbeReport) -> Table:
-    table = Table(title="Optional backends", title_justify="left")
-    for column in ("backend", "version", "used for", "install"):
-        table.add_column(column)
-    for backend in report.backends:
-        if backend.import_error:
-            version = Text(f"{backend.version} (import fails)", style="red")
-        elif backend.installed:
-            version = Text(backend.version or "?", style="green")
-        else:
-            version = Text("not installed", style="dim")
-        install = "" if backend.installed else f"pip install 'autoprec[{backend.extra}]'"
-        table.add_row(backend.name, version, Text(backend.purpose), Text(install))
-    return table
-
-
-def _layers(layers: LayerMix) -> Group:
-    flops = (
-        f"{_count(layers.forward_flops)} FLOPs per forward"
-        if layers.forward_flops
-        else ("FLOPs unknown (no forward pass)")
-    )
-    table = Table(
-        title=f"Model: {layers.model_class}, {_count(layers.parameters)} parameters, {flops}",
-        title_justify="left",
-    )
-    for column in ("layer kind", "parameters", "param share", "FLOP share"):
-        table.add_column(column, justify="right" if column != "layer kind" else "left")
-    for share in layers.by_kind:
-        if share.parameters or share.flops:
-            table.add_row(
-                share.kind,
-                _count(share.parameters),
-                _percent(share.parameter_share),
-                _percent(share.flop_share),
-            )
-    findings = Text("\n".join(f"• {finding}" for finding in layers.findings))
-    keep = ", ".join(keep.fqn for keep in layers.keep_fp32) or "none"
-    return Group(table, findings, Text(f"keep in fp32 by default: {keep}", style="dim"))
-
-
-def _verdict_text(verdict: ModeVerdict) -> Text:
-    if not verdict.eligible:
-        return Text("no", style="red")
-    if verdict.worth_trying:
-        return Text("try", style="green")
-    return Text("possible", style="yellow")
-
-
-def _modes(report: ProbeReport) -> Table:
-    table = Table(title="Precision modes", title_justify="left", show_lines=True)
-    table.add_column("mode", style="bold")
-    table.add_column("verdict")
-    table.add_column("why")
-    for verdict in (*report.modes, report.optimizer_8bit):
-        why = Text()
-        for reason in verdict.reasons:
-            why.append(f"✗ {reason}\n", style="red")
-        for note in verdict.notes:
-            why.append(f"· {note}\n")
-        why.rstrip()
-        table.add_row(verdict.name, _verdict_text(verdict), why or Text(verdict.description))
-    return table
-
-
-def print_probe_report(report: ProbeReport, console: Console | None = None) -> None:
-    """Print a ProbeReport as tables."""
-    console = console or Console()
-    console.print(_hardware(report.hardware, report.device))
-    if report.hardware.gpus:
-        console.print(_gpus(report.hardware.gpus))
-    if report.device != "cpu":
-        console.print(_formats(report.hardware.gpu(int(report.device.split(":")[1]))))
-    for warning in report.hardware.warnings:
-        console.print(Panel(Text(warning), title="warning", style="yellow"))
-    console.print(_backends(report))
-    if report.layers is not None:
-        console.print(_layers(report.layers))
-    console.print(_modes(report))
-    summary = ", ".join(v.name for v in report.modes if v.worth_trying) or "fp32 only"
-    console.print(
-        f"Worth a trial here: [bold]{summary}[/bold]  (probe took {report.seconds:.2f} s)"
-    )
 
 
 def _figures(figures: TrialFigures) -> str:
@@ -180,7 +44,7 @@ def _figures(figures: TrialFigures) -> str:
     if figures.samples_per_second is not None:
         parts.append(f"{figures.samples_per_second:,.1f} samples/s")
     if figures.peak_memory_bytes is not None:
-        parts.append(f"peak {_bytes(figures.peak_memory_bytes)}")
+        parts.append(f"peak {format_bytes(figures.peak_memory_bytes)}")
     if figures.state_bytes is not None:
         parts.append(f"state {figures.state_bytes / 2**20:.1f} MiB")
     if figures.activation_bytes is not None:
@@ -249,7 +113,7 @@ def print_profile(
     if profile.model is not None:
         table.add_row(
             "model",
-            f"{profile.model.model_class}, {_count(profile.model.parameters)} "
+            f"{profile.model.model_class}, {format_count(profile.model.parameters)} "
             f"parameters (digest {profile.model.layer_mix_digest})",
         )
     if profile.recipe is not None:

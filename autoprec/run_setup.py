@@ -1,6 +1,6 @@
-"""What one tune() or check() run shares: its batches split (the inputs themselves are checked
-in run_inputs), its model probed and candidates chosen, the fp32 calibration that plans trial lengths, and the fp32
-reference and noise runs every verdict is judged against."""
+"""What one tune() or check() run shares: its batches split (run_inputs checks the inputs
+themselves), its model probed and candidates chosen, the fp32 calibration that plans trial
+lengths, and the fp32 reference and noise runs every verdict is judged against."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ ORDER = [
     "integrations", "profile",                                       # artifact
     "factories", "progress", "run_inputs", "run_setup", "tune_result", "tuning", "screening",
     "trainers",
-    "report", "display", "cli_parser", "cli",
+    "report", "display", "display_probe", "cli_parser", "cli",
 ]  # drivers
 # fmt: on
 EXEMPT = {"__init__", "__main__"}
