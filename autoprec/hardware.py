@@ -1,4 +1,4 @@
-"""Hardware facts: GPUs (NVML, else torch), the CPU, and what each can compute in.
+"""Hardware facts: GPUs (NVML, else torch), the CPU (cpu_info), and what each can compute in.
 
 NVML missing or failing (no driver, no GPU, a container without the library) is normal and
 recorded as a status line, never raised. Readers take the ``pynvml`` module and ``torch.cuda``
@@ -12,12 +12,13 @@ import os
 import platform
 import sys
 import warnings
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
+
+from autoprec.cpu_info import CpuInfo, read_cpu
 
 FormatName = Literal["fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8", "mxfp8", "fp4"]
 
@@ -73,29 +74,6 @@ class GpuInfo(BaseModel):
 
     def supports(self, format_name: FormatName) -> bool:
         return self.capability >= FORMAT_MIN_CAPABILITY[format_name]
-
-
-class AutocastCheck(BaseModel):
-    """Result of a tiny autocast matmul (forward and backward) on the CPU."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    dtype: Literal["bfloat16", "float16"]
-    works: bool
-    error: str | None = None
-
-
-class CpuInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_name: str
-    logical_cores: int
-    usable_cores: int
-    memory_total_bytes: int | None
-    autocast: tuple[AutocastCheck, ...]
-
-    def autocast_works(self, dtype: Literal["bfloat16", "float16"]) -> bool:
-        return any(check.dtype == dtype and check.works for check in self.autocast)
 
 
 class HardwareInfo(BaseModel):
@@ -310,60 +288,6 @@ def merge_gpus(
                 nvml_gpu.model_copy(update={"index": torch_gpu.index, "usable_by_torch": True})
             )
     return merged, notes
-
-
-# -- CPU -------------------------------------------------------------------------------------
-
-
-def check_cpu_autocast(dtype: Literal["bfloat16", "float16"]) -> AutocastCheck:
-    """Run a tiny autocast matmul forward and backward on the CPU in ``dtype``."""
-    torch_dtype = getattr(torch, dtype)
-    try:
-        weight = torch.ones(8, 8, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch_dtype):
-            out = torch.ones(4, 8) @ weight
-        if out.dtype != torch_dtype:
-            return AutocastCheck(
-                dtype=dtype, works=False, error=f"autocast produced {out.dtype}, not {torch_dtype}"
-            )
-        out.float().sum().backward()
-        if weight.grad is None or not bool(torch.isfinite(weight.grad).all()):
-            return AutocastCheck(dtype=dtype, works=False, error="backward gave no finite gradient")
-    except Exception as error:  # noqa: BLE001 - whatever fails, the dtype does not work here
-        return AutocastCheck(dtype=dtype, works=False, error=f"{type(error).__name__}: {error}")
-    return AutocastCheck(dtype=dtype, works=True)
-
-
-def _cpu_model_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                return value.strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def _memory_total() -> int | None:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def read_cpu(*, check_autocast: bool = True) -> CpuInfo:
-    logical = os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
-    checks = (
-        (check_cpu_autocast("bfloat16"), check_cpu_autocast("float16")) if check_autocast else ()
-    )
-    return CpuInfo(
-        model_name=_cpu_model_name(),
-        logical_cores=logical,
-        usable_cores=usable,
-        memory_total_bytes=_memory_total(),
-        autocast=checks,
-    )
 
 
 def detect_hardware(

@@ -10,7 +10,8 @@ import pynvml
 import pytest
 
 from autoprec._imports import BACKENDS, BackendStatus
-from autoprec.hardware import AutocastCheck, CpuInfo, GpuInfo, HardwareInfo
+from autoprec.cpu_info import AutocastCheck, CpuInfo
+from autoprec.hardware import GpuInfo, HardwareInfo
 
 # name, compute capability, memory GiB: the GPUs the capability table must get right.
 KNOWN_GPUS: dict[str, tuple[str, tuple[int, int], int]] = {

@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 
+from autoprec.cpu_info import AutocastCheck
 from autoprec.eligibility import (
     Situation,
     mode_eligibility,
     optimizer_8bit_eligibility,
 )
-from autoprec.hardware import AutocastCheck
 from autoprec.layers import scan_model
 from autoprec.specs import MODE_NAMES
 from examples import raw_param_mlp, small_convnet, tiny_gpt

@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoprec.cpu_info import check_cpu_autocast
 from autoprec.hardware import (
     FORMAT_MIN_CAPABILITY,
     capability_formats,
-    check_cpu_autocast,
     detect_hardware,
     merge_gpus,
     read_nvml,

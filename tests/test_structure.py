@@ -14,7 +14,7 @@ PACKAGE = Path(autoprec.__file__).parent
 # fmt: off
 ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
-    "hardware", "layer_kinds", "layer_flops", "layers", "eligibility",  # facts
+    "cpu_info", "hardware", "layer_kinds", "layer_flops", "layers", "eligibility",  # facts
     "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
     "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds",

@@ -1,0 +1,86 @@
+"""CPU facts: its model name, usable cores and memory, and whether bf16 and fp16 autocast run
+on it forward and backward (a tiny matmul tells; PyTorch's CPU fp16 kernels are slow but run)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+
+class AutocastCheck(BaseModel):
+    """Result of a tiny autocast matmul (forward and backward) on the CPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: Literal["bfloat16", "float16"]
+    works: bool
+    error: str | None = None
+
+
+class CpuInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_name: str
+    logical_cores: int
+    usable_cores: int
+    memory_total_bytes: int | None
+    autocast: tuple[AutocastCheck, ...]
+
+    def autocast_works(self, dtype: Literal["bfloat16", "float16"]) -> bool:
+        return any(check.dtype == dtype and check.works for check in self.autocast)
+
+
+def check_cpu_autocast(dtype: Literal["bfloat16", "float16"]) -> AutocastCheck:
+    """Run a tiny autocast matmul forward and backward on the CPU in ``dtype``."""
+    torch_dtype = getattr(torch, dtype)
+    try:
+        weight = torch.ones(8, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch_dtype):
+            out = torch.ones(4, 8) @ weight
+        if out.dtype != torch_dtype:
+            return AutocastCheck(
+                dtype=dtype, works=False, error=f"autocast produced {out.dtype}, not {torch_dtype}"
+            )
+        out.float().sum().backward()
+        if weight.grad is None or not bool(torch.isfinite(weight.grad).all()):
+            return AutocastCheck(dtype=dtype, works=False, error="backward gave no finite gradient")
+    except Exception as error:  # noqa: BLE001 - whatever fails, the dtype does not work here
+        return AutocastCheck(dtype=dtype, works=False, error=f"{type(error).__name__}: {error}")
+    return AutocastCheck(dtype=dtype, works=True)
+
+
+def _cpu_model_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _memory_total() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def read_cpu(*, check_autocast: bool = True) -> CpuInfo:
+    logical = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    checks = (
+        (check_cpu_autocast("bfloat16"), check_cpu_autocast("float16")) if check_autocast else ()
+    )
+    return CpuInfo(
+        model_name=_cpu_model_name(),
+        logical_cores=logical,
+        usable_cores=usable,
+        memory_total_bytes=_memory_total(),
+        autocast=checks,
+    )
