@@ -89,6 +89,36 @@ class StochasticAdamW(torch.optim.Optimizer):
                     self._update(param, group, beta1, beta2)
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus the rounding stream (``"rounding_rng"``): a run resumed
+        from a checkpoint draws the rounding noise an uninterrupted run would draw, not the
+        stream's start again (which would repeat the first steps' noise)."""
+        state = super().state_dict()
+        state["rounding_rng"] = {device: rng.clone() for device, rng in self._rng_states.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's optimizer state and, when the checkpoint carries one, the rounding
+        stream (checkpoints of torch's own AdamW have none: the stream starts from ``seed``)."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("rounding_rng", None) or {}
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch's AdamW groups lack our options ("kahan")
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self._rng_states = {device: rng.clone() for device, rng in saved.items()}
+        self._cuda_devices = self._parameter_cuda_devices()
+
+    def _parameter_cuda_devices(self) -> list[int]:
+        return sorted(
+            {
+                p.device.index or 0
+                for group in self.param_groups
+                for p in group["params"]
+                if p.device.type == "cuda"
+            }
+        )
+
     @contextlib.contextmanager
     def _own_random_stream(self) -> Iterator[None]:
         """Draw the rounding noise from this optimizer's own stream (seeded by ``seed``), never
@@ -96,14 +126,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         fp32 run's step for step. torchastic draws with ``randint_like`` from the global RNG,
         so the global state is swapped for ours around the step and restored after it."""
         if not self._rng_states:  # first step: the devices the parameters live on
-            self._cuda_devices = sorted(
-                {
-                    p.device.index or 0
-                    for group in self.param_groups
-                    for p in group["params"]
-                    if p.device.type == "cuda"
-                }
-            )
+            self._cuda_devices = self._parameter_cuda_devices()
         devices = self._cuda_devices
         with torch.random.fork_rng(devices=devices):
             if not self._rng_states:
@@ -111,7 +134,11 @@ class StochasticAdamW(torch.optim.Optimizer):
             else:
                 torch.set_rng_state(self._rng_states["cpu"])
                 for index in devices:
-                    torch.cuda.set_rng_state(self._rng_states[f"cuda:{index}"], index)
+                    saved = self._rng_states.get(f"cuda:{index}")
+                    if saved is not None:
+                        torch.cuda.set_rng_state(saved, index)
+                    else:  # a checkpoint written on other devices: a fresh stream here
+                        torch.cuda.manual_seed(self._seed + index)
             yield
             self._rng_states = {"cpu": torch.get_rng_state()}
             for index in devices:
@@ -126,8 +153,8 @@ class StochasticAdamW(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(param)
             state["exp_avg_sq"] = torch.zeros_like(param)
-            if group["kahan"] and low_precision:
-                state["compensation"] = torch.zeros_like(param)
+        if group["kahan"] and low_precision and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(param)  # also after loading torch's state
         state["step"] += 1
         step = float(state["step"])
         lr, weight_decay = group["lr"], group["weight_decay"]

@@ -62,3 +62,34 @@ def test_invalid_arguments() -> None:
         StochasticAdamW([weight], betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="must be >= 0"):
         StochasticAdamW([weight], lr=-1.0)
+
+
+def _steps(optimizer: StochasticAdamW, weight: torch.Tensor, count: int) -> None:
+    for step in range(count):
+        weight.grad = torch.full_like(weight, 1e-3 * (step + 1))
+        optimizer.step()
+
+
+def test_a_checkpoint_carries_the_rounding_stream() -> None:
+    weight = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    optimizer = StochasticAdamW([weight], lr=1e-4, seed=3)
+    _steps(optimizer, weight, 3)
+    saved_weight, saved = weight.detach().clone(), optimizer.state_dict()
+    assert set(saved["rounding_rng"]) == {"cpu"}
+    _steps(optimizer, weight, 3)
+    resumed = torch.nn.Parameter(saved_weight.clone())
+    again = StochasticAdamW([resumed], lr=1e-4, seed=3)
+    again.load_state_dict(saved)
+    _steps(again, resumed, 3)
+    assert torch.equal(resumed, weight)  # the same noise as the uninterrupted run
+    # a checkpoint without the stream (torch's own AdamW) loads; the stream starts from seed
+    plain_weight = torch.nn.Parameter(torch.ones(256))
+    plain = torch.optim.AdamW([plain_weight], lr=1e-4)
+    _steps(plain, plain_weight, 2)  # type: ignore[arg-type]
+    bf16 = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    fresh = StochasticAdamW([bf16], lr=1e-4, kahan=True)
+    fresh.load_state_dict(plain.state_dict())
+    assert fresh.state_dict()["rounding_rng"] == {}
+    _steps(fresh, bf16, 2)
+    assert fresh.state[bf16]["compensation"].dtype == torch.bfloat16  # Kahan stays on
+    assert fresh.state[bf16]["exp_avg_sq"].dtype == torch.bfloat16

@@ -15,7 +15,7 @@ PACKAGE = Path(autoprec.__file__).parent
 ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "layers", "eligibility",  # facts
-    "stochastic_adamw", "optim", "modes", "plan",                    # runtime (apply path)
+    "stochastic_adamw", "optim", "modes", "plan", "testing",        # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
     "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds",
     "drift_movement", "drift_fp16", "drift", "drift_blind_spots",

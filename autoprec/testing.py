@@ -1,0 +1,196 @@
+"""The contract every precision mode keeps, as a pytest test case to subclass.
+
+Modelled on ``optuna.testing``'s sampler test cases: a subclass sets ``spec`` and inherits every
+test. Each test prepares a small model (two Linears with dimensions FP8 kernels take and a
+LayerNorm between them) with an AdamW of two parameter groups, and checks what every mode
+promises: it runs or refuses with every reason (never another mode), keeps the user's groups and
+hyper-parameters, trains, keeps ``keep_fp32`` modules in fp32, leaves the global RNG alone, and
+resumes from a checkpoint exactly where it stopped. A mode that cannot run on this machine is
+skipped with its own reasons, after checking that ``prepare`` refuses it naming them::
+
+    from autoprec.specs import ModeSpec
+    from autoprec.testing import ModeContract
+
+    class TestBf16Sr(ModeContract):
+        spec = ModeSpec(mode="bf16_sr")
+
+Needs pytest (a test dependency, not one of autoprec's).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
+from autoprec.plan import PrecisionPlan, prepare
+from autoprec.specs import ModeSpec
+
+KEPT_MODULE = "1"
+"""The LayerNorm of :func:`contract_model`, the module the ``keep_fp32`` test keeps."""
+
+
+def contract_model() -> nn.Sequential:
+    """The same small model every time: Linear(32, 64), LayerNorm, GELU, Linear(64, 32)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 32))
+
+
+def contract_optimizer(model: nn.Module) -> torch.optim.AdamW:
+    """AdamW with nanoGPT's two groups: matrices decay, vectors do not (and learn faster)."""
+    matrices = [p for p in model.parameters() if p.ndim > 1]
+    vectors = [p for p in model.parameters() if p.ndim <= 1]
+    return torch.optim.AdamW(
+        [
+            {"params": matrices, "weight_decay": 0.1},
+            {"params": vectors, "weight_decay": 0.0, "lr": 2e-3},
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.98),
+        eps=1e-7,
+    )
+
+
+def contract_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(16, 32, generator=generator), torch.randn(16, 32, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def train(plan: PrecisionPlan, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """One optimizer step per batch (mean squared error); the losses."""
+    losses = []
+    for inputs, targets in batches:
+        with plan.autocast():
+            loss = nn.functional.mse_loss(plan.model(inputs).float(), targets)
+        plan.step(loss)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+class ModeContract:
+    """Subclass, set ``spec``; pytest collects the inherited ``test_*`` methods."""
+
+    spec: ClassVar[ModeSpec]
+
+    def make_plan(self, spec: ModeSpec | None = None) -> PrecisionPlan:
+        """A fresh model and optimizer prepared for ``spec`` (default: the class's); skips
+        the test, with the mode's own reasons, where it cannot run (after checking that the
+        refusal names every reason)."""
+        spec = spec or self.spec
+        model = contract_model()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", OptimizerRebuiltWarning)  # no scheduler here
+                return prepare(spec, model, contract_optimizer(model))
+        except UnsupportedModeError as refusal:
+            assert refusal.reasons, f"{spec.label} refused without a reason"
+            for reason in refusal.reasons:
+                assert reason in str(refusal), f"the refusal does not name {reason!r}"
+            pytest.skip(f"{spec.label} cannot run here: {'; '.join(refusal.reasons)}")
+
+    def test_runs_the_mode_asked_for(self) -> None:
+        plan = self.make_plan()
+        assert plan.spec == self.spec  # never another mode
+        assert plan.model is not None and plan.optimizer is not None
+
+    def test_keeps_the_users_groups_and_hyperparameters(self) -> None:
+        plan = self.make_plan()
+        user = contract_optimizer(contract_model())
+        ours, theirs = plan.optimizer.param_groups, user.param_groups
+        assert len(ours) == len(theirs), "parameter groups merged or split"
+        for group, expected in zip(ours, theirs, strict=True):
+            assert sum(p.numel() for p in group["params"]) == sum(
+                p.numel() for p in expected["params"]
+            )
+            assert _hyperparameters(group) == _hyperparameters(expected)
+
+    def test_trains(self) -> None:
+        plan = self.make_plan()
+        before = {name: p.detach().float().clone() for name, p in plan.model.named_parameters()}
+        losses = train(plan, contract_batches(12))
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        assert sum(losses[-3:]) < sum(losses[:3]), f"the loss did not fall: {losses}"
+        moved = [
+            name
+            for name, p in plan.model.named_parameters()
+            if not torch.equal(p.detach().float(), before[name])
+        ]
+        assert len(moved) == len(before), f"parameters that never moved: {set(before) - set(moved)}"
+
+    def test_keeps_keep_fp32_modules_in_fp32(self) -> None:
+        spec = self.spec.model_copy(update={"keep_fp32": (KEPT_MODULE,)})
+        plan = self.make_plan(spec)
+        kept = plan.model.get_submodule(KEPT_MODULE)
+        seen: list[torch.dtype] = []
+        kept.register_forward_pre_hook(lambda _module, args: seen.append(args[0].dtype))
+        train(plan, contract_batches(3))
+        assert all(p.dtype == torch.float32 for p in kept.parameters())
+        assert seen and set(seen) == {torch.float32}, f"the kept module computed in {seen}"
+
+    def test_leaves_the_global_rng_alone(self) -> None:
+        plan = self.make_plan()
+        batches = contract_batches(4)
+        state = torch.get_rng_state()
+        train(plan, batches)  # the model draws nothing: neither may the mode
+        assert torch.equal(torch.get_rng_state(), state), "the mode drew from the global RNG"
+
+    def test_resumes_from_a_checkpoint_exactly(self) -> None:
+        batches = contract_batches(8)
+        plan = self.make_plan()
+        train(plan, batches[:4])
+        checkpoint = copy.deepcopy(
+            {
+                "model": plan.model.state_dict(),
+                "optimizer": plan.optimizer.state_dict(),
+                "plan": plan.state_dict(),
+            }
+        )
+        train(plan, batches[4:])
+        resumed = self.make_plan()
+        resumed.model.load_state_dict(checkpoint["model"])
+        resumed.optimizer.load_state_dict(checkpoint["optimizer"])
+        resumed.load_state_dict(checkpoint["plan"])
+        train(resumed, batches[4:])
+        for (name, value), other in zip(
+            plan.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+        ):
+            assert torch.equal(value, other), f"{name} differs after resuming"
+
+    def test_refuses_another_modes_checkpoint(self) -> None:
+        plan = self.make_plan()
+        other = ModeSpec(mode="fp32" if self.spec.mode != "fp32" else "amp_bf16")
+        state = plan.state_dict()
+        state["spec"] = other.model_dump(mode="json")
+        with pytest.raises(ValueError, match=f"written by a plan for {other.label}"):
+            plan.load_state_dict(state)
+
+    def test_a_deep_copy_of_the_model_trains(self) -> None:
+        plan = self.make_plan()
+        copied = copy.deepcopy(plan.model)  # trials and checkpoints deep-copy converted models
+        inputs, targets = contract_batches(1)[0]
+        with plan.autocast():
+            loss = nn.functional.mse_loss(copied(inputs).float(), targets)
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert any(p.grad is not None for p in copied.parameters())
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, tuple[float, ...]]:
+    """lr, betas, eps and weight_decay of an Adam group as floats, in torch's names (numbers,
+    0-d tensors and tuples alike; torch-optimi names the betas ``beta1`` and ``beta2``)."""
+    betas = group["betas"] if "betas" in group else (group["beta1"], group["beta2"])
+    found = {"lr": group["lr"], "betas": betas, "eps": group["eps"]}
+    found["weight_decay"] = group["weight_decay"]
+    return {
+        key: tuple(float(v) for v in (value if isinstance(value, tuple | list) else (value,)))
+        for key, value in found.items()
+    }
