@@ -1,12 +1,13 @@
 """The contract every precision mode keeps, as a pytest test case to subclass.
 
 Modelled on ``optuna.testing``'s sampler test cases: a subclass sets ``spec`` and inherits every
-test. Each test prepares a small model (two Linears with dimensions FP8 kernels take and a
-LayerNorm between them) with an AdamW of two parameter groups, and checks what every mode
-promises: it runs or refuses with every reason (never another mode), keeps the user's groups and
-hyper-parameters, trains, keeps ``keep_fp32`` modules in fp32, leaves the global RNG alone, and
-resumes from a checkpoint exactly where it stopped. A mode that cannot run on this machine is
-skipped with its own reasons, after checking that ``prepare`` refuses it naming them::
+test. Each test prepares a small model (two Linears with dimensions FP8 kernels take, a LayerNorm
+between them; on the first CUDA GPU when there is one) with an AdamW of two parameter groups, and
+checks what every mode promises: it runs or refuses with every reason (never another mode), keeps
+the user's groups and hyper-parameters, trains, keeps ``keep_fp32`` modules in fp32, leaves the
+global RNG alone, and resumes from a checkpoint exactly where it stopped. A mode that cannot run
+on this machine is skipped with its own reasons, after checking that ``prepare`` refuses it
+naming them::
 
     from autoprec.specs import ModeSpec
     from autoprec.testing import ModeContract
@@ -35,11 +36,18 @@ KEPT_MODULE = "1"
 """The LayerNorm of :func:`contract_model`, the module the ``keep_fp32`` test keeps."""
 
 
+def contract_device() -> torch.device:
+    """Where the contract trains: the first CUDA GPU when there is one (so TF32 and FP8 run
+    there for real), else the CPU."""
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
 def contract_model() -> nn.Sequential:
     """The same small model every time: Linear(32, 64), LayerNorm, GELU, Linear(64, 32)."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 32))
+        model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 32))
+    return model.to(contract_device())
 
 
 def contract_optimizer(model: nn.Module) -> torch.optim.AdamW:
@@ -59,8 +67,12 @@ def contract_optimizer(model: nn.Module) -> torch.optim.AdamW:
 
 def contract_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
+    device = contract_device()
     return [
-        (torch.randn(16, 32, generator=generator), torch.randn(16, 32, generator=generator))
+        (
+            torch.randn(16, 32, generator=generator).to(device),
+            torch.randn(16, 32, generator=generator).to(device),
+        )
         for _ in range(count)
     ]
 
@@ -139,9 +151,10 @@ class ModeContract:
     def test_leaves_the_global_rng_alone(self) -> None:
         plan = self.make_plan()
         batches = contract_batches(4)
-        state = torch.get_rng_state()
+        states = _global_rng_states()
         train(plan, batches)  # the model draws nothing: neither may the mode
-        assert torch.equal(torch.get_rng_state(), state), "the mode drew from the global RNG"
+        for before, after in zip(states, _global_rng_states(), strict=True):
+            assert torch.equal(before, after), "the mode drew from the global RNG"
 
     def test_resumes_from_a_checkpoint_exactly(self) -> None:
         batches = contract_batches(8)
@@ -182,6 +195,13 @@ class ModeContract:
         loss.backward()
         assert torch.isfinite(loss)
         assert any(p.grad is not None for p in copied.parameters())
+
+
+def _global_rng_states() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return states
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, tuple[float, ...]]:
