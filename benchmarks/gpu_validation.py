@@ -16,6 +16,7 @@ How it was meant to be run on the device machine (torch with CUDA there, no inte
     device:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
              && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \\
              && python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \\
+                tests/test_mode_contract.py \\
              && python3 -m benchmarks.gpu_validation --profile-out $OUT/gpu-profile.json \\
                 | tee $OUT/gpu.txt
 """
