@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -105,7 +106,7 @@ class QualityReport(BaseModel):
 
 def _screen(
     setup: RunSetup, spec: ModeSpec, index: int, steps: int, references: Fp32Runs
-) -> ScreenVerdict:
+) -> tuple[ScreenVerdict, TrialResult]:
     total = len(setup.candidates.specs) - 1  # the reference is not screened
     setup.events.emit("start", spec.label, index=index, total=total)
     result: TrialResult = setup.run(
@@ -139,7 +140,67 @@ def _screen(
     status = {"safe": "accepted", "unsafe": "rejected", "failed": "failed"}[screened.status]
     outcome = TrialOutcome(spec=spec, status=status, reasons=screened.reasons)  # type: ignore[arg-type]
     setup.events.emit("done", spec.label, index=index, total=total, outcome=outcome)
-    return screened
+    return screened, result
+
+
+@dataclass(frozen=True)
+class ScreenRun:
+    """What :func:`screen_trials` ran: the fp32 runs, and each mode's verdict beside its trial
+    (for benchmarks that judge the same trials again under other thresholds)."""
+
+    setup: RunSetup
+    references: Fp32Runs
+    verdicts: list[ScreenVerdict]
+    trials: list[TrialResult]
+
+
+def screen_setup(
+    model: nn.Module,
+    loader: Iterable[Any],
+    recipe: TrainingRecipe,
+    *,
+    modes: list[str] | None = None,
+    device: str | None = None,
+    eval_fn: Callable[[nn.Module], float] | None = None,
+    seed: int = 0,
+    thresholds: DriftThresholds | None = None,
+    events: EventSink | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> RunSetup:
+    """The run check() screens in: every mode whose numerics run here (``modes``: exactly
+    these), no budget."""
+    return setup_run(
+        model,
+        loader,
+        recipe,
+        modes=modes,
+        device=device,
+        select=screen_specs,
+        eval_fn=eval_fn,
+        seed=seed,
+        budget_seconds=float("inf"),
+        deadline=float("inf"),
+        clock=clock,
+        thresholds=thresholds,
+        events=events or EventSink(None, started=clock(), budget_seconds=0.0, clock=clock),
+    )
+
+
+def screen_trials(setup: RunSetup, steps: int) -> ScreenRun:
+    """Every candidate of ``setup`` trained ``steps`` steps and judged: check()'s work without
+    the report."""
+    calibration_run(setup)  # checks the inputs before the long runs
+    references = reference_runs(setup, steps, 0, "speed")
+    screened = [
+        _screen(setup, spec, index, steps, references)
+        for index, spec in enumerate(setup.candidates.specs[1:])
+    ]
+    return ScreenRun(
+        setup=setup,
+        references=references,
+        verdicts=[verdict for verdict, _ in screened],
+        trials=[trial for _, trial in screened],
+    )
 
 
 def check(
@@ -192,30 +253,22 @@ def check(
     start = clock()
     with progress_callback(progress, on_event) as callback, preserved_rng():
         events = EventSink(callback, started=start, budget_seconds=0.0, clock=clock)
-        setup = setup_run(
+        setup = screen_setup(
             model,
             loader,
             recipe,
             modes=modes,
             device=device,
-            select=screen_specs,
             eval_fn=eval_fn,
             seed=seed,
-            budget_seconds=float("inf"),
-            deadline=float("inf"),
-            clock=clock,
             thresholds=thresholds,
             events=events,
+            clock=clock,
         )
-        calibration_run(setup)  # checks the inputs before the long runs
-        references = reference_runs(setup, steps, 0, "speed")
-        verdicts = [
-            _screen(setup, spec, index, steps, references)
-            for index, spec in enumerate(setup.candidates.specs[1:])
-        ]
-    reference_verdict = references.judge(references.reference, setup.thresholds)
+        run = screen_trials(setup, steps)
+    reference_verdict = run.references.judge(run.references.reference, setup.thresholds)
     return QualityReport(
-        verdicts=tuple(verdicts),
+        verdicts=tuple(run.verdicts),
         not_checked=setup.candidates.skipped,
         steps=steps,
         device=setup.report.device,

@@ -323,23 +323,29 @@ def chosen_tasks(
     return names
 
 
-def main(argv: list[str] | None = None) -> list[Pair]:
-    parser = task_parser(__doc__, quick="2 tasks, 300/30 steps (CI)")
+def scoring_arguments(doc: str, argv: list[str] | None) -> tuple[list[str], int, int, Path]:
+    """(task names, long-run steps, trial steps, cache) from the options of the benchmarks that
+    score the gate against the long runs: the task options, ``--steps``, ``--trial-steps``,
+    ``--cache``; ``--quick`` means 300-step runs and 30-step trials."""
+    parser = task_parser(doc, quick="2 tasks, 300/30 steps (CI)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
     parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=list(TASKS), quick=QUICK_TASKS)
-    steps, trial_steps = args.steps, args.trial_steps
-    if args.quick:
-        steps, trial_steps = 300, 30
+    steps, trial_steps = (300, 30) if args.quick else (args.steps, args.trial_steps)
+    return names, steps, trial_steps, args.cache
+
+
+def main(argv: list[str] | None = None) -> list[Pair]:
+    names, steps, trial_steps, cache = scoring_arguments(__doc__, argv)
     print(
         f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
         f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} standard errors and "
         f"{HURT_RELATIVE:.1%} (the mean of {CONFIRM_SEEDS} seeds when its first run lands near "
         "that line)"
     )
-    pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, args.cache)]
+    pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, cache)]
     print("\n" + confusion(pairs))
     return pairs
 

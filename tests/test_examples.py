@@ -163,6 +163,19 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     truth = {p.label: (p.truth_hurts, p.metric) for p in pairs if p.task == "digits_mlp"}
     assert {p.label: (p.truth_hurts, p.metric) for p in again} == truth
 
+    # the threshold sweep judges the gate's trials again under other thresholds, on this truth
+    from benchmarks import threshold_sweep
+
+    rows = threshold_sweep.main(["--quick", "--cache", str(tmp_path), "--tasks", "digits_mlp"])
+    assert len(rows) == sum(len(values) for values in threshold_sweep.GRID.values())
+    outcomes = {(p.truth_hurts, p.gate) for p in again}
+    false_accepts = sum(1 for p in again if p.truth_hurts and p.gate == "safe")
+    false_rejects = sum(1 for p in again if not p.truth_hurts and p.gate == "unsafe")
+    assert outcomes and ("max_loss_gap_units", 3.0, false_accepts, false_rejects) in rows
+    by_units = {value: (fa, fr) for field, value, fa, fr in rows if field == "max_loss_gap_units"}
+    assert by_units[1.5][1] >= by_units[3.0][1] >= by_units[6.0][1]  # a lower bar rejects more
+    assert by_units[1.5][0] <= by_units[3.0][0] <= by_units[6.0][0]
+
 
 def test_ground_truth_confirms_a_run_near_the_hurt_line_with_more_seeds(
     monkeypatch: pytest.MonkeyPatch,
