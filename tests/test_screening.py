@@ -12,7 +12,12 @@ import autoprec
 from autoprec.candidates import Skipped
 from autoprec.cli import main
 from autoprec.display import quality_table
-from autoprec.drift_blind_spots import FP8_CONVERGED_COST, FP16_LATE_GROWTH, blind_spots
+from autoprec.drift_blind_spots import (
+    BF16_LATE_ROUNDING,
+    FP8_CONVERGED_COST,
+    FP16_LATE_GROWTH,
+    blind_spots,
+)
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport, ScreenVerdict
 from autoprec.specs import ModeSpec
@@ -44,7 +49,8 @@ def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     assert fp8.status in ("safe", "unsafe")
     # a safe FP8 verdict says what a short trial cannot see; the others have no known blind spot
     assert fp8.blind_spots == ((FP8_CONVERGED_COST,) if fp8.status == "safe" else ())
-    assert pure.blind_spots == () and report.verdict("bf16_sr").blind_spots == ()
+    assert pure.blind_spots == ()  # unsafe: its reasons say more than any blind spot
+    assert report.verdict("bf16_sr").blind_spots == ()
     assert not report.not_checked  # exactly the modes asked for, all runnable here
     for name, value in task.model.state_dict().items():
         assert torch.equal(value, before[name])  # the user's model is untouched
@@ -122,6 +128,7 @@ def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
     assert blind_spots(ModeSpec(mode="fp8_torchao", emulate=True)) == (FP8_CONVERGED_COST,)
     assert blind_spots(ModeSpec(mode="fp8_te")) == (FP8_CONVERGED_COST,)
     assert blind_spots(ModeSpec(mode="amp_fp16")) == (FP16_LATE_GROWTH,)
+    assert blind_spots(ModeSpec(mode="bf16_pure", optimizer_bits=8)) == (BF16_LATE_ROUNDING,)
     for mode in ("amp_bf16", "bf16_sr", "bf16_sr_kahan", "fp32"):
         assert blind_spots(ModeSpec(mode=mode, optimizer_bits=8 if mode == "fp32" else 32)) == ()
     assert "+2.1%" in FP8_CONVERGED_COST and "fp8_cost_split" in FP8_CONVERGED_COST
