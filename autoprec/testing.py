@@ -109,10 +109,10 @@ class ModeContract:
                 assert reason in str(refusal), f"the refusal does not name {reason!r}"
             pytest.skip(f"{spec.label} cannot run here: {'; '.join(refusal.reasons)}")
 
-    def test_runs_the_mode_asked_for(self) -> None:
-        plan = self.make_plan()
-        assert plan.spec == self.spec  # never another mode
-        assert plan.model is not None and plan.optimizer is not None
+    def test_runs_as_asked_or_refuses_with_every_reason(self) -> None:
+        plan = self.make_plan()  # a refusal is checked (and skipped) in make_plan
+        assert plan.spec == self.spec and type(plan.mode).name == self.spec.mode  # no substitute
+        assert isinstance(plan.optimizer, torch.optim.Optimizer)
 
     def test_keeps_the_users_groups_and_hyperparameters(self) -> None:
         plan = self.make_plan()
