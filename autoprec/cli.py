@@ -122,10 +122,39 @@ def _loader(reference: str) -> Any:
         ) from error
 
 
+def _thresholds(settings: list[str]) -> Any:
+    """The DriftThresholds that --threshold NAME=VALUE options set (None: the defaults)."""
+    if not settings:
+        return None
+    from pydantic import ValidationError
+
+    from autoprec.drift_thresholds import DriftThresholds
+
+    known = list(DriftThresholds.model_fields)
+    values: dict[str, float] = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if name.strip() not in known:
+            raise ValueError(
+                f"--threshold {setting!r}: no threshold {name.strip()!r}; known: "
+                f"{', '.join(known)}."
+            )
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--threshold {setting!r}: {value!r} is not a number.") from None
+    try:
+        return DriftThresholds(**values)
+    except ValidationError as error:
+        problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in error.errors())
+        raise ValueError(f"--threshold: {problems}.") from None
+
+
 def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """The model, batches and recipe the command line names, as keyword arguments."""
     from autoprec.factories import load_model, load_object
 
+    thresholds = _thresholds(args.threshold)  # before the model loads: a typo fails at once
     model, _ = load_model(args.model)
     return {
         "model": model,
@@ -140,6 +169,7 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
         "modes": [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None,
         "device": args.device,
         "seed": args.seed,
+        "thresholds": thresholds,
     }
 
 

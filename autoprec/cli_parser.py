@@ -59,6 +59,15 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set one drift-gate threshold (repeatable), e.g. max_rounded_beta2=0.9995 to judge "
+        "bf16 optimizer states by the trial alone; names: the fields of "
+        "autoprec.drift_thresholds.DriftThresholds",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -365,7 +365,7 @@ def test_tune_runs_the_recipe_given_on_the_command_line(tmp_path: Path) -> None:
             "--data",
             "examples.tiny_gpt:make_small_batches",
             "--budget",
-            "0.5",
+            "1",  # 0.5 refused now and then on a loaded 2-core machine (a slow fp32 step)
             "--modes",
             "amp_bf16",
             "--objective",

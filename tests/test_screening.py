@@ -105,6 +105,22 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*command[:6], "--steps", "2"]) == 2
     assert "--steps must be >= 4" in capsys.readouterr().err
 
+    # --threshold sets one gate threshold: here the optimizer-state rule is lifted
+    kahan = [*command[:8], "--modes", "bf16_kahan", "--json"]
+    assert main(kahan) == 0
+    (ruled,) = json.loads(capsys.readouterr().out)["verdicts"]
+    assert any(r.startswith("optimizer state loses") for r in ruled["reasons"])
+    assert main([*kahan, "--threshold", "max_rounded_beta2=0.9995"]) == 0
+    (lifted,) = json.loads(capsys.readouterr().out)["verdicts"]
+    assert not any(r.startswith("optimizer state loses") for r in lifted["reasons"])
+    for bad, said in [
+        ("max_rounded_beta=0.9", "no threshold 'max_rounded_beta'; known: max_loss_gap_units"),
+        ("max_loss_gap_units=lots", "'lots' is not a number"),
+        ("max_loss_gap_units=-1", "max_loss_gap_units: Input should be greater than 0"),
+    ]:
+        assert main([*kahan, "--threshold", bad]) == 2
+        assert said in capsys.readouterr().err
+
 
 def test_a_paired_noise_run_only_for_models_that_draw_random_numbers() -> None:
     phases: dict[float, list[str]] = {}
