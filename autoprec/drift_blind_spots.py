@@ -11,30 +11,33 @@ from __future__ import annotations
 from autoprec.specs import ModeSpec
 
 FP8_CONVERGED_COST = (
-    "FP8's cost at a converged loss is below what a short trial resolves: on the ground truth's "
-    "cosine-schedule regression, emulated FP8 passed this gate after 200, 1000 and 2000 trial "
-    "steps and ended its 2000-step run +2.1% on test loss (3 seeds, each above all 8 fp32 "
-    "seeds; `python -m benchmarks.fp8_cost_split`). FP8 failures in LLM training have taken "
-    "~200B tokens to show (arXiv 2409.12517). Compare a checkpoint of your real run with fp32 "
-    "before relying on it"
+    "FP8's cost at a converged loss is below what a short trial resolves: in autoprec's "
+    "long-run benchmark (benchmarks/ground_truth.py), on a cosine-schedule regression, "
+    "emulated FP8 passed this gate after 200, 1000 and 2000 trial steps and ended its "
+    "2000-step run +2.1% on test loss (3 seeds, each above all 8 fp32 seeds; `python -m "
+    "benchmarks.fp8_cost_split`). FP8 failures in LLM training have taken ~200B tokens to "
+    "show (arXiv 2409.12517). Compare a checkpoint of your real run with fp32 before "
+    "relying on it"
 )
 """Measured on our CPU machines (README, "Scored against long runs": the false accept)."""
 
 BF16_LATE_ROUNDING = (
-    "harm that grows after the trial: on the ground truth's conv net (AdamW, constant lr 1e-3) "
-    "pure bf16's 200-step trial moved 98% as far as fp32's, with held-out loss within noise and "
-    "outputs 6.1% apart; its runs ended +58.8% on test loss after 2000 steps (mean of 3 seeds, "
-    "2.1 fp32 seed deviations) and +454% after 10000. Only the optimizer-state rule rejected it "
-    "(`python -m benchmarks.threshold_sweep`). Prefer bf16_sr or bf16_sr_kahan"
+    "harm that grows after the trial: in autoprec's long-run benchmark, on a conv net "
+    "(AdamW, constant lr 1e-3), pure bf16's 200-step trial moved 98% as far as fp32's, with "
+    "held-out loss within noise and outputs 6.1% apart; its runs ended +58.8% on test loss "
+    "after 2000 steps (mean of 3 seeds, 2.1 fp32 seed deviations) and +454% after 10000. "
+    "Only the optimizer-state rule rejected it (`python -m benchmarks.threshold_sweep`). "
+    "Prefer bf16_sr or bf16_sr_kahan"
 )
 """Measured on our CPU machines (README: "Each threshold against the truth", "The state rule over
 a longer horizon"). An accepted bf16_pure got past the state rule (beta2 <= 0.9961, or 8-bit
 states), so its trial, not the rule, spoke for it."""
 
 FP16_LATE_GROWTH = (
-    "fp16's range was checked on the trial's activations and gradients only: activations that "
-    "grow later in a long run (an early sign of low-precision failures, NUMERICS.md) can still "
-    "pass 65504 in the forward pass, where loss scaling cannot help"
+    "fp16's range was checked on the trial's activations and gradients only: activations "
+    "that grow later in a long run (outliers that grow with training preceded the "
+    "low-precision failures of arXiv 2409.12517) can still pass 65504 in the forward pass, "
+    "where loss scaling cannot help"
 )
 """From the literature (NUMERICS.md, early-warning signals); not measured here."""
 
