@@ -129,6 +129,7 @@ def _thresholds(settings: list[str]) -> Any:
     from pydantic import ValidationError
 
     from autoprec.drift_thresholds import DriftThresholds
+    from autoprec.errors import field_errors
 
     known = list(DriftThresholds.model_fields)
     values: dict[str, float] = {}
@@ -146,8 +147,7 @@ def _thresholds(settings: list[str]) -> Any:
     try:
         return DriftThresholds(**values)
     except ValidationError as error:
-        problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in error.errors())
-        raise ValueError(f"--threshold: {problems}.") from None
+        raise ValueError(f"--threshold: {field_errors(error)}.") from None
 
 
 def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:

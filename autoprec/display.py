@@ -258,7 +258,8 @@ def quality_table(report: QualityReport) -> Group:
         for reason in verdict.reasons:
             why.append(f"\n• {reason}")
         for spot in verdict.blind_spots:
-            spots += [] if spot in spots else [spot]
+            if spot not in spots:
+                spots.append(spot)
             why.append(f"\n◦ not seen by a short trial: [{spots.index(spot) + 1}]", style="yellow")
         table.add_row(Text(verdict.status, style=_SCREEN_STYLE[verdict.status]), why)
     lines: list[Text] = [Text(f"[{n}] {spot}", style="yellow") for n, spot in enumerate(spots, 1)]

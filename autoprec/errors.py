@@ -7,6 +7,11 @@ found and what to do about it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class AutoprecError(Exception):
     """Base class of every error autoprec raises on purpose."""
@@ -46,3 +51,15 @@ class OptimizerRebuiltWarning(UserWarning):
 
 class ModelMismatchWarning(UserWarning):
     """A profile is applied to a model other than the one it was proven for."""
+
+
+def field_errors(error: ValidationError) -> str:
+    """A pydantic validation error in one line: each field, what is wrong, what was given
+    (the first three; the rest counted)."""
+    parts = []
+    for item in error.errors()[:3]:
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        got = f" (got {item['input']!r})" if item["type"] != "missing" else ""
+        parts.append(f"{location}: {item['msg']}{got}")
+    more = len(error.errors()) - 3
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")

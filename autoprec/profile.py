@@ -22,7 +22,12 @@ from torch import nn
 
 from autoprec._files import read_json, write_text_atomically
 from autoprec._version import __version__
-from autoprec.errors import HardwareMismatchWarning, ModelMismatchWarning, ProfileError
+from autoprec.errors import (
+    HardwareMismatchWarning,
+    ModelMismatchWarning,
+    ProfileError,
+    field_errors,
+)
 from autoprec.hardware import HardwareInfo, detect_hardware
 from autoprec.integrations.accelerate import accelerate_settings
 from autoprec.integrations.fsdp2 import fsdp2_policy_args
@@ -296,16 +301,6 @@ def profile_for(
     )
 
 
-def _field_errors(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors()[:3]:
-        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        got = f" (got {item['input']!r})" if item["type"] != "missing" else ""
-        parts.append(f"{location}: {item['msg']}{got}")
-    more = len(error.errors()) - 3
-    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
-
-
 def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profile:
     """Read and validate a profile; warn when this hardware differs from where it was proven.
 
@@ -349,7 +344,7 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
             else ""
         )
         raise ProfileError(
-            f"Profile {str(file)!r} is invalid: {_field_errors(error)}.{hint}"
+            f"Profile {str(file)!r} is invalid: {field_errors(error)}.{hint}"
         ) from None
     profile.check_hardware(strict=strict)
     return profile

@@ -148,7 +148,6 @@ class ScreenRun:
     """What :func:`screen_trials` ran: the fp32 runs, and each mode's verdict beside its trial
     (for benchmarks that judge the same trials again under other thresholds)."""
 
-    setup: RunSetup
     references: Fp32Runs
     verdicts: list[ScreenVerdict]
     trials: list[TrialResult]
@@ -196,7 +195,6 @@ def screen_trials(setup: RunSetup, steps: int) -> ScreenRun:
         for index, spec in enumerate(setup.candidates.specs[1:])
     ]
     return ScreenRun(
-        setup=setup,
         references=references,
         verdicts=[verdict for verdict, _ in screened],
         trials=[trial for _, trial in screened],

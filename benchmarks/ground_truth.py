@@ -177,6 +177,12 @@ class Pair:
         return "ok" if self.truth_hurts else "FALSE REJECT"
 
 
+def fp32_metrics(cache: Path, task: GroundTask, steps: int, seeds: int = FP32_SEEDS) -> list[float]:
+    """The truth's unit: the metrics of the task's fp32 long runs at seeds 0 .. ``seeds``-1."""
+    fp32 = ModeSpec(mode="fp32")
+    return [cached_long_run(cache, task, fp32, seed, steps).metric for seed in range(seeds)]
+
+
 def hurt_line(fp32: list[float], runs: int = 1) -> float:
     """How far above the fp32 mean the mean of a mode's ``runs`` runs may end: ``HURT_SDS``
     standard errors of that difference (the fp32 seed sd x sqrt(1/runs + 1/fp32 runs): a mean
@@ -233,12 +239,8 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pai
     started = time.perf_counter()
     report = gate(task, trial_steps)
     gate_seconds = time.perf_counter() - started
-    fp32 = [
-        cached_long_run(cache, task, ModeSpec(mode="fp32"), s, steps) for s in range(FP32_SEEDS)
-    ]
-    fp32_metrics = [run.metric for run in fp32]
-    mean = statistics.fmean(fp32_metrics)
-    sd = statistics.stdev(fp32_metrics)
+    fp32 = fp32_metrics(cache, task, steps)
+    mean, sd = statistics.fmean(fp32), statistics.stdev(fp32)
     print(
         f"\n{name} ({task.family}): fp32 over {FP32_SEEDS} seeds {mean:.5g} +- {sd:.2g}; "
         f"gate {gate_seconds:.0f} s for {len(report.verdicts)} modes",
@@ -246,12 +248,12 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pai
     )
     pairs = []
     for verdict in report.verdicts:
-        metric, runs, failure = mode_metric(cache, task, verdict.spec, steps, fp32_metrics)
+        metric, runs, failure = mode_metric(cache, task, verdict.spec, steps, fp32)
         reason = verdict.reasons[0] if verdict.reasons else ""
         pair = Pair(
             task=name,
             label=verdict.label,
-            truth_hurts=hurts(metric, fp32_metrics, runs),
+            truth_hurts=hurts(metric, fp32, runs),
             metric=metric,
             fp32_mean=mean,
             fp32_sd=sd,

@@ -22,6 +22,7 @@ from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import (
     cached_long_run,
     chosen_tasks,
+    fp32_metrics,
     gate,
     hurts,
     task_parser,
@@ -58,10 +59,7 @@ def _specs(task: GroundTask) -> list[ModeSpec]:
 
 def horizon(name: str, steps: int, cache: Path) -> list[HorizonRow]:
     task = TASKS[name](steps)
-    fp32 = [
-        cached_long_run(cache, task, ModeSpec(mode="fp32"), seed, steps).metric
-        for seed in range(FP32_SEEDS)
-    ]
+    fp32 = fp32_metrics(cache, task, steps, FP32_SEEDS)
     mean, sd = statistics.fmean(fp32), statistics.stdev(fp32)
     print(f"{name}, {steps} steps: fp32 {mean:.5g} +- {sd:.2g}", flush=True)
     rows = []

@@ -20,6 +20,7 @@ on the same pairs it is scored on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -27,10 +28,8 @@ from pathlib import Path
 
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.screening import ScreenRun, screen_setup, screen_trials
-from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import (
-    FP32_SEEDS,
-    cached_long_run,
+    fp32_metrics,
     hurts,
     mode_metric,
     scoring_arguments,
@@ -68,12 +67,18 @@ class JudgedPair:
     run: ScreenRun
     index: int
     """The pair's position in ``run.trials`` / ``run.verdicts``."""
+    judged: dict[DriftThresholds, bool] = dataclasses.field(default_factory=dict, compare=False)
+    """Verdicts by thresholds: each grid repeats its base, and judging compares ~1M sampled
+    weights per leg."""
 
     def accepted(self, thresholds: DriftThresholds) -> bool | None:
         """The gate's verdict under ``thresholds``; None when the trial crashed (not judged)."""
         if self.run.verdicts[self.index].status == "failed":
             return None
-        return self.run.references.judge(self.run.trials[self.index], thresholds).accepted
+        if thresholds not in self.judged:
+            trial = self.run.trials[self.index]
+            self.judged[thresholds] = self.run.references.judge(trial, thresholds).accepted
+        return self.judged[thresholds]
 
 
 def task_pairs(name: str, steps: int, trial_steps: int, cache: Path) -> list[JudgedPair]:
@@ -81,15 +86,11 @@ def task_pairs(name: str, steps: int, trial_steps: int, cache: Path) -> list[Jud
     task = TASKS[name](steps)
     setup = screen_setup(task.model, task.batches, task.recipe, eval_fn=task.eval_fn)
     run = screen_trials(setup, trial_steps)
-    fp32 = [
-        cached_long_run(cache, task, ModeSpec(mode="fp32"), s, steps).metric
-        for s in range(FP32_SEEDS)
-    ]
+    fp32 = fp32_metrics(cache, task, steps)
     pairs = []
     for index, verdict in enumerate(run.verdicts):
         metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
-        truth = not math.isfinite(metric) or hurts(metric, fp32, runs)
-        pairs.append(JudgedPair(name, verdict.label, truth, run, index))
+        pairs.append(JudgedPair(name, verdict.label, hurts(metric, fp32, runs), run, index))
     print(f"{name}: {len(pairs)} pairs, fp32 {statistics.fmean(fp32):.5g}", flush=True)
     return pairs
 
