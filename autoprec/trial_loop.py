@@ -57,13 +57,16 @@ def window_steps_for(steps: int, warmup_steps: int) -> int:
     return max(1, min(MAX_WINDOW_STEPS, (steps - warmup_steps) // MIN_WINDOWS))
 
 
-def _heldout_pass(
+def heldout_pass(
     plan: PrecisionPlan,
     heldout: Sequence[Any],
     device: torch.device,
     loss_fn: LossFn | None,
     train_step: TrainStep | None,
 ) -> tuple[list[float], list[OutputSummary | None], float]:
+    """(loss per batch, output summary per batch, largest |output| of any leaf module not kept
+    in fp32) over ``heldout`` in eval mode, no gradients, under the plan's autocast: the range
+    the fp16 check reads."""
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -259,7 +262,7 @@ def measure_trained(
 ) -> list[OutputSummary | None]:
     """Held-out losses, outputs and activation range, and ``eval_fn``, on the trained copy."""
     plan, figures, recipe = loop.plan, loop.figures, loop.recipe
-    losses, outputs, activation = _heldout_pass(
+    losses, outputs, activation = heldout_pass(
         plan, heldout, loop.device, recipe.loss_fn, recipe.train_step
     )
     figures["heldout"] = losses

@@ -48,7 +48,7 @@ GRID: dict[str, tuple[float, ...]] = {
     "max_output_error_units": (2.0, 3.0, 5.0, 10.0),
     "output_error_floor": (0.05, 0.1, 0.2, 0.3, OFF),
     "max_rounded_beta2": (1 - 2**-8, 0.9995),
-    "fp16_headroom": (0.1, 0.25, 0.5, 1.0),
+    "fp16_headroom": (1 / 32, 1 / 16, 0.25, 1.0),
     "max_skipped_step_rate": (0.02, 0.1, 0.3),
     "max_eval_gap_units": (2.0, 3.0, 5.0),
     "eval_floor_relative": (0.01, 0.02, 0.05, OFF),

@@ -132,6 +132,19 @@ def test_fp16_near_overflow_is_flagged() -> None:
     assert judge(bf16, reference, reference).accepted  # bf16 has fp32's range
 
 
+def test_fp16_headroom_leaves_the_growth_measured_after_a_trial() -> None:
+    """Activations at 3.2e3 (20x below fp16's max) pass; at 5.3e3 (12x below, within the 12x
+    growth benchmarks/fp16_headroom.py measured after a trial) they are flagged."""
+    reference, fp16 = _fp16_runs(3e3, "fp32", "amp_fp16")
+    assert 3000 < fp16.record.max_abs_activation < 3300
+    assert judge(fp16, reference, reference).accepted
+    reference, fp16 = _fp16_runs(5e3, "fp32", "amp_fp16")
+    assert 5000 < fp16.record.max_abs_activation < 5500
+    verdict = judge(fp16, reference, reference)
+    assert not verdict.accepted
+    assert any("within 16x of fp16's max 65504" in r for r in verdict.reasons), verdict.reasons
+
+
 def test_fp16_overflow_is_rejected_with_the_step() -> None:
     reference, fp16 = _fp16_runs(1e5, "fp32", "amp_fp16")
     verdict = judge(fp16, reference, reference)

@@ -353,3 +353,43 @@ def test_flow_unet_sample_score_measures_against_every_image_the_data_can_hold()
     assert len(possible) == sum((flow_unet.SIZE - s + 1) ** 2 for s in flow_unet.SQUARE_SIZES)
     real = flow_unet.make_images(300, torch.Generator().manual_seed(3)).flatten(1)
     assert float(torch.cdist(real, possible).min(dim=1).values.max()) == 0.0
+
+
+def test_fp16_headroom_reads_the_ranges_the_trial_reads() -> None:
+    """A frozen 1x1 model with weight 3 on input 2 and target 0: every leaf outputs 6 and the
+    squared error's gradient is 2 * 6 * 2 = 24, at the trial's end and at every checkpoint;
+    a loss drawing from the global RNG sees the same stream with or without the readings."""
+    from autoprec.recipe import TrainingRecipe
+    from benchmarks.fp16_headroom import RangeLog, follow_ranges
+    from benchmarks.ground_truth import long_run
+    from benchmarks.ground_truth_tasks import GroundTask
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.constant_(model.weight, 3.0)
+    draws: list[float] = []
+
+    def noisy_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        draw = float(torch.rand(()))
+        if output.requires_grad:  # a training step, not a held-out pass
+            draws.append(draw)
+        return torch.nn.functional.mse_loss(output, target)
+
+    batches = [(torch.tensor([[2.0]]), torch.tensor([[0.0]]))] * 8
+    recipe = TrainingRecipe(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss_fn=noisy_mse)
+    task = GroundTask("frozen", "test", model, batches, batches[:1], recipe)
+    log = RangeLog()
+    long_run(task, ModeSpec(mode="fp32"), 0, 500, lambda plan: follow_ranges(plan, task, log))
+    assert log.activations == {200: 6.0, 500: 6.0}
+    assert log.gradients == {200: 24.0, 500: 24.0}
+    assert log.growth("activations", 500) == 1.0
+    watched, draws[:] = draws[:], []
+    long_run(task, ModeSpec(mode="fp32"), 0, 500)
+    assert len(watched) == 500 and watched == draws  # training saw the same stream
+
+
+def test_fp16_headroom_benchmark_runs_in_quick_mode() -> None:
+    from benchmarks import fp16_headroom
+
+    logs = fp16_headroom.main(["--quick"])
+    assert set(logs) == {"digits_mlp"}
+    assert set(logs["digits_mlp"].activations) == set(logs["digits_mlp"].gradients) == {200, 500}
