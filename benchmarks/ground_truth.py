@@ -118,7 +118,7 @@ def long_run(
             loss, _ = forward_and_loss(plan, task.batches[order[step % len(order)]], recipe.loss_fn)
         if step >= steps - 50:
             losses.append(float(loss.detach()))
-        plan.step(loss)
+        plan.step(loss, clip_grad_norm=recipe.clip_grad_norm)
         if scheduler is not None:
             scheduler.step()
     final = statistics.fmean(losses)
@@ -228,6 +228,7 @@ def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> 
         optimizer=recipe.optimizer,
         scheduler=recipe.scheduler,
         total_steps=recipe.total_steps,
+        clip_grad_norm=recipe.clip_grad_norm,
         eval_fn=task.eval_fn,
         modes=modes,
         progress=False,
@@ -325,16 +326,24 @@ def chosen_tasks(
     return names
 
 
-def scoring_arguments(doc: str, argv: list[str] | None) -> tuple[list[str], int, int, Path]:
+def scoring_arguments(
+    doc: str,
+    argv: list[str] | None,
+    *,
+    default: Sequence[str] = tuple(TASKS),
+    quick: Sequence[str] = QUICK_TASKS,
+) -> tuple[list[str], int, int, Path]:
     """(task names, long-run steps, trial steps, cache) from the options of the benchmarks that
     score the gate against the long runs: the task options, ``--steps``, ``--trial-steps``,
-    ``--cache``; ``--quick`` means 300-step runs and 30-step trials."""
-    parser = task_parser(doc, quick="2 tasks, 300/30 steps (CI)")
+    ``--cache``; ``--quick`` means the ``quick`` tasks, 300-step runs and 30-step trials."""
+    parser = task_parser(
+        doc, quick=f"{', '.join(quick)}, 300/30 steps (CI)", default=", ".join(default)
+    )
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
     parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
     args = parser.parse_args(argv)
-    names = chosen_tasks(parser, args, default=list(TASKS), quick=QUICK_TASKS)
+    names = chosen_tasks(parser, args, default=default, quick=quick)
     steps, trial_steps = (300, 30) if args.quick else (args.steps, args.trial_steps)
     return names, steps, trial_steps, args.cache
 

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from autoprec.batching import forward_and_loss
 from autoprec.plan import PrecisionPlan
 from autoprec.recipe import TrainingRecipe
-from examples import flow_unet, raw_param_mlp
+from examples import flow_unet, raw_param_mlp, tiny_gpt
 
 
 @dataclass
@@ -411,6 +411,41 @@ def tiny_lr_finetune(total_steps: int) -> GroundTask:
     )
 
 
+# --- 9. nanoGPT's recipe: beta2 0.95, weight decay 0.1, warm-up + cosine, clipping -------
+
+
+def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def nanogpt_recipe(total_steps: int) -> GroundTask:
+    """examples.tiny_gpt (2 layers, tied head) trained with nanoGPT's recipe: AdamW 6e-4 with
+    betas (0.9, 0.95) and weight decay 0.1, warm-up then cosine to a tenth, gradients clipped
+    at 1.0. With beta2 0.95 no optimizer-state rule applies: the trial's measurements judge
+    every pure-bf16 mode."""
+    torch.manual_seed(0)
+    model, _ = tiny_gpt.make_model(vocab_size=128, block_size=32, n_layer=2, n_embd=64)
+
+    def batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tokens = _markov_tokens(count * 16, 33, 128, seed + 10)
+        return [(t[:, :-1], t[:, 1:]) for t in tokens.split(16)]
+
+    return GroundTask(
+        "nanogpt_recipe",
+        "decoder LM, nanoGPT's recipe (beta2 0.95, clipping)",
+        model,
+        batches(600, 1),
+        batches(8, 2),
+        TrainingRecipe(
+            total_steps=total_steps,
+            optimizer=tiny_gpt.make_optimizer,
+            scheduler=tiny_gpt.cosine_schedule,
+            clip_grad_norm=1.0,
+            loss_fn=_next_token_loss,
+        ),
+    )
+
+
 TASKS: dict[str, Callable[[int], GroundTask]] = {
     "hf_llama_lm": hf_llama_lm,
     "encoder_dropout": encoder_dropout,
@@ -420,5 +455,6 @@ TASKS: dict[str, Callable[[int], GroundTask]] = {
     "digits_mlp": digits_mlp,
     "cosine_regression": cosine_regression,
     "tiny_lr_finetune": tiny_lr_finetune,
+    "nanogpt_recipe": nanogpt_recipe,
 }
 QUICK_TASKS = ("digits_mlp", "tiny_lr_finetune")

@@ -393,3 +393,41 @@ def test_fp16_headroom_benchmark_runs_in_quick_mode() -> None:
     logs = fp16_headroom.main(["--quick"])
     assert set(logs) == {"digits_mlp"}
     assert set(logs["digits_mlp"].activations) == set(logs["digits_mlp"].gradients) == {200, 500}
+
+
+def test_nanogpt_recipe_task_trains_with_nanogpts_recipe() -> None:
+    """The ninth ground-truth task: beta2 0.95, weight decay 0.1, clipping at 1.0 (which the
+    long runs and the gate both apply), so no optimizer-state rule judges its bf16 modes."""
+    from benchmarks.ground_truth import long_run
+    from benchmarks.ground_truth_tasks import TASKS
+
+    task = TASKS["nanogpt_recipe"](300)
+    (group,) = task.recipe.make_optimizer(task.model, task.model).param_groups
+    assert group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
+    assert task.recipe.clip_grad_norm == 1.0
+    run = long_run(task, ModeSpec(mode="fp32"), 0, 60)
+    assert run.failure is None and run.metric < math.log(128)  # below a uniform guess
+
+
+def test_state_rule_beta2_changes_beta2_alone_and_runs_in_quick_mode(tmp_path: Path) -> None:
+    """The harmed pairs again at beta2 0.95: only beta2 changes, the long runs are cached
+    apart, and at 0.95 no verdict comes from the optimizer-state rule."""
+    from benchmarks import state_rule_beta2
+    from benchmarks.ground_truth_tasks import TASKS
+
+    task = TASKS["tiny_lr_finetune"](300)
+    variant = state_rule_beta2.at_beta2(task, 0.95)
+    (base,) = task.recipe.make_optimizer(task.model, task.model).param_groups
+    (changed,) = variant.recipe.make_optimizer(task.model, task.model).param_groups
+    assert changed["betas"] == (base["betas"][0], 0.95)
+    assert {k: v for k, v in changed.items() if k not in ("betas", "params")} == {
+        k: v for k, v in base.items() if k not in ("betas", "params")
+    }
+    assert variant.cache_name != task.cache_name
+
+    rows = state_rule_beta2.main(["--quick", "--cache", str(tmp_path)])
+    assert [(row.beta2, row.mode) for row in rows] == [
+        (0.999, "bf16_kahan"), (0.999, "bf16_pure"), (0.95, "bf16_kahan"), (0.95, "bf16_pure"),
+    ]  # fmt: skip
+    assert rows[0].reason.startswith("optimizer state loses")  # bf16_kahan at beta2 0.999
+    assert not any(row.reason.startswith("optimizer state loses") for row in rows[2:])
