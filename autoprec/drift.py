@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.drift_fp16 import fp16_risks
-from autoprec.drift_movement import movement_checks
+from autoprec.drift_movement import decay_note, movement_checks
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
 
@@ -86,7 +86,8 @@ class DriftVerdict(BaseModel):
     reasons: tuple[str, ...]
     metrics: DriftMetrics
     notes: tuple[str, ...] = ()
-    """Checks that could not run, and why (no held-out batches, no outputs to compare)."""
+    """Checks that could not run, and why (no held-out batches, no outputs to compare), and
+    what the trial found without rejecting it (weight decay that rounds away)."""
 
 
 def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThresholds) -> float:
@@ -270,7 +271,7 @@ def judge(
         accepted=not reasons,
         reasons=tuple(reasons),
         metrics=DriftMetrics(**metrics),
-        notes=(*_checks_not_run(trial, reference), *movement_notes),
+        notes=(*_checks_not_run(trial, reference), *movement_notes, *decay_note(trial)),
     )
 
 

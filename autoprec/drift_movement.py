@@ -105,3 +105,24 @@ def movement_checks(
                 f"never moved{paired_said})"
             )
     return reasons, notes
+
+
+HALF_BF16_ULP = 2.0**-9
+"""Half a bf16 ulp relative to any weight is at least 2**-9 (2**-9 to 2**-8 of its magnitude):
+a multiply by ``1 - x`` with ``x`` below it returns every bf16 weight unchanged."""
+
+
+def decay_note(trial: TrialResult) -> list[str]:
+    """A note when the user's decoupled weight decay never applies: bf16 weights multiplied by
+    ``1 - lr * wd`` and rounded to nearest are returned unchanged when ``lr * wd`` is below
+    half a bf16 ulp (measured on the ground truth's conv net: pure bf16 runs with weight decay
+    0.01 and 0 were identical to the last bit). Not a rejection: the long runs found no harm
+    from it alone (fp32 without decay ended as fp32 with it there)."""
+    decay = trial.record.nearest_rounded_decay
+    if decay is None or decay >= HALF_BF16_ULP:
+        return []
+    return [
+        f"weight decay never applies: lr x weight_decay = {decay:.2g} a step at the peak lr, "
+        f"below half a bf16 ulp ({HALF_BF16_ULP:.2g} of a weight), so nearest rounding returns "
+        "every decayed weight unchanged; bf16_kahan, bf16_sr and bf16_sr_kahan apply it"
+    ]

@@ -61,6 +61,9 @@ class ScreenVerdict(BaseModel):
     blind_spots: tuple[str, ...] = ()
     """A safe verdict's known limits: harm that shows only after a longer run than the
     trial's, with the figures it was measured by (see autoprec.drift_blind_spots)."""
+    notes: tuple[str, ...] = ()
+    """What the gate found without rejecting the mode, and checks it could not run (the
+    drift verdict's notes; those every mode shares are also the report's checks_not_run)."""
     steps: int = 0
     seconds: float = 0.0
 
@@ -98,6 +101,9 @@ class QualityReport(BaseModel):
             lines.append(f"{verdict.label:42} {verdict.status}")
             lines.extend(f"    {reason}" for reason in verdict.reasons)
             lines.extend(f"    not seen by a short trial: {spot}" for spot in verdict.blind_spots)
+            lines.extend(
+                f"    note: {note}" for note in verdict.notes if note not in self.checks_not_run
+            )
         for skipped in self.not_checked:
             lines.append(f"{skipped.spec.label:42} not checked: {'; '.join(skipped.reasons)}")
         lines.extend(f"note: {note}" for note in self.checks_not_run)
@@ -134,6 +140,7 @@ def _screen(
             reasons=verdict.reasons,
             drift=verdict.metrics.as_dict(),
             blind_spots=blind_spots(spec) if verdict.accepted else (),
+            notes=verdict.notes,
             steps=result.record.steps_run,
             seconds=result.record.wall_seconds,
         )

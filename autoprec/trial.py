@@ -346,6 +346,7 @@ def _record(
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,
         heldout_losses=tuple(figures.get("heldout", ())),
         low_precision_moment=figures.get("moment"),
+        nearest_rounded_decay=figures.get("decay"),
         eval_score=figures.get("eval"),
         speed_is_meaningful=not spec.emulate,
         stopped=run.stopped,

@@ -28,6 +28,7 @@ from autoprec.trial_measures import (
     compiled_graph_count,
     low_precision_moment,
     max_abs_gradient,
+    nearest_rounded_decay,
     rss_bytes,
     sampled_weights,
     state_bytes,
@@ -209,6 +210,7 @@ class TrainingLoop:
         if stepped and "state" not in self.figures:  # steady state: after a real step
             self.figures["state"] = state_bytes(plan)
             self.figures["moment"] = low_precision_moment(plan)
+            self.figures["decay"] = nearest_rounded_decay(plan)  # at the first leg's (peak) lr
 
     def _read_window(self, first_step: int) -> TrialFailure | None:
         """The window's one host read: its losses and gradient maxima, checked for non-finite

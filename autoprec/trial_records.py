@@ -151,6 +151,9 @@ class TrialRecord(BaseModel):
     """The learning rates of the trial's legs, in the order trained."""
     low_precision_moment: LowPrecisionMoment | None = None
     """Adam's second moment when the optimizer keeps it in bf16 (read after the first step)."""
+    nearest_rounded_decay: float | None = None
+    """The largest lr x weight_decay per step of decoupled weight decay applied to bf16 weights
+    by its own nearest-rounded multiply (bf16_pure with AdamW; read after the first step)."""
     leg_steps: tuple[int, ...] = ()
     """Optimizer steps of each leg."""
     fp8_layers: tuple[str, ...] = ()

@@ -342,3 +342,44 @@ def test_lost_updates_are_still_caught_in_a_model_that_draws_random_numbers() ->
 
 def test_a_model_without_random_draws_says_so(low_lr: dict) -> None:
     assert not low_lr["reference"].record.draws_random  # no paired run needed: it would repeat
+
+
+@pytest.mark.parametrize(("lr", "weight_decay", "lost"), [(1e-3, 0.01, True), (1e-2, 0.5, False)])
+def test_bf16_weights_keep_no_decay_below_half_an_ulp(
+    lr: float, weight_decay: float, lost: bool
+) -> None:
+    """The fact the decay note rests on: pure bf16 trained with AdamW's decay at lr x wd = 1e-5
+    ends identical to the bit with the same run without decay; at 5e-3 (above 2**-9) the decay
+    changes the weights."""
+    from autoprec.plan import prepare
+    from autoprec.trial_measures import nearest_rounded_decay
+
+    def trained(decay: float) -> tuple[torch.Tensor, float | None]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+        plan = prepare(ModeSpec(mode="bf16_pure"), model, optimizer)
+        x = torch.randn(8, 16)
+        for _ in range(20):
+            with plan.autocast():
+                loss = plan.model(x).float().pow(2).mean()
+            plan.step(loss)
+        return plan.model.weight.detach().clone(), nearest_rounded_decay(plan)
+
+    with_decay, measured = trained(weight_decay)
+    without_decay, _ = trained(0.0)
+    assert measured == pytest.approx(lr * weight_decay)
+    assert torch.equal(with_decay, without_decay) == lost
+
+
+def test_weight_decay_that_rounds_away_is_noted(low_lr: dict) -> None:
+    """AdamW's default decay at lr 1e-4 multiplies each weight by 1 - 1e-6 a step, which bf16
+    rounded to nearest returns unchanged: pure bf16's verdict notes it; the stochastically
+    rounded and Kahan modes apply the decay, and AMP keeps fp32 weights."""
+    pure = judge(low_lr["bf16_pure"], low_lr["reference"], low_lr["noise"])
+    assert any(
+        n.startswith("weight decay never applies: lr x weight_decay = 1e-06") for n in pure.notes
+    )
+    for mode in ("amp_bf16", "bf16_sr", "bf16_kahan"):
+        verdict = judge(low_lr[mode], low_lr["reference"], low_lr["noise"])
+        assert not any("weight decay" in note for note in verdict.notes), mode

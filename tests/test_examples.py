@@ -431,3 +431,13 @@ def test_state_rule_beta2_changes_beta2_alone_and_runs_in_quick_mode(tmp_path: P
     ]  # fmt: skip
     assert rows[0].reason.startswith("optimizer state loses")  # bf16_kahan at beta2 0.999
     assert not any(row.reason.startswith("optimizer state loses") for row in rows[2:])
+
+
+def test_decay_rounding_runs_in_quick_mode(tmp_path: Path) -> None:
+    """Pure bf16's AdamW decay (lr 1e-3 x 0.01 = 1e-5 a step) rounds away entirely: its runs
+    with and without decay are identical; fp32's are not."""
+    from benchmarks import decay_rounding
+
+    runs = decay_rounding.main(["--quick", "--cache", str(tmp_path)])["digits_convnet"]
+    assert runs["bf16_pure, decay"] == runs["bf16_pure, no decay"]
+    assert runs["fp32, decay"] != runs["fp32, no decay"]

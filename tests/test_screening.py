@@ -50,6 +50,10 @@ def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     # a safe FP8 verdict says what a short trial cannot see; the others have no known blind spot
     assert fp8.blind_spots == ((FP8_CONVERGED_COST,) if fp8.status == "safe" else ())
     assert pure.blind_spots == ()  # unsafe: its reasons say more than any blind spot
+    # AdamW's decay 0.01 at lr 1e-4 rounds away from bf16 weights: noted for pure bf16 alone
+    assert any(n.startswith("weight decay never applies") for n in pure.notes)
+    assert not any("weight decay" in n for n in report.verdict("bf16_sr").notes)
+    assert "    note: weight decay never applies" in report.summary()
     assert report.verdict("bf16_sr").blind_spots == ()
     assert not report.not_checked  # exactly the modes asked for, all runnable here
     for name, value in task.model.state_dict().items():
@@ -176,3 +180,28 @@ def test_the_quality_table_prints_each_blind_spot_once() -> None:
     assert text.count("FP8's cost at a converged loss") == 1
     assert text.index("[1] FP8's cost") > text.index("bf16_pure")  # below the table
     assert report.summary().count("not seen by a short trial: FP8's cost") == 2
+
+
+def test_the_quality_table_prints_a_modes_own_notes_under_it_and_shared_ones_once() -> None:
+    from rich.console import Console
+
+    shared = "no held-out batches: held-out loss and outputs not compared"
+    own = "weight decay never applies: lr x weight_decay = 1e-05 a step"
+    report = QualityReport(
+        verdicts=(
+            ScreenVerdict(spec=ModeSpec(mode="bf16_pure"), status="safe", notes=(shared, own)),
+            ScreenVerdict(spec=ModeSpec(mode="amp_bf16"), status="safe", notes=(shared,)),
+        ),
+        not_checked=(),
+        steps=200,
+        device="cpu",
+        recipe=RecipeSummary(optimizer="torch.optim.adamw:AdamW", optimizer_groups=({"lr": 1e-3},)),
+        seconds=1.0,
+        checks_not_run=(shared,),
+    )
+    console = Console(width=200, record=True)
+    console.print(quality_table(report))
+    text = console.export_text()
+    assert text.count(own) == 1 and text.index(own) < text.index("amp_bf16")
+    assert text.count(shared) == 1 and text.index(shared) > text.index("amp_bf16")
+    assert report.summary().count(shared) == 1 and report.summary().count(own) == 1
