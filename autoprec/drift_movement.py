@@ -4,6 +4,7 @@ In each lr leg the trial's movement is projected onto the fp32 reference's (a Ka
 as part of its weight), and judged against the paired fp32 run's projection (another seed, the
 same batches): what faithful fp32 training reaches when only the model's random draws differ.
 This catches pure bf16 at small learning rates while its loss still looks fine (../seeds).
+Beside it, a note when pure bf16's weight decay rounds away entirely (``decay_note``).
 """
 
 from __future__ import annotations

@@ -17,30 +17,16 @@ with the decay, from the same cache:
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-from typing import Any
-
-import torch
 
 from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import cached_long_run, fp32_metrics, scoring_arguments
-from benchmarks.ground_truth_tasks import TASKS, GroundTask
+from benchmarks.ground_truth_tasks import TASKS, GroundTask, with_optimizer_groups
 
 
 def without_decay(task: GroundTask) -> GroundTask:
     """``task`` with its optimizer's weight decay set to 0 (its long runs cached apart)."""
-    factory = task.recipe.optimizer
-    assert callable(factory)  # every ground-truth task passes a factory
-
-    def no_decay(params: Any) -> torch.optim.Optimizer:
-        optimizer = factory(params)
-        for group in optimizer.param_groups:
-            group["weight_decay"] = 0.0
-        return optimizer
-
-    recipe = dataclasses.replace(task.recipe, optimizer=no_decay, _cache={})
-    return dataclasses.replace(task, name=f"{task.name}.no-decay", recipe=recipe)
+    return with_optimizer_groups(task, "no-decay", lambda group: group.update(weight_decay=0.0))
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:

@@ -10,6 +10,7 @@ Everything is built from fixed seeds: the same task every time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 from collections.abc import Callable
@@ -444,6 +445,26 @@ def nanogpt_recipe(total_steps: int) -> GroundTask:
             loss_fn=_next_token_loss,
         ),
     )
+
+
+def with_optimizer_groups(
+    task: GroundTask, suffix: str, change: Callable[[dict[str, Any]], None]
+) -> GroundTask:
+    """``task`` with ``change`` applied to every group of the optimizer its recipe builds (one
+    hyper-parameter changed, the rest as they were); its long runs are cached apart, under
+    ``<name>.<suffix>``."""
+    factory = task.recipe.optimizer
+    assert callable(factory)  # every ground-truth task passes a factory
+
+    def changed(params: Any) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        for group in optimizer.param_groups:
+            change(group)
+        return optimizer
+
+    changed.__qualname__ = f"{getattr(factory, '__qualname__', 'optimizer')}, {suffix}"
+    recipe = dataclasses.replace(task.recipe, optimizer=changed, _cache={})  # cached per optimizer
+    return dataclasses.replace(task, name=f"{task.name}.{suffix}", recipe=recipe)
 
 
 TASKS: dict[str, Callable[[int], GroundTask]] = {

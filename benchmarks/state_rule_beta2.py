@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from benchmarks.ground_truth import (
     fp32_metrics,
@@ -33,7 +30,7 @@ from benchmarks.ground_truth import (
     mode_metric,
     scoring_arguments,
 )
-from benchmarks.ground_truth_tasks import TASKS, GroundTask
+from benchmarks.ground_truth_tasks import TASKS, GroundTask, with_optimizer_groups
 
 HARMED = ("tiny_lr_finetune", "cosine_regression", "raw_param_mlp", "digits_convnet")
 """The tasks where the ground truth found bf16_kahan (the first three) or pure bf16 (the conv
@@ -56,27 +53,13 @@ class Row:
     reason: str
 
 
-def with_beta2(factory: Callable[..., torch.optim.Optimizer], beta2: float) -> Callable[..., Any]:
-    """The task's optimizer factory with every group's beta2 set to ``beta2``."""
-
-    def factory_with_beta2(params: Any) -> torch.optim.Optimizer:
-        optimizer = factory(params)
-        for group in optimizer.param_groups:
-            group["betas"] = (group["betas"][0], beta2)
-        return optimizer
-
-    factory_with_beta2.__qualname__ = f"{factory.__qualname__}, beta2={beta2:g}"
-    return factory_with_beta2
-
-
 def at_beta2(task: GroundTask, beta2: float) -> GroundTask:
     """``task`` with only its optimizer's beta2 changed (its long runs cached apart)."""
-    recipe = task.recipe
-    assert callable(recipe.optimizer)  # every ground-truth task passes a factory
-    changed = dataclasses.replace(  # a fresh _cache: the recipe's cached figures are per optimizer
-        recipe, optimizer=with_beta2(recipe.optimizer, beta2), _cache={}
-    )
-    return dataclasses.replace(task, name=f"{task.name}.beta2-{beta2:g}", recipe=changed)
+
+    def set_beta2(group: dict[str, Any]) -> None:
+        group["betas"] = (group["betas"][0], beta2)
+
+    return with_optimizer_groups(task, f"beta2-{beta2:g}", set_beta2)
 
 
 def score(task: GroundTask, beta2: float, steps: int, trial_steps: int, cache: Path) -> list[Row]:
