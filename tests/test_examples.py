@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import subprocess
@@ -441,3 +442,29 @@ def test_decay_rounding_runs_in_quick_mode(tmp_path: Path) -> None:
     runs = decay_rounding.main(["--quick", "--cache", str(tmp_path)])["digits_convnet"]
     assert runs["bf16_pure, decay"] == runs["bf16_pure, no decay"]
     assert runs["fp32, decay"] != runs["fp32, no decay"]
+
+
+def test_late_movement_continues_copies_of_the_runs_state() -> None:
+    """Each checkpoint's continuations train copies: the run itself goes on unchanged; the
+    quick run reports pure bf16's share of fp32's movement at the checkpoints it reaches."""
+    from benchmarks import late_movement
+    from benchmarks.ground_truth_tasks import TASKS
+
+    windows = late_movement.main(["--quick"])["digits_convnet"]
+    assert [w.step for w in windows] == [0, 200]
+    assert all(0.5 < w.fraction < 1.0 and 0 <= w.never_moved < 0.5 for w in windows)
+    task = TASKS["digits_convnet"](300)
+    model = copy.deepcopy(task.model)
+    plan = late_movement.make_plan(
+        ModeSpec(mode="fp32"), model, task.recipe.make_optimizer(task.model, model)
+    )
+    late_movement.train_on(plan, task, list(range(5)))
+    before = copy.deepcopy(plan.model.state_dict())
+    moments = [s["exp_avg_sq"].clone() for s in plan.optimizer.state.values()]
+    window = late_movement.continue_both(plan, task, 5, list(range(5, 10)))
+    assert window.fraction < 1.0 and window.lr == pytest.approx(1e-3)
+    assert all(torch.equal(v, before[k]) for k, v in plan.model.state_dict().items())
+    assert all(
+        torch.equal(s["exp_avg_sq"], m)
+        for s, m in zip(plan.optimizer.state.values(), moments, strict=True)
+    )
