@@ -53,12 +53,12 @@ class DriftThresholds(BaseModel):
     fp16_headroom: float = Field(1 / 16, gt=0, le=1)
     """Flag fp16 when activations or gradients reach 1/16 of the fp16 maximum (65504, so 4094):
     loss scaling cannot protect the forward pass, and a trial sees only the start of the run.
-    The margin is measured (benchmarks/fp16_headroom.py, the eight ground-truth tasks trained
+    The margin is measured (benchmarks/fp16_headroom.py, the nine ground-truth tasks trained
     in fp32): after a 200-step trial the largest held-out activation grew up to 11.9x by 2000
-    steps (the digits MLP's logits; 1.2-2.5x on the others) and 20.4x by 10000, the largest
-    gradient up to 1.7x. A quarter of the range, the default until that measurement, left 4x.
-    The ground truth has no fp16 failure (its activations stay below 44), so no verdict moves
-    with this value (0.03 to 1 in benchmarks/threshold_sweep.py)."""
+    steps (the digits MLP's logits; at most 2.5x on the other eight) and 20.4x by 10000, the
+    largest gradient up to 1.7x. A quarter of the range, the default until that measurement,
+    left 4x. The ground truth has no fp16 failure (its activations stay below 44), so no
+    verdict moves with this value (0.03 to 1 in benchmarks/threshold_sweep.py)."""
     max_skipped_step_rate: float = Field(0.1, ge=0, le=1)
     """Reject amp_fp16 when the loss scaler skipped more than 10% of its steps. The trial settles
     the scale on the first batch before training, so start-up skips are not counted."""
