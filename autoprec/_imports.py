@@ -14,6 +14,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -65,12 +66,19 @@ def demote_import_chatter(demote: bool = True) -> None:
 
 @contextlib.contextmanager
 def import_chatter_demoted() -> Iterator[None]:
-    """Inside: the backends' known import chatter goes to autoprec's debug log, not stderr."""
+    """Inside: the backends' known import chatter goes to autoprec's debug log, not stderr, and
+    warnings about a backend's own source (an invalid escape sequence: SyntaxWarning from
+    Python 3.12, DeprecationWarning before) are ignored, so that a run with warnings as errors
+    can still import it (seen on the first GPU run: torchao 0.18's quant_api.py, compiled at
+    import under pytest's -W error, failed to import)."""
     installed = [(logging.getLogger(name), _Demote(start)) for name, start in IMPORT_CHATTER]
     for chatter, demote in installed:
         chatter.addFilter(demote)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=SyntaxWarning)
+            warnings.filterwarnings("ignore", message="invalid escape sequence")
+            yield
     finally:
         for chatter, demote in installed:
             chatter.removeFilter(demote)

@@ -34,6 +34,7 @@ from autoprec.trial_loop import (
 )
 from autoprec.trial_measures import (
     MOVEMENT_SAMPLE_ELEMENTS,
+    autocast_state_kept,
     compile_counts,
     compiled_graph_count,
     memory_now,
@@ -282,7 +283,8 @@ def run_trial(
     if spec.compile:
         torch.compiler.reset()  # compile from scratch, as a fresh training process does
         graphs_before = compiled_graph_count()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), autocast_state_kept(device):
         torch.manual_seed(seed)
         run = _train_copy(inputs, result, baseline)
     if "peak" not in run.figures:  # failed or stopped before the end: the peak so far

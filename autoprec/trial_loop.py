@@ -79,7 +79,10 @@ def heldout_pass(
         for fqn, module in plan.model.named_modules()
         if next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
     ]
-    handles = [leaf.register_forward_hook(watch) for leaf in leaves]
+    # eager under torch.compile: traced, the growing list in its closure recompiles every call
+    # (seen on an H100: dynamo's recompile limit hit in every compiled held-out pass)
+    watch_eagerly = torch.compiler.disable(watch)
+    handles = [leaf.register_forward_hook(watch_eagerly) for leaf in leaves]
     was_training = plan.model.training
     plan.model.eval()
     losses, outputs = [], []

@@ -121,28 +121,31 @@ def mode_table(
         )
 
 
+def validation_model(quick: bool) -> tuple[str, torch.nn.Module, list]:
+    """(device, model, 24 batches of 16 sequences on it): the 59M-parameter TinyGPT on the GPU
+    when there is one, the small one with ``quick``."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    config = tiny_gpt.SMALL if quick else LARGE
+    model, _ = tiny_gpt.make_model(batch_size=16, **config)
+    batches = tiny_gpt.make_batches(
+        count=24, batch_size=16, vocab_size=config["vocab_size"], block_size=config["block_size"]
+    )
+    return device, model.to(device), [tuple(t.to(device) for t in batch) for batch in batches]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps (CPU check)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--budget", type=float, default=3.0, help="tune() budget in minutes")
     parser.add_argument("--profile-out", help="save the tune's profile here (proven on this GPU)")
+    parser.add_argument("--modes", help="only these canonical mode names (comma-separated)")
+    parser.add_argument("--compiled-only", action="store_true", help="skip the eager table")
+    parser.add_argument("--no-tune", action="store_true", help="skip the tune() run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    config = tiny_gpt.SMALL if args.quick else LARGE
+    device, model, batches = validation_model(args.quick)
     steps = 6 if args.quick else args.steps
-    model, _ = tiny_gpt.make_model(batch_size=16, **config)
-    model = model.to(device)
-    batches = [
-        tuple(t.to(device) for t in batch)
-        for batch in tiny_gpt.make_batches(
-            count=24,
-            batch_size=16,
-            vocab_size=config["vocab_size"],
-            block_size=config["block_size"],
-        )
-    ]
     train, heldout = batches[:-4], batches[-4:]
     report = probe(model, train[0][0])
     gpu = report.hardware.gpus[0] if report.hardware.gpus else None
@@ -162,7 +165,10 @@ def main() -> None:
     optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
     common = {"recipe": TrainingRecipe(optimizer=optimizer), "steps": steps, "heldout": heldout}
     specs = list(candidate_specs(report).specs)
-    for compiled in (False, True):
+    if args.modes:  # the reference first, then the modes asked for
+        wanted = args.modes.split(",")
+        specs = [specs[0], *(spec for spec in specs[1:] if spec.mode in wanted)]
+    for compiled in (True,) if args.compiled_only else (False, True):
         # --quick (CPU): compile two modes only, inductor on a CPU takes its time
         chosen = specs[:2] if compiled and args.quick else specs
         if compiled:
@@ -170,6 +176,8 @@ def main() -> None:
         print(f"\n{'compiled (torch.compile)' if compiled else 'eager'}:")
         mode_table(chosen, model, train, common, steps, device)
 
+    if args.no_tune:
+        return
     # a tune under a real recipe: nanoGPT's optimizer and cosine schedule, 2 micro-batches
     result = tune(
         model,

@@ -468,3 +468,19 @@ def test_late_movement_continues_copies_of_the_runs_state() -> None:
         torch.equal(s["exp_avg_sq"], m)
         for s, m in zip(plan.optimizer.state.values(), moments, strict=True)
     )
+
+
+def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
+    """The GPU diagnosis of the fp32 reference's speed; on a CPU it runs the same code, small:
+    a failed compiled pure-bf16 trial (the hooks as before the fix), then fp32, guard off/on."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_reference_speed", "--quick", "--leak"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("guard")]
+    assert len(lines) == 2 and all("no attribute 'prev'" in line for line in lines)
+    assert "cpu autocast after it (enabled, dtype): (False" in lines[1]

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import importlib.util
 import types
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +101,21 @@ def test_backend_import_chatter_goes_to_autoprecs_debug_log() -> None:
     )
     if "Failed to load" in raw.stderr:  # the chatter exists here (no CUDA kernels)
         assert "autoprec._imports: " in loud.stderr and "while importing: " in loud.stderr
+
+
+def test_a_backends_source_warnings_do_not_fail_its_import_under_warnings_as_errors(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Seen on the first GPU run: torchao's source holds an invalid escape sequence, compiled at
+    import; under -W error that warning became a SyntaxError and FP8 was refused as "failed to
+    import". A backend's own source warnings are ignored while autoprec imports it."""
+    package = tmp_path / "escapey_backend"
+    package.mkdir()
+    (package / "__init__.py").write_text('PATTERN = "a\\.b"\n')  # an invalid escape sequence
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_imports, "is_installed", lambda name: True)
+    monkeypatch.setattr(_imports, "_backend", lambda name: BACKENDS["torchao"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = require("escapey_backend")
+    assert module.PATTERN == "a\\.b"

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import autoprec
+from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.modes.amp import AmpFp16Mode
-from autoprec.plan import build_plan
+from autoprec.plan import build_plan, prepare
 from autoprec.specs import ModeSpec
 from examples import tiny_gpt
 
@@ -384,3 +385,49 @@ def test_fp8_candidates_keep_first_and_last_layers_out_of_fp8_not_in_fp32() -> N
     fp8 = next(s for s in screen_specs(report, situation).specs if s.mode == "fp8_torchao")
     assert fp8.keep_fp32 == ()
     assert "lm_head" in fp8.fp8_skip and "blocks.0.attn.c_attn" in fp8.fp8_skip
+
+
+class _TiedHead(torch.nn.Module):
+    """An embedding kept in fp32 and a head tied to it: pure bf16 runs the head in an
+    autocast island (install_autocast_islands) and the embedding in an fp32 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 32)
+        self.mix = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mix(self.embed(tokens))))
+
+
+# dynamo reads .grad of the non-leaf tensors a graph break hands to the resumed frame
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_pure_bf16_islands_train_under_torch_compile() -> None:
+    """Found on the first GPU run: a compiled pure-bf16 model whose head is tied to a kept
+    embedding failed ("'autocast' object has no attribute 'prev'": dynamo traced the autocast
+    entered in one hook and left in another). The island hooks now run eagerly; compiled and
+    eager training agree."""
+    tokens = torch.randint(0, 16, (8, 4), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = _TiedHead()
+        spec = ModeSpec(mode="bf16_pure", keep_fp32=("embed",), compile=compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+            plan = prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        losses[compiled] = []
+        for _ in range(3):
+            with plan.autocast():
+                logits = plan.model(tokens)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1), tokens.flatten()
+                )
+            plan.step(loss)
+            losses[compiled].append(float(loss.detach()))
+        assert plan.model.head.weight.dtype == torch.float32  # the kept embedding's weight
+        assert plan.model.mix.weight.dtype == torch.bfloat16
+    assert losses[True] == pytest.approx(losses[False], rel=1e-2)
+    assert losses[True][-1] < losses[True][0]

@@ -645,3 +645,35 @@ def test_cpu_trial_counts_the_bytes_saved_for_backward_exactly() -> None:
     assert run_trial(
         ModeSpec(mode="fp32"), model, double, recipe=recipe, steps=4
     ).record.activation_bytes == 2 * (1024 + 2048 + 2048)
+
+
+class _LeavesAutocastOn(nn.Module):
+    """A forward that raises after turning autocast on, as a mode's island hook does when the
+    module between its two hooks raises (seen on the first GPU run: autocast left on, the fp32
+    reference after it ran in bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            torch.set_autocast_enabled("cpu", True)
+            torch.set_autocast_dtype("cpu", torch.float16)
+            raise RuntimeError("boom between the hooks")
+        return self.linear(x)
+
+
+def test_a_trial_leaves_the_global_autocast_state_as_it_found_it() -> None:
+    task = tasks.regression()
+    batches = [(x, y[:, :16]) for x, y in task.batches[:8]]
+    result = run_trial(
+        ModeSpec(mode="fp32"),
+        _LeavesAutocastOn(),
+        batches,
+        recipe=TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), loss_fn=task.mse),
+        steps=4,
+    )
+    assert result.record.failure is not None and "boom" in result.record.failure.message
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16

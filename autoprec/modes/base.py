@@ -83,8 +83,8 @@ def install_fp32_islands(
                 return output
             return _cast_floats(output, (torch.float32,), output_dtype)
 
-        module.register_forward_pre_hook(enter, with_kwargs=True)
-        module.register_forward_hook(leave)
+        module.register_forward_pre_hook(torch.compiler.disable(enter), with_kwargs=True)
+        module.register_forward_hook(torch.compiler.disable(leave))  # see install_autocast_islands
 
 
 def install_autocast_islands(
@@ -110,8 +110,11 @@ def install_autocast_islands(
             if contexts:
                 contexts.pop().__exit__(None, None, None)
 
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave)
+        # run eagerly under torch.compile: dynamo cannot trace an autocast entered in one hook
+        # and left in another (the exit found no saved state), nor set_autocast_enabled; the
+        # module's graph is compiled under the state the hooks set
+        module.register_forward_pre_hook(torch.compiler.disable(enter))
+        module.register_forward_hook(torch.compiler.disable(leave))
 
 
 class PrecisionMode:
