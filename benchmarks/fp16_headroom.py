@@ -33,7 +33,7 @@ from autoprec.run_setup import HELDOUT_BATCHES
 from autoprec.specs import ModeSpec
 from autoprec.trial_loop import heldout_pass
 from autoprec.trial_measures import max_abs_gradient
-from benchmarks.ground_truth import chosen_tasks, long_run, task_parser
+from benchmarks.ground_truth import long_run, run_arguments
 from benchmarks.ground_truth_tasks import TASKS, GroundTask
 
 TRIAL_STEPS = 200
@@ -98,11 +98,9 @@ def _row(name: str, kind: str, log: RangeLog, shown: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, RangeLog]:
-    parser = task_parser(__doc__, quick="digits_mlp, 500 steps (CI)")
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a run")
-    args = parser.parse_args(argv)
-    names = chosen_tasks(parser, args, default=list(TASKS), quick=["digits_mlp"])
-    steps = 500 if args.quick else args.steps
+    names, steps, parser = run_arguments(
+        __doc__, argv, default=list(TASKS), quick=["digits_mlp"], quick_steps=500
+    )
     if steps < TRIAL_STEPS:
         parser.error(f"--steps must be at least the trial's {TRIAL_STEPS}, got {steps}")
     shown = [c for c in CHECKPOINTS if c <= steps]

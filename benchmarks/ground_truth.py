@@ -326,6 +326,23 @@ def chosen_tasks(
     return names
 
 
+def run_arguments(
+    doc: str,
+    argv: list[str] | None,
+    *,
+    default: Sequence[str],
+    quick: Sequence[str],
+    quick_steps: int,
+) -> tuple[list[str], int, argparse.ArgumentParser]:
+    """(task names, steps, parser) for the benchmarks that train each task ``--steps`` steps
+    (default 2000; ``--quick``: the ``quick`` tasks, ``quick_steps`` steps)."""
+    parser = task_parser(doc, quick=f"{', '.join(quick)}, {quick_steps} steps (CI)")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a run")
+    args = parser.parse_args(argv)
+    names = chosen_tasks(parser, args, default=default, quick=quick)
+    return names, quick_steps if args.quick else args.steps, parser
+
+
 def scoring_arguments(
     doc: str,
     argv: list[str] | None,

@@ -26,7 +26,7 @@ from autoprec.batching import forward_and_loss
 from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import chosen_tasks, task_parser
+from benchmarks.ground_truth import run_arguments
 from benchmarks.ground_truth_tasks import TASKS, GroundTask
 
 WINDOW = 100
@@ -112,11 +112,9 @@ def measure(name: str, steps: int) -> list[Window]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[Window]]:
-    parser = task_parser(__doc__, quick="digits_convnet, 300 steps (CI)")
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the run")
-    args = parser.parse_args(argv)
-    names = chosen_tasks(parser, args, default=DEFAULT_TASKS, quick=["digits_convnet"])
-    steps = 300 if args.quick else args.steps
+    names, steps, _ = run_arguments(
+        __doc__, argv, default=DEFAULT_TASKS, quick=["digits_convnet"], quick_steps=300
+    )
     print(f"pure bf16's movement over {WINDOW} steps from each checkpoint of an fp32 run, as a")
     print("share of fp32's from the same state (never moved: of the weights fp32 moved)")
     results = {}

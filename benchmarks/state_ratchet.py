@@ -31,7 +31,7 @@ import torch
 
 from autoprec.plan import PrecisionPlan
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import chosen_tasks, long_run, task_parser
+from benchmarks.ground_truth import long_run, run_arguments
 from benchmarks.ground_truth_tasks import TASKS
 
 SAMPLED_ELEMENTS = 20_000
@@ -131,11 +131,9 @@ def measure(name: str, steps: int) -> MomentShadows:
 
 
 def main(argv: list[str] | None = None) -> dict[str, MomentShadows]:
-    parser = task_parser(__doc__, quick="digits_mlp, 500 steps (CI)")
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a run")
-    args = parser.parse_args(argv)
-    names = chosen_tasks(parser, args, default=list(TASKS), quick=["digits_mlp"])
-    steps = 500 if args.quick else args.steps
+    names, steps, _ = run_arguments(
+        __doc__, argv, default=list(TASKS), quick=["digits_mlp"], quick_steps=500
+    )
     shown = [c for c in CHECKPOINTS if c <= steps]
     print("update fraction a bf16 second moment lets through (torch / optimi) at step:")
     print(f"{'task':20}" + "".join(f"{c:>14}" for c in shown), flush=True)
