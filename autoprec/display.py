@@ -261,9 +261,8 @@ def quality_table(report: QualityReport) -> Group:
             if spot not in spots:
                 spots.append(spot)
             why.append(f"\n◦ not seen by a short trial: [{spots.index(spot) + 1}]", style="yellow")
-        for note in verdict.notes:
-            if note not in report.checks_not_run:  # those every mode shares: once, below
-                why.append(f"\n◦ {note}", style="dim")
+        for note in report.own_notes(verdict):  # those every mode shares: once, below
+            why.append(f"\n◦ {note}", style="dim")
         table.add_row(Text(verdict.status, style=_SCREEN_STYLE[verdict.status]), why)
     lines: list[Text] = [Text(f"[{n}] {spot}", style="yellow") for n, spot in enumerate(spots, 1)]
     lines += [

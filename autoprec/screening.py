@@ -94,6 +94,10 @@ class QualityReport(BaseModel):
         known = ", ".join(v.label for v in self.verdicts)
         raise KeyError(f"No verdict for {label!r}; checked: {known}.")
 
+    def own_notes(self, verdict: ScreenVerdict) -> list[str]:
+        """``verdict``'s notes but those every mode shares (``checks_not_run``, said once)."""
+        return [note for note in verdict.notes if note not in self.checks_not_run]
+
     def summary(self) -> str:
         """A plain-text table: every mode, safe / unsafe / failed, every reason."""
         lines = [f"quality screen: {self.steps} steps per mode on {self.device}"]
@@ -101,9 +105,7 @@ class QualityReport(BaseModel):
             lines.append(f"{verdict.label:42} {verdict.status}")
             lines.extend(f"    {reason}" for reason in verdict.reasons)
             lines.extend(f"    not seen by a short trial: {spot}" for spot in verdict.blind_spots)
-            lines.extend(
-                f"    note: {note}" for note in verdict.notes if note not in self.checks_not_run
-            )
+            lines.extend(f"    note: {note}" for note in self.own_notes(verdict))
         for skipped in self.not_checked:
             lines.append(f"{skipped.spec.label:42} not checked: {'; '.join(skipped.reasons)}")
         lines.extend(f"note: {note}" for note in self.checks_not_run)

@@ -17,14 +17,19 @@ from autoprec.specs import ModeSpec
 REPO = Path(__file__).parents[1]
 
 
-def test_train_with_profile_runs_and_learns() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "examples.train_with_profile", "--steps", "12"],
+def _run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` in the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
+
+
+def test_train_with_profile_runs_and_learns() -> None:
+    done = _run_module("examples.train_with_profile", "--steps", "12")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("step")]
     first, last = float(lines[0].split()[-1]), float(lines[-1].split()[-1])
@@ -68,22 +73,7 @@ def test_example_smoke_tune_then_after_loop(name: str, tmp_path: Path) -> None:
     )
     assert result.reference.status == "accepted"
     profile = result.profile.save(tmp_path / f"{name}.json")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "examples.loop_autoprec",
-            name,
-            "--profile",
-            str(profile),
-            "--steps",
-            "3",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_module("examples.loop_autoprec", name, "--profile", str(profile), "--steps", "3")
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("loss") == 2  # steps 0 and 2
 
@@ -100,38 +90,20 @@ def test_before_and_after_loops_differ_by_a_few_lines() -> None:
     ]
     code = [line for line in changed if '"""' not in line and "python -m" not in line]
     assert len(code) <= 14, code
-    done = subprocess.run(
-        [sys.executable, "-m", "examples.loop_plain", "raw_param_mlp", "--steps", "3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_module("examples.loop_plain", "raw_param_mlp", "--steps", "3", timeout=120)
     assert done.returncode == 0, done.stderr
 
 
 def test_gpu_validation_script_runs_in_quick_mode() -> None:
     """The script a GPU session runs first; on a CPU it exercises the same code, small."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_validation", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_module("benchmarks.gpu_validation", "--quick")
     assert done.returncode == 0, done.stderr
     assert "fp32 " in done.stdout and "chosen: " in done.stdout
 
 
 def test_lr_schedule_benchmark_runs_in_quick_mode() -> None:
     """The measurement behind the lr legs; --quick keeps it in CI."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.lr_schedule_gate", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_module("benchmarks.lr_schedule_gate", "--quick")
     assert done.returncode == 0, done.stderr
     assert "verdicts matching the long runs:" in done.stdout
     # columns: mode, final loss, truth, then verdict and movement for peak, legs, replay
@@ -245,13 +217,7 @@ def test_trainer_examples_tune_and_apply_in_three_added_lines(script: str) -> No
     added = [line for line in source.splitlines() if line.rstrip().endswith("# autoprec")]
     assert 1 <= len(added) <= 3, added
     assert sum("autoprec" in line for line in source.splitlines() if "import" in line) == 1
-    done = subprocess.run(
-        [sys.executable, "-m", f"examples.{script}", "--smoke"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_module(f"examples.{script}", "--smoke")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trained in " in done.stdout and ": 10 steps" in done.stdout
 
@@ -473,13 +439,7 @@ def test_late_movement_continues_copies_of_the_runs_state() -> None:
 def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
     """The GPU diagnosis of the fp32 reference's speed; on a CPU it runs the same code, small:
     a failed compiled pure-bf16 trial (the hooks as before the fix), then fp32, guard off/on."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_reference_speed", "--quick", "--leak"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_module("benchmarks.gpu_reference_speed", "--quick", "--leak")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("guard")]
     assert len(lines) == 2 and all("no attribute 'prev'" in line for line in lines)
