@@ -12,13 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 from autoprec.outcomes import TrialOutcome
+from autoprec.search import PRUNE_MARGIN
 from autoprec.specs import ModeSpec
 
 logger = logging.getLogger(__name__)
 
-CONFIRM_WITHIN = 0.15
-"""Accepted modes within 15% of the fastest are re-timed side by side before choosing: one
-trial's timing on a shared machine drifts by several percent (allocator and cache state)."""
+CONFIRM_WITHIN = 1 - 1 / (1 + PRUNE_MARGIN)
+"""Accepted modes within 15% of the fastest (samples/s) are re-timed side by side before
+choosing: one trial's timing on a shared machine drifts by several percent (allocator and cache
+state). The same line as the pruning race's (``search.PRUNE_MARGIN``): every mode it lets
+through can be re-timed."""
 CONFIRM_STEPS = 30
 CONFIRM_CONTENDERS = 3
 

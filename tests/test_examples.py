@@ -101,6 +101,18 @@ def test_gpu_validation_script_runs_in_quick_mode() -> None:
     assert "fp32 " in done.stdout and "chosen: " in done.stdout
 
 
+def test_trial_timing_benchmark_runs_in_quick_mode() -> None:
+    """The trial-vs-loop and pruning-race timing a GPU session runs; --quick keeps it in CI."""
+    done = _run_module("benchmarks.trial_timing", "--quick", "--modes", "fp32")
+    assert done.returncode == 0, done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("fp32 "))
+    trial, loop, ratio = float(row[1]), float(row[2]), float(row[3])
+    assert trial > 0 and loop > 0 and ratio == pytest.approx((trial / loop), rel=0.5)
+    assert row[-1].split("/")[1] == "1"  # two trials: one pair raced
+    unknown = _run_module("benchmarks.trial_timing", "--quick", "--modes", "fp64")
+    assert unknown.returncode != 0 and "not a candidate on this machine: fp64" in unknown.stderr
+
+
 def test_lr_schedule_benchmark_runs_in_quick_mode() -> None:
     """The measurement behind the lr legs; --quick keeps it in CI."""
     done = _run_module("benchmarks.lr_schedule_gate", "--quick")

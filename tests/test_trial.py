@@ -157,6 +157,76 @@ def test_nan_is_recorded_with_its_step() -> None:
     assert record.failure.step == 0 and record.steps_run == 0
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: object, value: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
+
+
+def _scaled_gradient_model(
+    scales: dict[int, float], lr: float = 0.0
+) -> tuple[nn.Module, TrainingRecipe]:
+    """A 1x1 linear (weight 1) whose gradient at training step ``k`` is multiplied by
+    ``scales.get(k, 1)``, its loss unchanged; SGD at ``lr`` (0: every step sees the same
+    weights)."""
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.constant_(model.weight, 1.0)
+    calls = [0]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if output.requires_grad:  # a training step, not the held-out pass
+            output = _ScaleGradient.apply(output, scales.get(calls[0], 1.0))
+            calls[0] += 1
+        return (output - target).pow(2).mean()
+
+    recipe = TrainingRecipe(optimizer=lambda p: torch.optim.SGD(p, lr=lr), loss_fn=loss_fn)
+    return model, recipe
+
+
+def test_gradient_maximum_is_read_once_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass over every gradient at every step is work a user's loop does not do (3-8% of a
+    CPU TinyGPT step): the trial reads the maximum at each window's last step only."""
+    import autoprec.trial_loop as trial_loop
+
+    calls: list[int] = []
+    original = trial_loop.max_abs_gradient
+
+    def counted(plan: object, kept: object = ()) -> object:
+        calls.append(1)
+        return original(plan, kept)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trial_loop, "max_abs_gradient", counted)
+    batches = [(torch.tensor([[2.0]]), torch.tensor([[0.0]]))] * 4
+    # step 11 is the last of the window of steps 7-11 (warm-up 0-1, windows of 5): its gradient
+    # is 100x; step 8's, inside a window, is not read
+    model, recipe = _scaled_gradient_model({8: 1000.0, 11: 100.0})
+    record = run_trial(
+        ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=22, window_steps=5
+    ).record
+    assert record.completed, record.failure
+    assert len(record.windows) == 5 and len(calls) == 5  # the warm-up window and 4 others
+    assert record.max_abs_gradient == pytest.approx(2 * 2 * 2 * 100.0)  # 2 * output * input
+
+
+def test_non_finite_gradient_inside_a_window_fails_the_trial() -> None:
+    """A NaN gradient at a step whose maximum is not read (its loss finite) poisons the
+    weights: the next step's loss fails the trial, at that step."""
+    model, recipe = _scaled_gradient_model({8: float("nan")}, lr=0.1)
+    batches = [(torch.tensor([[2.0]]), torch.tensor([[0.0]]))] * 4
+    record = run_trial(
+        ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=22, window_steps=5
+    ).record
+    assert record.failure is not None and record.failure.kind == "non_finite_loss"
+    assert record.failure.step == 9 and record.steps_run == 9
+
+
 def test_exception_in_the_model_is_recorded() -> None:
     task = tasks.regression()
 
