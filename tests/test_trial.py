@@ -191,7 +191,7 @@ def _scaled_gradient_model(
 
 
 def test_gradient_maximum_is_read_once_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pass over every gradient at every step is work a user's loop does not do (3-8% of a
+    """A pass over every gradient at every step is work a user's loop does not do (3-4% of a
     CPU TinyGPT step): the trial reads the maximum at each window's last step only."""
     import autoprec.trial_loop as trial_loop
 
