@@ -51,10 +51,16 @@ def _synchronize(device: str) -> None:
 
 
 def loop_speed(
-    spec: ModeSpec, model: torch.nn.Module, batches: list, steps: int, device: str
+    spec: ModeSpec,
+    model: torch.nn.Module,
+    batches: list,
+    steps: int,
+    device: str,
+    warmup_steps: int = 2,
 ) -> float:
-    """Samples/s of a plain training loop with ``apply()``'s plan: warm-up steps, then
-    ``steps`` steps timed between two synchronizations, nothing read back in between."""
+    """Samples/s of a plain training loop with ``apply()``'s plan: ``warmup_steps`` (as the
+    trial's default), then ``steps`` steps timed between two synchronizations, nothing read
+    back in between."""
     trained = copy.deepcopy(model)
     with warnings.catch_warnings():  # the rebuilt-optimizer warning: no scheduler here
         warnings.simplefilter("ignore", OptimizerRebuiltWarning)
@@ -67,7 +73,7 @@ def loop_speed(
                 loss = plan.model(inputs, targets)
             plan.step(loss)
 
-    train(2)  # warm-up, as the trial's
+    train(warmup_steps)
     _synchronize(device)
     start = time.perf_counter()
     train(steps)

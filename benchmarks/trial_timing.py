@@ -64,11 +64,10 @@ def spread(values: list[float]) -> float:
 def timing_model(quick: bool) -> tuple[str, torch.nn.Module, list]:
     """(device, model, batches): the GPU validation's 59M TinyGPT on a GPU; on a CPU the
     examples' default TinyGPT (0.47M parameters), or the small one with ``quick``."""
-    device, model, batches = validation_model(quick)
-    if device != "cpu" or quick:
-        return device, model, batches
+    if torch.cuda.is_available() or quick:
+        return validation_model(quick)
     model, _ = tiny_gpt.make_model(batch_size=16)
-    return device, model, tiny_gpt.make_batches(count=24, batch_size=16)
+    return "cpu", model, tiny_gpt.make_batches(count=24, batch_size=16)
 
 
 def time_mode(
@@ -101,7 +100,7 @@ def time_mode(
         return record.samples_per_second
 
     def loop() -> float:
-        speed = loop_speed(spec, model, batches, steps - WARMUP_STEPS, device)
+        speed = loop_speed(spec, model, batches, steps - WARMUP_STEPS, device, WARMUP_STEPS)
         timing.loop.append(speed)
         return speed
 
@@ -143,8 +142,6 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, model, batches = timing_model(args.quick)
-    model = model.to(device)
-    batches = [tuple(t.to(device) for t in batch) for batch in batches]
     rounds, steps = (1, 12) if args.quick else (args.rounds, args.steps)
     wanted = (args.modes or "fp32,amp_bf16").split(",")
     candidates = candidate_specs(probe(model, batches[0][0])).specs
