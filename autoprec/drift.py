@@ -74,6 +74,9 @@ class DriftMetrics(BaseModel):
     rounded_beta2: float | None = None
     """beta2 of a second moment kept in low precision with nearest rounding."""
     eval_gap: float | None = None
+    forward_cost: float | None = None
+    """The mode's forward pass alone, relative: held-out loss of the trial's own weights in the
+    mode over the same weights read in fp32, minus 1 (see DriftThresholds.max_forward_cost)."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -190,6 +193,28 @@ def _state_check(
     ]
 
 
+def _forward_cost_check(
+    record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
+) -> list[str]:
+    """The mode's forward pass against the same weights read in fp32: a cost without seed
+    noise, which training longer does not remove (see max_forward_cost)."""
+    read, own = record.heldout_losses_fp32_read, record.heldout_losses
+    if not read or len(read) != len(own):
+        return []
+    read_mean, own_mean = statistics.fmean(read), statistics.fmean(own)
+    if read_mean == 0:
+        return []
+    cost = (own_mean - read_mean) / abs(read_mean)
+    metrics["forward_cost"] = cost
+    if cost <= limits.max_forward_cost:
+        return []
+    return [
+        f"the mode's forward pass alone costs {cost:+.2%} held-out loss ({own_mean:.5g} vs "
+        f"{read_mean:.5g} for the same trained weights read in fp32), beyond "
+        f"{limits.max_forward_cost:.2%}: a precision floor that training longer does not remove"
+    ]
+
+
 def _output_check(
     trial: TrialResult,
     reference: TrialResult,
@@ -264,6 +289,7 @@ def judge(
     movement_reasons, movement_notes = movement_checks(trial, reference, paired, limits, metrics)
     reasons += movement_reasons
     reasons += _state_check(record, limits, metrics)
+    reasons += _forward_cost_check(record, limits, metrics)
     reasons += _output_check(trial, reference, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
         reasons += fp16_risks(record, reference, limits, metrics)
@@ -282,9 +308,16 @@ def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ..
             "no held-out batches: held-out loss and outputs not compared (the late training "
             "loss stands in)",
         )
+    notes = []
     if all(output is None for output in (*reference.heldout_outputs, *trial.heldout_outputs)):
-        return (
+        notes.append(
             "held-out outputs not compared: the model returns only a loss (no logits or other "
-            "prediction tensor); losses, movement and eval_fn are judged",
+            "prediction tensor); losses, movement and eval_fn are judged"
         )
-    return ()
+    record = trial.record
+    if record.spec.mode != "fp32" and record.heldout_losses and not record.heldout_losses_fp32_read:
+        notes.append(
+            "the mode's forward cost not measured: its trained weights did not load into your "
+            "model (the mode renamed parameters), or the fp32 copy did not fit in memory"
+        )
+    return tuple(notes)

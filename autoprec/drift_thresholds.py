@@ -90,6 +90,20 @@ class DriftThresholds(BaseModel):
     (benchmarks/state_rule_beta2.py): the three tasks bf16_kahan hurt, trained again with only
     beta2 changed to 0.95, end within fp32's noise (+0.0%, +1.7%, +0.5%; 0.4-1.5 seed sds),
     and the gate, with no rule to apply, accepts them: the harm was the rounded moment."""
+    max_forward_cost: float = Field(0.01, ge=0)
+    """Reject when the mode's forward pass alone makes the held-out loss worse by more than 1%:
+    the trial's own trained weights, read once by the mode and once by the user's model in
+    plain fp32, on the same held-out batches (``DriftMetrics.forward_cost``). No seed noise
+    enters it: a precision floor (FP8's 3 mantissa bits) that stays however long the run
+    trains. Measured against the ground truth (benchmarks/ground_truth.py, 106 pairs): from the
+    initial weights every pair costs at most 0.52% (emulated FP8 with 8-bit states on the
+    fine-tune, fine in the truth at +0.1%; 0.5% rejected it), and no harmful mode shows a cost
+    there: no verdict moves at 1%. From a late checkpoint (benchmarks/late_checkpoint.py:
+    fp32's weights at 90% of the run, the schedule's lr there) emulated FP8 on the cosine run
+    costs +1.33% (it ends +2.1%: the ground truth's one false accept, which only this check
+    rejects) and with 8-bit states +1.52% (ends +0.8%, fine by the truth's line: one false
+    reject); every other pair at most 0.58% (pure bf16 on the conv net, harmful and rejected
+    anyway). 2% lets the false accept through."""
     max_eval_gap_units: float = Field(3.0, gt=0)
     """Reject when eval_fn (lower is better) is worse than the reference by more than this many
     times the noise run's difference..."""

@@ -26,6 +26,7 @@ from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial_loop import (
     TrainingLoop,
+    heldout_pass,
     leg_steps,
     measure_trained,
     settle,
@@ -150,6 +151,36 @@ def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
     )
 
 
+def _heldout_read_in_fp32(inputs: _TrialInputs, plan: PrecisionPlan) -> list[float] | None:
+    """Held-out losses of the trained copy's own weights read by a plain fp32 model (a fresh
+    copy of the user's, no autocast): beside the mode's own held-out losses, what the mode's
+    forward pass alone costs, with no seed noise in it. None for fp32, where the mode's weights
+    do not map back onto the user's model (a module swap that renames parameters), and where
+    the extra copy does not fit in memory: the trial itself is not failed for it."""
+    if inputs.spec.mode == "fp32" or not inputs.heldout:
+        return None
+    try:
+        reader = deep_copy(inputs.model)
+        missing, _unexpected = reader.load_state_dict(plan.model.state_dict(), strict=False)
+        if missing:
+            return None
+        fp32 = build_plan(
+            ModeSpec(mode="fp32"),
+            reader,
+            torch.optim.SGD(reader.parameters(), lr=0.0),  # never stepped: the plan needs one
+            situation=inputs.situation,
+        )
+        recipe = inputs.recipe
+        losses, _, _ = heldout_pass(
+            fp32, inputs.heldout, inputs.device, recipe.loss_fn, recipe.train_step
+        )
+    except Exception as error:
+        if not _is_oom(error):
+            raise
+        return None
+    return losses
+
+
 def _train_legs(
     loop: TrainingLoop,
     inputs: _TrialInputs,
@@ -199,6 +230,7 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
+            loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, plan)
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
     except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
@@ -347,6 +379,7 @@ def _record(
         skipped_steps=getattr(mode, "skipped_steps", 0),
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,
         heldout_losses=tuple(figures.get("heldout", ())),
+        heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),
         low_precision_moment=figures.get("moment"),
         nearest_rounded_decay=figures.get("decay"),
         eval_score=figures.get("eval"),

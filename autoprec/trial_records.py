@@ -144,6 +144,10 @@ class TrialRecord(BaseModel):
     skipped_steps: int = 0
     final_loss_scale: float | None = None
     heldout_losses: tuple[float, ...] = ()
+    heldout_losses_fp32_read: tuple[float, ...] = ()
+    """The held-out losses of the trial's own trained weights read by the user's model in plain
+    fp32 (empty for fp32 itself): against ``heldout_losses``, the mode's forward-pass cost alone,
+    free of seed noise (the same weights, the same batches)."""
     eval_score: float | None = None
     speed_is_meaningful: bool = True
     """False for emulated FP8: its numerics are real, its speed is not."""

@@ -265,11 +265,13 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pai
             runs=runs,
         )
         relative = (metric - mean) / abs(mean) if math.isfinite(metric) else math.inf
+        cost = verdict.drift.get("forward_cost")
         print(
             f"  {pair.label:32} truth {'HURTS' if pair.truth_hurts else 'fine ':5} "
             f"{metric:.5g} ({relative:+.1%}, {(metric - mean) / (sd or 1e-12):+.1f} sd"
             f"{f', mean of {runs} seeds' if runs > 1 else ''})"
-            f"  gate {pair.gate:6} {pair.outcome:12} {pair.reason[:70]}",
+            f"  gate {pair.gate:6} {pair.outcome:12}"
+            f"{'' if cost is None else f' fwd {cost:+.2%}'} {pair.reason[:70]}",
             flush=True,
         )
         pairs.append(pair)

@@ -14,6 +14,16 @@ from examples import tasks
 STEPS = 150
 
 
+def _replaced(result: TrialResult, **record_fields: object) -> TrialResult:
+    """``result`` with some of its record's fields replaced."""
+    return TrialResult(
+        record=result.record.model_copy(update=record_fields),
+        leg_weights=result.leg_weights,
+        sample_indices=result.sample_indices,
+        heldout_outputs=result.heldout_outputs,
+    )
+
+
 def _trial(task: tasks.Task, spec: ModeSpec, **kwargs: object) -> TrialResult:
     return run_trial(
         spec,
@@ -221,16 +231,11 @@ def test_a_noise_eval_score_of_zero_is_a_score(low_lr: dict) -> None:
     reference, noise = low_lr["reference"], low_lr["noise"]
     trial = low_lr["amp_bf16"]
 
-    def scored(result: TrialResult, score: float) -> TrialResult:
-        record = result.record.model_copy(update={"eval_score": score})
-        return TrialResult(
-            record=record,
-            leg_weights=result.leg_weights,
-            sample_indices=result.sample_indices,
-            heldout_outputs=result.heldout_outputs,
-        )
-
-    verdict = judge(scored(trial, 1.4), scored(reference, 0.5), scored(noise, 0.0))
+    verdict = judge(
+        _replaced(trial, eval_score=1.4),
+        _replaced(reference, eval_score=0.5),
+        _replaced(noise, eval_score=0.0),
+    )
     assert verdict.metrics.eval_gap == pytest.approx(0.9)
     assert not any(r.startswith("eval_fn") for r in verdict.reasons), verdict.reasons
 
@@ -383,3 +388,61 @@ def test_weight_decay_that_rounds_away_is_noted(low_lr: dict) -> None:
     for mode in ("amp_bf16", "bf16_sr", "bf16_kahan"):
         verdict = judge(low_lr[mode], low_lr["reference"], low_lr["noise"])
         assert not any("weight decay" in note for note in verdict.notes), mode
+
+
+def _with_fp32_read(
+    result: TrialResult, own: tuple[float, ...], read: tuple[float, ...]
+) -> TrialResult:
+    return _replaced(result, heldout_losses=own, heldout_losses_fp32_read=read)
+
+
+def test_the_forward_cost_is_read_from_the_trials_own_weights(low_lr: dict) -> None:
+    trial, reference = low_lr["amp_bf16"], low_lr["reference"]
+    assert len(trial.record.heldout_losses_fp32_read) == len(trial.record.heldout_losses) == 4
+    assert reference.record.heldout_losses_fp32_read == ()  # fp32 reads itself
+    verdict = judge(trial, reference, low_lr["noise"])
+    own = sum(trial.record.heldout_losses)
+    read = sum(trial.record.heldout_losses_fp32_read)
+    assert verdict.metrics.forward_cost == pytest.approx(own / read - 1)
+    assert 0 < abs(verdict.metrics.forward_cost) < 0.005  # bf16 autocast: not zero, small
+
+
+def test_a_forward_pass_costing_more_than_one_percent_is_rejected(low_lr: dict) -> None:
+    reference, noise = low_lr["reference"], low_lr["noise"]
+    losses = reference.record.heldout_losses
+    costly = _with_fp32_read(reference, tuple(1.015 * x for x in losses), losses)
+    verdict = judge(costly, reference, noise)
+    assert verdict.metrics.forward_cost == pytest.approx(0.015)
+    assert [r for r in verdict.reasons if "forward pass alone costs +1.50%" in r]
+    assert judge(costly, reference, noise, DriftThresholds(max_forward_cost=0.02)).accepted
+    cheap = _with_fp32_read(reference, tuple(1.008 * x for x in losses), losses)
+    assert judge(cheap, reference, noise).accepted
+
+
+def test_fp8_at_a_converged_loss_is_rejected_for_its_forward_cost() -> None:
+    # the ground truth's false accept: FP8's cost is a precision floor that shows once the loss
+    # is low. From a converged checkpoint (fp32 loss ~0.007) the mode's own weights read by
+    # its FP8 forward lose 20-30% against the same weights read in fp32; bf16 autocast 0.2%
+    task = tasks.regression(lr=1e-3)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=3e-3)
+    for step in range(1500):
+        x, y = task.batches[step % len(task.batches)]
+        optimizer.zero_grad()
+        task.mse(task.model(x), y).backward()
+        optimizer.step()
+    recipe = TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5), loss_fn=task.mse)
+
+    def trial(spec: ModeSpec) -> TrialResult:
+        return run_trial(
+            spec, task.model, task.batches, recipe=recipe, steps=20, heldout=task.heldout
+        )
+
+    reference = trial(ModeSpec(mode="fp32"))
+    fp8 = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", fp8_skip=("0", "6"))
+    verdicts = {
+        spec.mode: judge(trial(spec), reference, reference)
+        for spec in (fp8, ModeSpec(mode="amp_bf16"))
+    }
+    assert verdicts["fp8_torchao"].metrics.forward_cost > 0.05
+    assert any("forward pass alone" in r for r in verdicts["fp8_torchao"].reasons)
+    assert abs(verdicts["amp_bf16"].metrics.forward_cost) < 0.005

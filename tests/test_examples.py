@@ -456,3 +456,22 @@ def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
     lines = [line for line in done.stdout.splitlines() if line.startswith("guard")]
     assert len(lines) == 2 and all("no attribute 'prev'" in line for line in lines)
     assert "cpu autocast after it (enabled, dtype): (False" in lines[1]
+
+
+def test_late_checkpoint_benchmark_checks_from_a_trained_model(tmp_path: Path) -> None:
+    """The gate from fp32's late checkpoint, scored on the cached truth (--quick: 300-step
+    runs, the checkpoint at step 270, 30-step trials); the forward cost read in every
+    verdict, and the confusion at each forward-cost line."""
+    from benchmarks import late_checkpoint
+
+    args = ["--quick", "--tasks", "tiny_lr_finetune", "--cache", str(tmp_path)]
+    rows = late_checkpoint.main(args)
+    assert len(rows) == 12 and {r.task for r in rows} == {"tiny_lr_finetune"}
+    costs = {r.label: r.forward_cost for r in rows}
+    assert costs["fp32+8bit-optim"] == 0.0  # fp32's forward: nothing to compare
+    assert 0 < abs(costs["amp_bf16"]) < 0.01
+    pure = next(r for r in rows if r.label == "bf16_pure")
+    assert pure.truth_hurts and pure.rejected_by_other_checks  # lr 1e-5: updates round away
+    by_line = [late_checkpoint.confusion_by_line(rows, line) for line in late_checkpoint.LINES]
+    assert [fr for _, fr in by_line] == sorted((fr for _, fr in by_line), reverse=True)
+    assert [fa for fa, _ in by_line] == sorted(fa for fa, _ in by_line)

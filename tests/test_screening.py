@@ -152,6 +152,7 @@ def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
     for mode in ("amp_bf16", "bf16_sr", "bf16_sr_kahan", "fp32"):
         assert blind_spots(ModeSpec(mode=mode, optimizer_bits=8 if mode == "fp32" else 32)) == ()
     assert "+2.1%" in FP8_CONVERGED_COST and "fp8_cost_split" in FP8_CONVERGED_COST
+    assert "late_checkpoint" in FP8_CONVERGED_COST  # and what to run instead
 
 
 def test_the_quality_table_prints_each_blind_spot_once() -> None:

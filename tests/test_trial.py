@@ -747,3 +747,31 @@ def test_a_trial_leaves_the_global_autocast_state_as_it_found_it() -> None:
     assert result.record.failure is not None and "boom" in result.record.failure.message
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_the_fp32_read_of_a_trials_weights_never_fails_the_trial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the forward-cost read holds one more copy of the weights: out of memory there leaves
+    # the check unrun (and said), never the trial failed
+    import autoprec.trial as trial_module
+    from autoprec.drift import judge
+
+    task = tasks.regression()
+    options = {"steps": 8, "heldout": task.heldout}
+    reference = _trial_on(task, ModeSpec(mode="fp32"), **options)
+    read = _trial_on(task, ModeSpec(mode="amp_bf16"), **options)
+    assert len(read.record.heldout_losses_fp32_read) == len(task.heldout)
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(trial_module, "heldout_pass", out_of_memory)
+    unread = _trial_on(task, ModeSpec(mode="amp_bf16"), **options)
+    assert unread.record.failure is None
+    assert unread.record.heldout_losses == read.record.heldout_losses
+    assert unread.record.heldout_losses_fp32_read == ()
+    verdict = judge(unread, reference, reference)
+    assert verdict.metrics.forward_cost is None
+    assert any(note.startswith("the mode's forward cost not measured") for note in verdict.notes)
+    assert not any("forward cost" in note for note in judge(read, reference, reference).notes)

@@ -1,0 +1,134 @@
+"""The gate run from a late checkpoint: does it see what it cannot see at a run's start?
+
+The ground truth's one false accept (emulated FP8 on the cosine run, +2.1%) is a precision
+floor that shows only once the loss is low; a trial from the initial weights cannot see it. A
+user who has a late checkpoint of their run (in fp32 or bf16) can run ``autoprec.check()`` from
+it, at the learning rate their run ends at. This benchmark does that for every ground-truth task:
+fp32 seed 0 trains ``--at`` of the run (default 0.9) with the task's schedule, then ``check()``
+screens every mode for ``--trial-steps`` from those weights with the task's optimizer at the
+schedule's lr there (constant). Every verdict is scored against the same long-run truth as
+``benchmarks.ground_truth`` (its cache). Printed: each pair with the mode's forward cost (its own
+trained weights read in the mode vs in fp32), then the confusion matrix with the forward-cost
+check at several lines (``DriftThresholds.max_forward_cost``).
+
+    python -m benchmarks.late_checkpoint [--tasks a,b] [--steps 2000] [--trial-steps 200]
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import autoprec
+from autoprec.drift_thresholds import DriftThresholds
+from autoprec.plan import PrecisionPlan
+from autoprec.screening import QualityReport
+from autoprec.specs import ModeSpec
+from benchmarks.ground_truth import fp32_metrics, hurts, long_run, mode_metric, scoring_arguments
+from benchmarks.ground_truth_tasks import TASKS, GroundTask
+
+LINES = (0.005, 0.01, 0.02, 0.05, math.inf)
+NO_FORWARD_RULE = DriftThresholds(max_forward_cost=math.inf)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    weights: dict[str, torch.Tensor]
+    lrs: tuple[float, ...]
+    """Every parameter group's learning rate for the next step (the task's schedule there)."""
+
+
+def fp32_checkpoint(task: GroundTask, steps: int) -> Checkpoint:
+    """fp32 seed 0 trained ``steps`` steps as the truth trains it (the task's schedule over its
+    whole run): its weights and learning rates there."""
+    plans: list[PrecisionPlan] = []
+    long_run(task, ModeSpec(mode="fp32"), 0, steps, plans.append)
+    (plan,) = plans
+    lrs = tuple(float(group["lr"]) for group in plan.optimizer.param_groups)
+    return Checkpoint(copy.deepcopy(plan.model.state_dict()), lrs)
+
+
+def at_lrs(factory: Callable[..., torch.optim.Optimizer], lrs: tuple[float, ...]) -> Any:
+    """The task's optimizer factory with every group at the checkpoint's lr."""
+
+    def late(params: Any) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        return optimizer
+
+    return late
+
+
+def check_from(task: GroundTask, checkpoint: Checkpoint, trial_steps: int) -> QualityReport:
+    model = copy.deepcopy(task.model)
+    model.load_state_dict(checkpoint.weights)
+    recipe = task.recipe
+    return autoprec.check(
+        model,
+        task.batches,
+        steps=trial_steps,
+        loss_fn=recipe.loss_fn,
+        optimizer=at_lrs(recipe.optimizer, checkpoint.lrs),
+        clip_grad_norm=recipe.clip_grad_norm,
+        eval_fn=task.eval_fn,
+        thresholds=NO_FORWARD_RULE,
+        progress=False,
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    task: str
+    label: str
+    truth_hurts: bool
+    rejected_by_other_checks: bool
+    forward_cost: float
+
+
+def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
+    """(false accepts, false rejects) with the forward-cost check at ``line``."""
+    rejected = [(r.truth_hurts, r.rejected_by_other_checks or r.forward_cost > line) for r in rows]
+    false_accepts = sum(1 for hurt, out in rejected if hurt and not out)
+    false_rejects = sum(1 for hurt, out in rejected if not hurt and out)
+    return false_accepts, false_rejects
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    names, steps, trial_steps, cache = scoring_arguments(__doc__ or "", argv)
+    at = int(0.9 * steps)
+    rows: list[Row] = []
+    for name in names:
+        task = TASKS[name](steps)
+        checkpoint = fp32_checkpoint(task, at)
+        report = check_from(task, checkpoint, trial_steps)
+        fp32 = fp32_metrics(cache, task, steps)
+        print(f"\n{name}: checked from fp32's step {at} at lr {checkpoint.lrs[0]:.3g}", flush=True)
+        for verdict in report.verdicts:
+            if verdict.status == "failed":
+                print(f"  {verdict.label:34} failed: {verdict.reasons[0][:80]}")
+                continue
+            metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
+            harmful = hurts(metric, fp32, runs)
+            cost = verdict.drift.get("forward_cost", 0.0)
+            rows.append(Row(name, verdict.label, harmful, verdict.status == "unsafe", cost))
+            print(
+                f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
+                f"gate {verdict.status:6} fwd {cost:+.2%} {(verdict.reasons or ('',))[0][:60]}",
+                flush=True,
+            )
+    print(f"\n{len(rows)} pairs checked from late checkpoints; by the forward-cost line:")
+    for line in LINES:
+        false_accepts, false_rejects = confusion_by_line(rows, line)
+        shown = "off" if math.isinf(line) else f"{line:.1%}"
+        print(f"  line {shown:>6}: false accepts {false_accepts}, false rejects {false_rejects}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
