@@ -152,10 +152,12 @@ def _thresholds(settings: list[str]) -> Any:
 
 def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """The model, batches and recipe the command line names, as keyword arguments."""
-    from autoprec.factories import load_model, load_object
+    from autoprec.factories import load_model, load_object, load_weights
 
     thresholds = _thresholds(args.threshold)  # before the model loads: a typo fails at once
     model, _ = load_model(args.model)
+    if args.weights:
+        load_weights(model, args.weights)
     return {
         "model": model,
         "loader": _loader(args.data),

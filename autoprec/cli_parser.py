@@ -18,6 +18,13 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LOADER_FACTORY",
         help="factory returning an iterable of batches (a DataLoader, a list)",
     )
+    parser.add_argument(
+        "--weights",
+        metavar="CHECKPOINT.pt",
+        help="a state dict (torch.save) loaded into the model before any trial: check or tune "
+        "from a late checkpoint of your run (with --lr at the lr it ends at) to see costs that "
+        "show only at a low loss, such as FP8's",
+    )
     parser.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
     parser.add_argument(
         "--eval",

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoprec.errors import ModelLoadError
@@ -115,3 +116,69 @@ def load_model(reference: str, *, option: str = "--model") -> tuple[nn.Module, A
         f"{option}: {reference!r}() returned {type(made).__name__}; expected an nn.Module or a "
         "(model, example_input) pair."
     )
+
+
+CHECKPOINT_KEYS = ("model", "state_dict", "model_state_dict")
+"""Where common training scripts put the weights inside a checkpoint dict (nanoGPT: "model")."""
+COMPILED_PREFIX = "_orig_mod."
+"""What a state dict saved from ``torch.compile(model)`` puts before every key."""
+
+
+def _state_dict_in(loaded: Any, path: Path, option: str) -> dict[str, torch.Tensor]:
+    """The weights in a loaded file: a state dict, or one under a common checkpoint key."""
+
+    def weights(value: Any) -> bool:
+        return (
+            isinstance(value, dict)
+            and bool(value)
+            and all(isinstance(tensor, torch.Tensor) for tensor in value.values())
+        )
+
+    if weights(loaded):
+        return loaded
+    if isinstance(loaded, dict):
+        for key in CHECKPOINT_KEYS:
+            if weights(loaded.get(key)):
+                return loaded[key]
+        found = ", ".join(repr(key) for key in list(loaded)[:8]) or "none"
+        raise ModelLoadError(
+            f"{option}: {path} holds a dict without a state dict (keys: {found}); expected "
+            f"torch.save(model.state_dict()) or a checkpoint with the weights under one of "
+            f"{', '.join(repr(key) for key in CHECKPOINT_KEYS)}."
+        )
+    raise ModelLoadError(
+        f"{option}: {path} holds a {type(loaded).__name__}, not a state dict; save the weights "
+        "with torch.save(model.state_dict(), path)."
+    )
+
+
+def load_weights(model: nn.Module, path_text: str, *, option: str = "--weights") -> None:
+    """Load the state dict saved at ``path_text`` into ``model`` (a model the factory just
+    made), every key matched: a late checkpoint of your run to start trials from. The file is
+    read with ``weights_only=True`` (no code runs) and never written."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelLoadError(f"{option}: no file {path_text!r}.")
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file is the same user error
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ModelLoadError(
+            f"{option}: {path} is not a torch.save file of weights "
+            f"({type(error).__name__}: {first})."
+        ) from None
+    state = _state_dict_in(loaded, path, option)
+    if all(key.startswith(COMPILED_PREFIX) for key in state):
+        state = {key[len(COMPILED_PREFIX) :]: value for key, value in state.items()}
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{option}: {path} does not fit the model: missing {missing[:4] or 'none'}, "
+            f"unexpected {unexpected[:4] or 'none'} ({len(missing)} and {len(unexpected)} keys)."
+        )
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:  # shapes
+        first = (str(error).strip().splitlines() or [""])[-1].strip()
+        raise ModelLoadError(f"{option}: {path} does not fit the model: {first}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,19 +85,18 @@ def test_check_refuses_a_requested_mode_it_cannot_run() -> None:
         autoprec.check(task.model, task.batches, loss_fn=task.mse, steps=2)
 
 
+RAW_PARAM_CHECK = [
+    "check",
+    "examples.raw_param_mlp:make_model",
+    "--data",
+    "examples.raw_param_mlp:make_batches",
+    "--loss",
+    "examples.raw_param_mlp:loss_fn",
+]
+
+
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
-    command = [
-        "check",
-        "examples.raw_param_mlp:make_model",
-        "--data",
-        "examples.raw_param_mlp:make_batches",
-        "--loss",
-        "examples.raw_param_mlp:loss_fn",
-        "--steps",
-        "40",
-        "--modes",
-        "bf16_pure,amp_bf16",
-    ]
+    command = [*RAW_PARAM_CHECK, "--steps", "40", "--modes", "bf16_pure,amp_bf16"]
     assert main(command) == 0
     captured = capsys.readouterr()
     assert "Quality screen: 40 steps per mode" in captured.out
@@ -206,3 +206,45 @@ def test_the_quality_table_prints_a_modes_own_notes_under_it_and_shared_ones_onc
     assert text.count(own) == 1 and text.index(own) < text.index("amp_bf16")
     assert text.count(shared) == 1 and text.index(shared) > text.index("amp_bf16")
     assert report.summary().count(shared) == 1 and report.summary().count(own) == 1
+
+
+def test_weights_start_every_trial_from_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --weights: check (or tune) from a late checkpoint of the user's run, as saved by
+    # torch.save(model.state_dict()) or a training script's checkpoint dict
+    import autoprec.screening
+    from examples import raw_param_mlp
+
+    trained, _ = raw_param_mlp.make_model(seed=7)  # other weights than the factory's seed 0
+    compiled_keys = {f"_orig_mod.{k}": v for k, v in trained.state_dict().items()}
+    torch.save({"model": compiled_keys, "iter_num": 1800}, tmp_path / "ckpt.pt")
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(*, model: torch.nn.Module, **kwargs: object) -> object:
+        seen.update({k: v.clone() for k, v in model.state_dict().items()})
+        return real_check(model=model, **kwargs)
+
+    real_check = autoprec.screening.check
+    monkeypatch.setattr(autoprec.screening, "check", capture)
+    command = [*RAW_PARAM_CHECK, "--steps", "4", "--modes", "amp_bf16", "--json"]
+    assert main([*command, "--weights", str(tmp_path / "ckpt.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["verdicts"][0]["spec"]["mode"] == "amp_bf16"
+    assert seen and all(torch.equal(seen[k], v) for k, v in trained.state_dict().items())
+
+    torch.save({"step": 3, "optimizer": {"lr": 0.1}}, tmp_path / "no_weights.pt")
+    torch.save({"w1": torch.zeros(2)}, tmp_path / "other_model.pt")
+    torch.save(trained, tmp_path / "pickled_module.pt")
+    for name, said in [
+        ("missing.pt", "--weights: no file"),
+        ("no_weights.pt", "holds a dict without a state dict (keys: 'step', 'optimizer')"),
+        ("other_model.pt", "does not fit the model: missing ["),
+        ("pickled_module.pt", "is not a torch.save file of weights"),
+    ]:
+        assert main([*command, "--weights", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
+    wrong_shape = {k: torch.zeros(1) for k in trained.state_dict()}
+    torch.save(wrong_shape, tmp_path / "wrong_shape.pt")
+    assert main([*command, "--weights", str(tmp_path / "wrong_shape.pt")]) == 2
+    assert "does not fit the model: size mismatch" in capsys.readouterr().err
