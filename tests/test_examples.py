@@ -125,14 +125,20 @@ def test_lr_schedule_benchmark_runs_in_quick_mode() -> None:
     assert float(pure[4]) > 0.9
 
 
+@pytest.fixture(scope="module")
+def quick_truth_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache of --quick long runs for the benchmarks scored on the same truth."""
+    return tmp_path_factory.mktemp("ground_truth")
+
+
 def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    quick_truth_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The gate scored against long runs (--quick: 2 tasks, 300-step truth, 30-step trials);
     a re-score reads every long run from the cache instead of training it again."""
     from benchmarks import ground_truth
 
-    pairs = ground_truth.main(["--quick", "--cache", str(tmp_path)])
+    pairs = ground_truth.main(["--quick", "--cache", str(quick_truth_cache)])
     out = capsys.readouterr().out
     assert len(pairs) >= 20 and "false accepts" in out
     pure = next(p for p in pairs if p.task == "digits_mlp" and p.label == "bf16_pure")
@@ -144,14 +150,18 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
         raise AssertionError("a cached long run was trained again")
 
     monkeypatch.setattr(ground_truth, "long_run", no_training)
-    again = ground_truth.main(["--quick", "--cache", str(tmp_path), "--tasks", "digits_mlp"])
+    again = ground_truth.main(
+        ["--quick", "--cache", str(quick_truth_cache), "--tasks", "digits_mlp"]
+    )
     truth = {p.label: (p.truth_hurts, p.metric) for p in pairs if p.task == "digits_mlp"}
     assert {p.label: (p.truth_hurts, p.metric) for p in again} == truth
 
     # the threshold sweep judges the gate's trials again under other thresholds, on this truth
     from benchmarks import threshold_sweep
 
-    rows = threshold_sweep.main(["--quick", "--cache", str(tmp_path), "--tasks", "digits_mlp"])
+    rows = threshold_sweep.main(
+        ["--quick", "--cache", str(quick_truth_cache), "--tasks", "digits_mlp"]
+    )
     assert len(rows) == sum(len(values) for values in threshold_sweep.GRID.values())
     outcomes = {(p.truth_hurts, p.gate) for p in again}
     false_accepts = sum(1 for p in again if p.truth_hurts and p.gate == "safe")
@@ -458,13 +468,13 @@ def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
     assert "cpu autocast after it (enabled, dtype): (False" in lines[1]
 
 
-def test_late_checkpoint_benchmark_checks_from_a_trained_model(tmp_path: Path) -> None:
+def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache: Path) -> None:
     """The gate from fp32's late checkpoint, scored on the cached truth (--quick: 300-step
     runs, the checkpoint at step 270, 30-step trials); the forward cost read in every
     verdict, and the confusion at each forward-cost line."""
     from benchmarks import late_checkpoint
 
-    args = ["--quick", "--tasks", "tiny_lr_finetune", "--cache", str(tmp_path)]
+    args = ["--quick", "--tasks", "tiny_lr_finetune", "--cache", str(quick_truth_cache)]
     rows = late_checkpoint.main(args)
     assert len(rows) == 12 and {r.task for r in rows} == {"tiny_lr_finetune"}
     costs = {r.label: r.forward_cost for r in rows}
