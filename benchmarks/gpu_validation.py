@@ -6,9 +6,11 @@ eager and again compiled (``torch.compile``, graphs built and recompiles after w
 the samples/s of the loop a user writes with ``apply()`` (same model, recipe and batches; one
 synchronization at each end of the timed window) and the trial's share of it (``trial/loop``,
 target 0.97-1.03: below it the trial charges the mode for host syncs a real run does not
-make), and its drift verdict against fp32; then a short ``tune()`` under a real recipe
-(nanoGPT's AdamW and cosine schedule, gradient accumulation, clipping). On a CPU
-(``--quick``) it runs the same code on a small model so the script itself stays tested.
+make), the mode's forward cost (its trained weights read in the mode vs in fp32: real FP8's
+precision floor on this model) and its drift verdict against fp32; then a short ``tune()``
+under a real recipe (nanoGPT's AdamW and cosine schedule, gradient accumulation, clipping).
+On a CPU (``--quick``) it runs the same code on a small model so the script itself stays
+tested.
 
 How it was meant to be run on the device machine (torch with CUDA there, no internet):
 
@@ -96,7 +98,7 @@ def mode_table(
     print(
         f"{'mode':34} {'samples/s':>10} {'tokens/s':>11} {'step ms':>8} {'peak MiB':>9} "
         f"{'state MiB':>9} {'loop s/s':>9} {'trial/loop':>10} {'graphs':>6} {'recomp':>6}"
-        "  verdict"
+        f" {'fwd cost':>8}  verdict"
     )
     for spec in specs:
         result = reference if spec == specs[0] else run_trial(spec, model, train, **common)
@@ -121,9 +123,11 @@ def mode_table(
         graphs = "-" if record.compiled_graphs is None else str(record.compiled_graphs)
         recompiles = "-" if record.recompiles is None else str(record.recompiles)
         status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
+        cost = verdict.metrics.forward_cost
+        forward = f"{'-':>8}" if cost is None else f"{cost:+8.2%}"
         print(
             f"{spec.label:34} {speed} {tokens} {step} {peak} {state} {loop:9.1f} {ratio:10.3f}"
-            f" {graphs:>6} {recompiles:>6}  {status}"
+            f" {graphs:>6} {recompiles:>6} {forward}  {status}"
         )
 
 
