@@ -40,6 +40,7 @@ from autoprec.trial_measures import (
     compiled_graph_count,
     memory_now,
     memory_peak,
+    replayed_rng,
     rng_states,
     sample_indices,
     sampled_weights,
@@ -229,8 +230,10 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         settle(loop, inputs.device)
         _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
+            drawn = rng_states(inputs.device)  # a loss that draws noise draws it alike twice
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
-            loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, plan)
+            with replayed_rng(inputs.device, drawn):
+                loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, plan)
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
     except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash

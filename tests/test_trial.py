@@ -775,3 +775,33 @@ def test_the_fp32_read_of_a_trials_weights_never_fails_the_trial(
     assert verdict.metrics.forward_cost is None
     assert any(note.startswith("the mode's forward cost not measured") for note in verdict.notes)
     assert not any("forward cost" in note for note in judge(read, reference, reference).notes)
+
+
+class _Scale(nn.Module):
+    """x * w: no op that autocast lowers, so amp_bf16's forward is fp32's exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_the_fp32_read_draws_the_noise_the_modes_held_out_pass_drew() -> None:
+    # a loss that draws noise (a diffusion loss's timesteps) must draw it alike in both
+    # reads, or the forward cost measures the noise: here the forwards are identical
+    def noisy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output + torch.randn_like(output) - target) ** 2).mean()
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(16, 8), torch.randn(16, 8)) for _ in range(10)]
+    model = _Scale()
+    recipe = TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), loss_fn=noisy_loss)
+    trial = run_trial(
+        ModeSpec(mode="amp_bf16"), model, batches[:6], recipe=recipe, steps=6,
+        heldout=batches[6:],
+    )  # fmt: skip
+    record = trial.record
+    assert len(record.heldout_losses) == 4
+    assert record.heldout_losses_fp32_read == record.heldout_losses
