@@ -162,7 +162,10 @@ def _heldout_read_in_fp32(inputs: _TrialInputs, plan: PrecisionPlan) -> list[flo
         return None
     try:
         reader = deep_copy(inputs.model)
-        missing, _unexpected = reader.load_state_dict(plan.model.state_dict(), strict=False)
+        try:
+            missing, _unexpected = reader.load_state_dict(plan.model.state_dict(), strict=False)
+        except RuntimeError:  # a mode that changed a parameter's shape (packed weights)
+            return None
         if missing:
             return None
         fp32 = build_plan(
