@@ -52,9 +52,10 @@ GRID: dict[str, tuple[float, ...]] = {
     "max_skipped_step_rate": (0.02, 0.1, 0.3),
     "max_eval_gap_units": (2.0, 3.0, 5.0),
     "eval_floor_relative": (0.01, 0.02, 0.05, OFF),
+    "max_forward_cost": (0.005, 0.01, 0.02, OFF),
 }
 """Values tried per threshold; each grid holds the default. Some values turn a check off, to
-show what it alone catches: ``OFF`` for the loss, output and eval_fn bars, a
+show what it alone catches: ``OFF`` for the loss, output, eval_fn and forward-cost bars, a
 ``min_update_fraction`` of 0 (the movement check), a ``max_rounded_beta2`` of 0.9995 (lets
 beta2 = 0.999 through: the optimizer-state rule)."""
 
