@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from autoprec.eligibility import Situation, model_device
-from autoprec.errors import UnsupportedModeError
 from autoprec.model_copies import deep_copy
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
+from autoprec.trial_failures import failure_of, is_oom
 from autoprec.trial_loop import (
     TrainingLoop,
     heldout_pass,
@@ -47,47 +47,12 @@ from autoprec.trial_measures import (
     state_bytes,
 )
 from autoprec.trial_records import (
-    FailureKind,
     StopCheck,
     TrialFailure,
     TrialRecord,
     TrialResult,
     measured_windows,
 )
-
-
-def _is_oom(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text
-    )
-
-
-def _is_compile_error(error: BaseException) -> bool:
-    """An error raised by torch.compile's tracer (dynamo) or compiler (inductor)."""
-    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
-
-
-def _failure_of(error: Exception, step: int | None) -> TrialFailure:
-    if isinstance(error, UnsupportedModeError):
-        return TrialFailure(
-            kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
-        )
-    kind: FailureKind = "out_of_memory" if _is_oom(error) else "exception"
-    message = f"{type(error).__name__}: {_first_line(error)}"
-    if kind == "exception" and _is_compile_error(error):
-        kind = "compile_failed"
-        inner = getattr(error, "inner_exception", None) or error.__cause__
-        if inner is not None:  # the compiler's own error says what failed
-            message += f" {type(inner).__name__}: {_first_line(inner)}"
-        message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
-    return TrialFailure(kind=kind, step=step, message=message)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
 
 
 @dataclass(frozen=True)
@@ -179,7 +144,7 @@ def _heldout_read_in_fp32(inputs: _TrialInputs, plan: PrecisionPlan) -> list[flo
             fp32, inputs.heldout, inputs.device, recipe.loss_fn, recipe.train_step
         )
     except Exception as error:
-        if not _is_oom(error):
+        if not is_oom(error):
             raise
         return None
     return losses
@@ -240,7 +205,7 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
     except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
-        run.failure = _failure_of(error, loop.current_step if loop is not None else None)
+        run.failure = failure_of(error, loop.current_step if loop is not None else None)
     finally:
         del plan, loop
         gc.collect()

@@ -17,7 +17,7 @@ ORDER = [
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "layers", "eligibility",  # facts
     "stochastic_adamw", "optim", "modes", "plan", "testing",        # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
-    "trial_records", "trial_measures", "trial_loop", "trial", "drift_thresholds",
+    "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",
     "drift_movement", "drift_fp16", "drift", "drift_blind_spots",
     "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact

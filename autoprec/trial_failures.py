@@ -1,0 +1,45 @@
+"""What a failed trial's exception was: out of memory, a compiler error, a mode that cannot run,
+or anything else, as a :class:`TrialFailure` with a one-line message."""
+
+from __future__ import annotations
+
+import torch
+
+from autoprec.errors import UnsupportedModeError
+from autoprec.trial_records import FailureKind, TrialFailure
+
+
+def is_oom(error: BaseException) -> bool:
+    """Out of memory: CUDA's allocator, the host's, or a RuntimeError that says so."""
+    if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def _is_compile_error(error: BaseException) -> bool:
+    """An error raised by torch.compile's tracer (dynamo) or compiler (inductor)."""
+    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def failure_of(error: Exception, step: int | None) -> TrialFailure:
+    """The failure ``error`` raised at ``step`` (None: before training) records."""
+    if isinstance(error, UnsupportedModeError):
+        return TrialFailure(
+            kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
+        )
+    kind: FailureKind = "out_of_memory" if is_oom(error) else "exception"
+    message = f"{type(error).__name__}: {_first_line(error)}"
+    if kind == "exception" and _is_compile_error(error):
+        kind = "compile_failed"
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is not None:  # the compiler's own error says what failed
+            message += f" {type(inner).__name__}: {_first_line(inner)}"
+        message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
+    return TrialFailure(kind=kind, step=step, message=message)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
