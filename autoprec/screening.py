@@ -239,7 +239,10 @@ def check(
     torchao runs emulated where the hardware has no FP8 (quality only; no speed figure is
     taken anywhere here). Arguments as in :func:`autoprec.tune`; ``modes`` picks exactly these
     modes (default: every mode, 8-bit optimizer variants included where bitsandbytes works).
-    Your model, its gradients and the global RNG states are left as they were.
+    Your model, its gradients and the global RNG states are left as they were. Trials start
+    from your model's weights: to judge a mode at the loss your run reaches (FP8's precision
+    floor shows only there), pass a model loaded from a late checkpoint of your run and an
+    optimizer at the lr it ends at (``autoprec check --weights``).
 
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
