@@ -485,3 +485,19 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     by_line = [late_checkpoint.confusion_by_line(rows, line) for line in late_checkpoint.LINES]
     assert [fr for _, fr in by_line] == sorted((fr for _, fr in by_line), reverse=True)
     assert [fa for fa, _ in by_line] == sorted(fa for fa, _ in by_line)
+
+
+def test_late_checkpoint_example_rejects_fp8_only_from_the_checkpoint(tmp_path: Path) -> None:
+    """The README's "would FP8 hurt my model at the loss my run reaches?": from the initial
+    weights FP8 passes; from the fp32 run's checkpoint its forward cost rejects it."""
+    from examples import late_checkpoint
+
+    out = tmp_path / "checkpoint.pt"
+    start, late = late_checkpoint.main(["--out", str(out)]).values()
+    assert out.is_file()
+    first, last = ({v.spec.mode: v for v in report.verdicts} for report in (start, late))
+    assert first["fp8_torchao"].status == "safe"
+    assert first["amp_bf16"].status == last["amp_bf16"].status == "safe"
+    fp8 = last["fp8_torchao"]
+    assert fp8.status == "unsafe" and fp8.drift["forward_cost"] > 0.02
+    assert any("forward pass alone costs" in reason for reason in fp8.reasons)
