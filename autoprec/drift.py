@@ -197,21 +197,25 @@ def _forward_cost_check(
     record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
 ) -> list[str]:
     """The mode's forward pass against the same weights read in fp32: a cost without seed
-    noise, which training longer does not remove (see max_forward_cost)."""
+    noise, which training longer does not remove (see max_forward_cost). Near a loss of zero
+    (or a negative one) the absolute floor of the loss checks applies."""
     read, own = record.heldout_losses_fp32_read, record.heldout_losses
     if not read or len(read) != len(own):
         return []
     read_mean, own_mean = statistics.fmean(read), statistics.fmean(own)
-    if read_mean == 0:
-        return []
-    cost = (own_mean - read_mean) / abs(read_mean)
-    metrics["forward_cost"] = cost
-    if cost <= limits.max_forward_cost:
+    difference = own_mean - read_mean
+    cost = f"{difference:+.4g}"
+    if read_mean:
+        metrics["forward_cost"] = difference / abs(read_mean)
+        cost = f"{difference / abs(read_mean):+.2%} ({cost})"
+    allowed = max(limits.max_forward_cost * abs(read_mean), limits.loss_floor_absolute)
+    if difference <= allowed:
         return []
     return [
-        f"the mode's forward pass alone costs {cost:+.2%} held-out loss ({own_mean:.5g} vs "
-        f"{read_mean:.5g} for the same trained weights read in fp32), beyond "
-        f"{limits.max_forward_cost:.2%}: a precision floor that training longer does not remove"
+        f"the mode's forward pass alone costs {cost} held-out loss ({own_mean:.5g} vs "
+        f"{read_mean:.5g} for the same trained weights read in fp32), beyond {allowed:.3g} "
+        f"({limits.max_forward_cost:.0%}, at least {limits.loss_floor_absolute:g}): a precision "
+        "floor that training longer does not remove"
     ]
 
 

@@ -103,7 +103,9 @@ class DriftThresholds(BaseModel):
     costs +1.33% (it ends +2.1%: the ground truth's one false accept, which only this check
     rejects) and with 8-bit states +1.52% (ends +0.8%, fine by the truth's line: one false
     reject); every other pair at most 0.58% (pure bf16 on the conv net, harmful and rejected
-    anyway). 2% lets the false accept through."""
+    anyway). 2% lets the false accept through. The line was set after reading those figures
+    (0.5%, the truth's relative line, was tried first). Near a loss of zero, or a negative one,
+    the cost must also exceed ``loss_floor_absolute``."""
     max_eval_gap_units: float = Field(3.0, gt=0)
     """Reject when eval_fn (lower is better) is worse than the reference by more than this many
     times the noise run's difference..."""

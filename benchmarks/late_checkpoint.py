@@ -92,7 +92,9 @@ class Row:
 
 
 def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
-    """(false accepts, false rejects) with the forward-cost check at ``line``."""
+    """(false accepts, false rejects) with the forward-cost check at ``line`` (relative; the
+    check's absolute floor, ``loss_floor_absolute`` 1e-4, binds on no task here: every
+    held-out loss is above 0.01, and the costs near a line are above 1e-4)."""
     rejected = [(r.truth_hurts, r.rejected_by_other_checks or r.forward_cost > line) for r in rows]
     false_accepts = sum(1 for hurt, out in rejected if hurt and not out)
     false_rejects = sum(1 for hurt, out in rejected if not hurt and out)

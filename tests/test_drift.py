@@ -413,10 +413,23 @@ def test_a_forward_pass_costing_more_than_one_percent_is_rejected(low_lr: dict) 
     costly = _with_fp32_read(reference, tuple(1.015 * x for x in losses), losses)
     verdict = judge(costly, reference, noise)
     assert verdict.metrics.forward_cost == pytest.approx(0.015)
-    assert [r for r in verdict.reasons if "forward pass alone costs +1.50%" in r]
+    assert [r for r in verdict.reasons if "forward pass alone costs +1.50% (" in r]
     assert judge(costly, reference, noise, DriftThresholds(max_forward_cost=0.02)).accepted
     cheap = _with_fp32_read(reference, tuple(1.008 * x for x in losses), losses)
     assert judge(cheap, reference, noise).accepted
+    # near a loss of zero the loss checks' absolute floor (1e-4) applies: +5% of 0.001 is not
+    # a cost, +20% is; a loss of exactly zero has no relative figure, only the absolute one
+    near_zero = (0.001,) * len(losses)
+    for own, accepted in ((0.00105, True), (0.0012, False)):
+        verdict = judge(
+            _with_fp32_read(reference, (own,) * len(losses), near_zero), reference, noise
+        )
+        assert any("forward pass" in r for r in verdict.reasons) is not accepted
+    zero = judge(
+        _with_fp32_read(reference, (0.0002,) * len(losses), (0.0,) * len(losses)), reference, noise
+    )
+    assert zero.metrics.forward_cost is None
+    assert any("forward pass alone costs +0.0002 " in r for r in zero.reasons)
 
 
 def test_fp8_at_a_converged_loss_is_rejected_for_its_forward_cost() -> None:
