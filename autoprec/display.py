@@ -255,6 +255,8 @@ def quality_table(report: QualityReport) -> Group:
     spots: list[str] = []  # each blind spot once, below the table, numbered
     for verdict in report.verdicts:
         why = Text(verdict.label, style="bold")
+        if "forward_cost" in verdict.drift:
+            why.append(f"  forward cost {verdict.drift['forward_cost']:+.2%}", style="dim")
         for reason in verdict.reasons:
             why.append(f"\n• {reason}")
         for spot in verdict.blind_spots:

@@ -102,7 +102,9 @@ class QualityReport(BaseModel):
         """A plain-text table: every mode, safe / unsafe / failed, every reason."""
         lines = [f"quality screen: {self.steps} steps per mode on {self.device}"]
         for verdict in self.verdicts:
-            lines.append(f"{verdict.label:42} {verdict.status}")
+            cost = verdict.drift.get("forward_cost")
+            forward = "" if cost is None else f" (forward cost {cost:+.2%})"
+            lines.append(f"{verdict.label:42} {verdict.status}{forward}")
             lines.extend(f"    {reason}" for reason in verdict.reasons)
             lines.extend(f"    not seen by a short trial: {spot}" for spot in verdict.blind_spots)
             lines.extend(f"    note: {note}" for note in self.own_notes(verdict))

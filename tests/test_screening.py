@@ -61,6 +61,8 @@ def test_check_judges_modes_tune_would_prune_for_speed() -> None:
         assert torch.equal(value, before[name])  # the user's model is untouched
     assert torch.equal(torch.get_rng_state(), rng)
     assert "bf16_pure" in report.summary() and "unsafe" in report.summary()
+    cost = report.verdict("bf16_sr").drift["forward_cost"]
+    assert f"bf16_sr{' ' * 35} safe (forward cost {cost:+.2%})" in report.summary()
 
 
 def test_check_by_default_lists_what_it_cannot_run_here() -> None:
@@ -101,6 +103,7 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert "Quality screen: 40 steps per mode" in captured.out
     assert "bf16_pure" in captured.out and "amp_bf16" in captured.out
+    assert "amp_bf16  forward cost " in captured.out  # same weights, the mode's forward vs fp32
     assert "trial 2/2 bf16_pure · " in captured.err  # progress on stderr
     assert main([*command, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
