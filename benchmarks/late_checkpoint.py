@@ -4,7 +4,7 @@ The ground truth's one false accept (emulated FP8 on the cosine run, +2.1%) is a
 floor that shows only once the loss is low; a trial from the initial weights cannot see it. A
 user who has a late checkpoint of their run (in fp32 or bf16) can run ``autoprec.check()`` from
 it, at the learning rate their run ends at. This benchmark does that for every ground-truth task:
-fp32 seed 0 trains ``--at`` of the run (default 0.9) with the task's schedule, then ``check()``
+fp32 seed 0 trains 90% of the run with the task's schedule, then ``check()``
 screens every mode for ``--trial-steps`` from those weights with the task's optimizer at the
 schedule's lr there (constant). Every verdict is scored against the same long-run truth as
 ``benchmarks.ground_truth`` (its cache). Printed: each pair with the mode's forward cost (its own
