@@ -12,7 +12,8 @@ under a real recipe (nanoGPT's AdamW and cosine schedule, gradient accumulation,
 On a CPU (``--quick``) it runs the same code on a small model so the script itself stays
 tested.
 
-How it was meant to be run on the device machine (torch with CUDA there, no internet):
+How it was meant to be run on the device machine (torch with CUDA there, no internet;
+``bash benchmarks/gpu_session.sh validation`` does this, and the other stages of a GPU session):
 
     here:    bash ../shared/tools/offline-wheels.sh          # .whl/, git-excluded
     device:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\

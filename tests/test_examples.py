@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -501,3 +502,17 @@ def test_late_checkpoint_example_rejects_fp8_only_from_the_checkpoint(tmp_path: 
     fp8 = last["fp8_torchao"]
     assert fp8.status == "unsafe" and fp8.drift["forward_cost"] > 0.02
     assert any("forward pass alone costs" in reason for reason in fp8.reasons)
+
+
+def test_gpu_session_script_runs_a_stage_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    """The lent-GPU session's stages (benchmarks/gpu_session.sh): here its CPU dry run of the
+    GPU tests, whose log comes back under $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    script = ["bash", "benchmarks/gpu_session.sh"]
+    done = subprocess.run(
+        [*script, "tests"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert " passed" in (tmp_path / "tests.txt").read_text()
+    wrong = subprocess.run([*script, "bogus"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "unknown stage 'bogus'" in wrong.stderr

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One stage of a lent-GPU session's checks, each within one device command (10 minutes), its
+# output under $OUT (the device tool brings that folder back). Run from the repository root on
+# the device machine, with the offline wheels carried in .whl/ (../shared/tools/offline-wheels.sh):
+#
+#   bash benchmarks/gpu_session.sh tests        # GPU tests and the mode contract       (~3 min)
+#   bash benchmarks/gpu_session.sh validation   # gpu_validation: every mode, eager and
+#                                               # compiled, trial/loop, forward cost     (~8 min)
+#   bash benchmarks/gpu_session.sh timing       # trial_timing: trial vs loop, 200-step
+#                                               # trials, eager / compiled / 50-step windows
+#   bash benchmarks/gpu_session.sh reference    # gpu_reference_speed incl. --after-each-mode
+#
+# Without $OUT (a CPU dry run) the logs go to runs/gpu_session/; $PYTHON picks the interpreter
+# (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
+# runs out of its time leaves its log, and the script exits with its last command's status.
+set -uo pipefail
+stage=${1:?"usage: $0 tests|validation|timing|reference"}
+case "$stage" in
+  tests|validation|timing|reference) ;;
+  *) echo "unknown stage '$stage': tests, validation, timing or reference" >&2; exit 2 ;;
+esac
+out=${OUT:-runs/gpu_session}
+mkdir -p "$out"
+if command -v nvidia-smi >/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+log="$out/$stage.txt"
+case "$stage" in
+  tests)
+    timeout 560 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+      tests/test_mode_contract.py 2>&1 | tee "$log" ;;
+  validation)
+    timeout 560 "$python" -m benchmarks.gpu_validation --profile-out "$out/gpu-profile.json" \
+      2>&1 | tee "$log" ;;
+  timing)
+    modes=fp32,tf32,amp_bf16,amp_fp16
+    {
+      timeout 180 "$python" -m benchmarks.trial_timing --modes "$modes" --rounds 3 --steps 200
+      timeout 200 "$python" -m benchmarks.trial_timing --modes "$modes" --rounds 3 --steps 200 \
+        --compile
+      timeout 160 "$python" -m benchmarks.trial_timing --modes "$modes" --rounds 3 --steps 200 \
+        --window-steps 50
+    } 2>&1 | tee "$log" ;;
+  reference)
+    timeout 560 "$python" -m benchmarks.gpu_reference_speed --after-each-mode 2>&1 | tee "$log" ;;
+esac
