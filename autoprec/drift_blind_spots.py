@@ -15,11 +15,11 @@ FP8_CONVERGED_COST = (
     "start of a run does not see: in autoprec's long-run benchmark (benchmarks/ground_truth.py), "
     "on a cosine-schedule regression, emulated FP8 passed this gate after 200, 1000 and 2000 "
     "trial steps and ended its 2000-step run +2.1% on test loss (3 seeds, each above all 8 "
-    "fp32 seeds; `python -m benchmarks.fp8_cost_split`). Checked from a late checkpoint of the "
+    "fp32 seeds; `python -m benchmarks.fp8_cost_split`). Checked from a checkpoint at 90% of the "
     "run, the gate rejected it: its forward alone cost +1.33% there "
-    "(`python -m benchmarks.late_checkpoint`). Run the check on a model loaded from a late "
-    "checkpoint of your run, at the lr your run ends at. FP8 failures in LLM training have "
-    "taken ~200B tokens to show (arXiv 2409.12517)"
+    "(`python -m benchmarks.late_checkpoint`). Run the check on a model loaded from a "
+    "checkpoint in the last tenth of your run, at the lr it ends at. FP8 failures in LLM "
+    "training have taken ~200B tokens to show (arXiv 2409.12517)"
 )
 """Measured on our CPU machines (README, "Scored against long runs": the false accept)."""
 

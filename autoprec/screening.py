@@ -243,8 +243,8 @@ def check(
     modes (default: every mode, 8-bit optimizer variants included where bitsandbytes works).
     Your model, its gradients and the global RNG states are left as they were. Trials start
     from your model's weights: to judge a mode at the loss your run reaches (FP8's precision
-    floor shows only there), pass a model loaded from a late checkpoint of your run and an
-    optimizer at the lr it ends at (``autoprec check --weights``).
+    floor shows only there), pass a model loaded from a checkpoint in the last tenth of your
+    run and an optimizer at the lr it ends at (``autoprec check --weights``).
 
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
