@@ -4,22 +4,25 @@ The ground truth's one false accept (emulated FP8 on the cosine run, +2.1%) is a
 floor that shows only once the loss is low; a trial from the initial weights cannot see it. A
 user who has a late checkpoint of their run (in fp32 or bf16) can run ``autoprec.check()`` from
 it, at the learning rate their run ends at. This benchmark does that for every ground-truth task:
-fp32 seed 0 trains 90% of the run with the task's schedule, then ``check()``
+fp32 seed 0 trains ``--at`` of the run (default 0.9; a comma-separated list runs each) with the
+task's schedule, then ``check()``
 screens every mode for ``--trial-steps`` from those weights with the task's optimizer at the
 schedule's lr there (constant). Every verdict is scored against the same long-run truth as
 ``benchmarks.ground_truth`` (its cache). Printed: each pair with the mode's forward cost (its own
 trained weights read in the mode vs in fp32), then the confusion matrix with the forward-cost
 check at several lines (``DriftThresholds.max_forward_cost``).
 
-    python -m benchmarks.late_checkpoint [--tasks a,b] [--steps 2000] [--trial-steps 200]
+    python -m benchmarks.late_checkpoint [--tasks a,b] [--at 0.5,0.9] [--steps 2000]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +88,8 @@ def check_from(task: GroundTask, checkpoint: Checkpoint, trial_steps: int) -> Qu
 @dataclass(frozen=True)
 class Row:
     task: str
+    at: float
+    """The checkpoint's place in the run (0.9: after 90% of its steps)."""
     label: str
     truth_hurts: bool
     rejected_by_other_checks: bool
@@ -101,34 +106,60 @@ def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
     return false_accepts, false_rejects
 
 
+def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], list[str]]:
+    """``--at`` (fractions of the run, each in (0, 1)) and the other arguments."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--at", default="0.9")
+    known, rest = pre.parse_known_args(argv)
+    try:
+        fractions = [float(value) for value in known.at.split(",")]
+    except ValueError:
+        fractions = []
+    if not fractions or not all(0 < f < 1 for f in fractions):
+        raise SystemExit(f"--at: fractions of the run in (0, 1), e.g. 0.5,0.9; got {known.at!r}")
+    return fractions, rest
+
+
+def task_rows(name: str, at: float, steps: int, trial_steps: int, cache: Path) -> list[Row]:
+    task = TASKS[name](steps)
+    checkpoint = fp32_checkpoint(task, int(at * steps))
+    report = check_from(task, checkpoint, trial_steps)
+    fp32 = fp32_metrics(cache, task, steps)
+    print(
+        f"\n{name}: checked from fp32's step {int(at * steps)} at lr {checkpoint.lrs[0]:.3g}",
+        flush=True,
+    )
+    rows = []
+    for verdict in report.verdicts:
+        if verdict.status == "failed":
+            print(f"  {verdict.label:34} failed: {verdict.reasons[0][:80]}")
+            continue
+        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
+        harmful = hurts(metric, fp32, runs)
+        cost = verdict.drift.get("forward_cost", 0.0)
+        rows.append(Row(name, at, verdict.label, harmful, verdict.status == "unsafe", cost))
+        print(
+            f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
+            f"gate {verdict.status:6} fwd {cost:+.2%} {(verdict.reasons or ('',))[0][:60]}",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
-    names, steps, trial_steps, cache = scoring_arguments(__doc__ or "", argv)
-    at = int(0.9 * steps)
+    fractions, rest = checkpoint_fractions(argv)
+    names, steps, trial_steps, cache = scoring_arguments(__doc__ or "", rest)
     rows: list[Row] = []
-    for name in names:
-        task = TASKS[name](steps)
-        checkpoint = fp32_checkpoint(task, at)
-        report = check_from(task, checkpoint, trial_steps)
-        fp32 = fp32_metrics(cache, task, steps)
-        print(f"\n{name}: checked from fp32's step {at} at lr {checkpoint.lrs[0]:.3g}", flush=True)
-        for verdict in report.verdicts:
-            if verdict.status == "failed":
-                print(f"  {verdict.label:34} failed: {verdict.reasons[0][:80]}")
-                continue
-            metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
-            harmful = hurts(metric, fp32, runs)
-            cost = verdict.drift.get("forward_cost", 0.0)
-            rows.append(Row(name, verdict.label, harmful, verdict.status == "unsafe", cost))
+    for at in fractions:
+        at_rows = [row for name in names for row in task_rows(name, at, steps, trial_steps, cache)]
+        print(f"\n{len(at_rows)} pairs checked from {at:.0%} of the run; by the forward-cost line:")
+        for line in LINES:
+            false_accepts, false_rejects = confusion_by_line(at_rows, line)
+            shown = "off" if math.isinf(line) else f"{line:.1%}"
             print(
-                f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
-                f"gate {verdict.status:6} fwd {cost:+.2%} {(verdict.reasons or ('',))[0][:60]}",
-                flush=True,
+                f"  line {shown:>6}: false accepts {false_accepts}, false rejects {false_rejects}"
             )
-    print(f"\n{len(rows)} pairs checked from late checkpoints; by the forward-cost line:")
-    for line in LINES:
-        false_accepts, false_rejects = confusion_by_line(rows, line)
-        shown = "off" if math.isinf(line) else f"{line:.1%}"
-        print(f"  line {shown:>6}: false accepts {false_accepts}, false rejects {false_rejects}")
+        rows += at_rows
     return rows
 
 

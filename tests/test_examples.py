@@ -483,6 +483,14 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     assert 0 < abs(costs["amp_bf16"]) < 0.01
     pure = next(r for r in rows if r.label == "bf16_pure")
     assert pure.truth_hurts and pure.rejected_by_other_checks  # lr 1e-5: updates round away
+    assert {r.at for r in rows} == {0.9}
+    assert late_checkpoint.checkpoint_fractions(["--at", "0.5,0.9", "--quick"]) == (
+        [0.5, 0.9],
+        ["--quick"],
+    )
+    for wrong in ("1.5", "half", "0"):
+        with pytest.raises(SystemExit, match="--at: fractions of the run in"):
+            late_checkpoint.checkpoint_fractions(["--at", wrong])
     by_line = [late_checkpoint.confusion_by_line(rows, line) for line in late_checkpoint.LINES]
     assert [fr for _, fr in by_line] == sorted((fr for _, fr in by_line), reverse=True)
     assert [fa for fa, _ in by_line] == sorted(fa for fa, _ in by_line)
