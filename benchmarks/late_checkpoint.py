@@ -4,10 +4,10 @@ The ground truth's one false accept (emulated FP8 on the cosine run, +2.1%) is a
 floor that shows only once the loss is low; a trial from the initial weights cannot see it. A
 user who has a late checkpoint of their run (in fp32 or bf16) can run ``autoprec.check()`` from
 it, at the learning rate their run ends at. This benchmark does that for every ground-truth task:
-fp32 seed 0 trains ``--at`` of the run (default 0.9; a comma-separated list runs each) with the
-task's schedule, then ``check()``
-screens every mode for ``--trial-steps`` from those weights with the task's optimizer at the
-schedule's lr there (constant). Every verdict is scored against the same long-run truth as
+fp32 seed 0 trains ``--at`` of the run (default 0.9; a comma-separated list runs each, each
+checkpoint trained from the start) with the task's schedule, then ``check()`` screens every
+mode for ``--trial-steps`` from those weights with the task's optimizer at the schedule's lr
+there (constant). Every verdict is scored against the same long-run truth as
 ``benchmarks.ground_truth`` (its cache). Printed: each pair with the mode's forward cost (its own
 trained weights read in the mode vs in fp32), then the confusion matrix with the forward-cost
 check at several lines (``DriftThresholds.max_forward_cost``).
@@ -120,13 +120,14 @@ def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], list[str]
     return fractions, rest
 
 
-def task_rows(name: str, at: float, steps: int, trial_steps: int, cache: Path) -> list[Row]:
-    task = TASKS[name](steps)
+def task_rows(
+    task: GroundTask, at: float, steps: int, trial_steps: int, cache: Path, fp32: list[float]
+) -> list[Row]:
+    """Every mode's verdict from fp32's checkpoint at ``at`` of the run, with its truth."""
     checkpoint = fp32_checkpoint(task, int(at * steps))
     report = check_from(task, checkpoint, trial_steps)
-    fp32 = fp32_metrics(cache, task, steps)
     print(
-        f"\n{name}: checked from fp32's step {int(at * steps)} at lr {checkpoint.lrs[0]:.3g}",
+        f"\n{task.name}: checked from fp32's step {int(at * steps)} at lr {checkpoint.lrs[0]:.3g}",
         flush=True,
     )
     rows = []
@@ -137,7 +138,7 @@ def task_rows(name: str, at: float, steps: int, trial_steps: int, cache: Path) -
         metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
         harmful = hurts(metric, fp32, runs)
         cost = verdict.drift.get("forward_cost", 0.0)
-        rows.append(Row(name, at, verdict.label, harmful, verdict.status == "unsafe", cost))
+        rows.append(Row(task.name, at, verdict.label, harmful, verdict.status == "unsafe", cost))
         print(
             f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
             f"gate {verdict.status:6} fwd {cost:+.2%} {(verdict.reasons or ('',))[0][:60]}",
@@ -150,8 +151,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     fractions, rest = checkpoint_fractions(argv)
     names, steps, trial_steps, cache = scoring_arguments(__doc__ or "", rest)
     rows: list[Row] = []
+    for name in names:  # each task and its fp32 truth built once, for every fraction
+        task = TASKS[name](steps)
+        fp32 = fp32_metrics(cache, task, steps)
+        rows += [
+            row for at in fractions for row in task_rows(task, at, steps, trial_steps, cache, fp32)
+        ]
     for at in fractions:
-        at_rows = [row for name in names for row in task_rows(name, at, steps, trial_steps, cache)]
+        at_rows = [row for row in rows if row.at == at]
         print(f"\n{len(at_rows)} pairs checked from {at:.0%} of the run; by the forward-cost line:")
         for line in LINES:
             false_accepts, false_rejects = confusion_by_line(at_rows, line)
@@ -159,7 +166,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
             print(
                 f"  line {shown:>6}: false accepts {false_accepts}, false rejects {false_rejects}"
             )
-        rows += at_rows
     return rows
 
 

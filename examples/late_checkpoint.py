@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, QualityReport]:
     task = tasks.regression()
     initial = copy.deepcopy(task.model)
     train_and_save(task, args.steps, args.out)
-    checkpoint = tasks.regression().model  # the same architecture, loaded from the file
+    checkpoint = copy.deepcopy(initial)  # the same architecture, loaded from the file
     checkpoint.load_state_dict(torch.load(args.out, weights_only=True)["model"])
     reports = {
         "from the initial weights": screen(task, initial, PEAK_LR),
