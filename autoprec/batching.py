@@ -87,6 +87,21 @@ def prediction(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _scalar(loss: Any, source: str) -> torch.Tensor:
+    """``loss`` when it is one number; else a ValueError saying what ``source`` returned."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    found = (
+        f"a tensor of shape {tuple(loss.shape)}"
+        if isinstance(loss, torch.Tensor)
+        else type(loss).__name__
+    )
+    raise ValueError(
+        f"{source} returned {found}, not a scalar loss: reduce it to one number (e.g. "
+        "reduction='mean' in a torch.nn loss, or .mean())."
+    )
+
+
 def forward_and_loss(
     plan: PrecisionPlan,
     batch: Any,
@@ -100,13 +115,13 @@ def forward_and_loss(
     the loss is ``loss_fn(output, batch)``.
     """
     if train_step is not None:
-        return train_step(plan, batch), None
+        return _scalar(train_step(plan, batch), "train_step(plan, batch)"), None
     if loss_fn is not None:
         if isinstance(batch, tuple | list) and len(batch) >= 2:
             output = _call(plan.model, tuple(batch[:-1]))
-            return loss_fn(output, batch[-1]), output
+            return _scalar(loss_fn(output, batch[-1]), "loss_fn(output, target)"), output
         output = _call(plan.model, batch)
-        return loss_fn(output, batch), output
+        return _scalar(loss_fn(output, batch), "loss_fn(output, batch)"), output
     output = _call(plan.model, batch)
     loss = _loss_from_output(output)
     if loss is None:

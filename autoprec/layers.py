@@ -31,6 +31,7 @@ from autoprec.layer_kinds import (
     linear_dims,
     module_kind,
 )
+from autoprec.weight_dtypes import non_fp32_weights
 
 logger = logging.getLogger(__name__)
 
@@ -198,9 +199,14 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         keep_fp32=_default_keep_fp32(model, attribution.compute_order),
         findings=(),
     )
-    return mix_without_findings.model_copy(
-        update={"findings": tuple(_findings(mix_without_findings))}
-    )
+    findings = _findings(mix_without_findings)
+    if (not_fp32 := non_fp32_weights(model)) is not None:
+        findings.insert(
+            0,
+            f"weights not fp32 ({not_fp32}): tune, check and apply start from fp32 weights; "
+            "pass model.float()",
+        )
+    return mix_without_findings.model_copy(update={"findings": tuple(findings)})
 
 
 def _default_keep_fp32(model: nn.Module, compute_order: list[str]) -> tuple[KeepFp32, ...]:

@@ -23,6 +23,7 @@ from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
+from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
 
 
 class PrecisionPlan:
@@ -235,11 +236,22 @@ def prepare(
     Raises:
         UnsupportedModeError: the mode cannot run here; the message lists every reason. No
             other mode is ever substituted.
+        ValueError: the model's trainable weights are not all fp32 (every mode starts from
+            fp32 weights: AMP on bf16 weights would train as pure bf16).
 
     Warns:
         OptimizerRebuiltWarning: the optimizer was rebuilt and no scheduler was passed: a
             scheduler built on your optimizer would keep driving the old one.
     """
+    found = non_fp32_weights(model) if isinstance(model, nn.Module) else None
+    if found is not None:
+        raise ValueError(
+            f"{spec.label} needs the model's weights in fp32: every mode starts from fp32 "
+            f"weights, and a profile was proven from them. Found {found}. Kept as they are, bf16 "
+            "weights would train as pure bf16 with nearest rounding under AMP, and keep_fp32 "
+            f"modules would not be fp32. "
+            f"{FP32_FIX}"
+        )
     if scheduler is not None:
         for inner in _schedulers(scheduler):  # check before converting anything
             if getattr(inner, "optimizer", None) is not optimizer:

@@ -14,6 +14,7 @@ from torch import nn
 
 from autoprec.model_copies import compiled_in_place
 from autoprec.outcomes import OBJECTIVES
+from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
 
 MAX_BATCHES = 64
 """Batches read from the loader; trials cycle over them."""
@@ -103,6 +104,14 @@ def check_model(model: Any) -> None:
             "The model's parameters are on the meta device (shapes without values): nothing "
             "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
             "initialize it or load a checkpoint."
+        )
+    found = non_fp32_weights(model)
+    if found is not None:
+        raise ValueError(
+            f"The model's weights are not fp32 ({found}). Every mode is judged against an fp32 "
+            "reference trained from these weights, and they would train as they are under "
+            "every mode's name: a bf16 model's 'fp32' reference and AMP modes would be pure "
+            f"bf16 with nearest rounding. {FP32_FIX}"
         )
 
 

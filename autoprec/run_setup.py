@@ -82,7 +82,8 @@ def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
     hint = _reference_hint(failure.message, setup)
-    return ValueError(f"The fp32 reference failed{where}: {failure.message}. {hint}".rstrip())
+    message = failure.message.rstrip(".")
+    return ValueError(f"The fp32 reference failed{where}: {message}. {hint}".rstrip())
 
 
 def _reference_still(result: TrialResult) -> ValueError:

@@ -205,3 +205,10 @@ def test_hf_conv1d_counts_as_linear_and_says_why_fp8_skips_it() -> None:
     assert any(
         "Conv1D" in finding and "nn.Linear modules only" in finding for finding in mix.findings
     )
+
+
+def test_weights_not_in_fp32_are_the_first_finding() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)
+    findings = scan_model(model, torch.randn(2, 16, dtype=torch.bfloat16)).findings
+    assert findings[0].startswith("weights not fp32 (torch.bfloat16 in 4 of 4 trainable tensors")
+    assert not any("not fp32" in f for f in scan_model(model.float(), torch.randn(2, 16)).findings)

@@ -209,6 +209,21 @@ def test_bad_model_or_optimizer() -> None:
         autoprec.prepare(ModeSpec(mode="fp32"), model, None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_sr"])
+def test_a_model_in_bf16_is_refused_before_anything_is_converted(mode: str) -> None:
+    model = _model().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=rf"{mode} needs the model's weights in fp32.*float\(\)"):
+        autoprec.prepare(ModeSpec(mode=mode), model, optimizer)
+    assert all(not module._forward_pre_hooks for module in model.modules())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    model.float()  # the fix the message gives
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)  # bf16_sr's own optimizer
+        plan = autoprec.prepare(ModeSpec(mode=mode), model, optimizer)
+    plan.step(plan.model(torch.randn(4, 16)).square().mean())
+
+
 def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
 

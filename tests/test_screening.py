@@ -87,6 +87,12 @@ def test_check_refuses_a_requested_mode_it_cannot_run() -> None:
         autoprec.check(task.model, task.batches, loss_fn=task.mse, steps=2)
 
 
+def test_check_refuses_a_model_in_fp16() -> None:
+    task = tasks.regression(lr=1e-3)
+    with pytest.raises(ValueError, match=r"torch\.float16 in .*'fp32' reference .*pure bf16"):
+        autoprec.check(task.model.half(), task.batches, loss_fn=task.mse, steps=8)
+
+
 RAW_PARAM_CHECK = [
     "check",
     "examples.raw_param_mlp:make_model",

@@ -14,7 +14,8 @@ PACKAGE = Path(autoprec.__file__).parent
 # fmt: off
 ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
-    "cpu_info", "hardware", "layer_kinds", "layer_flops", "layers", "eligibility",  # facts
+    "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "layers",  # facts
+    "eligibility",
     "stochastic_adamw", "optim", "modes", "plan", "testing",        # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
     "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",

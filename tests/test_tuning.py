@@ -326,6 +326,18 @@ def test_a_loss_without_gradient_is_named_as_such() -> None:
     assert "batches fit the model" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("loss_fn", "found"),
+    [
+        (lambda output, target: (output - target).square(), r"a tensor of shape \(16, 1\)"),
+        (lambda output, target: (_mse(output, target), output), "tuple"),
+    ],
+)
+def test_a_loss_that_is_not_one_number_says_what_it_was(loss_fn: object, found: str) -> None:
+    with pytest.raises(ValueError, match=rf"loss_fn\(output, target\) returned {found}, not a "):
+        tune(_Regressor(), _regression_batches(), budget_minutes=0.2, loss_fn=loss_fn)
+
+
 def test_a_model_that_cannot_be_copied_names_the_attribute() -> None:
     import threading
 
@@ -370,6 +382,16 @@ def test_a_meta_model_and_an_unusable_device_are_refused_up_front() -> None:
             tune(_Regressor(), _regression_batches(), budget_minutes=0.2, device="cuda:0")
     with pytest.raises(ValueError, match="'cpu' or 'cuda:N'"):
         tune(_Regressor(), _regression_batches(), budget_minutes=0.2, device="tpu")
+
+
+def test_a_model_in_bf16_is_refused_and_left_as_it_is() -> None:
+    model = _Regressor().to(torch.bfloat16)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"not fp32 \(torch\.bfloat16 in .*model\.float\(\)"):
+        tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
 def test_a_requested_mode_that_cannot_run_here_is_an_error(tmp_path: Path) -> None:
