@@ -155,6 +155,18 @@ def _translate(
     raise ValueError(f"Unknown optimizer target {target!r}.")
 
 
+def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> str | None:
+    """Why ``optimizer`` cannot be rebuilt for ``target`` (the error rebuilding would raise),
+    or None when every group translates. Builds nothing."""
+    try:
+        kind = source_kind(optimizer)
+        for group in optimizer.param_groups:
+            _translate(kind, {k: v for k, v in group.items() if k != "params"}, target)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's defaults that its constructor accepts (some defaults are internal)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters

@@ -9,15 +9,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoprec.batching import LossFn, to_device
-from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, candidate_specs
+from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, Skipped, candidate_specs
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
 from autoprec.model_copies import deep_copy
+from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import LrPoint, TrainingRecipe
@@ -148,13 +150,18 @@ def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> Non
         return spec.mode + (EIGHT_BIT_SUFFIX if spec.optimizer_bits == 8 else "")
 
     lines = "; ".join(
-        f"{name(skipped.spec)}: {', '.join(skipped.reasons) or 'not eligible'}"
+        f"{name(skipped.spec)}: {', '.join(skipped.reasons).rstrip('.') or 'not eligible'}"
         for skipped in candidates.skipped
     )
     names = ", ".join(name(skipped.spec) for skipped in candidates.skipped)
+    reasons = [reason for skipped in candidates.skipped for reason in skipped.reasons]
+    fix = (
+        "or change the optimizer as the reason says"
+        if reasons and all(reason.startswith(OPTIMIZER_REASON) for reason in reasons)
+        else "or tune where they can run (autoprec probe shows what this machine supports)"
+    )
     raise UnsupportedModeError(
-        f"Requested mode(s) cannot run here: {lines}. Leave {names} out of the modes, or tune "
-        "where they can run (autoprec probe shows what this machine supports).",
+        f"Requested mode(s) cannot run here: {lines}. Leave {names} out of the modes, {fix}.",
         tuple(reason for skipped in candidates.skipped for reason in skipped.reasons),
     )
 
@@ -166,6 +173,26 @@ def _tune_candidates(
     report: ProbeReport, situation: Situation, modes: list[str] | None
 ) -> CandidateList:
     return candidate_specs(report, modes)
+
+
+OPTIMIZER_REASON = "with your optimizer: "
+"""How a skip reason about the recipe's optimizer (not the machine) begins."""
+
+
+def _without_untranslatable(
+    candidates: CandidateList, optimizer: torch.optim.Optimizer
+) -> CandidateList:
+    """Move the candidates that cannot rebuild the recipe's optimizer (stochastic rounding
+    with SGD, 8-bit states for SGD without momentum, an optimizer autoprec cannot translate)
+    to the skipped, with the reason: they would only fail as trials."""
+    kept, skipped = [], list(candidates.skipped)
+    for spec in candidates.specs:
+        problem = mode_for(spec).optimizer_problem(optimizer)
+        if problem is None:
+            kept.append(spec)
+        else:
+            skipped.append(Skipped(spec=spec, reasons=(f"{OPTIMIZER_REASON}{problem}",)))
+    return candidates.model_copy(update={"specs": tuple(kept), "skipped": tuple(skipped)})
 
 
 def setup_run(
@@ -196,6 +223,7 @@ def setup_run(
         backends=report.backends,
     )
     candidates = (select or _tune_candidates)(report, situation, modes)
+    candidates = _without_untranslatable(candidates, recipe.make_optimizer(model, trial_model))
     refuse_unrunnable(candidates, modes)
     if shared.get("compile"):
         compiled = tuple(spec.model_copy(update={"compile": True}) for spec in candidates.specs)

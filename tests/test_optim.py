@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.optim import named_groups, rebuild_optimizer, source_kind
+from autoprec.optim import named_groups, rebuild_optimizer, source_kind, translation_problem
 
 
 def _model() -> nn.Module:
@@ -148,3 +148,23 @@ def test_parameters_found_by_name_after_a_swap() -> None:
     rebuilt = rebuild_optimizer(optimizer, groups, model, "same")
     assert rebuilt.param_groups[0]["params"][0] is replacement.weight
     assert rebuilt.param_groups[0]["lr"] == 5e-4
+
+
+def test_translation_problem_is_the_error_a_rebuild_would_raise_without_building() -> None:
+    parameters = list(_model().parameters())
+    adamw = torch.optim.AdamW(parameters)
+    assert translation_problem(adamw, "stochastic") is None
+    assert translation_problem(adamw, "bnb_8bit") is None
+    sgd = torch.optim.SGD(parameters, lr=0.1)
+    assert "support torch.optim.AdamW and torch.optim.Adam, not SGD" in (
+        translation_problem(sgd, "stochastic_kahan") or ""
+    )
+    assert "SGD without momentum keeps no optimizer state" in (
+        translation_problem(sgd, "bnb_8bit") or ""
+    )
+    assert translation_problem(sgd, "optimi_kahan") is None
+    rmsprop = torch.optim.RMSprop(parameters)
+    assert "cannot translate torch.optim.rmsprop.RMSprop" in (
+        translation_problem(rmsprop, "optimi_kahan") or ""
+    )
+    assert not adamw.state and not sgd.state

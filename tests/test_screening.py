@@ -77,6 +77,30 @@ def test_check_by_default_lists_what_it_cannot_run_here() -> None:
         assert any(label.startswith("fp8_torchao") for label in labels)  # emulated
 
 
+def test_modes_that_cannot_rebuild_the_optimizer_are_not_checked_with_the_reason() -> None:
+    task = tasks.regression(lr=1e-3)
+
+    def sgd(parameters: object) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=1e-2, momentum=0.9)  # type: ignore[arg-type]
+
+    batches = task.batches + task.heldout
+    report = autoprec.check(task.model, batches, loss_fn=task.mse, steps=4, optimizer=sgd)
+    labels = {v.label for v in report.verdicts}
+    assert {"amp_bf16", "bf16_pure", "bf16_kahan"} <= labels
+    assert not labels & {"bf16_sr", "bf16_sr_kahan"}
+    skipped = {s.spec.label: s.reasons for s in report.not_checked}
+    assert skipped["bf16_sr"][0].startswith("with your optimizer: Stochastic-rounding modes")
+    assert "bf16_sr_kahan" in skipped
+    assert all(v.status != "failed" for v in report.verdicts)
+    with pytest.raises(
+        autoprec.UnsupportedModeError,
+        match=r"bf16_sr: with your optimizer: .*not SGD.*change the optimizer as the reason says",
+    ):
+        autoprec.check(
+            task.model, batches, loss_fn=task.mse, steps=4, optimizer=sgd, modes=["bf16_sr"]
+        )
+
+
 def test_check_refuses_a_requested_mode_it_cannot_run() -> None:
     task = tasks.regression(lr=1e-3)
     if torch.cuda.is_available():

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from autoprec.eligibility import Situation, mode_eligibility, optimizer_8bit_eligibility
-from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer
+from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer, translation_problem
 from autoprec.specs import ModeName, ModeSpec, matches_keep_fp32
 
 __all__ = ["PrecisionMode", "install_autocast_islands", "install_fp32_islands", "override"]
@@ -207,11 +207,21 @@ class PrecisionMode:
         self.device_type = "cpu" if parameter is None else parameter.device.type
         return model
 
+    @property
+    def rebuilt_optimizer_target(self) -> OptimizerTarget | None:
+        """The implementation this mode rebuilds the user's optimizer as; None: it keeps it."""
+        return "bnb_8bit" if self.spec.optimizer_bits == 8 else self.optimizer_target
+
+    def optimizer_problem(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Why this mode cannot rebuild ``optimizer`` (its class or options), or None."""
+        target = self.rebuilt_optimizer_target
+        return None if target is None else translation_problem(optimizer, target)
+
     def convert_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, groups: list[NamedGroup]
     ) -> torch.optim.Optimizer:
         """The optimizer this mode trains with, over ``model``'s (possibly new) parameters."""
-        target = "bnb_8bit" if self.spec.optimizer_bits == 8 else self.optimizer_target
+        target = self.rebuilt_optimizer_target
         if target is None:
             current = {id(p) for p in model.parameters()}
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
