@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoprec._imports import require
-from autoprec.stochastic_adamw import StochasticAdamW
+from autoprec.stochastic_optim import StochasticAdamW, StochasticSGD
 
 OptimizerTarget = Literal["same", "bnb_8bit", "optimi_kahan", "stochastic", "stochastic_kahan"]
 """What to rebuild into: the user's own class (new parameter objects only), bitsandbytes
@@ -33,8 +33,8 @@ _TARGET_NAMES: dict[OptimizerTarget, str] = {
     "same": "the same optimizer class",
     "bnb_8bit": "bitsandbytes 8-bit states",
     "optimi_kahan": "torch-optimi with Kahan summation",
-    "stochastic": "stochastic-rounding AdamW",
-    "stochastic_kahan": "stochastic-rounding AdamW with Kahan summation",
+    "stochastic": "stochastic-rounding Adam/SGD",
+    "stochastic_kahan": "stochastic-rounding Adam/SGD with Kahan summation",
 }
 
 
@@ -100,7 +100,10 @@ def _translate(
     if kind in ("adam", "adamw"):
         _refuse(options, target, amsgrad=False, maximize=False)
     else:
-        _refuse(options, target, nesterov=False, maximize=False, dampening=0)
+        if target in ("stochastic", "stochastic_kahan"):  # SGD's own options all translate
+            _refuse(options, target, maximize=False)
+        else:
+            _refuse(options, target, nesterov=False, maximize=False, dampening=0)
     if target == "bnb_8bit":
         bnb = require("bitsandbytes")
         if kind == "sgd":
@@ -144,10 +147,10 @@ def _translate(
         return (optimi.AdamW if kind == "adamw" else optimi.Adam), translated
     if target in ("stochastic", "stochastic_kahan"):
         if kind == "sgd":
-            raise TypeError(
-                "Stochastic-rounding modes (bf16_sr, bf16_sr_kahan) support torch.optim.AdamW "
-                "and torch.optim.Adam, not SGD; try bf16_kahan (torch-optimi supports SGD)."
-            )
+            keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+            translated = {key: options[key] for key in keys}
+            translated["kahan"] = target == "stochastic_kahan"
+            return StochasticSGD, translated
         translated = _adam_options(options)
         translated["decoupled_weight_decay"] = kind == "adamw"
         translated["kahan"] = target == "stochastic_kahan"

@@ -182,9 +182,9 @@ OPTIMIZER_REASON = "with your optimizer: "
 def _without_untranslatable(
     candidates: CandidateList, optimizer: torch.optim.Optimizer
 ) -> CandidateList:
-    """Move the candidates that cannot rebuild the recipe's optimizer (stochastic rounding
-    with SGD, 8-bit states for SGD without momentum, an optimizer autoprec cannot translate)
-    to the skipped, with the reason: they would only fail as trials."""
+    """Move the candidates that cannot rebuild the recipe's optimizer (8-bit states for SGD
+    without momentum, an optimizer autoprec cannot translate) to the skipped, with the reason:
+    they would only fail as trials."""
     kept, skipped = [], list(candidates.skipped)
     for spec in candidates.specs:
         problem = mode_for(spec).optimizer_problem(optimizer)

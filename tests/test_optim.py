@@ -89,10 +89,16 @@ def test_sgd() -> None:
     assert type(eight).__name__ == "SGD8bit" and eight.param_groups[0]["momentum"] == 0.9
     kahan = rebuild_optimizer(sgd, groups, model, "optimi_kahan")
     assert kahan.param_groups[0]["torch_init"] is True  # torch's momentum initialisation
-    with pytest.raises(
-        TypeError, match=r"support torch\.optim\.AdamW and torch\.optim\.Adam, not SGD"
-    ):
-        rebuild_optimizer(sgd, groups, model, "stochastic")
+    stochastic = rebuild_optimizer(sgd, groups, model, "stochastic_kahan")
+    assert type(stochastic).__name__ == "StochasticSGD"
+    group = stochastic.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.1, 0.9, 1e-4)
+    assert group["kahan"] is True and group["nesterov"] is False
+    nesterov = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    rebuilt = rebuild_optimizer(nesterov, named_groups(nesterov, model), model, "stochastic")
+    assert rebuilt.param_groups[0]["nesterov"] is True  # translates here, not to 8 bit
+    with pytest.raises(ValueError, match="nesterov=True has no equivalent in bitsandbytes"):
+        rebuild_optimizer(nesterov, named_groups(nesterov, model), model, "bnb_8bit")
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="SGD without momentum keeps no optimizer state"):
         rebuild_optimizer(plain, named_groups(plain, model), model, "bnb_8bit")
@@ -156,9 +162,7 @@ def test_translation_problem_is_the_error_a_rebuild_would_raise_without_building
     assert translation_problem(adamw, "stochastic") is None
     assert translation_problem(adamw, "bnb_8bit") is None
     sgd = torch.optim.SGD(parameters, lr=0.1)
-    assert "support torch.optim.AdamW and torch.optim.Adam, not SGD" in (
-        translation_problem(sgd, "stochastic_kahan") or ""
-    )
+    assert translation_problem(sgd, "stochastic_kahan") is None
     assert "SGD without momentum keeps no optimizer state" in (
         translation_problem(sgd, "bnb_8bit") or ""
     )

@@ -77,28 +77,52 @@ def test_check_by_default_lists_what_it_cannot_run_here() -> None:
         assert any(label.startswith("fp8_torchao") for label in labels)  # emulated
 
 
-def test_modes_that_cannot_rebuild_the_optimizer_are_not_checked_with_the_reason() -> None:
+def test_stochastic_rounding_keeps_sgds_updates_where_nearest_rounding_loses_them() -> None:
     task = tasks.regression(lr=1e-3)
 
     def sgd(parameters: object) -> torch.optim.Optimizer:
-        return torch.optim.SGD(parameters, lr=1e-2, momentum=0.9)  # type: ignore[arg-type]
+        return torch.optim.SGD(parameters, lr=1e-4, momentum=0.9)  # type: ignore[arg-type]
+
+    report = autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        steps=60,
+        optimizer=sgd,
+        modes=["bf16_pure", "bf16_sr", "bf16_sr_kahan"],
+    )
+    pure = report.verdict("bf16_pure")
+    assert pure.status == "unsafe" and pure.drift["update_fraction"] < 0.1
+    for label in ("bf16_sr", "bf16_sr_kahan"):
+        verdict = report.verdict(label)
+        assert verdict.status == "safe", verdict.reasons
+        assert verdict.drift["update_fraction"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_modes_that_cannot_rebuild_the_optimizer_are_not_checked_with_the_reason() -> None:
+    task = tasks.regression(lr=1e-3)
+
+    def rmsprop(parameters: object) -> torch.optim.Optimizer:
+        return torch.optim.RMSprop(parameters, lr=1e-3)  # type: ignore[arg-type]
 
     batches = task.batches + task.heldout
-    report = autoprec.check(task.model, batches, loss_fn=task.mse, steps=4, optimizer=sgd)
-    labels = {v.label for v in report.verdicts}
-    assert {"amp_bf16", "bf16_pure", "bf16_kahan"} <= labels
-    assert not labels & {"bf16_sr", "bf16_sr_kahan"}
-    skipped = {s.spec.label: s.reasons for s in report.not_checked}
-    assert skipped["bf16_sr"][0].startswith("with your optimizer: Stochastic-rounding modes")
-    assert "bf16_sr_kahan" in skipped
-    assert all(v.status != "failed" for v in report.verdicts)
+    modes = ["amp_bf16", "bf16_pure", "bf16_sr", "bf16_kahan", "fp32+8bit-optim"]
     with pytest.raises(
         autoprec.UnsupportedModeError,
-        match=r"bf16_sr: with your optimizer: .*not SGD.*change the optimizer as the reason says",
+        match=r"bf16_sr: with your optimizer: autoprec cannot translate torch\.optim\.rmsprop"
+        r".*change the optimizer as the reason says",
     ):
         autoprec.check(
-            task.model, batches, loss_fn=task.mse, steps=4, optimizer=sgd, modes=["bf16_sr"]
+            task.model, batches, loss_fn=task.mse, steps=4, optimizer=rmsprop, modes=modes
         )
+    report = autoprec.check(task.model, batches, loss_fn=task.mse, steps=4, optimizer=rmsprop)
+    labels = {v.label for v in report.verdicts}
+    assert {"amp_bf16", "bf16_pure"} <= labels  # they keep your optimizer class
+    skipped = {s.spec.label: s.reasons for s in report.not_checked}
+    for label in ("bf16_sr", "bf16_kahan", "bf16_sr_kahan", "fp32+8bit-optim"):
+        assert label not in labels
+        assert skipped[label][0].startswith("with your optimizer: autoprec cannot translate")
+    assert all(v.status != "failed" for v in report.verdicts)
 
 
 def test_check_refuses_a_requested_mode_it_cannot_run() -> None:

@@ -111,7 +111,7 @@ class Bf16PureMode(PrecisionMode):
 
 
 class Bf16SrMode(Bf16PureMode):
-    """bf16 weights; AdamW/Adam updates computed in fp32 and rounded stochastically."""
+    """bf16 weights; AdamW/Adam/SGD updates computed in fp32 and rounded stochastically."""
 
     name = "bf16_sr"
     optimizer_target = "stochastic"
@@ -128,7 +128,7 @@ class Bf16KahanMode(Bf16PureMode):
 
 
 class Bf16SrKahanMode(Bf16PureMode):
-    """bf16 weights; stochastic rounding plus a Kahan buffer (AdamW, Adam)."""
+    """bf16 weights; stochastic rounding plus a Kahan buffer (AdamW, Adam, SGD)."""
 
     name = "bf16_sr_kahan"
     optimizer_target = "stochastic_kahan"

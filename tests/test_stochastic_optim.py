@@ -1,21 +1,31 @@
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from autoprec.stochastic_adamw import StochasticAdamW
+from autoprec.stochastic_optim import StochasticAdamW, StochasticSGD
 
 
 @pytest.mark.parametrize(
     ("cls", "decoupled"), [(torch.optim.AdamW, True), (torch.optim.Adam, False)]
 )
 def test_fp32_parameters_follow_torch_exactly(cls: type, decoupled: bool) -> None:
+    options = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.05}
+    _assert_follows(
+        lambda p: StochasticAdamW(p, decoupled_weight_decay=decoupled, **options),
+        lambda p: cls(p, **options),
+    )
+
+
+def _assert_follows(ours_from: Callable, theirs_from: Callable) -> None:
+    """20 steps of both optimizers on the same fp32 weights and gradients end equal."""
     torch.manual_seed(0)
     ours = torch.nn.Parameter(torch.randn(64, 32))
     theirs = torch.nn.Parameter(ours.detach().clone())
-    options = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.05}
-    a = StochasticAdamW([ours], decoupled_weight_decay=decoupled, **options)
-    b = cls([theirs], **options)
+    a, b = ours_from([ours]), theirs_from([theirs])
     for step in range(20):
         grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
         ours.grad, theirs.grad = grad.clone(), grad.clone()
@@ -74,7 +84,7 @@ def test_a_checkpoint_carries_the_rounding_stream() -> None:
     weight = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
     optimizer = StochasticAdamW([weight], lr=1e-4, seed=3)
     _steps(optimizer, weight, 3)
-    saved_weight, saved = weight.detach().clone(), optimizer.state_dict()
+    saved_weight, saved = weight.detach().clone(), copy.deepcopy(optimizer.state_dict())
     assert set(saved["rounding_rng"]) == {"cpu"}
     _steps(optimizer, weight, 3)
     resumed = torch.nn.Parameter(saved_weight.clone())
@@ -93,3 +103,71 @@ def test_a_checkpoint_carries_the_rounding_stream() -> None:
     _steps(fresh, bf16, 2)
     assert fresh.state[bf16]["compensation"].dtype == torch.bfloat16  # Kahan stays on
     assert fresh.state[bf16]["exp_avg_sq"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"momentum": 0.9, "weight_decay": 0.05},
+        {"momentum": 0.9, "dampening": 0.1},
+        {"momentum": 0.8, "nesterov": True, "weight_decay": 0.01},
+        {},
+    ],
+)
+def test_sgd_fp32_parameters_follow_torch_exactly(options: dict) -> None:
+    _assert_follows(
+        lambda p: StochasticSGD(p, lr=1e-2, **options),
+        lambda p: torch.optim.SGD(p, lr=1e-2, **options),
+    )
+
+
+def test_sgd_stochastic_rounding_keeps_updates_that_nearest_rounding_loses() -> None:
+    """SGD steps of 1e-4 on weights of 1.0 (half a bf16 ulp there is 0.0039)."""
+    steps, lr = 200, 1e-4
+    results = {}
+    for name, make in {
+        "nearest": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        "sr": lambda p: StochasticSGD(p, lr=lr, momentum=0.9),
+        "sr_kahan": lambda p: StochasticSGD(p, lr=lr, momentum=0.9, kahan=True),
+        "fp32": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+    }.items():
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16
+        weight = torch.nn.Parameter(torch.ones(4096, dtype=dtype))
+        optimizer = make([weight])
+        for _ in range(steps):
+            weight.grad = torch.full_like(weight, 0.1)  # momentum grows the step to 1e-4
+            optimizer.step()
+        results[name] = (1.0 - weight.detach().float()).mean().item()
+        if name != "fp32":
+            assert optimizer.state[weight]["momentum_buffer"].dtype == torch.bfloat16
+    assert results["nearest"] == 0.0
+    assert results["sr"] == pytest.approx(results["fp32"], rel=0.1)
+    assert results["sr_kahan"] == pytest.approx(results["fp32"], rel=0.02)
+
+
+def test_sgd_draws_from_its_own_stream_and_resumes_it() -> None:
+    weight = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    optimizer = StochasticSGD([weight], lr=1e-4, momentum=0.9, seed=3)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    assert torch.equal(torch.get_rng_state(), before)  # the global stream is untouched
+    saved, kept = copy.deepcopy(optimizer.state_dict()), weight.detach().clone()  # as saved
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    uninterrupted = weight.detach().clone()
+    resumed = torch.nn.Parameter(kept)
+    again = StochasticSGD([resumed], lr=1e-4, momentum=0.9, seed=3)
+    again.load_state_dict(saved)
+    resumed.grad = torch.ones_like(resumed)
+    again.step()
+    assert torch.equal(resumed.detach(), uninterrupted)
+
+
+def test_sgd_invalid_arguments() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="Nesterov momentum requires"):
+        StochasticSGD([weight], nesterov=True)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        StochasticSGD([weight], lr=-1.0)

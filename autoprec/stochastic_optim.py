@@ -1,0 +1,264 @@
+"""Adam/AdamW and SGD with torch's exact semantics whose bf16 updates are rounded
+stochastically.
+
+Used by ``bf16_sr`` and ``bf16_sr_kahan``. The rounding primitive is torchastic's
+``copy_stochastic_``. torchastic's own AdamW is not used: it refuses fp32 parameters (so
+``keep_fp32`` modules could not be trained alongside) and scales weight decay by the
+bias-corrected step size, which would be a silent hyper-parameter change against the user's
+``torch.optim.AdamW``. Here every parameter is updated in fp32 arithmetic exactly as torch's
+(non-amsgrad) Adam/AdamW or SGD does; bf16 parameters and their optimizer state are then written
+back with stochastic rounding, optionally with a Kahan compensation buffer that carries what the
+rounding lost into the next step. fp32 parameters are updated normally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from autoprec._imports import require
+
+
+class _StochasticOptimizer(torch.optim.Optimizer):
+    """What both optimizers share: the rounding writes, the step loop over parameters, and the
+    rounding noise drawn from the optimizer's own random stream, saved in its state dict."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int) -> None:
+        self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
+        self._seed = seed
+        self._rng_states: dict[str, torch.Tensor] = {}
+        self._cuda_devices: list[int] = []
+        super().__init__(params, defaults)
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _write(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        if target.dtype == torch.bfloat16:
+            self._copy_stochastic(target, value)
+        else:
+            target.copy_(value)
+
+    def _start_weight(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The weight in fp32, plus its Kahan compensation when the group keeps one (created
+        at the first step, and after loading the state of an optimizer without one)."""
+        state = self.state[param]
+        if group["kahan"] and param.dtype == torch.bfloat16 and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(param)
+        weight = param.float()
+        compensation = state.get("compensation")
+        if compensation is not None:
+            weight.add_(compensation.float())
+        return weight
+
+    def _finish_weight(self, param: torch.Tensor, weight: torch.Tensor) -> None:
+        """Write the updated fp32 weight back, keeping what rounding lost as compensation."""
+        self._write(param, weight)
+        compensation = self.state[param].get("compensation")
+        if compensation is not None:
+            compensation.copy_(weight - param.float())
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus the rounding stream (``"rounding_rng"``): a run resumed
+        from a checkpoint draws the rounding noise an uninterrupted run would draw, not the
+        stream's start again (which would repeat the first steps' noise)."""
+        state = super().state_dict()
+        state["rounding_rng"] = {device: rng.clone() for device, rng in self._rng_states.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's optimizer state and, when the checkpoint carries one, the rounding
+        stream (checkpoints of torch's own AdamW have none: the stream starts from ``seed``)."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("rounding_rng", None) or {}
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch's AdamW groups lack our options ("kahan")
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self._rng_states = {device: rng.clone() for device, rng in saved.items()}
+        self._cuda_devices = self._parameter_cuda_devices()
+
+    def _parameter_cuda_devices(self) -> list[int]:
+        return sorted(
+            {
+                p.device.index or 0
+                for group in self.param_groups
+                for p in group["params"]
+                if p.device.type == "cuda"
+            }
+        )
+
+    @contextlib.contextmanager
+    def _own_random_stream(self) -> Iterator[None]:
+        """Draw the rounding noise from this optimizer's own stream (seeded by ``seed``), never
+        from the global one: the model's random draws (dropout, diffusion noise) then match an
+        fp32 run's step for step. torchastic draws with ``randint_like`` from the global RNG,
+        so the global state is swapped for ours around the step and restored after it."""
+        if not self._rng_states:  # first step: the devices the parameters live on
+            self._cuda_devices = self._parameter_cuda_devices()
+        devices = self._cuda_devices
+        with torch.random.fork_rng(devices=devices):
+            if not self._rng_states:
+                torch.manual_seed(self._seed)
+            else:
+                torch.set_rng_state(self._rng_states["cpu"])
+                for index in devices:
+                    saved = self._rng_states.get(f"cuda:{index}")
+                    if saved is not None:
+                        torch.cuda.set_rng_state(saved, index)
+                    else:  # a checkpoint written on other devices: a fresh stream here
+                        torch.cuda.manual_seed(self._seed + index)
+            yield
+            self._rng_states = {"cpu": torch.get_rng_state()}
+            for index in devices:
+                self._rng_states[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with self._own_random_stream():
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if param.grad.is_sparse:
+                        raise RuntimeError(
+                            f"{type(self).__name__} does not support sparse gradients."
+                        )
+                    self._update(param, group)
+        return loss
+
+
+class StochasticAdamW(_StochasticOptimizer):
+    """torch.optim.AdamW / Adam semantics with stochastic rounding (and Kahan) for bf16 params.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        decoupled_weight_decay: True for AdamW (decay the weight by ``lr * weight_decay``),
+            False for Adam (add ``weight_decay * weight`` to the gradient).
+        kahan: keep a bf16 compensation buffer per bf16 parameter.
+        seed: seed of the optimizer's own random stream for the rounding noise.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled_weight_decay: bool = True,
+        kahan: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(
+                f"lr, eps and weight_decay must be >= 0 but got {lr}, {eps}, {weight_decay}."
+            )
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"betas must be in [0, 1) but got {betas}.")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": decoupled_weight_decay,
+            "kahan": kahan,
+        }
+        super().__init__(params, defaults, seed)
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[param]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        state["step"] += 1
+        step = float(state["step"])
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+
+        grad = param.grad.float()
+        weight = self._start_weight(param, group)
+        if weight_decay:
+            if group["decoupled_weight_decay"]:
+                weight.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(weight, alpha=weight_decay)
+        exp_avg = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+        self._write(state["exp_avg"], exp_avg)
+        self._write(state["exp_avg_sq"], exp_avg_sq)
+        self._finish_weight(param, weight)
+
+
+class StochasticSGD(_StochasticOptimizer):
+    """torch.optim.SGD semantics (momentum, dampening, nesterov, L2 weight decay) with
+    stochastic rounding (and Kahan) for bf16 parameters and their momentum buffers.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        kahan: keep a bf16 compensation buffer per bf16 parameter.
+        seed: seed of the optimizer's own random stream for the rounding noise.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        kahan: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(
+                f"lr, momentum and weight_decay must be >= 0 but got {lr}, {momentum}, "
+                f"{weight_decay}."
+            )
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening.")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "kahan": kahan,
+        }
+        super().__init__(params, defaults, seed)
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[param]
+        momentum = group["momentum"]
+        grad = param.grad.float()
+        weight = self._start_weight(param, group)
+        if group["weight_decay"]:
+            grad = grad.add(weight, alpha=group["weight_decay"])
+        if momentum:
+            if state.get("momentum_buffer") is None:
+                buffer = grad.clone()
+                state["momentum_buffer"] = torch.zeros_like(param)
+            else:
+                buffer = state["momentum_buffer"].float().mul_(momentum)
+                buffer.add_(grad, alpha=1 - group["dampening"])
+            grad = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+            self._write(state["momentum_buffer"], buffer)
+        weight.add_(grad, alpha=-group["lr"])
+        self._finish_weight(param, weight)
