@@ -77,6 +77,9 @@ class DriftMetrics(BaseModel):
     forward_cost: float | None = None
     """The mode's forward pass alone, relative: held-out loss of the trial's own weights in the
     mode over the same weights read in fp32, minus 1 (see DriftThresholds.max_forward_cost)."""
+    forward_cost_absolute: float | None = None
+    """The same difference in loss units: what the absolute floor (``loss_floor_absolute``)
+    judges near a loss of zero."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -205,6 +208,7 @@ def _forward_cost_check(
     read_mean, own_mean = statistics.fmean(read), statistics.fmean(own)
     difference = own_mean - read_mean
     cost = f"{difference:+.4g}"
+    metrics["forward_cost_absolute"] = difference
     if read_mean:
         metrics["forward_cost"] = difference / abs(read_mean)
         cost = f"{difference / abs(read_mean):+.2%} ({cost})"

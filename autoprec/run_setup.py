@@ -162,7 +162,7 @@ def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> Non
     )
     raise UnsupportedModeError(
         f"Requested mode(s) cannot run here: {lines}. Leave {names} out of the modes, {fix}.",
-        tuple(reason for skipped in candidates.skipped for reason in skipped.reasons),
+        tuple(reasons),
     )
 
 

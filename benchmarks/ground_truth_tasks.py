@@ -282,6 +282,36 @@ def digits_convnet(total_steps: int) -> GroundTask:
     )
 
 
+def _sgd(lr: float, momentum: float = 0.9, weight_decay: float = 5e-4) -> Callable[..., Any]:
+    def factory(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    factory.__qualname__ = f"SGD(lr={lr:g}, momentum={momentum:g})"
+    return factory
+
+
+def convnet_sgd(total_steps: int) -> GroundTask:
+    """The conv net with the classic CNN recipe: SGD with momentum 0.9, L2 weight decay 5e-4,
+    cosine to 0. lr 0.05 was the best fp32 test loss of 0.02 / 0.05 / 0.1 (2 seeds each, 2000
+    steps: 0.0169 / 0.0096 / 0.0111), chosen before any other mode ran. No Adam second moment:
+    no optimizer-state rule applies, so the trial's measurements alone judge pure bf16."""
+    torch.manual_seed(0)
+    train, test = _digit_batches((1, 8, 8))
+    return GroundTask(
+        "convnet_sgd",
+        "conv net, SGD recipe (momentum, cosine)",
+        DigitsConvNet(),
+        train,
+        test,
+        TrainingRecipe(
+            total_steps=total_steps,
+            optimizer=_sgd(0.05),
+            scheduler=cosine_to(0.0),
+            loss_fn=_cross_entropy,
+        ),
+    )
+
+
 def _digits_mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)
@@ -477,5 +507,6 @@ TASKS: dict[str, Callable[[int], GroundTask]] = {
     "cosine_regression": cosine_regression,
     "tiny_lr_finetune": tiny_lr_finetune,
     "nanogpt_recipe": nanogpt_recipe,
+    "convnet_sgd": convnet_sgd,
 }
 QUICK_TASKS = ("digits_mlp", "tiny_lr_finetune")

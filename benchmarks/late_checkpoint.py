@@ -37,6 +37,7 @@ from benchmarks.ground_truth_tasks import TASKS, GroundTask
 
 LINES = (0.005, 0.01, 0.02, 0.05, math.inf)
 NO_FORWARD_RULE = DriftThresholds(max_forward_cost=math.inf)
+ABSOLUTE_FLOOR = DriftThresholds().loss_floor_absolute
 
 
 @dataclass(frozen=True)
@@ -94,13 +95,18 @@ class Row:
     truth_hurts: bool
     rejected_by_other_checks: bool
     forward_cost: float
+    forward_cost_absolute: float
+
+
+def _over_line(row: Row, line: float) -> bool:
+    """The forward-cost check at ``line``, with its absolute floor as the gate applies it
+    (``loss_floor_absolute``: the SGD conv net's held-out loss is 0.005 at 90% of its run)."""
+    return row.forward_cost > line and row.forward_cost_absolute > ABSOLUTE_FLOOR
 
 
 def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
-    """(false accepts, false rejects) with the forward-cost check at ``line`` (relative; the
-    check's absolute floor, ``loss_floor_absolute`` 1e-4, binds on no task here: every
-    held-out loss is above 0.01, and the costs near a line are above 1e-4)."""
-    rejected = [(r.truth_hurts, r.rejected_by_other_checks or r.forward_cost > line) for r in rows]
+    """(false accepts, false rejects) with the forward-cost check at ``line``."""
+    rejected = [(r.truth_hurts, r.rejected_by_other_checks or _over_line(r, line)) for r in rows]
     false_accepts = sum(1 for hurt, out in rejected if hurt and not out)
     false_rejects = sum(1 for hurt, out in rejected if not hurt and out)
     return false_accepts, false_rejects
@@ -138,7 +144,9 @@ def task_rows(
         metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
         harmful = hurts(metric, fp32, runs)
         cost = verdict.drift.get("forward_cost", 0.0)
-        rows.append(Row(task.name, at, verdict.label, harmful, verdict.status == "unsafe", cost))
+        absolute = verdict.drift.get("forward_cost_absolute", 0.0)
+        rejected = verdict.status == "unsafe"
+        rows.append(Row(task.name, at, verdict.label, harmful, rejected, cost, absolute))
         print(
             f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
             f"gate {verdict.status:6} fwd {cost:+.2%} {(verdict.reasons or ('',))[0][:60]}",

@@ -413,6 +413,8 @@ def test_a_forward_pass_costing_more_than_one_percent_is_rejected(low_lr: dict) 
     costly = _with_fp32_read(reference, tuple(1.015 * x for x in losses), losses)
     verdict = judge(costly, reference, noise)
     assert verdict.metrics.forward_cost == pytest.approx(0.015)
+    mean_loss = sum(losses) / len(losses)
+    assert verdict.metrics.forward_cost_absolute == pytest.approx(0.015 * mean_loss)
     assert [r for r in verdict.reasons if "forward pass alone costs +1.50% (" in r]
     assert judge(costly, reference, noise, DriftThresholds(max_forward_cost=0.02)).accepted
     cheap = _with_fp32_read(reference, tuple(1.008 * x for x in losses), losses)

@@ -494,6 +494,11 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     by_line = [late_checkpoint.confusion_by_line(rows, line) for line in late_checkpoint.LINES]
     assert [fr for _, fr in by_line] == sorted((fr for _, fr in by_line), reverse=True)
     assert [fa for fa, _ in by_line] == sorted(fa for fa, _ in by_line)
+    # a line's verdict keeps the gate's absolute floor: 2% of a loss of 0.005 is under 1e-4
+    small = late_checkpoint.Row("t", 0.9, "amp_bf16", False, False, 0.02, 0.0001)
+    large = dataclasses.replace(small, forward_cost_absolute=0.0003)
+    assert late_checkpoint.confusion_by_line([small], 0.01) == (0, 0)
+    assert late_checkpoint.confusion_by_line([large], 0.01) == (0, 1)
 
 
 def test_late_checkpoint_example_rejects_fp8_only_from_the_checkpoint(tmp_path: Path) -> None:
