@@ -149,7 +149,8 @@ def task_rows(
         rows.append(Row(task.name, at, verdict.label, harmful, rejected, cost, absolute))
         print(
             f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
-            f"gate {verdict.status:6} fwd {cost:+.2%} {(verdict.reasons or ('',))[0][:60]}",
+            f"gate {verdict.status:6} fwd {cost:+.2%} ({absolute:+.1e}) "
+            f"{(verdict.reasons or ('',))[0][:60]}",
             flush=True,
         )
     return rows
