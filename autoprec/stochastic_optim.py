@@ -13,6 +13,7 @@ rounding lost into the next step. fp32 parameters are updated normally.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -23,19 +24,24 @@ import torch
 from autoprec._imports import require
 
 
-class _StochasticOptimizer(torch.optim.Optimizer):
-    """What both optimizers share: the rounding writes, the step loop over parameters, and the
-    rounding noise drawn from the optimizer's own random stream, saved in its state dict."""
+class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
+    """What both optimizers share: the rounding writes, the Kahan compensation, the step loop
+    over parameters, and the rounding noise drawn from the optimizer's own random stream,
+    saved in its state dict."""
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int) -> None:
+    def __init__(
+        self, params: Iterable[Any], defaults: dict[str, Any], *, kahan: bool, seed: int
+    ) -> None:
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
         self._seed = seed
         self._rng_states: dict[str, torch.Tensor] = {}
         self._cuda_devices: list[int] = []
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, "kahan": kahan})
 
+    @abc.abstractmethod
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Update one parameter (it has a gradient) with its group's options, in fp32
+        arithmetic, writing bf16 tensors back through ``_write`` / ``_finish_weight``."""
 
     def _write(self, target: torch.Tensor, value: torch.Tensor) -> None:
         if target.dtype == torch.bfloat16:
@@ -76,7 +82,7 @@ class _StochasticOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         saved = state_dict.pop("rounding_rng", None) or {}
         super().load_state_dict(state_dict)
-        for group in self.param_groups:  # torch's AdamW groups lack our options ("kahan")
+        for group in self.param_groups:  # torch's own groups lack our options ("kahan")
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         self._rng_states = {device: rng.clone() for device, rng in saved.items()}
@@ -172,9 +178,8 @@ class StochasticAdamW(_StochasticOptimizer):
             "eps": eps,
             "weight_decay": weight_decay,
             "decoupled_weight_decay": decoupled_weight_decay,
-            "kahan": kahan,
         }
-        super().__init__(params, defaults, seed)
+        super().__init__(params, defaults, kahan=kahan, seed=seed)
 
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[param]
@@ -240,9 +245,8 @@ class StochasticSGD(_StochasticOptimizer):
             "dampening": dampening,
             "weight_decay": weight_decay,
             "nesterov": nesterov,
-            "kahan": kahan,
         }
-        super().__init__(params, defaults, seed)
+        super().__init__(params, defaults, kahan=kahan, seed=seed)
 
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[param]
