@@ -255,6 +255,8 @@ def _eval_check(
     """``eval_fn``'s score against the reference's, in units of the noise run's difference."""
     if record.eval_score is None or reference.eval_score is None:
         return []
+    if not math.isfinite(record.eval_score):
+        return [f"eval_fn returned {record.eval_score} (fp32: {reference.eval_score:.4g})"]
     gap = record.eval_score - reference.eval_score
     metrics["eval_gap"] = gap
     # a noise score of 0.0 is a score, not a missing one

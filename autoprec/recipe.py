@@ -222,6 +222,7 @@ class TrainingRecipe:
         with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
             warnings.simplefilter("ignore")
             scheduler = self.make_scheduler(optimizer)
+            _require_readable(scheduler)
             lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
             for _ in range((self.total_steps or 1) - 1 if scheduler is not None else 0):
                 scheduler.step()
@@ -284,6 +285,20 @@ class TrainingRecipe:
         )
         self._cache[key] = summary
         return summary
+
+
+def _require_readable(scheduler: Any) -> None:
+    """Refuse a schedule whose learning rates depend on the run's own metrics."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return
+    lowest = min(scheduler.min_lrs)
+    raise ValueError(
+        f"ReduceLROnPlateau lowers the learning rate when your validation metric stalls, so "
+        f"the lrs your run will reach cannot be read ahead of it (factor {scheduler.factor:g}, "
+        f"min_lr {lowest:g}). Leave the scheduler out to judge your starting lr, and run "
+        "again with the optimizer at the lowest lr you expect it to reach (lr x factor^k): "
+        "pure bf16 and other rounding losses show at low lrs."
+    )
 
 
 def _require_moving(lrs: Sequence[float], source: OptimizerSource) -> None:

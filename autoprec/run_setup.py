@@ -5,6 +5,7 @@ lengths, and the fp32 reference and noise runs every verdict is judged against."
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,11 +80,20 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
     )
 
 
+EVAL_FN_HINT = (
+    "eval_fn runs on every trained copy after its training steps, in eval mode, under "
+    "torch.no_grad() and the mode's autocast, and must return one finite number (lower is "
+    "better)."
+)
+
+
 def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
     failure = result.record.failure
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
-    hint = _reference_hint(failure.message, setup)
+    hint = (
+        EVAL_FN_HINT if failure.kind == "eval_failed" else _reference_hint(failure.message, setup)
+    )
     message = failure.message.rstrip(".")
     return ValueError(f"The fp32 reference failed{where}: {message}. {hint}".rstrip())
 
@@ -312,6 +322,12 @@ def reference_runs(
             )
         if not result.moved():
             raise _reference_still(result)
+        score = result.record.eval_score
+        if score is not None and not math.isfinite(score):
+            raise ValueError(
+                f"eval_fn returned {score} for the {label}: no mode can be judged against a "
+                f"score that is not a number. {EVAL_FN_HINT}"
+            )
         references.append(result)
         if len(references) == 1 and result.record.draws_random:
             runs.append(PAIRED_RUN)

@@ -9,6 +9,10 @@ from autoprec.errors import UnsupportedModeError
 from autoprec.trial_records import FailureKind, TrialFailure
 
 
+class EvalFnError(Exception):
+    """The user's ``eval_fn`` raised on a trained copy (the message names its error)."""
+
+
 def is_oom(error: BaseException) -> bool:
     """Out of memory: CUDA's allocator, the host's, or a RuntimeError that says so."""
     if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):
@@ -30,16 +34,18 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
         return TrialFailure(
             kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
         )
+    if isinstance(error, EvalFnError):
+        return TrialFailure(kind="eval_failed", step=None, message=str(error))
     kind: FailureKind = "out_of_memory" if is_oom(error) else "exception"
-    message = f"{type(error).__name__}: {_first_line(error)}"
+    message = f"{type(error).__name__}: {first_line(error)}"
     if kind == "exception" and _is_compile_error(error):
         kind = "compile_failed"
         inner = getattr(error, "inner_exception", None) or error.__cause__
         if inner is not None:  # the compiler's own error says what failed
-            message += f" {type(inner).__name__}: {_first_line(inner)}"
+            message += f" {type(inner).__name__}: {first_line(inner)}"
         message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
     return TrialFailure(kind=kind, step=step, message=message)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]

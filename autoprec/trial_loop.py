@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from autoprec.batching import (
 )
 from autoprec.plan import PrecisionPlan
 from autoprec.recipe import LrPoint, TrainingRecipe
+from autoprec.trial_failures import EvalFnError, first_line
 from autoprec.trial_measures import (
     SavedForBackward,
     WindowClock,
@@ -285,9 +287,27 @@ def measure_trained(
     if eval_fn is not None:
         plan.model.eval()
         with torch.no_grad(), plan.autocast():
-            figures["eval"] = float(eval_fn(plan.model))
+            figures["eval"] = _eval_score(eval_fn, plan.model)
         plan.model.train()
     return outputs
+
+
+def _eval_score(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> float:
+    """``eval_fn(model)`` as one float; its own errors become :class:`EvalFnError` (a failed
+    eval, not a failed training run). A non-finite score is returned as it is: the gate
+    judges it."""
+    try:
+        score = eval_fn(model)
+    except Exception as error:
+        raise EvalFnError(
+            f"eval_fn(model) raised {type(error).__name__}: {first_line(error)}"
+        ) from error
+    if isinstance(score, torch.Tensor) and score.numel() == 1:
+        return float(score.detach().float().item())
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        shape = f" of shape {tuple(score.shape)}" if isinstance(score, torch.Tensor) else ""
+        raise EvalFnError(f"eval_fn(model) returned {type(score).__name__}{shape}, not one number")
+    return float(score)
 
 
 def train_in_windows(

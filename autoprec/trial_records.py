@@ -14,7 +14,7 @@ from autoprec.recipe import LrPoint
 from autoprec.specs import ModeSpec
 
 FailureKind = Literal[
-    "unsupported", "exception", "out_of_memory", "compile_failed",
+    "unsupported", "exception", "out_of_memory", "compile_failed", "eval_failed",
     "non_finite_loss", "non_finite_gradient", "non_finite_weight",
 ]  # fmt: skip
 

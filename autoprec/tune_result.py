@@ -106,12 +106,8 @@ class TuneResult(BaseModel):
 
 def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
     record = result.record
-    if record.failure is not None and record.failure.kind in (
-        "exception",
-        "out_of_memory",
-        "unsupported",
-    ):
-        status = "failed"
+    if record.failure is not None and not record.failure.kind.startswith("non_finite"):
+        status = "failed"  # not a verdict on numerics: an error, OOM, compiler or eval_fn
     elif record.stopped is not None:
         status = "pruned"
     else:

@@ -240,6 +240,16 @@ def test_a_noise_eval_score_of_zero_is_a_score(low_lr: dict) -> None:
     assert not any(r.startswith("eval_fn") for r in verdict.reasons), verdict.reasons
 
 
+def test_a_modes_non_finite_eval_score_is_named(low_lr: dict) -> None:
+    verdict = judge(
+        _replaced(low_lr["amp_bf16"], eval_score=float("nan")),
+        _replaced(low_lr["reference"], eval_score=0.5),
+        _replaced(low_lr["noise"], eval_score=0.52),
+    )
+    assert not verdict.accepted
+    assert "eval_fn returned nan (fp32: 0.5)" in verdict.reasons
+
+
 def test_fp16_loss_scaler_start_up_is_calibration_not_a_verdict() -> None:
     # a healthy summed-loss MLP: GradScaler starting at 2**16 used to skip its first 6 steps,
     # and the trial was rejected for skips, lost updates (69%) and a loss gap

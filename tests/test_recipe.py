@@ -72,6 +72,19 @@ def test_an_lr_already_zeroed_by_a_warmup_scheduler_is_refused() -> None:
     assert recipe.lr_points(model)[0].lr == pytest.approx(3e-4)
 
 
+def test_a_plateau_schedule_is_refused_with_what_to_do_instead() -> None:
+    # its lrs follow the run's validation metric: stepping it blind used to raise
+    # "ReduceLROnPlateau.step() missing 1 required positional argument: 'metrics'"
+    model = _model()
+    recipe = TrainingRecipe(
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=1e-6),
+        total_steps=100,
+    )
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau.*cannot be read ahead.*min_lr 1e-06"):
+        recipe.lr_points(model)
+
+
 def test_a_schedule_that_never_moves_is_refused() -> None:
     model = _model()
     recipe = TrainingRecipe(

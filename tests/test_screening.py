@@ -151,6 +151,55 @@ RAW_PARAM_CHECK = [
 ]
 
 
+def _raising_eval(model: torch.nn.Module) -> float:
+    raise RuntimeError("no validation set here")
+
+
+def _check_with_eval(eval_fn: object, modes: list[str]) -> autoprec.QualityReport:
+    """A 4-step screen of the regression task with ``eval_fn``."""
+    task = tasks.regression()
+    return autoprec.check(
+        task.model,
+        task.batches,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        eval_fn=eval_fn,  # type: ignore[arg-type]
+        steps=4,
+        modes=modes,
+    )
+
+
+@pytest.mark.parametrize(
+    ("eval_fn", "message"),
+    [
+        # used to read "The fp32 reference failed at step 7: ... Check that the loader's
+        # batches fit the model", blaming the data for eval_fn's error
+        (_raising_eval, r"reference failed: eval_fn\(model\) raised RuntimeError: no validation"),
+        (lambda model: torch.ones(3), r"eval_fn\(model\) returned Tensor of shape \(3,\), not one"),
+        # used to judge every mode unsafe with "eval_fn nan vs fp32 nan (worse by nan ...)"
+        (lambda model: float("nan"), r"eval_fn returned nan for the fp32 reference"),
+    ],
+)
+def test_an_eval_fn_that_fails_on_the_reference_is_named(eval_fn: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        _check_with_eval(eval_fn, ["amp_bf16"])
+    assert "loader's batches" not in str(raised.value)
+    assert "must return one finite number" in str(raised.value)
+
+
+def test_an_eval_fn_failing_in_one_mode_fails_that_mode_alone() -> None:
+    def eval_fn(model: torch.nn.Module) -> torch.Tensor:
+        if next(model.parameters()).dtype != torch.float32:
+            raise TypeError("needs fp32 weights")
+        return torch.tensor(0.5)  # a 0-d tensor is one number
+
+    report = _check_with_eval(eval_fn, ["amp_bf16", "bf16_sr"])
+    assert report.verdict("amp_bf16").status == "safe"
+    failed = report.verdict("bf16_sr")
+    assert failed.status == "failed"
+    assert failed.reasons == ("eval failed: eval_fn(model) raised TypeError: needs fp32 weights",)
+
+
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     command = [*RAW_PARAM_CHECK, "--steps", "40", "--modes", "bf16_pure,amp_bf16"]
     assert main(command) == 0

@@ -461,3 +461,29 @@ def test_fp8_that_lost_on_speed_eager_gets_compile_advice() -> None:
     compiled = fp8.model_copy(update={"compile": True})
     assert eager_fp8_advice([outcome(compiled, "pruned", slower)]) == ()
     assert eager_fp8_advice([outcome(fp8, "rejected", "held-out loss +0.1 worse")]) == ()
+
+
+def test_an_eval_fn_failing_in_one_mode_is_a_failed_trial_not_a_rejection() -> None:
+    # a failure that says nothing about numerics (here the user's eval_fn; likewise a
+    # compiler error) used to end as "rejected", as if the gate had judged the mode
+    task = tasks.regression(lr=1e-3)
+
+    def eval_fn(model: torch.nn.Module) -> float:
+        if next(model.parameters()).dtype != torch.float32:
+            raise TypeError("needs fp32 weights")
+        return 0.5
+
+    result = tune(
+        task.model,
+        _loader(task),
+        budget_minutes=0.3,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        eval_fn=eval_fn,
+        objective="memory",  # leaner than fp32: never pruned for speed
+        modes=["bf16_sr"],
+    )
+    (trial,) = result.trials
+    assert trial.status == "failed"
+    assert trial.reasons == ("eval failed: eval_fn(model) raised TypeError: needs fp32 weights",)
+    assert result.chosen.mode == "fp32"
