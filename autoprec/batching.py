@@ -1,18 +1,20 @@
 """Batches in, loss and outputs out: the conventions a trial uses to run any model.
 
-Batches may be tensors, tuples/lists or dicts (nested structures are moved to the device as a
-whole). The loss comes from, in order: a custom ``train_step(plan, batch) -> loss``; a
-``loss_fn``; or the model's own output when it is a scalar, has ``.loss`` or a ``"loss"`` key.
+Batches may be tensors, tuples/lists, dicts or other mappings (a Hugging Face collator's
+``BatchEncoding``); nested structures are moved to the device as a whole. The loss comes from,
+in order: a custom ``train_step(plan, batch) -> loss``; a ``loss_fn``; or the model's own
+output when it is a scalar, has ``.loss`` or a ``"loss"`` key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from autoprec.layer_flops import call_model
 from autoprec.plan import PrecisionPlan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -22,18 +24,60 @@ TrainStep = Callable[[PrecisionPlan, Any], torch.Tensor]
 ``plan.autocast()``."""
 
 
-def to_device(batch: Any, device: torch.device | str) -> Any:
-    """Move every tensor in the batch to ``device``."""
+def _foreign_mapping(value: Any) -> bool:
+    """A mapping torch's pytree does not open (Hugging Face's ``BatchEncoding``, a
+    ``UserDict``): it would be one opaque leaf."""
+    return isinstance(value, Mapping) and not isinstance(value, dict)
+
+
+def _rebuilt(original: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """``values`` in the mapping type of ``original`` where its class takes a dict
+    (``BatchEncoding``, ``UserDict``), else a plain dict."""
+    try:
+        return type(original)(values)
+    except Exception:  # noqa: BLE001 - a class that cannot be rebuilt from a dict
+        return values
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with ``function`` applied to every tensor in it, through tuples, lists,
+    dicts and any other mapping (a Hugging Face collator's ``BatchEncoding``)."""
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return function(value)
+        if _foreign_mapping(value):
+            return _rebuilt(
+                value, {key: map_tensors(function, item) for key, item in value.items()}
+            )
+        return value
+
+    return tree_map(visit, batch, is_leaf=_foreign_mapping)
+
+
+def as_plain(batch: Any) -> Any:
+    """``batch`` with every mapping pytree does not open turned into a dict, so a digest of
+    it reads every tensor (a ``BatchEncoding``'s repr elides them)."""
     return tree_map(
         lambda value: (
-            value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            {key: as_plain(item) for key, item in value.items()}
+            if _foreign_mapping(value)
+            else value
         ),
         batch,
+        is_leaf=_foreign_mapping,
     )
 
 
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """Move every tensor in the batch to ``device``."""
+    return map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
+
+
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, batch)
+    return found
 
 
 def count_samples(batch: Any) -> int:
@@ -55,19 +99,11 @@ def count_tokens(batch: Any) -> int | None:
     return None
 
 
-def _call(model: torch.nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple | list):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _loss_from_output(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
+    if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     return loss if isinstance(loss, torch.Tensor) else None
 
@@ -78,7 +114,7 @@ def prediction(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output if output.dim() > 0 else None
     logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, dict):
+    if logits is None and isinstance(output, Mapping):
         logits = output.get("logits")
     if isinstance(logits, torch.Tensor):
         return logits
@@ -118,11 +154,11 @@ def forward_and_loss(
         return _scalar(train_step(plan, batch), "train_step(plan, batch)"), None
     if loss_fn is not None:
         if isinstance(batch, tuple | list) and len(batch) >= 2:
-            output = _call(plan.model, tuple(batch[:-1]))
+            output = call_model(plan.model, tuple(batch[:-1]))
             return _scalar(loss_fn(output, batch[-1]), "loss_fn(output, target)"), output
-        output = _call(plan.model, batch)
+        output = call_model(plan.model, batch)
         return _scalar(loss_fn(output, batch), "loss_fn(output, batch)"), output
-    output = _call(plan.model, batch)
+    output = call_model(plan.model, batch)
     loss = _loss_from_output(output)
     if loss is None:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None

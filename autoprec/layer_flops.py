@@ -7,7 +7,7 @@ parameter held directly by a custom module (``x @ self.W``) counts as ``raw_para
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -105,7 +105,8 @@ def storage_key(tensor: torch.Tensor) -> int | None:
 
 
 def call_model(model: nn.Module, example_input: Any) -> Any:
-    if isinstance(example_input, dict):
+    """``model(**mapping)``, ``model(*sequence)`` or ``model(tensor)``."""
+    if isinstance(example_input, Mapping):
         return model(**example_input)
     if isinstance(example_input, tuple | list):
         return model(*example_input)

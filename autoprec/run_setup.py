@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,7 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
                 "loss_fn(output, target) (CLI: --loss module:fn); for anything else pass "
                 "train_step(plan, batch) -> loss."
             )
-        if isinstance(batch, dict):
+        if isinstance(batch, Mapping):
             return (
                 f"Without a loss function autoprec called model(**batch) with keys "
                 f"{sorted(batch)}. Pass loss_fn(output, batch) (CLI: --loss module:fn) or "

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from torch import nn
 
 from autoprec._version import __version__
-from autoprec.batching import LossFn, TrainStep
+from autoprec.batching import LossFn, TrainStep, as_plain
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.fingerprint import (
@@ -69,7 +69,7 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
     report = setup.report
     return StudyFingerprint(
         model=tensor_digest(setup.user_model),
-        batches=tensor_digest([*setup.train, *setup.heldout]),
+        batches=tensor_digest(as_plain([*setup.train, *setup.heldout])),
         recipe=setup.recipe.summary(setup.user_model).model_dump(mode="json"),
         objective=objective,
         thresholds=(setup.thresholds or DriftThresholds()).model_dump(mode="json"),

@@ -74,3 +74,15 @@ def test_stochastic_rounding_sgd_trains_on_gpu_and_leaves_the_cuda_stream(mode: 
     plan = autoprec.prepare(ModeSpec(mode=mode), model, optimizer)
     assert type(plan.optimizer).__name__ == "StochasticSGD"
     _assert_learns(plan, keeps_cuda_stream=True)  # the rounding draws from its own stream
+
+
+def test_mapping_batches_that_are_not_dicts_move_to_the_gpu() -> None:
+    # a Hugging Face collator's BatchEncoding is a mapping torch's pytree does not open
+    from collections import UserDict
+
+    from autoprec.batching import to_device
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (found: CPU only)")
+    moved = to_device(UserDict({"ids": torch.ones(2, 3, dtype=torch.long)}), "cuda")
+    assert type(moved) is UserDict and moved["ids"].is_cuda
