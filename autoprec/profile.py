@@ -86,8 +86,13 @@ class HardwareFingerprint(BaseModel):
         for field in ("device_kind", "gpu_name", "capability"):
             proven, current = getattr(self, field), getattr(other, field)
             if proven != current:
-                found.append(f"{field}: proven on {proven!r}, running on {current!r}")
+                found.append(f"{field}: proven on {_shown(proven)}, running on {_shown(current)}")
         return found
+
+
+def _shown(value: object) -> str:
+    """A fingerprint field for a message: ``none`` where there is none (no GPU)."""
+    return "none" if value is None else repr(value)
 
 
 class ModelFingerprint(BaseModel):

@@ -155,6 +155,13 @@ def test_differences_between_gpus() -> None:
         "gpu_name: proven on 'NVIDIA A100-SXM4-80GB', running on 'NVIDIA H100 80GB HBM3'",
         "capability: proven on (8, 0), running on (9, 0)",
     ]
+    # on a machine without a GPU: "running on none", not "running on None"
+    cpu = HardwareFingerprint.from_hardware(make_hardware())
+    assert h100.differences(cpu) == [
+        "device_kind: proven on 'cuda', running on 'cpu'",
+        "gpu_name: proven on 'NVIDIA H100 80GB HBM3', running on none",
+        "capability: proven on (9, 0), running on none",
+    ]
 
 
 BUNDLED = sorted(p for p in PROFILES.glob("*.json") if p.name != "profile.schema.json")
