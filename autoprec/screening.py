@@ -263,7 +263,7 @@ def check(
         train_step=train_step,
     )
     start = clock()
-    with progress_callback(progress, on_event) as callback, preserved_rng():
+    with preserved_rng(), progress_callback(progress, on_event) as callback:
         events = EventSink(callback, started=start, budget_seconds=0.0, clock=clock)
         setup = screen_setup(
             model,

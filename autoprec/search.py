@@ -280,9 +280,9 @@ def search(
             sink.emit("skip", label, outcome=outcome, **where)
             continue
         trial = ask_for(study, label, choices)
-        sink.emit("start", label, **where)
-        stop = sink.watch(make_stop_check(best, objective, deadline, clock), label, **where)
-        try:
+        try:  # from the ask on: a Ctrl-C in the progress display counts too
+            sink.emit("start", label, **where)
+            stop = sink.watch(make_stop_check(best, objective, deadline, clock), label, **where)
             outcome = runner(spec, stop)  # type: ignore[arg-type]
         except BaseException:  # Ctrl-C or a crash: leave no RUNNING trial behind, then stop
             trial.set_user_attr("reasons", ["interrupted"])

@@ -165,7 +165,7 @@ def tune(
     )
     start = clock()
     budget_seconds = float(budget_minutes) * 60
-    with progress_callback(progress, on_event) as callback, preserved_rng():
+    with preserved_rng(), progress_callback(progress, on_event) as callback:
         setup = setup_run(
             model,
             loader,

@@ -179,6 +179,35 @@ def test_interrupted_study_resumes_from_sqlite(tmp_path: Path) -> None:
     assert [o.status for o in outcomes] == ["accepted", "accepted", "rejected", "failed"]
 
 
+def test_a_ctrl_c_in_the_progress_display_leaves_no_running_trial(tmp_path: Path) -> None:
+    # the KeyboardInterrupt arrives in the "start" event (the live display), before the
+    # runner: it used to leave the trial RUNNING in the study forever
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    clock = FakeClock()
+
+    def on_event(event: object) -> None:
+        if (
+            getattr(event, "kind", None) == "start"
+            and getattr(event, "label", None) == "bf16_kahan"
+        ):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        search(
+            SPECS,
+            fake_runner(clock, []),
+            study=create_study(storage, "s"),
+            objective="speed",
+            deadline=1000,
+            expected_trial_seconds=10,
+            clock=clock,
+            events=EventSink(on_event, started=0.0, budget_seconds=1000, clock=clock),
+        )
+    trials = optuna.load_study(study_name="s", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL"]
+    assert trials[1].user_attrs["reasons"] == ["interrupted"]
+
+
 def test_pareto_and_choice() -> None:
     reference = outcome("fp32", speed=100, memory=1000)
     outcomes = list(RESULTS.values())

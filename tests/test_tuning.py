@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
+import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -263,6 +266,27 @@ def test_tune_leaves_the_global_rngs_as_it_found_them() -> None:
     tune(task.model, loader, budget_minutes=0.5, loss_fn=task.mse, modes=["amp_bf16"])
     assert torch.equal(torch.rand(3), expected[0])
     assert (random.random(), numpy.random.rand()) == expected[1:]
+
+
+def test_a_first_tune_in_a_fresh_process_leaves_pythons_random_alone() -> None:
+    # importing the progress display (rich) draws from Python's random; it was imported
+    # before the RNG states were saved, so a process's first tune() moved random's state
+    script = (
+        "import random\n"
+        "from examples import tasks\n"
+        "import autoprec\n"
+        "task = tasks.regression()\n"
+        "random.seed(5)\n"
+        "autoprec.tune(task.model, task.batches + task.heldout, budget_minutes=0.2,"
+        " loss_fn=task.mse, modes=['amp_bf16'], progress=False)\n"
+        "print(random.random())\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
+    )
+    random.seed(5)
+    assert float(done.stdout.strip().splitlines()[-1]) == random.random()
 
 
 def test_a_study_refuses_to_resume_for_another_run(tmp_path: Path) -> None:
