@@ -34,7 +34,11 @@ def collect_batches(loader: Iterable[Any]) -> list[Any]:
         if len(batches) >= MAX_BATCHES:
             break
     if not batches:
-        raise ValueError("The loader yielded no batches: tune needs at least one batch.")
+        raise ValueError(
+            "The loader yielded no batches: every run trains on them, so at least one is "
+            "needed (a generator or iterator that was already consumed yields none; pass a "
+            "list or a DataLoader)."
+        )
     return batches
 
 

@@ -140,6 +140,11 @@ def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
     ("call", "error", "message"),
     [
         (lambda m, b: tune(m, [], budget_minutes=1), ValueError, "loader yielded no batches"),
+        (  # an exhausted generator: the message says what that is
+            lambda m, b: tune(m, iter(()), budget_minutes=1),
+            ValueError,
+            "already consumed yields none",
+        ),
         (
             lambda m, b: tune(m, b, budget_minutes=0),
             ValueError,
