@@ -172,6 +172,7 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "seed": args.seed,
         "thresholds": thresholds,
+        "compile": "auto" if args.compile is None else args.compile,
     }
 
 
@@ -201,7 +202,6 @@ def _tune(args: argparse.Namespace) -> int:
             study_name=args.study or out.stem,
             on_event=progress,
             progress=False,
-            compile="auto" if args.compile is None else args.compile,
             **inputs,
         )
     console = Console()

@@ -58,6 +58,13 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step"
     )
     recipe.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this norm")
+    recipe.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train every run with torch.compile, as the profile's apply() then does "
+        "(default: when the model factory returns a compiled model)",
+    )
     parser.add_argument(
         "--modes",
         help="comma-separated modes, exactly (e.g. amp_bf16,bf16_kahan; "
@@ -133,13 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
-    tune.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="train every run with torch.compile, as the profile's apply() then does "
-        "(default: when the model factory returns a compiled model)",
-    )
     tune.add_argument(
         "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
     )

@@ -30,7 +30,13 @@ from autoprec.recipe import (
     TrainingRecipe,
     default_optimizer,
 )
-from autoprec.run_inputs import check_device, check_model, preserved_rng
+from autoprec.run_inputs import (
+    check_device,
+    check_model,
+    preserved_rng,
+    resolve_compile,
+    uncompiled_model,
+)
 from autoprec.run_setup import (
     RunSetup,
     calibration_run,
@@ -176,9 +182,10 @@ def screen_setup(
     thresholds: DriftThresholds | None = None,
     events: EventSink | None = None,
     clock: Callable[[], float] = time.monotonic,
+    compile: bool = False,
 ) -> RunSetup:
     """The run check() screens in: every mode whose numerics run here (``modes``: exactly
-    these), no budget."""
+    these), no budget; every run compiled with ``compile``."""
     return setup_run(
         model,
         loader,
@@ -193,6 +200,7 @@ def screen_setup(
         clock=clock,
         thresholds=thresholds,
         events=events or EventSink(None, started=clock(), budget_seconds=0.0, clock=clock),
+        compile=compile,
     )
 
 
@@ -229,6 +237,7 @@ def check(
     device: str | None = None,
     seed: int = 0,
     thresholds: DriftThresholds | None = None,
+    compile: bool | Literal["auto"] = "auto",
     on_event: Callable[[SearchEvent], None] | None = None,
     progress: bool | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -240,7 +249,9 @@ def check(
     batches as an fp32 reference, and is judged against it and a second fp32 run. FP8 via
     torchao runs emulated where the hardware has no FP8 (quality only; no speed figure is
     taken anywhere here). Arguments as in :func:`autoprec.tune`; ``modes`` picks exactly these
-    modes (default: every mode, 8-bit optimizer variants included where bitsandbytes works).
+    modes (default: every mode, 8-bit optimizer variants included where bitsandbytes works);
+    ``compile`` as in :func:`autoprec.tune` (``"auto"``: every run, fp32 included, trains with
+    torch.compile when you pass a compiled model).
     Your model, its gradients and the global RNG states are left as they were. Trials start
     from your model's weights: to judge a mode at the loss your run reaches (FP8's precision
     floor shows only there), pass a model loaded from a checkpoint in the last tenth of your
@@ -249,8 +260,10 @@ def check(
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
+    model, compiled = uncompiled_model(model)
     check_model(model)
     check_device(device)
+    use_compile = resolve_compile(compile, compiled)
     if not isinstance(steps, int) or steps < 4:
         raise ValueError(f"steps must be an int >= 4 (two lr legs of two steps), not {steps!r}.")
     recipe = TrainingRecipe(
@@ -276,6 +289,7 @@ def check(
             thresholds=thresholds,
             events=events,
             clock=clock,
+            compile=use_compile,
         )
         run = screen_trials(setup, steps)
     reference_verdict = run.references.judge(run.references.reference, setup.thresholds)

@@ -593,3 +593,16 @@ def test_only_autoprecs_records_are_formatted_as_its_own(
         assert "torchao: WARNING: Failed to load /x/_C_mxfp8.so" in capsys.readouterr().err
     finally:
         _configure_logging(debug=False)
+
+
+@pytest.mark.parametrize("command", ["tune", "check"])
+def test_compile_is_a_training_flag_of_tune_and_check(command: str) -> None:
+    from autoprec.cli_parser import build_parser
+
+    base = [command, "m.py:model", "--data", "m.py:data"]
+    if command == "tune":
+        base += ["--budget", "1", "--out", "p.json"]
+    parser = build_parser()
+    assert parser.parse_args(base).compile is None  # "auto": follow the model factory
+    assert parser.parse_args([*base, "--compile"]).compile is True
+    assert parser.parse_args([*base, "--no-compile"]).compile is False

@@ -200,6 +200,19 @@ def test_an_eval_fn_failing_in_one_mode_fails_that_mode_alone() -> None:
     assert failed.reasons == ("eval failed: eval_fn(model) raised TypeError: needs fp32 weights",)
 
 
+def test_check_trains_compiled_when_the_model_is_compiled() -> None:
+    # a torch.compile'd model failed: "Module [OptimizedModule] is missing the required
+    # 'forward' function", blamed on the loader's batches
+    task = tasks.regression()
+    compiled = torch.compile(task.model)
+    common = {"loss_fn": task.mse, "optimizer": task.optimizer, "steps": 4, "modes": ["amp_bf16"]}
+    report = autoprec.check(compiled, task.batches, **common)
+    assert [v.label for v in report.verdicts] == ["amp_bf16+compiled"]
+    assert report.verdict("amp_bf16+compiled").status == "safe"
+    eager = autoprec.check(compiled, task.batches, compile=False, **common)
+    assert [v.label for v in eager.verdicts] == ["amp_bf16"]
+
+
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     command = [*RAW_PARAM_CHECK, "--steps", "40", "--modes", "bf16_pure,amp_bf16"]
     assert main(command) == 0
