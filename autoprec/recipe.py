@@ -295,9 +295,10 @@ def _require_readable(scheduler: Any) -> None:
     raise ValueError(
         f"ReduceLROnPlateau lowers the learning rate when your validation metric stalls, so "
         f"the lrs your run will reach cannot be read ahead of it (factor {scheduler.factor:g}, "
-        f"min_lr {lowest:g}). Leave the scheduler out to judge your starting lr, and run "
-        "again with the optimizer at the lowest lr you expect it to reach (lr x factor^k): "
-        "pure bf16 and other rounding losses show at low lrs."
+        f"min_lr {lowest:g}). Pass scheduler=None (tune_module and tune_trainer take it "
+        "too) to judge your starting lr, and run again with the optimizer at the lowest lr "
+        "you expect it to reach (lr x factor^k): pure bf16 and other rounding losses show at "
+        "low lrs."
     )
 
 

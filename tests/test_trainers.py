@@ -153,6 +153,12 @@ class _Regression(lightning.LightningModule):
             return [optimizer], [scheduler]
         if self.form == "two":
             return [optimizer, torch.optim.SGD(self.parameters(), lr=0.1)]
+        if self.form == "plateau":
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"},
+            }
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
@@ -209,6 +215,20 @@ def test_every_configure_optimizers_form(form: str) -> None:
 def test_two_optimizers_are_refused() -> None:
     with pytest.raises(ValueError, match="2 optimizers"):
         module_recipe(_Regression("two"), _loader())
+
+
+def test_a_plateau_scheduler_is_refused_with_the_way_out() -> None:
+    # Lightning's usual ReduceLROnPlateau on "val_loss": its lrs cannot be read ahead; the
+    # error names scheduler=None, which judges the module at its starting lr
+    module, loader = _Regression("plateau"), _loader()
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau.*scheduler=None"):
+        tune_module(module, loader, budget_minutes=0.2, trainer=_lightning_trainer(),
+                    modes=["amp_bf16"], progress=False)  # fmt: skip
+    result = tune_module(
+        module, loader, budget_minutes=0.2, trainer=_lightning_trainer(), modes=["amp_bf16"],
+        progress=False, objective="memory", scheduler=None,
+    )  # fmt: skip
+    assert result.recipe.scheduler is None and result.trials[0].status == "accepted"
 
 
 def test_a_scheduler_without_a_length_is_refused() -> None:
