@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autoprec.layer_flops import call_model
 from autoprec.plan import PrecisionPlan
@@ -39,17 +39,22 @@ def _rebuilt(original: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
         return values
 
 
-def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+def map_tensors(
+    function: Callable[[torch.Tensor], Any], batch: Any, *, keep_types: bool = True
+) -> Any:
     """``batch`` with ``function`` applied to every tensor in it, through tuples, lists,
-    dicts and any other mapping (a Hugging Face collator's ``BatchEncoding``)."""
+    dicts and any other mapping (a Hugging Face collator's ``BatchEncoding``), each kept in
+    its own type (``keep_types=False``: such mappings become dicts)."""
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return function(value)
         if _foreign_mapping(value):
-            return _rebuilt(
-                value, {key: map_tensors(function, item) for key, item in value.items()}
-            )
+            mapped = {
+                key: map_tensors(function, item, keep_types=keep_types)
+                for key, item in value.items()
+            }
+            return _rebuilt(value, mapped) if keep_types else mapped
         return value
 
     return tree_map(visit, batch, is_leaf=_foreign_mapping)
@@ -58,15 +63,7 @@ def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
 def as_plain(batch: Any) -> Any:
     """``batch`` with every mapping pytree does not open turned into a dict, so a digest of
     it reads every tensor (a ``BatchEncoding``'s repr elides them)."""
-    return tree_map(
-        lambda value: (
-            {key: as_plain(item) for key, item in value.items()}
-            if _foreign_mapping(value)
-            else value
-        ),
-        batch,
-        is_leaf=_foreign_mapping,
-    )
+    return map_tensors(lambda tensor: tensor, batch, keep_types=False)
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -75,9 +72,8 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_tensors(found.append, batch)
-    return found
+    leaves = tree_flatten(as_plain(batch))[0]
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def count_samples(batch: Any) -> int:
