@@ -8,8 +8,8 @@ output when it is a scalar, has ``.loss`` or a ``"loss"`` key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, overload
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -64,6 +64,77 @@ def as_plain(batch: Any) -> Any:
     """``batch`` with every mapping pytree does not open turned into a dict, so a digest of
     it reads every tensor (a ``BatchEncoding``'s repr elides them)."""
     return map_tensors(lambda tensor: tensor, batch, keep_types=False)
+
+
+def fresh_copy(batch: Any) -> Any:
+    """A copy of ``batch`` whose tensors and containers are new (what a loader hands a step)."""
+    return map_tensors(torch.clone, batch)
+
+
+def _same_leaf(first: Any, second: Any) -> bool:
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        if first.shape != second.shape or first.dtype != second.dtype:
+            return False
+        if first.is_floating_point() or first.is_complex():
+            return bool(torch.allclose(first, second, rtol=0, atol=0, equal_nan=True))
+        return torch.equal(first, second)
+    try:
+        return bool(first == second)
+    except Exception:  # noqa: BLE001 - a leaf without a usable ==: not ours to judge
+        return True
+
+
+def same_batch(first: Any, second: Any) -> bool:
+    """Whether two batches hold the same structure and values (NaN equal to NaN)."""
+    first_leaves, first_spec = tree_flatten(as_plain(first))
+    second_leaves, second_spec = tree_flatten(as_plain(second))
+    return first_spec == second_spec and all(
+        _same_leaf(a, b) for a, b in zip(first_leaves, second_leaves, strict=True)
+    )
+
+
+class FreshBatches(Sequence[Any]):
+    """``batches`` handing out a fresh copy of a batch at every read: for a model (or loss)
+    that changes its input batch in place, so every run and step sees the loader's data."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [fresh_copy(batch) for batch in self.batches[index]]
+        return fresh_copy(self.batches[index])
+
+
+class WatchedBatches(FreshBatches):
+    """:class:`FreshBatches` that keeps the first ``keep`` copies it hands out beside their
+    originals, to tell afterwards whether the run changed its input batches in place."""
+
+    def __init__(self, batches: Sequence[Any], keep: int = 2) -> None:
+        super().__init__(batches)
+        self.keep = keep
+        self.handed: list[tuple[Any, Any]] = []
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        copy = super().__getitem__(index)
+        if isinstance(index, int) and len(self.handed) < self.keep:
+            self.handed.append((self.batches[index], copy))
+        return copy
+
+    def changed(self) -> bool:
+        """Whether a watched copy no longer equals its original."""
+        return not all(same_batch(copy, original) for original, copy in self.handed)
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:

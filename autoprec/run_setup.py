@@ -5,15 +5,16 @@ lengths, and the fp32 reference and noise runs every verdict is judged against."
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec.batching import LossFn, to_device
+from autoprec.batching import FreshBatches, LossFn, WatchedBatches, fresh_copy, to_device
 from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, Skipped, candidate_specs
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
@@ -30,6 +31,8 @@ from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import TrialResult
+
+logger = logging.getLogger(__name__)
 
 HELDOUT_BATCHES = 4
 """Batches kept out of training to compare outputs and losses (fewer when the loader is short)."""
@@ -78,6 +81,18 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
         "Check that the loader's batches fit the model (and loss_fn / train_step): nothing "
         "can be compared without it."
     )
+
+
+FRESH_BATCHES_NOTE = (
+    "the model (or loss_fn / train_step) changes its input batches in place: every run read a "
+    "fresh copy of each batch, copied inside the timed step as a loader's fresh batch is, and "
+    "your batches were left as they were"
+)
+
+
+def setup_notes(setup: RunSetup) -> tuple[str, ...]:
+    """What the run did differently from a plain trial, for the result's notes."""
+    return (FRESH_BATCHES_NOTE,) if setup.fresh_batches else ()
 
 
 EVAL_FN_HINT = (
@@ -130,18 +145,28 @@ class RunSetup:
     events: EventSink
     compile: bool = False
     """Every run (the fp32 reference and noise runs included) trains compiled."""
+    fresh_batches: bool = False
+    """The model (or loss / train_step) changed its input batch in place in calibration:
+    every run then reads a fresh copy of each batch (:class:`FreshBatches`)."""
 
     @property
     def reference_spec(self) -> ModeSpec:
         """fp32, compiled when the candidates are."""
         return ModeSpec(mode="fp32", compile=self.compile)
 
-    def run(self, spec: ModeSpec, steps: int, **options: Any) -> TrialResult:
+    def run(
+        self, spec: ModeSpec, steps: int, *, batches: Sequence[Any] | None = None, **options: Any
+    ) -> TrialResult:
         options.setdefault("seed", self.seed)
+        batches = self.train if batches is None else batches
+        if self.fresh_batches:
+            batches = FreshBatches(batches)
+            if options.get("heldout"):
+                options["heldout"] = FreshBatches(options["heldout"])
         return run_trial(
             spec,
             self.trial_model,
-            self.train,
+            batches,
             recipe=self.recipe,
             steps=steps,
             lr_points=self.lr_points,
@@ -224,7 +249,8 @@ def setup_run(
     trial_model = model if device is None else deep_copy(model).to(device)
     example = None
     if recipe.train_step is None:
-        example = to_device(_example_input(train[0], recipe.loss_fn), model_device(trial_model))
+        example = _example_input(fresh_copy(train[0]), recipe.loss_fn)  # the scan may change it
+        example = to_device(example, model_device(trial_model))
     report = probe(trial_model, example)
     situation = Situation(
         hardware=report.hardware,
@@ -253,18 +279,25 @@ def setup_run(
 
 
 def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
-    """A few fp32 steps: they check the inputs (the batches fit, the loss has gradients) and
-    time a step. Returns (fp32 seconds per optimizer step, seconds taken, whether training drew
-    random numbers: then a paired noise run is needed)."""
+    """A few fp32 steps on copies of the batches: they check the inputs (the batches fit, the
+    loss has gradients, whether training changes its batches in place: then
+    ``setup.fresh_batches``) and time a step. Returns (fp32 seconds per optimizer step,
+    seconds taken, whether training drew random numbers: then a paired noise run is
+    needed)."""
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
+    watched = WatchedBatches(setup.train)  # copies: the user's batches stay as they are
     calibration = setup.run(
         setup.reference_spec,
         CALIBRATION_STEPS,
+        batches=watched,
         stop=setup.events.watch(None, "calibration (fp32)"),
     )
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)
+    setup.fresh_batches = watched.changed()
+    if setup.fresh_batches:
+        logger.warning(FRESH_BATCHES_NOTE)
     record = calibration.record
     return record.median_step_seconds or 1e-3, setup.clock() - start, record.draws_random
 

@@ -42,6 +42,7 @@ from autoprec.run_setup import (
     calibration_run,
     progress_callback,
     reference_runs,
+    setup_notes,
     setup_run,
 )
 from autoprec.search_events import EventSink, SearchEvent
@@ -299,6 +300,6 @@ def check(
         steps=steps,
         device=setup.report.device,
         recipe=recipe.summary(model),
-        checks_not_run=reference_verdict.notes,
+        checks_not_run=(*reference_verdict.notes, *setup_notes(setup)),
         seconds=clock() - start,
     )

@@ -43,7 +43,14 @@ from autoprec.run_inputs import (
     resolve_compile,
     uncompiled_model,
 )
-from autoprec.run_setup import RunSetup, calibrate, progress_callback, reference_runs, setup_run
+from autoprec.run_setup import (
+    RunSetup,
+    calibrate,
+    progress_callback,
+    reference_runs,
+    setup_notes,
+    setup_run,
+)
 from autoprec.search import (
     ask_for,
     create_study,
@@ -303,7 +310,12 @@ def _search(
         speed_noise=speed_noise,
     )
     result = build_result(
-        setup, objective, reference_outcome, outcomes, budget, reference_verdict.notes
+        setup,
+        objective,
+        reference_outcome,
+        outcomes,
+        budget,
+        (*reference_verdict.notes, *setup_notes(setup)),
     )
     record_result(study, result.chosen.label, [result.reference, *result.trials])
     return result

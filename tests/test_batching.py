@@ -8,7 +8,16 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.batching import as_plain, count_samples, count_tokens, map_tensors, to_device
+from autoprec.batching import (
+    FreshBatches,
+    WatchedBatches,
+    as_plain,
+    count_samples,
+    count_tokens,
+    map_tensors,
+    same_batch,
+    to_device,
+)
 from autoprec.fingerprint import tensor_digest
 
 
@@ -59,3 +68,21 @@ def test_check_trains_a_hugging_face_model_on_collator_batches() -> None:
     # failed with "embedding(): argument 'indices' must be Tensor, not BatchEncoding"
     report = autoprec.check(model, batches, steps=4, modes=["amp_bf16"], progress=False)
     assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_fresh_batches_hand_out_copies_and_watched_ones_see_a_change() -> None:
+    originals = [(torch.ones(2, 3), torch.zeros(2)), (torch.ones(2, 3), torch.zeros(2))]
+    fresh = FreshBatches(originals)
+    assert len(fresh) == 2 and fresh[0][0] is not originals[0][0]
+    assert same_batch(fresh[0], originals[0])
+    assert same_batch((torch.tensor([float("nan")]),), (torch.tensor([float("nan")]),))
+    watched = WatchedBatches(originals, keep=1)
+    copy = watched[0]
+    watched[1][0].mul_(2)  # a copy read after the kept ones: not watched
+    assert not watched.changed()
+    copy[0].mul_(0.5)  # a forward that scales its input in place
+    assert watched.changed()
+    assert torch.equal(originals[0][0], torch.ones(2, 3))  # the user's batch is untouched
+    keyed = WatchedBatches([{"x": torch.ones(2)}])
+    keyed[0]["x"] = torch.zeros(2)  # a train_step that replaces a value of its batch dict
+    assert keyed.changed() and torch.equal(keyed.batches[0]["x"], torch.ones(2))

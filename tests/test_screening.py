@@ -213,6 +213,35 @@ def test_check_trains_compiled_when_the_model_is_compiled() -> None:
     assert [v.label for v in eager.verdicts] == ["amp_bf16"]
 
 
+class _HalvesItsInput(torch.nn.Module):
+    """Scales its input batch in place, as a forward with ``x.mul_(0.5)`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.mul_(0.5))
+
+
+def test_a_model_that_changes_its_input_batches_in_place() -> None:
+    # the batches were reused as they were: each run halved them again (the user's by 2**-5),
+    # every run saw other data and both modes were judged unsafe for outputs 67-84% apart
+    task = tasks.regression(lr=1e-3)
+    batches = task.batches[:8] + task.heldout
+    before = copy.deepcopy(batches)
+    report = autoprec.check(
+        _HalvesItsInput(), batches, loss_fn=task.mse, steps=8, modes=["amp_bf16", "bf16_sr"]
+    )
+    assert [v.status for v in report.verdicts] == ["safe", "safe"], report.summary()
+    assert any("changes its input batches in place" in n for n in report.checks_not_run)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, before, strict=True))
+    # a model that leaves its inputs alone reads them as they are, with no note
+    plain = autoprec.check(task.model, batches, loss_fn=task.mse, steps=4, modes=["amp_bf16"])
+    assert not any("in place" in n for n in plain.checks_not_run)
+
+
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     command = [*RAW_PARAM_CHECK, "--steps", "40", "--modes", "bf16_pure,amp_bf16"]
     assert main(command) == 0

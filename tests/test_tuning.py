@@ -516,3 +516,24 @@ def test_an_eval_fn_failing_in_one_mode_is_a_failed_trial_not_a_rejection() -> N
     assert trial.status == "failed"
     assert trial.reasons == ("eval failed: eval_fn(model) raised TypeError: needs fp32 weights",)
     assert result.chosen.mode == "fp32"
+
+
+def test_tune_leaves_batches_a_model_changes_in_place_as_they_were() -> None:
+    class Halves(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.mul_(0.5))
+
+    task = tasks.regression(lr=1e-3)
+    batches = _loader(task)
+    before = [x.clone() for x, _ in batches]
+    result = tune(
+        Halves(), batches, budget_minutes=0.3, loss_fn=task.mse, modes=["amp_bf16"],
+        objective="memory",
+    )  # fmt: skip
+    assert all(torch.equal(x, b) for (x, _), b in zip(batches, before, strict=True))
+    assert any("changes its input batches in place" in n for n in result.checks_not_run)
+    assert "note: the model (or loss_fn / train_step) changes" in result.summary()
