@@ -252,10 +252,9 @@ def _report(args: argparse.Namespace) -> int:
         if "://" not in source and not Path(source).exists():
             raise FileNotFoundError(
                 f"{source!r} does not exist; give a tune run's *.trials.json, its *.study.db, "
-                "or a storage URL."
+                "a journal file or a storage URL."
             )
-        storage = f"sqlite:///{source}" if Path(source).exists() else source
-        outcomes, chosen, noise_runs = outcomes_from_study(storage, args.study)
+        outcomes, chosen, noise_runs = outcomes_from_study(source, args.study)
     written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
     count = trials_run(outcomes, noise_runs)
     noise = "the fp32 noise run" if noise_runs == 1 else f"{noise_runs} fp32 noise runs"

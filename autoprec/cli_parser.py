@@ -141,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
     tune.add_argument("--objective", choices=["speed", "memory", "balanced"], default="speed")
     tune.add_argument(
-        "--storage", metavar="URL", help="Optuna storage URL (default: sqlite file next to --out)"
+        "--storage",
+        metavar="URL",
+        help="Optuna storage URL, or a file path for a journal file (default: sqlite file next "
+        "to --out)",
     )
     tune.add_argument("--study", metavar="NAME", help="study name (default: the --out file name)")
     tune.add_argument(

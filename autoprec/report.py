@@ -12,6 +12,7 @@ from autoprec._files import read_json
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.outcomes import TrialOutcome
+from autoprec.search import optuna_storage
 from autoprec.tune_result import TuneResult
 
 _STYLE = {
@@ -128,12 +129,13 @@ def outcomes_from_study(
     fp32 noise runs."""
     import optuna
 
-    names = optuna.get_all_study_names(storage=storage)
+    opened = optuna_storage(storage)
+    names = optuna.get_all_study_names(storage=opened)
     if study_name is None:
         if len(names) != 1:
             raise ValueError(f"{storage} holds studies {names}; pick one with --study.")
         study_name = names[0]
-    study = optuna.load_study(study_name=study_name, storage=storage)
+    study = optuna.load_study(study_name=study_name, storage=opened)
     noise_runs = int(study.user_attrs.get("noise_runs", 1))
     finished = study.user_attrs.get("result")
     if finished:  # the run ended: its final figures (re-timed) and its choice

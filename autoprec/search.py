@@ -197,9 +197,31 @@ def ask_for(study: Any, label: str, choices: Sequence[str]) -> Any:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def optuna_storage(storage: str | None) -> Any:
+    """What Optuna opens for ``storage``: a URL as it is (SQLite, PostgreSQL, MySQL), None for
+    memory, and a file path without ``://`` as a journal file (``JournalStorage``: Optuna's
+    advice for many workers on one node); a path to an existing SQLite file as its URL."""
+    if storage is None or "://" in storage:
+        return storage
+    path = Path(storage)
+    if path.is_file():
+        with path.open("rb") as file:
+            if file.read(len(SQLITE_HEADER)) == SQLITE_HEADER:
+                return f"sqlite:///{path}"
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
 def create_study(storage: str | None, study_name: str | None) -> Any:
-    """A two-objective study (samples/s up, memory down), new or resumed. The folder of an
-    ``sqlite:///PATH`` file is created when missing."""
+    """A two-objective study (samples/s up, memory down), new or resumed, in ``storage`` (see
+    :func:`optuna_storage`). The folder of an ``sqlite:///PATH`` or journal file is created
+    when missing."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -207,7 +229,7 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
         if storage is not None and storage.startswith("sqlite:///"):
             Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         return optuna.create_study(
-            storage=storage,
+            storage=optuna_storage(storage),
             study_name=study_name,
             load_if_exists=storage is not None,
             directions=["maximize", "minimize"],

@@ -13,7 +13,7 @@ from autoprec.choice import choose, dominates, pareto_front
 from autoprec.outcomes import TrialOutcome
 from autoprec.probing import probe
 from autoprec.retiming import CONFIRM_WITHIN
-from autoprec.search import create_study, make_stop_check, search
+from autoprec.search import create_study, make_stop_check, optuna_storage, search
 from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow, TrialProgress
@@ -342,3 +342,14 @@ def test_recompiles_after_warmup_are_shown_with_the_verdict() -> None:
     recompiled = outcome("amp_bf16", speed=100).model_copy(update={"recompiles": 3})
     assert recompiled.notes[0].startswith("recompiled 3x after warm-up")
     assert outcome("amp_bf16", speed=100).notes == ()
+
+
+def test_a_storage_path_is_a_journal_file_unless_it_holds_sqlite(tmp_path: Path) -> None:
+    assert optuna_storage(None) is None
+    assert optuna_storage("postgresql://host/db") == "postgresql://host/db"
+    journal = optuna_storage(str(tmp_path / "new" / "study.log"))
+    assert isinstance(journal, optuna.storages.JournalStorage)
+    assert (tmp_path / "new").is_dir()
+    database = tmp_path / "study.db"
+    create_study(f"sqlite:///{database}", "s")
+    assert optuna_storage(str(database)) == f"sqlite:///{database}"

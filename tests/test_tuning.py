@@ -15,6 +15,7 @@ import torch
 
 import autoprec
 from autoprec.outcomes import TrialOutcome
+from autoprec.report import outcomes_from_study
 from autoprec.run_inputs import resolve_compile, uncompiled_model
 from autoprec.search_events import SearchEvent
 from autoprec.specs import ModeSpec
@@ -97,10 +98,15 @@ def test_budget_is_a_hard_wall() -> None:
     assert result.budget.trial_steps >= 20
 
 
-def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
+    # a file path is an Optuna journal file (for many workers on one node); it was passed to
+    # Optuna as a URL and refused ("Could not parse SQLAlchemy URL"), though documented
     model, _ = tiny_gpt.make_small_model()
     batches = tiny_gpt.make_small_batches()
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = (
+        f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "j" / "s.log")
+    )
     done: list[str] = []
 
     def interrupt_after_two(event: SearchEvent) -> None:
@@ -134,6 +140,8 @@ def test_resume_skips_finished_candidates(tmp_path: Path) -> None:
     assert kinds[done[0]] == "skip" and kinds[done[1]] == "skip"
     assert kinds["bf16_sr"] == "done"
     assert {o.label for o in result.trials} == {"amp_bf16", "bf16_kahan", "bf16_sr"}  # exactly
+    outcomes, chosen, _ = outcomes_from_study(storage, None)  # `autoprec report` reads it
+    assert chosen == result.chosen.label and len(outcomes) == 4
 
 
 @pytest.mark.parametrize(
