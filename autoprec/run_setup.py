@@ -337,15 +337,18 @@ def reference_runs(
     while runs:
         seed_offset, shuffle, label = runs.pop(0)
         setup.events.emit("phase", label, steps=steps)
+        watched = None if setup.fresh_batches else WatchedBatches(setup.heldout, HELDOUT_BATCHES)
         result = setup.run(
             setup.reference_spec,
             steps,
             seed=setup.seed + seed_offset,
             shuffle_seed=shuffle,
-            heldout=setup.heldout,
+            heldout=setup.heldout if watched is None else watched,
             eval_fn=setup.eval_fn,
             stop=setup.events.watch(budget_only, label),
         )
+        if watched is not None and watched.changed():  # inputs changed in eval mode only
+            setup.fresh_batches = True
         if result.record.failure is not None:
             raise reference_failed(result, setup)
         if result.record.stopped is not None:
