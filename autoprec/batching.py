@@ -194,6 +194,11 @@ def _scalar(loss: Any, source: str) -> torch.Tensor:
     """``loss`` when it is one number; else a ValueError saying what ``source`` returned."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
+    if isinstance(loss, tuple | list):
+        raise ValueError(
+            f"{source} returned a {type(loss).__name__} of {len(loss)}, not a scalar loss: "
+            "return the loss tensor alone (log the rest from your own loop or a hook)."
+        )
     found = (
         f"a tensor of shape {tuple(loss.shape)}"
         if isinstance(loss, torch.Tensor)

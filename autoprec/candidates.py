@@ -99,6 +99,11 @@ EIGHT_BIT_SUFFIX = "+8bit-optim"
 def _parse_modes(modes: list[str]) -> tuple[set[str], set[str]]:
     """(compute modes, modes wanted with 8-bit optimizer states) from canonical names and
     ``<mode>+8bit-optim`` labels."""
+    if not modes:
+        raise ValueError(
+            "modes is empty: name the modes to run (e.g. ['amp_bf16', 'bf16_sr']), or pass "
+            "None for every mode."
+        )
     plain: set[str] = set()
     eight_bit: set[str] = set()
     for name in modes:
@@ -224,6 +229,11 @@ def screen_specs(
         wanted, wanted_8bit = set(SCREEN_ORDER), set(EIGHT_BIT_MODES)
     else:
         wanted, wanted_8bit = _parse_modes(modes)
+        if wanted <= {"fp32"} and not wanted_8bit:
+            raise ValueError(
+                f"modes={list(modes)!r} leaves nothing to check: fp32 is the reference every "
+                "mode is judged against. Name the modes to check, or pass None for every mode."
+            )
     specs: list[ModeSpec] = []
     skipped: list[Skipped] = []
     for mode in SCREEN_ORDER:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
+from autoprec.drift_thresholds import DriftThresholds
+from autoprec.errors import field_errors
 from autoprec.model_copies import compiled_in_place
 from autoprec.outcomes import OBJECTIVES
 from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
@@ -61,6 +64,23 @@ def preserved_rng() -> Iterator[None]:
         random.setstate(python_state)
         if numpy is not None and numpy_state is not None:
             numpy.random.set_state(numpy_state)
+
+
+def resolve_thresholds(thresholds: Any) -> DriftThresholds | None:
+    """``thresholds`` as :class:`DriftThresholds`: one already, or a dict of its fields."""
+    if thresholds is None or isinstance(thresholds, DriftThresholds):
+        return thresholds
+    if not isinstance(thresholds, Mapping):
+        raise TypeError(
+            f"thresholds must be a DriftThresholds or a dict of its fields, not "
+            f"{type(thresholds).__name__}."
+        )
+    try:
+        return DriftThresholds(**thresholds)
+    except ValidationError as error:
+        raise ValueError(
+            f"thresholds: {field_errors(error)}. Fields: {', '.join(DriftThresholds.model_fields)}."
+        ) from None
 
 
 def check_budget(budget_minutes: Any, objective: Any) -> None:

@@ -60,7 +60,7 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
             "detached output, torch.no_grad() in forward, or a loss of the targets alone). "
             "Make the loss flow from the model's output."
         )
-    if "copy.deepcopy" in message or "not a torch.optim.Optimizer" in message:
+    if any(said in message for said in ("copy.deepcopy", "not a torch.optim", "not a scalar")):
         return ""  # the message itself says what to do
     positional = "positional argument" in message or "unexpected keyword argument" in message
     if positional and recipe.loss_fn is None and recipe.train_step is None:

@@ -10,7 +10,7 @@ gate; no study, no speed ranking, no profile.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ from autoprec.run_inputs import (
     check_model,
     preserved_rng,
     resolve_compile,
+    resolve_thresholds,
     uncompiled_model,
 )
 from autoprec.run_setup import (
@@ -237,7 +238,7 @@ def check(
     modes: list[str] | None = None,
     device: str | None = None,
     seed: int = 0,
-    thresholds: DriftThresholds | None = None,
+    thresholds: DriftThresholds | Mapping[str, float] | None = None,
     compile: bool | Literal["auto"] = "auto",
     on_event: Callable[[SearchEvent], None] | None = None,
     progress: bool | None = None,
@@ -265,6 +266,7 @@ def check(
     check_model(model)
     check_device(device)
     use_compile = resolve_compile(compile, compiled)
+    thresholds = resolve_thresholds(thresholds)
     if not isinstance(steps, int) or steps < 4:
         raise ValueError(f"steps must be an int >= 4 (two lr legs of two steps), not {steps!r}.")
     recipe = TrainingRecipe(

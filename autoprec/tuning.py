@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from torch import nn
@@ -41,6 +41,7 @@ from autoprec.run_inputs import (
     check_model,
     preserved_rng,
     resolve_compile,
+    resolve_thresholds,
     uncompiled_model,
 )
 from autoprec.run_setup import (
@@ -110,7 +111,7 @@ def tune(
     storage: str | None = None,
     study_name: str | None = None,
     seed: int = 0,
-    thresholds: DriftThresholds | None = None,
+    thresholds: DriftThresholds | Mapping[str, float] | None = None,
     on_event: Callable[[SearchEvent], None] | None = None,
     progress: bool | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -137,6 +138,8 @@ def tune(
         eval_fn: ``eval_fn(model) -> float`` (lower is better), judged against fp32.
         objective: "speed", "memory" or "balanced".
         modes: restrict the candidates to these canonical mode names.
+        thresholds: the drift gate's bars: a :class:`~autoprec.drift_thresholds.DriftThresholds`
+            or a dict of its fields (``{"min_update_fraction": 0.7}``); default: its defaults.
         device: "cpu" or "cuda:N" to tune on (default: where the model is).
         compile: train every run (the fp32 reference too) with ``torch.compile``, as the
             profile's ``apply()`` then does; ``"auto"`` (default): when you passed a compiled
@@ -161,6 +164,7 @@ def tune(
     check_budget(budget_minutes, objective)
     check_device(device)
     use_compile = resolve_compile(compile, compiled)
+    thresholds = resolve_thresholds(thresholds)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
         scheduler=scheduler,

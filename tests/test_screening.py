@@ -251,6 +251,21 @@ def test_a_model_that_changes_its_input_batches_in_place(eval_only: bool) -> Non
     assert not any("in place" in n for n in plain.checks_not_run)
 
 
+def test_check_takes_thresholds_as_a_dict_and_refuses_an_empty_selection() -> None:
+    task = tasks.regression()
+    common = {"loss_fn": task.mse, "optimizer": task.optimizer, "steps": 4}
+    # the optimizer-state rule off, as the blind-spot text advises, written as a dict
+    report = autoprec.check(
+        task.model, task.batches, modes=["bf16_kahan"],
+        thresholds={"max_rounded_beta2": 0.9995}, **common,
+    )  # fmt: skip
+    kahan = report.verdict("bf16_kahan")
+    assert not any(r.startswith("optimizer state loses") for r in kahan.reasons), kahan.reasons
+    # modes=["fp32"] used to return an empty report: fp32 is the reference, nothing was checked
+    with pytest.raises(ValueError, match="leaves nothing to check: fp32 is the reference"):
+        autoprec.check(task.model, task.batches, modes=["fp32"], **common)
+
+
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     command = [*RAW_PARAM_CHECK, "--steps", "40", "--modes", "bf16_pure,amp_bf16"]
     assert main(command) == 0

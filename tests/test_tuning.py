@@ -176,6 +176,17 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
             "objective must be one of",
         ),
         (lambda m, b: tune(m, b, budget_minutes=1, modes=["fp64"]), ValueError, "Unknown mode"),
+        (lambda m, b: tune(m, b, budget_minutes=1, modes=[]), ValueError, "modes is empty"),
+        (  # a dict of DriftThresholds fields is accepted; a typo in one is named
+            lambda m, b: tune(m, b, budget_minutes=1, thresholds={"min_update_frac": 0.5}),
+            ValueError,
+            "thresholds: min_update_frac: Extra inputs are not permitted",
+        ),
+        (
+            lambda m, b: tune(m, b, budget_minutes=1, thresholds=0.5),
+            TypeError,
+            "thresholds must be a DriftThresholds or a dict of its fields, not float",
+        ),
     ],
 )
 def test_clear_errors(call, error: type, message: str) -> None:
@@ -367,12 +378,18 @@ def test_a_loss_without_gradient_is_named_as_such() -> None:
     ("loss_fn", "found"),
     [
         (lambda output, target: (output - target).square(), r"a tensor of shape \(16, 1\)"),
-        (lambda output, target: (_mse(output, target), output), "tuple"),
+        (lambda output, target: (_mse(output, target), output), "a tuple of 2"),
     ],
 )
 def test_a_loss_that_is_not_one_number_says_what_it_was(loss_fn: object, found: str) -> None:
-    with pytest.raises(ValueError, match=rf"loss_fn\(output, target\) returned {found}, not a "):
+    with pytest.raises(
+        ValueError, match=rf"loss_fn\(output, target\) returned {found}, not a "
+    ) as e:
         tune(_Regressor(), _regression_batches(), budget_minutes=0.2, loss_fn=loss_fn)
+    # the message says what to do; "check that the loader's batches fit" would mislead
+    assert "batches fit the model" not in str(e.value)
+    if "tuple" in found:  # a (loss, logs) pair: "reduce it to one number" did not fit
+        assert "return the loss tensor alone" in str(e.value)
 
 
 def test_a_model_that_cannot_be_copied_names_the_attribute() -> None:
