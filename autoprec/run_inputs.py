@@ -66,6 +66,15 @@ def preserved_rng() -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
+def checked_model(model: Any, device: str | None, compile: bool | str) -> tuple[nn.Module, bool]:
+    """(the module to run, whether every run trains compiled): the user's model unwrapped from
+    ``torch.compile`` and checked, the device checked, ``compile`` resolved against it."""
+    model, compiled = uncompiled_model(model)
+    check_model(model)
+    check_device(device)
+    return model, resolve_compile(compile, compiled)
+
+
 def resolve_thresholds(thresholds: Any) -> DriftThresholds | None:
     """``thresholds`` as :class:`DriftThresholds`: one already, or a dict of its fields."""
     if thresholds is None or isinstance(thresholds, DriftThresholds):

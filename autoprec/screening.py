@@ -31,12 +31,9 @@ from autoprec.recipe import (
     default_optimizer,
 )
 from autoprec.run_inputs import (
-    check_device,
-    check_model,
+    checked_model,
     preserved_rng,
-    resolve_compile,
     resolve_thresholds,
-    uncompiled_model,
 )
 from autoprec.run_setup import (
     RunSetup,
@@ -262,10 +259,7 @@ def check(
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
-    model, compiled = uncompiled_model(model)
-    check_model(model)
-    check_device(device)
-    use_compile = resolve_compile(compile, compiled)
+    model, use_compile = checked_model(model, device, compile)
     thresholds = resolve_thresholds(thresholds)
     if not isinstance(steps, int) or steps < 4:
         raise ValueError(f"steps must be an int >= 4 (two lr legs of two steps), not {steps!r}.")

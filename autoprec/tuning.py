@@ -37,12 +37,9 @@ from autoprec.recipe import (
 from autoprec.retiming import CONFIRM_STEPS, confirm_speed
 from autoprec.run_inputs import (
     check_budget,
-    check_device,
-    check_model,
+    checked_model,
     preserved_rng,
-    resolve_compile,
     resolve_thresholds,
-    uncompiled_model,
 )
 from autoprec.run_setup import (
     RunSetup,
@@ -159,11 +156,8 @@ def tune(
     Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
-    model, compiled = uncompiled_model(model)
-    check_model(model)
+    model, use_compile = checked_model(model, device, compile)
     check_budget(budget_minutes, objective)
-    check_device(device)
-    use_compile = resolve_compile(compile, compiled)
     thresholds = resolve_thresholds(thresholds)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
