@@ -10,7 +10,9 @@ from autoprec.errors import (
     HardwareMismatchWarning,
     MissingBackendError,
     ModelLoadError,
+    ModelMismatchWarning,
     ProfileError,
+    RecipeMismatchWarning,
     UnsupportedModeError,
 )
 from autoprec.plan import PrecisionPlan, prepare
@@ -29,11 +31,13 @@ __all__ = [
     "ModeSpec",
     "ModeVerdict",
     "ModelLoadError",
+    "ModelMismatchWarning",
     "PrecisionPlan",
     "ProbeReport",
     "Profile",
     "ProfileError",
     "QualityReport",
+    "RecipeMismatchWarning",
     "TuneResult",
     "UnsupportedModeError",
     "__version__",

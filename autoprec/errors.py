@@ -53,6 +53,11 @@ class ModelMismatchWarning(UserWarning):
     """A profile is applied to a model other than the one it was proven for."""
 
 
+class RecipeMismatchWarning(UserWarning):
+    """A profile is applied under another optimizer, hyper-parameters, accumulation or clipping
+    than the recipe its evidence was measured under."""
+
+
 def field_errors(error: ValidationError) -> str:
     """A pydantic validation error in one line: each field, what is wrong, what was given
     (the first three; the rest counted)."""

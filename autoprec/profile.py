@@ -26,6 +26,7 @@ from autoprec.errors import (
     HardwareMismatchWarning,
     ModelMismatchWarning,
     ProfileError,
+    RecipeMismatchWarning,
     field_errors,
 )
 from autoprec.hardware import HardwareInfo, detect_hardware
@@ -36,6 +37,7 @@ from autoprec.integrations.lightning import lightning_settings
 from autoprec.layers import LayerMix, scan_model
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.recipe import RecipeSummary
+from autoprec.recipe_match import recipe_differences
 from autoprec.specs import ModeSpec, matches_keep_fp32
 
 SCHEMA_VERSION = 3
@@ -248,7 +250,9 @@ class Profile(BaseModel):
             grad_accumulation_steps / clip_grad_norm: default to the recipe the profile was
                 tuned under (1 / None for profiles without one).
             strict: refuse (ProfileError) a model other than the one the profile was proven
-                for, instead of warning (``ModelMismatchWarning``).
+                for (``ModelMismatchWarning``), or another optimizer class, group
+                hyper-parameters (lr, betas, ...), accumulation or clipping than the recipe it
+                was tuned under (``RecipeMismatchWarning``), instead of warning.
         """
         self.check_model(model, strict=strict)
         recipe = self.recipe
@@ -256,6 +260,21 @@ class Profile(BaseModel):
             grad_accumulation_steps = recipe.grad_accumulation_steps if recipe else 1
         if clip_grad_norm is None and recipe is not None:
             clip_grad_norm = recipe.clip_grad_norm
+        if recipe is not None:
+            differences = recipe_differences(
+                recipe,
+                optimizer,
+                grad_accumulation_steps=grad_accumulation_steps,
+                clip_grad_norm=clip_grad_norm,
+            )
+            if differences:
+                message = (
+                    f"This {self.spec.label} profile was proven under another training recipe: "
+                    + "; ".join(differences)
+                    + ". Its drift evidence does not cover this recipe (rounding losses depend "
+                    "on the lr); run `autoprec tune` (or `autoprec check`) with it."
+                )
+                _refuse_or_warn(message, RecipeMismatchWarning, strict=strict)
         return prepare(
             self.spec,
             model,
@@ -269,19 +288,19 @@ class Profile(BaseModel):
 
     def to_lightning(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Trainer(**profile.to_lightning())`` or ``Fabric(**...)`` arguments."""
-        return lightning_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+        return lightning_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
 
     def to_accelerate(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Accelerator(**profile.to_accelerate())`` arguments."""
-        return accelerate_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+        return accelerate_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
 
     def to_hf_training_args(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``TrainingArguments(..., **profile.to_hf_training_args())`` fields."""
-        return hf_training_args(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+        return hf_training_args(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
 
     def to_fsdp2(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``MixedPrecisionPolicy(**profile.to_fsdp2())`` arguments."""
-        return fsdp2_policy_args(self.spec, ignore_keep_fp32=ignore_keep_fp32)
+        return fsdp2_policy_args(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
 
 
 def profile_for(

@@ -108,11 +108,12 @@ class RecipeSummary(BaseModel):
     lr_points: tuple[LrPoint, ...] = ()
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A hyper-parameter as JSON data: tensors as numbers or lists, other objects as repr."""
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     if isinstance(value, bool | int | float | str) or value is None:
         return value
     return repr(value)
@@ -266,7 +267,7 @@ class TrainingRecipe:
         optimizer = self.make_optimizer(model, model)
         groups = tuple(
             {
-                key: _plain(value)
+                key: plain_value(value)
                 for key, value in sorted(group.items())
                 if key not in ("params", "initial_lr")
             }

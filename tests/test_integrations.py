@@ -3,12 +3,16 @@ they are installed (accelerate, transformers, torch FSDP2)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch import nn
 
 from autoprec._imports import is_installed
 from autoprec.errors import ExportError, MissingBackendError
-from autoprec.profile import profile_for
+from autoprec.profile import Profile, profile_for
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 
 
@@ -73,6 +77,34 @@ def test_keep_fp32_can_be_dropped_on_request() -> None:
 def test_8bit_optimizer_in_hf_trainer() -> None:
     args = _profile(mode="amp_bf16", optimizer_bits=8).to_hf_training_args()
     assert args == {"bf16": True, "fp16": False, "optim": "adamw_bnb_8bit"}
+
+
+def _proven_with(optimizer: Callable[..., torch.optim.Optimizer], **spec: object) -> Profile:
+    model = nn.Sequential(nn.Linear(8, 8))
+    recipe = TrainingRecipe(optimizer=optimizer).summary(model)
+    return profile_for(ModeSpec(**spec), recipe=recipe)  # type: ignore[arg-type]
+
+
+def test_8bit_exports_name_the_class_the_recipe_was_proven_with() -> None:
+    sgd = _proven_with(
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), mode="fp32", optimizer_bits=8
+    )
+    for export in ("to_lightning", "to_accelerate", "to_fsdp2"):
+        with pytest.raises(ExportError, match=r"bitsandbytes\.optim\.SGD8bit"):
+            getattr(sgd, export)()
+    with pytest.raises(ExportError, match=r"proven with torch\.optim\.sgd:SGD .*SGD8bit"):
+        sgd.to_hf_training_args()  # the Trainer's adamw_bnb_8bit would be another optimizer
+    adam = _proven_with(lambda p: torch.optim.Adam(p), mode="fp32", optimizer_bits=8)
+    with pytest.raises(ExportError, match=r"bitsandbytes\.optim\.Adam8bit "):
+        adam.to_lightning()
+    with pytest.raises(ExportError, match=r"proven with torch\.optim\.adam:Adam "):
+        adam.to_hf_training_args()
+    adamw = _proven_with(lambda p: torch.optim.AdamW(p), mode="amp_bf16", optimizer_bits=8)
+    assert adamw.to_hf_training_args()["optim"] == "adamw_bnb_8bit"
+    with pytest.raises(ExportError, match=r"bitsandbytes\.optim\.AdamW8bit"):
+        adamw.to_accelerate()
+    with pytest.raises(ExportError, match="the bitsandbytes 8-bit class of your optimizer"):
+        _profile(mode="fp32", optimizer_bits=8).to_lightning()  # no recipe recorded
 
 
 def test_fsdp2_policy_is_accepted_by_torch() -> None:

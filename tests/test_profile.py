@@ -11,7 +11,12 @@ from rich.console import Console
 import autoprec
 from autoprec.display import print_profile
 from autoprec.drift_blind_spots import FP16_LATE_GROWTH
-from autoprec.errors import HardwareMismatchWarning, ModelMismatchWarning, ProfileError
+from autoprec.errors import (
+    HardwareMismatchWarning,
+    ModelMismatchWarning,
+    ProfileError,
+    RecipeMismatchWarning,
+)
 from autoprec.layers import scan_model
 from autoprec.profile import (
     SCHEMA_VERSION,
@@ -216,18 +221,18 @@ def test_applying_to_another_model_warns_and_strict_refuses() -> None:
     profile = _tuned_for_tiny_gpt()
     mlp = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
     with pytest.warns(ModelMismatchWarning) as caught:
-        profile.apply(mlp, torch.optim.AdamW(mlp.parameters()))
+        profile.apply(mlp, torch.optim.AdamW(mlp.parameters(), lr=3e-4))
     message = str(caught[0].message)
     assert "class: proven on TinyGPT, applied to Sequential" in message
     assert "keep_fp32 patterns match no module: ln_f, blocks.*.ln_*" in message
     other = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
     with pytest.raises(ProfileError, match="proven for another model"):
-        profile.apply(other, torch.optim.AdamW(other.parameters()), strict=True)
+        profile.apply(other, torch.optim.AdamW(other.parameters(), lr=3e-4), strict=True)
     assert all(p.dtype == torch.float32 for p in other.parameters())  # refused before converting
     model, _ = tiny_gpt.make_model()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # its own model: no warning
-        profile.apply(model, torch.optim.AdamW(model.parameters()), strict=True)
+        warnings.simplefilter("error")  # its own model and recipe: no warning
+        profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4), strict=True)
 
 
 def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
@@ -237,11 +242,55 @@ def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
     assert profile.recipe is not None and profile.recipe.grad_accumulation_steps == 4
     loaded = Profile.model_validate_json(profile.model_dump_json())
     model, _ = tiny_gpt.make_model()
-    plan = loaded.apply(model, torch.optim.AdamW(model.parameters()))
+    plan = loaded.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
     assert (plan.grad_accumulation_steps, plan.clip_grad_norm) == (4, 1.0)
     model, _ = tiny_gpt.make_model()
-    plan = loaded.apply(model, torch.optim.AdamW(model.parameters()), grad_accumulation_steps=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    with pytest.warns(
+        RecipeMismatchWarning, match="grad_accumulation_steps: proven at 4, applied with 1"
+    ):
+        plan = loaded.apply(model, optimizer, grad_accumulation_steps=1)
     assert plan.grad_accumulation_steps == 1
+
+
+def test_applying_under_another_recipe_warns_and_strict_refuses() -> None:
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+
+    profile = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
+    )
+    profile = Profile.model_validate_json(profile.model_dump_json())  # as loaded from a file
+    cases = [
+        (
+            lambda p: torch.optim.AdamW(p, lr=3e-5, betas=(0.9, 0.95)),
+            "lr: proven at 0.003, applied with 3e-05",
+        ),
+        (
+            lambda p: torch.optim.AdamW(p, lr=3e-3),
+            "betas: proven at (0.9, 0.95), applied with (0.9, 0.999)",
+        ),
+        (
+            lambda p: torch.optim.SGD(p, lr=3e-3),
+            "optimizer: proven with torch.optim.adamw:AdamW, applied with torch.optim.sgd:SGD",
+        ),
+    ]
+    for make_optimizer, difference in cases:
+        model, _ = tiny_gpt.make_model()
+        with pytest.warns(RecipeMismatchWarning) as caught:
+            profile.apply(model, make_optimizer(model.parameters()))
+        assert difference in str(caught[0].message)
+        assert "proven under another training recipe" in str(caught[0].message)
+    model, _ = tiny_gpt.make_model()
+    with pytest.raises(ProfileError, match=r"lr: proven at 0\.003"):
+        profile.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3), strict=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before converting
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), foreach=False)
+    warmup = LambdaLR(optimizer, lambda step: min(1.0, step / 100))  # lr is 0 until it steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same recipe: kernel flags and a warm-up do not count
+        profile.apply(model, optimizer, warmup, strict=True)
 
 
 def test_version_1_profiles_still_load(tmp_path: Path) -> None:

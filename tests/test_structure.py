@@ -17,7 +17,7 @@ ORDER = [
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "layers",  # facts
     "eligibility",
     "stochastic_optim", "optim", "modes", "plan", "testing",        # runtime (apply path)
-    "probing", "candidates", "batching", "recipe", "model_copies",  # pipeline
+    "probing", "candidates", "batching", "recipe", "recipe_match", "model_copies",  # pipeline
     "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",
     "drift_movement", "drift_fp16", "drift", "drift_blind_spots",
     "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",

@@ -9,6 +9,7 @@ approximated silently.
 from __future__ import annotations
 
 from autoprec.errors import ExportError
+from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
 # Modes whose numerics do not depend on where keep_fp32 modules run.
@@ -28,9 +29,36 @@ def refuse_keep_fp32(spec: ModeSpec, target: str, ignore_keep_fp32: bool) -> Non
         )
 
 
-def refuse_8bit_optimizer(spec: ModeSpec, target: str, how: str) -> None:
-    if spec.optimizer_bits == 8:
-        raise ExportError(f"{target} does not build the optimizer from a precision setting; {how}")
+_BNB_8BIT = {"AdamW": "AdamW8bit", "Adam": "Adam8bit", "SGD": "SGD8bit"}
 
 
-__all__ = ["refuse_8bit_optimizer", "refuse_keep_fp32"]
+def bnb_8bit_class(recipe: RecipeSummary | None) -> str | None:
+    """The bitsandbytes class the profile's 8-bit states were proven with, as autoprec's
+    rebuild picks it from the recipe's optimizer (None for a profile without a recipe)."""
+    if recipe is None:
+        return None
+    name = recipe.optimizer.rpartition(":")[2]
+    decoupled = any(group.get("decoupled_weight_decay") for group in recipe.optimizer_groups)
+    if name == "Adam" and decoupled:
+        name = "AdamW"
+    return f"bitsandbytes.optim.{_BNB_8BIT[name]}" if name in _BNB_8BIT else None
+
+
+def refuse_8bit_optimizer(
+    spec: ModeSpec, target: str, how: str, recipe: RecipeSummary | None
+) -> None:
+    """8-bit states are an optimizer, which no precision flag builds: say which one to build.
+    ``how`` names it as ``{cls}``."""
+    if spec.optimizer_bits != 8:
+        return
+    cls = bnb_8bit_class(recipe)
+    shown = (
+        cls
+        or "the bitsandbytes 8-bit class of your optimizer (bitsandbytes.optim.AdamW8bit for AdamW)"
+    )
+    raise ExportError(
+        f"{target} does not build the optimizer from a precision setting; {how.format(cls=shown)}"
+    )
+
+
+__all__ = ["bnb_8bit_class", "refuse_8bit_optimizer", "refuse_keep_fp32"]

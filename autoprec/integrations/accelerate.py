@@ -9,6 +9,7 @@ from autoprec._imports import install_hint
 from autoprec.errors import ExportError, MissingBackendError
 from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
 from autoprec.modes.fp8_torchao import Fp8TorchaoMode
+from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec, TeDelayedScaling
 
 _MIXED = {"fp32": "no", "amp_fp16": "fp16", "amp_bf16": "bf16"}
@@ -24,21 +25,26 @@ def _accelerate_utils() -> Any:
         ) from error
 
 
-def accelerate_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+def accelerate_settings(
+    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``accelerate.Accelerator`` (``dynamo_backend="inductor"`` when
     the profile was proven compiled)."""
-    settings = _precision_settings(spec, ignore_keep_fp32)
+    settings = _precision_settings(spec, ignore_keep_fp32, recipe)
     if spec.compile:
         settings["dynamo_backend"] = "inductor"
     return settings
 
 
-def _precision_settings(spec: ModeSpec, ignore_keep_fp32: bool) -> dict[str, Any]:
+def _precision_settings(
+    spec: ModeSpec, ignore_keep_fp32: bool, recipe: RecipeSummary | None
+) -> dict[str, Any]:
     refuse_keep_fp32(spec, "Accelerate's mixed_precision", ignore_keep_fp32)
     refuse_8bit_optimizer(
         spec,
         "Accelerate",
-        "create bitsandbytes.optim.AdamW8bit yourself and pass it to accelerator.prepare().",
+        "create {cls} yourself and pass it to accelerator.prepare().",
+        recipe,
     )
     if spec.mode in _MIXED:
         return {"mixed_precision": _MIXED[spec.mode]}

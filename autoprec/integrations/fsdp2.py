@@ -8,19 +8,20 @@ import torch
 
 from autoprec.errors import ExportError
 from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
 
-def fsdp2_policy_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+def fsdp2_policy_args(
+    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+) -> dict[str, Any]:
     """``MixedPrecisionPolicy(**fsdp2_policy_args(spec))`` keyword arguments.
 
     FSDP2 casts the sharded fp32 parameters to ``param_dtype`` for forward/backward and reduces
     gradients in ``reduce_dtype``: the FSDP counterpart of autocast with fp32 master weights.
     """
     refuse_keep_fp32(spec, "MixedPrecisionPolicy", ignore_keep_fp32)
-    refuse_8bit_optimizer(
-        spec, "FSDP2", "build bitsandbytes.optim.AdamW8bit over the sharded parameters."
-    )
+    refuse_8bit_optimizer(spec, "FSDP2", "build {cls} over the sharded parameters.", recipe)
     if spec.mode == "fp32":
         return {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
     if spec.mode == "amp_bf16":

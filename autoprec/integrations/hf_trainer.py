@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from autoprec.errors import ExportError
-from autoprec.integrations import refuse_keep_fp32
+from autoprec.integrations import bnb_8bit_class, refuse_keep_fp32
+from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
 _FLAGS = {
@@ -16,7 +17,9 @@ _FLAGS = {
 }
 
 
-def hf_training_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+def hf_training_args(
+    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+) -> dict[str, Any]:
     """TrainingArguments fields (bf16, fp16, tf32, optim, torch_compile) for the spec."""
     refuse_keep_fp32(spec, "TrainingArguments", ignore_keep_fp32)
     if spec.mode not in _FLAGS:
@@ -35,5 +38,14 @@ def hf_training_args(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[
     if spec.compile:
         args["torch_compile"] = True
     if spec.optimizer_bits == 8:
+        proven = bnb_8bit_class(recipe)
+        if proven not in (None, "bitsandbytes.optim.AdamW8bit"):
+            raise ExportError(
+                f"TrainingArguments' 8-bit optimizer (optim='adamw_bnb_8bit') is AdamW8bit, but "
+                f"this profile was proven with {recipe.optimizer if recipe else '?'} and its "
+                f"8-bit states ({proven}): pass Trainer(optimizers=({proven}(...), None)) with "
+                "the same hyper-parameters, or use "
+                "autoprec.integrations.hf.apply_profile(trainer, profile)."
+            )
         args["optim"] = "adamw_bnb_8bit"  # the Trainer's default optimizer is AdamW
     return args

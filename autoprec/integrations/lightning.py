@@ -7,6 +7,7 @@ from typing import Any
 
 from autoprec.errors import ExportError
 from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
 _PRECISION = {
@@ -17,13 +18,16 @@ _PRECISION = {
 }
 
 
-def lightning_settings(spec: ModeSpec, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
+def lightning_settings(
+    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+) -> dict[str, Any]:
     """``Trainer(**lightning_settings(spec))`` / ``Fabric(**...)`` keyword arguments."""
     refuse_keep_fp32(spec, "Lightning's precision flag", ignore_keep_fp32)
     refuse_8bit_optimizer(
         spec,
         "Lightning",
-        "return bitsandbytes.optim.AdamW8bit (same hyper-parameters) from configure_optimizers.",
+        "return {cls} (same hyper-parameters) from configure_optimizers.",
+        recipe,
     )
     if spec.compile:
         raise ExportError(
