@@ -208,6 +208,8 @@ def _measured_references(
     if stored is not None:  # a resumed run: the same fp32 runs, measured before
         logger.info("reusing the fp32 reference runs stored in %s", cache)
         steps, step_seconds = int(attrs["trial_steps"]), float(attrs["fp32_step_seconds"])
+        # their held-out passes are not repeated: what they found about the inputs still holds
+        setup.fresh_batches = setup.fresh_batches or bool(attrs.get("fresh_batches", False))
         return stored, steps, step_seconds, True
     steps, step_seconds = planned
     steps = int(attrs.get("trial_steps", steps))
@@ -216,6 +218,7 @@ def _measured_references(
     study.set_user_attr("objective", objective)  # autoprec report reads it
     runs = reference_runs(setup, steps, budget_minutes, objective)
     study.set_user_attr("noise_runs", runs.noise_runs)  # autoprec report counts them
+    study.set_user_attr("fresh_batches", setup.fresh_batches)  # for a resumed run
     if cache is not None:
         save_references(cache, fingerprint, runs)
     return runs, steps, step_seconds, False

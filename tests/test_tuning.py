@@ -562,3 +562,41 @@ def test_tune_leaves_batches_a_model_changes_in_place_as_they_were() -> None:
     assert all(torch.equal(x, b) for (x, _), b in zip(batches, before, strict=True))
     assert any("changes its input batches in place" in n for n in result.checks_not_run)
     assert "note: the model (or loss_fn / train_step) changes" in result.summary()
+
+
+class _HalvesItsInputWhenEvaluated(torch.nn.Module):
+    """Scales its input batch in place in eval mode only (``x.mul_(0.5)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x if self.training else x.mul_(0.5))
+
+
+def test_a_resumed_study_keeps_reading_fresh_batches_for_a_model_that_changes_them(
+    tmp_path: Path,
+) -> None:
+    # a resumed tune reuses the stored fp32 runs, whose held-out passes found the changes: it
+    # read the batches as they were and so let the model halve them under every candidate
+    task = tasks.regression(lr=1e-3)
+    batches = task.batches[:8] + task.heldout
+    before = copy.deepcopy(batches)
+    common = {
+        "loss_fn": task.mse, "budget_minutes": 0.3, "modes": ["bf16_sr"], "objective": "memory",
+        "storage": str(tmp_path / "study.log"), "study_name": "s", "progress": False,
+    }  # fmt: skip
+
+    def interrupt_at_the_candidate(event: SearchEvent) -> None:
+        if event.kind == "start" and event.label == "bf16_sr":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(_HalvesItsInputWhenEvaluated(), batches, on_event=interrupt_at_the_candidate, **common)
+    resumed = tune(_HalvesItsInputWhenEvaluated(), batches, **common)
+    assert resumed.budget.reference_reused
+    assert any("changes its input batches in place" in n for n in resumed.checks_not_run)
+    assert resumed.chosen.mode == "bf16_sr", resumed.summary()
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, before, strict=True))
