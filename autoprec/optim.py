@@ -221,4 +221,23 @@ def rebuild_optimizer(
         }
         for group, (_, translated) in zip(groups, translations, strict=True)
     ]
-    return constructor(new_groups, **defaults)
+    rebuilt = constructor(new_groups, **defaults)
+    if "beta1" in first:
+        _expose_betas(rebuilt)
+    return rebuilt
+
+
+def _expose_betas(optimizer: torch.optim.Optimizer) -> None:
+    """torch-optimi's Adam groups hold ``beta1``/``beta2``; LR schedulers that cycle the
+    momentum (OneCycleLR, CyclicLR) write torch's ``betas`` (and raised KeyError without it).
+    Give every group ``betas`` and copy it into ``beta1``/``beta2`` before each step."""
+    for group in optimizer.param_groups:
+        group["betas"] = (group["beta1"], group["beta2"])
+
+    def sync(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            if "betas" not in group:  # groups loaded from a checkpoint written without it
+                group["betas"] = (group["beta1"], group["beta2"])
+            group["beta1"], group["beta2"] = group["betas"]
+
+    optimizer.register_step_pre_hook(sync)

@@ -40,9 +40,9 @@ from autoprec.recipe import RecipeSummary
 from autoprec.recipe_match import recipe_differences
 from autoprec.specs import ModeSpec, matches_keep_fp32
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bump on any change that an older autoprec could not read correctly. 2: ``recipe``;
-3: ``evidence.blind_spots``."""
+3: ``evidence.blind_spots``; 4: ``recipe.lr_points[].momenta``."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 

@@ -64,6 +64,37 @@ def qualified_name(value: Any) -> str | None:
     return f"{module}:{qualname}"
 
 
+def group_momenta(optimizer: torch.optim.Optimizer) -> tuple[float, ...] | None:
+    """Each group's momentum: β1 (``betas[0]``, or torch-optimi's ``beta1``) or SGD's
+    ``momentum``; None when a group has neither."""
+    values = []
+    for group in optimizer.param_groups:
+        if "betas" in group:
+            values.append(float(group["betas"][0]))
+        elif "beta1" in group:
+            values.append(float(group["beta1"]))
+        elif "momentum" in group:
+            values.append(float(group["momentum"]))
+        else:
+            return None
+    return tuple(values)
+
+
+def set_group_momentum(group: dict[str, Any], value: float) -> None:
+    """Set one group's momentum where ``group_momenta`` reads it."""
+    if "betas" in group:
+        group["betas"] = (value, *tuple(group["betas"])[1:])
+    elif "beta1" in group:
+        group["beta1"] = value
+    elif "momentum" in group:
+        group["momentum"] = value
+    else:
+        raise ValueError(
+            f"The schedule sets a momentum, but this optimizer group has no betas, beta1 or "
+            f"momentum to set (it has {sorted(k for k in group if k != 'params')})."
+        )
+
+
 class LrPoint(BaseModel):
     """The learning rates of one trial leg (one per parameter group) and where they come from."""
 
@@ -72,6 +103,10 @@ class LrPoint(BaseModel):
     role: Literal["constant", "peak", "floor", "replay"]
     """constant: no schedule; peak / floor: the legs tune() trains; replay: benchmarks only."""
     lrs: tuple[float, ...]
+    momenta: tuple[float, ...] | None = None
+    """Each group's momentum at that step (β1 of Adam-family optimizers, ``momentum`` of SGD)
+    when the schedule sets it (OneCycleLR and CyclicLR cycle it against the lr); None: the
+    optimizer's own."""
     schedule_step: int | None = None
     """The real run's optimizer step these lrs are taken from (None without a schedule)."""
     total_steps: int | None = None
@@ -87,7 +122,8 @@ class LrPoint(BaseModel):
             if self.schedule_step is None
             else f", the schedule's {self.role} at step {self.schedule_step} of {self.total_steps}"
         )
-        return f"lr {self.lr:.3g}{where}"
+        momentum = "" if self.momenta is None else f" (momentum/β1 {self.momenta[0]:.3g})"
+        return f"lr {self.lr:.3g}{momentum}{where}"
 
 
 class RecipeSummary(BaseModel):
@@ -216,20 +252,36 @@ class TrainingRecipe:
         """Each group's lr at every optimizer step of the real run (one entry without a
         scheduler: the optimizer's own lrs). Read from a throwaway optimizer over ``model``, the
         scheduler stepped ``total_steps`` times (about 2 s per 100k steps of a LambdaLR)."""
+        return self._read_schedule(model)[0]
+
+    def momentum_schedule(self, model: nn.Module) -> list[tuple[float, ...]] | None:
+        """Each group's momentum (β1 or SGD's ``momentum``) at every step, when the scheduler
+        sets it to anything but the optimizer's own; else None."""
+        return self._read_schedule(model)[1]
+
+    def _read_schedule(
+        self, model: nn.Module
+    ) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]] | None]:
         key = ("schedule", id(model))
         if key in self._cache:
             return self._cache[key]
         optimizer = self.make_optimizer(model, model)
+        own = group_momenta(optimizer)
         with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
             warnings.simplefilter("ignore")
             scheduler = self.make_scheduler(optimizer)
             _require_readable(scheduler)
             lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
+            momenta = [group_momenta(optimizer)]
             for _ in range((self.total_steps or 1) - 1 if scheduler is not None else 0):
                 scheduler.step()
                 lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
-        self._cache[key] = lrs
-        return lrs
+                momenta.append(group_momenta(optimizer))
+        scheduled = None
+        if own is not None and any(values != own for values in momenta):
+            scheduled = momenta
+        self._cache[key] = (lrs, scheduled)
+        return lrs, scheduled
 
     def lr_points(
         self, model: nn.Module, floor_quantile: float = FLOOR_QUANTILE
@@ -251,12 +303,20 @@ class TrainingRecipe:
         peak = max(moving, key=lambda step: (lrs[step][0], -step))
         ranked = sorted(moving, key=lambda step: (lrs[step][0], -step))
         floor = ranked[min(len(ranked) - 1, math.floor(floor_quantile * len(ranked)))]
-        total = self.total_steps
-        points = [LrPoint(role="peak", lrs=lrs[peak], schedule_step=peak, total_steps=total)]
-        if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
-            points.append(
-                LrPoint(role="floor", lrs=lrs[floor], schedule_step=floor, total_steps=total)
+        momenta = self.momentum_schedule(model)
+
+        def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
+            return LrPoint(
+                role=role,
+                lrs=lrs[step],
+                momenta=None if momenta is None else momenta[step],
+                schedule_step=step,
+                total_steps=self.total_steps,
             )
+
+        points = [point("peak", peak)]
+        if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
+            points.append(point("floor", floor))
         return tuple(points)
 
     def summary(self, model: nn.Module) -> RecipeSummary:

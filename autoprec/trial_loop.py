@@ -22,7 +22,7 @@ from autoprec.batching import (
     to_device,
 )
 from autoprec.plan import PrecisionPlan
-from autoprec.recipe import LrPoint, TrainingRecipe
+from autoprec.recipe import LrPoint, TrainingRecipe, set_group_momentum
 from autoprec.trial_failures import EvalFnError, first_line
 from autoprec.trial_measures import (
     SavedForBackward,
@@ -120,6 +120,9 @@ def _set_lrs(optimizer: torch.optim.Optimizer, point: LrPoint) -> None:
         )
     for group, lr in zip(optimizer.param_groups, point.lrs, strict=True):
         group["lr"] = lr
+    if point.momenta is not None:  # OneCycleLR, CyclicLR: the momentum the schedule sets there
+        for group, momentum in zip(optimizer.param_groups, point.momenta, strict=True):
+            set_group_momentum(group, momentum)
 
 
 class TrainingLoop:

@@ -254,6 +254,51 @@ def test_the_scheduler_drives_the_optimizer_the_plan_steps(mode: str) -> None:
     assert moved > 1e-3
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16_kahan", "bf16_sr", "bf16_sr_kahan"])
+@pytest.mark.parametrize("cycle", ["one_cycle", "cyclic"])
+def test_a_schedule_that_cycles_the_momentum_drives_every_rebuilt_optimizer(
+    mode: str, cycle: str
+) -> None:
+    # OneCycleLR and CyclicLR write torch's group["betas"]; torch-optimi (bf16_kahan) keeps
+    # beta1/beta2 instead: scheduler.step() raised KeyError: 'betas'
+    def make(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        if cycle == "one_cycle":
+            return torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-2, total_steps=30)
+        return torch.optim.lr_scheduler.CyclicLR(optimizer, 1e-4, 1e-2, step_size_up=5)
+
+    used = {}
+    for name in ("fp32", mode):
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        plan = autoprec.prepare(ModeSpec(mode=name), model, optimizer, make(optimizer))
+        beta1s = []
+        for _ in range(8):
+            with plan.autocast():
+                loss = plan.model(torch.randn(4, 16).to(plan.model[0].weight.dtype))
+            plan.step(loss.float().pow(2).mean())
+            group = plan.optimizer.param_groups[0]
+            beta1s.append(group.get("beta1", group["betas"][0]))  # what the step used
+            plan.scheduler.step()
+        used[name] = beta1s
+    assert used[mode] == pytest.approx(used["fp32"]) and len(set(used[mode])) >= 5
+
+
+def test_a_kahan_optimizer_loads_a_checkpoint_whose_groups_lack_betas() -> None:
+    # checkpoints written before bf16_kahan's optimizer exposed torch's betas key
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)  # no scheduler to rebind
+        plan = autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
+    state = copy.deepcopy(plan.optimizer.state_dict())
+    for group in state["param_groups"]:
+        del group["betas"]
+    plan.optimizer.load_state_dict(state)
+    plan.step(plan.model(torch.randn(4, 16).bfloat16()).float().pow(2).mean())
+    group = plan.optimizer.param_groups[0]
+    assert group["betas"] == (0.8, 0.9) and (group["beta1"], group["beta2"]) == (0.8, 0.9)
+
+
 def test_a_rebuilt_optimizer_without_its_scheduler_warns() -> None:
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

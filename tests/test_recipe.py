@@ -51,6 +51,29 @@ def test_a_decaying_schedule_adds_a_floor_leg_at_its_tail() -> None:
     assert optimizer.param_groups[0]["lr"] == 1e-3  # the user's optimizer is not scheduled
 
 
+def test_a_one_cycle_schedule_sets_each_legs_momentum_too() -> None:
+    # OneCycleLR cycles Adam's beta1 (SGD's momentum) against the lr: 0.85 at the peak lr, 0.95
+    # at the floor; trials kept the optimizer's own 0.9 on every leg
+    model = _model()
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> object:
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-2, total_steps=total_steps)
+
+    for optimizer in (
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+    ):
+        recipe = TrainingRecipe(optimizer=optimizer, scheduler=one_cycle, total_steps=1000)
+        peak, floor = recipe.lr_points(model)
+        assert peak.lr == pytest.approx(1e-2) and peak.momenta == pytest.approx((0.85,))
+        assert floor.momenta is not None and floor.momenta[0] == pytest.approx(0.95, abs=0.01)
+        assert "(momentum/β1 0.85)" in peak.describe()
+    # a schedule that leaves the momentum alone records none
+    plain = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=1000)
+    assert all(p.momenta is None for p in plain.lr_points(model))
+    assert TrainingRecipe(optimizer=optimizer).lr_points(model)[0].momenta is None
+
+
 def test_a_warmup_peak_and_a_constant_tail_need_one_leg() -> None:
     model = _model()
     recipe = TrainingRecipe(

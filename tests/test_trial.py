@@ -494,6 +494,35 @@ def test_lr_legs_split_the_steps_and_set_each_legs_lrs() -> None:
     assert len(result.leg_weights) == 3 and result.moved()
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16_sr", "bf16_kahan", "fp32+8bit"])
+def test_a_leg_trains_at_the_momentum_its_schedule_sets(mode: str) -> None:
+    # OneCycleLR and CyclicLR cycle beta1 with the lr; every optimizer implementation a mode
+    # rebuilds into (torch, the stochastic AdamW, torch-optimi's beta1, bitsandbytes) follows
+    from autoprec.recipe import group_momenta
+
+    task = tasks.regression()
+    seen: list[tuple[float, ...] | None] = []
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        seen.append(group_momenta(plan.optimizer))
+        return task.mse(plan.model(batch[0]), batch[1])
+
+    points = (
+        LrPoint(role="peak", lrs=(1e-3,), momenta=(0.85,), schedule_step=300, total_steps=1000),
+        LrPoint(role="floor", lrs=(1e-5,), momenta=(0.95,), schedule_step=900, total_steps=1000),
+    )
+    bits = 8 if mode.endswith("+8bit") else 32
+    run_trial(
+        ModeSpec(mode=mode.removesuffix("+8bit"), optimizer_bits=bits),
+        task.model,
+        task.batches,
+        recipe=TrainingRecipe(optimizer=task.optimizer, train_step=step),
+        steps=4,
+        lr_points=points,
+    )
+    assert seen == [(0.85,), (0.85,), (0.95,), (0.95,)]
+
+
 @pytest.mark.parametrize("mode", ["bf16_sr", "bf16_sr_kahan"])
 def test_stochastic_rounding_leaves_the_models_random_stream_in_step(mode: str) -> None:
     # dropout masks and diffusion noise must match the fp32 reference's draw for draw
