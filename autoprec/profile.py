@@ -264,6 +264,7 @@ class Profile(BaseModel):
             differences = recipe_differences(
                 recipe,
                 optimizer,
+                scheduler,
                 grad_accumulation_steps=grad_accumulation_steps,
                 clip_grad_norm=clip_grad_norm,
             )

@@ -155,6 +155,55 @@ def plain_value(value: Any) -> Any:
     return repr(value)
 
 
+def step_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: Any, steps: int
+) -> tuple[list[tuple[float, ...]], list[tuple[float, ...] | None]]:
+    """Each group's lr and momentum (``group_momenta``) at each of ``steps`` optimizer steps,
+    stepping ``scheduler`` (which drives ``optimizer``; None: one entry, the optimizer's own)."""
+    lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
+    momenta = [group_momenta(optimizer)]
+    with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
+        warnings.simplefilter("ignore")
+        for _ in range(steps - 1 if scheduler is not None else 0):
+            scheduler.step()
+            lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
+            momenta.append(group_momenta(optimizer))
+    return lrs, momenta
+
+
+def schedule_points(
+    lrs: list[tuple[float, ...]],
+    momenta: list[tuple[float, ...]] | None,
+    total_steps: int,
+    floor_quantile: float = FLOOR_QUANTILE,
+) -> tuple[LrPoint, ...]:
+    """The peak and, when it is below ``SEPARATE_FLOOR_BELOW`` of the peak, the floor
+    (``floor_quantile`` of the steps with lr > 0) of a schedule read step by step."""
+    moving = [step for step, values in enumerate(lrs) if values[0] > 0]
+    if not moving:
+        raise ValueError(
+            f"The schedule keeps the learning rate at 0 for all {total_steps} steps: "
+            "the run would never move, so there is nothing to judge a precision by."
+        )
+    peak = max(moving, key=lambda step: (lrs[step][0], -step))
+    ranked = sorted(moving, key=lambda step: (lrs[step][0], -step))
+    floor = ranked[min(len(ranked) - 1, math.floor(floor_quantile * len(ranked)))]
+
+    def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
+        return LrPoint(
+            role=role,
+            lrs=lrs[step],
+            momenta=None if momenta is None else momenta[step],
+            schedule_step=step,
+            total_steps=total_steps,
+        )
+
+    points = [point("peak", peak)]
+    if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
+        points.append(point("floor", floor))
+    return tuple(points)
+
+
 @dataclass(frozen=True)
 class TrainingRecipe:
     """How the user trains: what every trial runs and ``apply()`` reproduces.
@@ -271,15 +320,9 @@ class TrainingRecipe:
             warnings.simplefilter("ignore")
             scheduler = self.make_scheduler(optimizer)
             _require_readable(scheduler)
-            lrs = [tuple(float(g["lr"]) for g in optimizer.param_groups)]
-            momenta = [group_momenta(optimizer)]
-            for _ in range((self.total_steps or 1) - 1 if scheduler is not None else 0):
-                scheduler.step()
-                lrs.append(tuple(float(g["lr"]) for g in optimizer.param_groups))
-                momenta.append(group_momenta(optimizer))
-        scheduled = None
-        if own is not None and any(values != own for values in momenta):
-            scheduled = momenta
+        steps = (self.total_steps or 1) if scheduler is not None else 1
+        lrs, momenta = step_schedule(optimizer, scheduler, steps)
+        scheduled = momenta if own is not None and any(m != own for m in momenta) else None
         self._cache[key] = (lrs, scheduled)
         return lrs, scheduled
 
@@ -294,30 +337,9 @@ class TrainingRecipe:
         if self.scheduler is None:
             _require_moving(lrs[0], self.optimizer)
             return (LrPoint(role="constant", lrs=lrs[0]),)
-        moving = [step for step, values in enumerate(lrs) if values[0] > 0]
-        if not moving:
-            raise ValueError(
-                f"The schedule keeps the learning rate at 0 for all {self.total_steps} steps: "
-                "the run would never move, so there is nothing to judge a precision by."
-            )
-        peak = max(moving, key=lambda step: (lrs[step][0], -step))
-        ranked = sorted(moving, key=lambda step: (lrs[step][0], -step))
-        floor = ranked[min(len(ranked) - 1, math.floor(floor_quantile * len(ranked)))]
-        momenta = self.momentum_schedule(model)
-
-        def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
-            return LrPoint(
-                role=role,
-                lrs=lrs[step],
-                momenta=None if momenta is None else momenta[step],
-                schedule_step=step,
-                total_steps=self.total_steps,
-            )
-
-        points = [point("peak", peak)]
-        if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
-            points.append(point("floor", floor))
-        return tuple(points)
+        return schedule_points(
+            lrs, self.momentum_schedule(model), self.total_steps or 1, floor_quantile
+        )
 
     def summary(self, model: nn.Module) -> RecipeSummary:
         """The recipe as data (``model``: the user's, to read the optimizer's groups from)."""

@@ -1,5 +1,6 @@
 """How the recipe a profile is applied under differs from the one its evidence was measured
-under: the optimizer's class, its groups' hyper-parameters, accumulation and clipping.
+under: the optimizer's class, its groups' hyper-parameters, the learning rates (and momenta)
+the schedule reaches, accumulation and clipping.
 
 A verdict holds for the recipe it was measured under: pure bf16 that kept its updates at lr 3e-3
 can lose most of them at 3e-5, and an fp16 scaler settles differently with another accumulation.
@@ -7,31 +8,50 @@ can lose most of them at 3e-5, and an fp16 scaler settles differently with anoth
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import torch
 
-from autoprec.recipe import RecipeSummary, plain_value, qualified_name
+from autoprec.recipe import (
+    LrPoint,
+    RecipeSummary,
+    plain_value,
+    qualified_name,
+    schedule_points,
+    step_schedule,
+)
 
 IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Group options that choose a kernel, not the update: ignored when comparing recipes."""
+
+SCHEDULED = frozenset({"lr", "momentum"})
+"""Group options a scheduler sets (with ``betas[0]``): under a scheduler they are compared as
+the schedule's lr points, not as the group's current values."""
 
 
 def recipe_differences(
     recipe: RecipeSummary,
     optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
     *,
     grad_accumulation_steps: int,
     clip_grad_norm: float | None,
 ) -> list[str]:
-    """Each way ``optimizer`` and the step settings differ from ``recipe``, as short phrases."""
+    """Each way ``optimizer`` (driven by ``scheduler``, if given) and the step settings differ
+    from ``recipe``, as short phrases."""
     differences = []
     applied = qualified_name(type(optimizer)) or type(optimizer).__name__
     if applied != recipe.optimizer:
         differences.append(f"optimizer: proven with {recipe.optimizer}, applied with {applied}")
     else:
-        differences += _group_differences(recipe.optimizer_groups, optimizer.param_groups)
+        scheduled = scheduler is not None
+        differences += _group_differences(
+            recipe.optimizer_groups, optimizer.param_groups, scheduled
+        )
+        if scheduled:
+            differences += _schedule_differences(recipe, optimizer, scheduler)
     if grad_accumulation_steps != recipe.grad_accumulation_steps:
         differences.append(
             f"grad_accumulation_steps: proven at {recipe.grad_accumulation_steps}, "
@@ -45,25 +65,63 @@ def recipe_differences(
 
 
 def _group_differences(
-    proven: tuple[dict[str, Any], ...], applied: list[dict[str, Any]]
+    proven: tuple[dict[str, Any], ...], applied: list[dict[str, Any]], scheduled: bool
 ) -> list[str]:
     if len(proven) != len(applied):
         return [f"parameter groups: proven with {len(proven)}, applied with {len(applied)}"]
     differences = []
     for index, (recorded, group) in enumerate(zip(proven, applied, strict=True)):
         for key, value in recorded.items():
-            if key in IMPLEMENTATION_FLAGS or key not in group:
+            if key in IMPLEMENTATION_FLAGS or key not in group or (scheduled and key in SCHEDULED):
                 continue
-            candidates = [group[key]]
+            candidates = [plain_value(group[key])]
             if key == "lr" and "initial_lr" in group:  # a scheduler built before apply()
-                candidates.append(group["initial_lr"])
-            if not any(_same(value, plain_value(c)) for c in candidates):
+                candidates.append(plain_value(group["initial_lr"]))
+            if scheduled and key == "betas":  # beta1 is the schedule's to set
+                value, candidates = value[1:], [c[1:] for c in candidates]
+            if not any(_same(value, c) for c in candidates):
                 where = f"group {index} " if len(proven) > 1 else ""
                 differences.append(
                     f"{where}{key}: proven at {_shown(value)}, "
-                    f"applied with {_shown(plain_value(candidates[-1]))}"
+                    f"applied with {_shown(candidates[-1])}"
                 )
     return differences
+
+
+def _schedule_differences(
+    recipe: RecipeSummary, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> list[str]:
+    """Step a copy of the scheduler (and its optimizer, parameters shared) through the run and
+    compare the lr points it reaches with the proven ones."""
+    proven = recipe.lr_points
+    shown = "; ".join(point.describe() for point in proven)
+    if recipe.scheduler is None or recipe.total_steps is None:
+        return [f"schedule: proven without one ({shown}), applied with {type(scheduler).__name__}"]
+    parameters = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    try:
+        optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, scheduler), parameters)
+        lrs, momenta = step_schedule(optimizer_copy, scheduler_copy, recipe.total_steps)
+        varying = momenta if any(m != momenta[0] for m in momenta) else None
+        applied = schedule_points(lrs, varying, recipe.total_steps)  # type: ignore[arg-type]
+    except Exception as error:  # noqa: BLE001 - a scheduler that cannot be read apart
+        return [
+            f"learning rates: proven at {shown}; the applied {type(scheduler).__name__} could "
+            f"not be stepped on a copy ({type(error).__name__}: {error}), so whether it reaches "
+            "them is unknown"
+        ]
+    if _same_points(proven, applied):
+        return []
+    reached = "; ".join(point.describe() for point in applied)
+    return [f"learning rates: proven at {shown}; the applied schedule reaches {reached}"]
+
+
+def _same_points(proven: tuple[LrPoint, ...], applied: tuple[LrPoint, ...]) -> bool:
+    return len(proven) == len(applied) and all(
+        _same(list(a.lrs), list(b.lrs))
+        and (a.momenta is None) == (b.momenta is None)
+        and (a.momenta is None or _same(list(a.momenta), list(b.momenta or ())))
+        for a, b in zip(proven, applied, strict=True)
+    )
 
 
 def _same(proven: Any, applied: Any) -> bool:

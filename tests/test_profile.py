@@ -253,6 +253,60 @@ def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
     assert plan.grad_accumulation_steps == 1
 
 
+def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reaches() -> None:
+    import torch
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, OneCycleLR
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> OneCycleLR:
+        return OneCycleLR(optimizer, 3e-3, total_steps=total_steps)
+
+    profile = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=one_cycle,
+        total_steps=2000,
+    )
+    profile = Profile.model_validate_json(profile.model_dump_json())  # as loaded from a file
+    # OneCycleLR sets the lr and beta1 itself: the optimizer's own lr is not the run's
+    for lr in (1e-3, 5e-2):
+        model, _ = tiny_gpt.make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            profile.apply(model, optimizer, one_cycle(optimizer, 2000), strict=True)
+    others = [
+        (lambda o: OneCycleLR(o, 3e-4, total_steps=2000), "the applied schedule reaches lr 0.0003"),
+        (
+            lambda o: OneCycleLR(o, 3e-3, total_steps=2000, cycle_momentum=False),
+            "reaches lr 0.003,",
+        ),
+        (lambda o: OneCycleLR(o, 3e-3, total_steps=500), "could not be stepped on a copy"),
+    ]
+    for make_scheduler, difference in others:
+        model, _ = tiny_gpt.make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with pytest.warns(RecipeMismatchWarning) as caught:
+            profile.apply(model, optimizer, make_scheduler(optimizer))
+        message = str(caught[0].message)
+        assert "learning rates: proven at lr 0.003 (momentum/β1 0.85)" in message
+        assert difference in message, message
+    # a cosine run: the same schedule built before apply() matches, a constant profile does not
+    cosine = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=lambda optimizer: CosineAnnealingLR(optimizer, T_max=2000),
+        total_steps=2000,
+    )
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cosine.apply(model, optimizer, CosineAnnealingLR(optimizer, T_max=2000), strict=True)
+    constant = _tuned_for_tiny_gpt(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(RecipeMismatchWarning, match="schedule: proven without one .*LambdaLR"):
+        constant.apply(model, optimizer, LambdaLR(optimizer, lambda step: 0.5**step))
+
+
 def test_applying_under_another_recipe_warns_and_strict_refuses() -> None:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
@@ -287,10 +341,10 @@ def test_applying_under_another_recipe_warns_and_strict_refuses() -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before converting
     model, _ = tiny_gpt.make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), foreach=False)
-    warmup = LambdaLR(optimizer, lambda step: min(1.0, step / 100))  # lr is 0 until it steps
+    LambdaLR(optimizer, lambda step: min(1.0, step / 100))  # lr is 0 until it steps
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same recipe: kernel flags and a warm-up do not count
-        profile.apply(model, optimizer, warmup, strict=True)
+        warnings.simplefilter("error")  # the same recipe: kernel flags do not count, and the
+        profile.apply(model, optimizer, strict=True)  # lr is read from initial_lr
 
 
 def test_version_1_profiles_still_load(tmp_path: Path) -> None:
