@@ -62,6 +62,11 @@ def named_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Nam
     return groups
 
 
+BNB_8BIT: dict[SourceKind, str] = {"adamw": "AdamW8bit", "adam": "Adam8bit", "sgd": "SGD8bit"}
+"""The bitsandbytes class (in ``bitsandbytes.optim``) each optimizer family's 8-bit states
+are rebuilt into."""
+
+
 def source_kind(optimizer: torch.optim.Optimizer) -> SourceKind:
     """Which supported family the user's optimizer belongs to, or a clear error."""
     if isinstance(optimizer, torch.optim.AdamW):
@@ -113,14 +118,13 @@ def _translate(
                     "save. Use optimizer_bits=32."
                 )
             keys = ("lr", "momentum", "weight_decay")
-            return bnb.optim.SGD8bit, {key: options[key] for key in keys}
+            return getattr(bnb.optim, BNB_8BIT[kind]), {key: options[key] for key in keys}
         if kind == "adam" and options["weight_decay"]:
             raise ValueError(
                 "torch.optim.Adam applies weight_decay as an L2 gradient term, but bitsandbytes' "
                 "Adam8bit decays weights directly (as AdamW does); use AdamW, or weight_decay=0."
             )
-        cls = bnb.optim.AdamW8bit if kind == "adamw" else bnb.optim.Adam8bit
-        return cls, _adam_options(options)
+        return getattr(bnb.optim, BNB_8BIT[kind]), _adam_options(options)
     if target == "optimi_kahan":
         optimi = require("optimi")
         if kind == "sgd":

@@ -26,10 +26,6 @@ from autoprec.recipe import (
 IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Group options that choose a kernel, not the update: ignored when comparing recipes."""
 
-SCHEDULED = frozenset({"lr", "momentum"})
-"""Group options a scheduler sets (with ``betas[0]``): under a scheduler they are compared as
-the schedule's lr points, not as the group's current values."""
-
 
 def recipe_differences(
     recipe: RecipeSummary,
@@ -46,11 +42,15 @@ def recipe_differences(
     if applied != recipe.optimizer:
         differences.append(f"optimizer: proven with {recipe.optimizer}, applied with {applied}")
     else:
-        scheduled = scheduler is not None
-        differences += _group_differences(
-            recipe.optimizer_groups, optimizer.param_groups, scheduled
-        )
-        if scheduled:
+        # what the schedule sets is compared as its lr points: the lr under a scheduler, the
+        # momentum (beta1) when the proven schedule cycled it
+        cycled = any(point.momenta is not None for point in recipe.lr_points)
+        scheduled = set()
+        if scheduler is not None:
+            scheduled = {"lr", "momentum", "beta1"} if cycled else {"lr"}
+        groups = optimizer.param_groups
+        differences += _group_differences(recipe.optimizer_groups, groups, scheduled)
+        if scheduler is not None:
             differences += _schedule_differences(recipe, optimizer, scheduler)
     if grad_accumulation_steps != recipe.grad_accumulation_steps:
         differences.append(
@@ -65,19 +65,21 @@ def recipe_differences(
 
 
 def _group_differences(
-    proven: tuple[dict[str, Any], ...], applied: list[dict[str, Any]], scheduled: bool
+    proven: tuple[dict[str, Any], ...], applied: list[dict[str, Any]], scheduled: set[str]
 ) -> list[str]:
+    """Group options that differ, leaving out kernel flags and the ``scheduled`` ones (with
+    ``beta1`` scheduled, ``betas`` is compared from its second element on)."""
     if len(proven) != len(applied):
         return [f"parameter groups: proven with {len(proven)}, applied with {len(applied)}"]
     differences = []
     for index, (recorded, group) in enumerate(zip(proven, applied, strict=True)):
         for key, value in recorded.items():
-            if key in IMPLEMENTATION_FLAGS or key not in group or (scheduled and key in SCHEDULED):
+            if key in IMPLEMENTATION_FLAGS or key in scheduled or key not in group:
                 continue
             candidates = [plain_value(group[key])]
             if key == "lr" and "initial_lr" in group:  # a scheduler built before apply()
                 candidates.append(plain_value(group["initial_lr"]))
-            if scheduled and key == "betas":  # beta1 is the schedule's to set
+            if key == "betas" and "beta1" in scheduled:
                 value, candidates = value[1:], [c[1:] for c in candidates]
             if not any(_same(value, c) for c in candidates):
                 where = f"group {index} " if len(proven) > 1 else ""

@@ -300,6 +300,11 @@ def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reache
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cosine.apply(model, optimizer, CosineAnnealingLR(optimizer, T_max=2000), strict=True)
+    # a schedule that leaves the momentum alone leaves it to the group's comparison
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.999))
+    with pytest.warns(RecipeMismatchWarning, match=r"betas: proven at \(0\.9, 0\.999\)"):
+        cosine.apply(model, optimizer, CosineAnnealingLR(optimizer, T_max=2000))
     constant = _tuned_for_tiny_gpt(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     model, _ = tiny_gpt.make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -9,6 +9,7 @@ approximated silently.
 from __future__ import annotations
 
 from autoprec.errors import ExportError
+from autoprec.optim import BNB_8BIT
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
@@ -29,19 +30,17 @@ def refuse_keep_fp32(spec: ModeSpec, target: str, ignore_keep_fp32: bool) -> Non
         )
 
 
-_BNB_8BIT = {"AdamW": "AdamW8bit", "Adam": "Adam8bit", "SGD": "SGD8bit"}
-
-
 def bnb_8bit_class(recipe: RecipeSummary | None) -> str | None:
-    """The bitsandbytes class the profile's 8-bit states were proven with, as autoprec's
-    rebuild picks it from the recipe's optimizer (None for a profile without a recipe)."""
+    """The bitsandbytes class the profile's 8-bit states were proven with, as
+    ``optim.rebuild_optimizer`` picks it from the recipe's optimizer (``optim.source_kind``;
+    None for a profile without a recipe)."""
     if recipe is None:
         return None
-    name = recipe.optimizer.rpartition(":")[2]
+    kind = recipe.optimizer.rpartition(":")[2].lower()
     decoupled = any(group.get("decoupled_weight_decay") for group in recipe.optimizer_groups)
-    if name == "Adam" and decoupled:
-        name = "AdamW"
-    return f"bitsandbytes.optim.{_BNB_8BIT[name]}" if name in _BNB_8BIT else None
+    if kind == "adam" and decoupled:
+        kind = "adamw"
+    return f"bitsandbytes.optim.{BNB_8BIT[kind]}" if kind in BNB_8BIT else None
 
 
 def refuse_8bit_optimizer(
