@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoprec.drift import Fp32Runs
 from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
+from autoprec.weight_dtypes import as_real
 
 SAMPLED_ELEMENTS = 4096
 """Elements per tensor read into a digest (evenly strided): every tensor's name, shape and
@@ -38,7 +39,7 @@ def tensor_digest(tree: Any) -> str:
             digest.update(repr(leaf).encode())
             continue
         digest.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
-        flat = leaf.detach().reshape(-1)
+        flat = as_real(leaf.detach()).reshape(-1)  # a complex tensor: both parts
         if flat.numel() and not leaf.is_meta:
             step = max(1, flat.numel() // SAMPLED_ELEMENTS)
             sample = flat[::step].float().cpu()

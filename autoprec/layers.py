@@ -97,6 +97,8 @@ class LayerMix(BaseModel):
     """Names of parameters used directly in matmuls (outside Linear/Conv modules)."""
     keep_fp32: tuple[KeepFp32, ...]
     findings: tuple[str, ...]
+    complex_parameters: tuple[str, ...] = ()
+    """Names of trainable complex parameters (a Fourier layer's spectral weights)."""
 
     def kind(self, kind: LayerKind) -> KindShare:
         """The share of one layer kind."""
@@ -198,6 +200,9 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         raw_param_matmuls=tuple(attribution.raw_params),
         keep_fp32=_default_keep_fp32(model, attribution.compute_order),
         findings=(),
+        complex_parameters=tuple(
+            fqn for fqn, p in named_parameters.items() if p.requires_grad and p.is_complex()
+        ),
     )
     findings = _findings(mix_without_findings)
     if (not_fp32 := non_fp32_weights(model)) is not None:

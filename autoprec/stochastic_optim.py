@@ -8,7 +8,9 @@ bias-corrected step size, which would be a silent hyper-parameter change against
 ``torch.optim.AdamW``. Here every parameter is updated in fp32 arithmetic exactly as torch's
 (non-amsgrad) Adam/AdamW or SGD does; bf16 parameters and their optimizer state are then written
 back with stochastic rounding, optionally with a Kahan compensation buffer that carries what the
-rounding lost into the next step. fp32 parameters are updated normally.
+rounding lost into the next step. fp32 parameters are updated normally; complex ones (a
+Fourier layer's spectral weights) as torch's optimizers update them: their real and imaginary
+parts as two real numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from autoprec._imports import require
+from autoprec.weight_dtypes import as_real
 
 
 class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
@@ -47,7 +50,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         if target.dtype == torch.bfloat16:
             self._copy_stochastic(target, value)
         else:
-            target.copy_(value)
+            as_real(target).copy_(value)
 
     def _start_weight(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """The weight in fp32, plus its Kahan compensation when the group keeps one (created
@@ -55,7 +58,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         state = self.state[param]
         if group["kahan"] and param.dtype == torch.bfloat16 and "compensation" not in state:
             state["compensation"] = torch.zeros_like(param)
-        weight = param.float()
+        weight = as_real(param).float()
         compensation = state.get("compensation")
         if compensation is not None:
             weight.add_(compensation.float())
@@ -192,15 +195,16 @@ class StochasticAdamW(_StochasticOptimizer):
         lr, weight_decay = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
 
-        grad = param.grad.float()
+        grad = as_real(param.grad).float()
         weight = self._start_weight(param, group)
         if weight_decay:
             if group["decoupled_weight_decay"]:
                 weight.mul_(1 - lr * weight_decay)
             else:
                 grad = grad.add(weight, alpha=weight_decay)
-        exp_avg = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg = as_real(state["exp_avg"]).float().mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = as_real(state["exp_avg_sq"]).float().mul_(beta2)
+        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
         weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
@@ -251,7 +255,7 @@ class StochasticSGD(_StochasticOptimizer):
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[param]
         momentum = group["momentum"]
-        grad = param.grad.float()
+        grad = as_real(param.grad).float()
         weight = self._start_weight(param, group)
         if group["weight_decay"]:
             grad = grad.add(weight, alpha=group["weight_decay"])
@@ -260,7 +264,7 @@ class StochasticSGD(_StochasticOptimizer):
                 buffer = grad.clone()
                 state["momentum_buffer"] = torch.zeros_like(param)
             else:
-                buffer = state["momentum_buffer"].float().mul_(momentum)
+                buffer = as_real(state["momentum_buffer"]).float().mul_(momentum)
                 buffer.add_(grad, alpha=1 - group["dampening"])
             grad = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
             self._write(state["momentum_buffer"], buffer)

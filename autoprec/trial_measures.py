@@ -16,6 +16,7 @@ from torch import nn
 from autoprec.layer_flops import storage_key
 from autoprec.plan import PrecisionPlan
 from autoprec.trial_records import LowPrecisionMoment, StateBytes
+from autoprec.weight_dtypes import as_real
 
 MOVEMENT_SAMPLE_ELEMENTS = 2**20
 """Weight elements sampled (evenly across tensors) to measure how far training moved them."""
@@ -62,13 +63,17 @@ def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
     """Which elements of each trainable parameter the movement check follows: all of them
     when the model has at most ``budget`` elements, else a share of each tensor proportional to
     its size, drawn with replacement (duplicates dropped) so that the cost grows with the
-    budget, never with the model (a permutation of a 45M-element tensor took 2.2 s)."""
-    parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    total = sum(p.numel() for _, p in parameters) or 1
+    budget, never with the model (a permutation of a 45M-element tensor took 2.2 s). A complex
+    element counts as two real values."""
+    sizes = {
+        name: parameter.numel() * (2 if parameter.is_complex() else 1)
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad
+    }
+    total = sum(sizes.values()) or 1
     generator = torch.Generator().manual_seed(0)
     indices = {}
-    for name, parameter in parameters:
-        size = parameter.numel()
+    for name, size in sizes.items():
         if total <= budget:
             indices[name] = torch.arange(size)
             continue
@@ -87,12 +92,12 @@ def sampled_weights(
     for name, chosen in indices.items():
         parameter = parameters[name]
         where = chosen.to(parameter.device)
-        weight = parameter.detach().reshape(-1)[where].float()  # only the sampled elements
+        weight = as_real(parameter.detach()).reshape(-1)[where].float()  # only the sampled elements
         state = plan.optimizer.state.get(parameter, {})
         for key in _COMPENSATION_KEYS:
             compensation = state.get(key)
             if isinstance(compensation, torch.Tensor) and compensation.shape == parameter.shape:
-                weight = weight + compensation.detach().reshape(-1)[where].float()
+                weight = weight + as_real(compensation.detach()).reshape(-1)[where].float()
         values[name] = weight.cpu()
     return values
 

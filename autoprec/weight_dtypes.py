@@ -16,6 +16,13 @@ import torch
 from torch import nn
 
 
+def as_real(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (``torch.view_as_real``: its real and imaginary parts
+    as a last dimension of 2), the way torch's optimizers update it; any other tensor as it is.
+    ``.float()`` of a complex tensor would drop the imaginary parts (with a warning)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
 def _trainable_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every floating parameter that trains (``model.parameters()`` yields a shared one once)."""
     return [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]

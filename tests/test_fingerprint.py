@@ -53,6 +53,9 @@ def test_digest_follows_values_shapes_and_order() -> None:
     assert tensor_digest(batches) == tensor_digest([(torch.ones(2, 3), torch.zeros(2))])
     assert tensor_digest(batches) != tensor_digest([(torch.ones(3, 2), torch.zeros(2))])
     assert tensor_digest(batches * 2) != tensor_digest(batches)
+    # a complex tensor: both parts count (``.float()`` warned and dropped the imaginary part)
+    spectral = torch.complex(torch.ones(4), torch.zeros(4))
+    assert tensor_digest([spectral]) != tensor_digest([spectral + 1j])
 
 
 def test_differences_name_what_changed() -> None:

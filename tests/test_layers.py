@@ -42,6 +42,15 @@ def test_tied_weights_are_counted_once() -> None:
     assert sum(share.flop_share or 0 for share in mix.by_kind) == pytest.approx(1.0)
 
 
+def test_trainable_complex_parameters_are_named() -> None:
+    model = torch.nn.Module()
+    model.spectral = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))
+    model.frozen = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64), requires_grad=False)
+    model.linear = torch.nn.Linear(4, 4)
+    assert scan_model(model).complex_parameters == ("spectral",)
+    assert scan_model(torch.nn.Linear(4, 4)).complex_parameters == ()
+
+
 def test_convnet_is_conv_dominated() -> None:
     mix = scan_model(*small_convnet.make_model())
     assert (mix.kind("conv").flop_share or 0) > 0.99

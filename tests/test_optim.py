@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -172,3 +174,30 @@ def test_translation_problem_is_the_error_a_rebuild_would_raise_without_building
         translation_problem(rmsprop, "optimi_kahan") or ""
     )
     assert not adamw.state and not sgd.state
+
+
+@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit"])
+def test_the_backends_refused_for_complex_weights_still_mistrain_them(target: str) -> None:
+    """Why bf16_kahan and 8-bit states are refused for complex weights (eligibility): their
+    libraries move a complex weight's imaginary parts unlike torch's AdamW. When this fails, a
+    library has learnt complex weights: lift the refusal."""
+    pytest.importorskip("optimi" if target == "optimi_kahan" else "bitsandbytes")
+    model = nn.Module()
+    model.spectral = nn.Parameter(torch.randn(64, 80, dtype=torch.complex64))
+    source = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    rebuilt = rebuild_optimizer(source, named_groups(source, model), model, target)
+    reference = nn.Parameter(model.spectral.detach().clone())
+    torch_adamw = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.0)
+    start = reference.detach().clone()
+    for step in range(3):
+        grad = torch.randn(
+            64, 80, dtype=torch.complex64, generator=torch.Generator().manual_seed(step)
+        )
+        model.spectral.grad, reference.grad = grad.clone(), grad.clone()
+        with warnings.catch_warnings():  # bitsandbytes: "Casting complex values to real ..."
+            warnings.simplefilter("ignore", UserWarning)
+            rebuilt.step()
+        torch_adamw.step()
+    theirs = (model.spectral.detach() - start).imag.abs().mean()
+    torch_moved = (reference.detach() - start).imag.abs().mean()
+    assert not 0.5 < float(theirs / torch_moved) < 2.0, (float(theirs), float(torch_moved))

@@ -125,6 +125,54 @@ def test_modes_that_cannot_rebuild_the_optimizer_are_not_checked_with_the_reason
     assert all(v.status != "failed" for v in report.verdicts)
 
 
+class _FourierLayer(torch.nn.Module):
+    """FNO-style: complex weights mix the lowest modes of an FFT over the positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.lift = torch.nn.Linear(1, 8)
+        self.spectral = torch.nn.Parameter(
+            0.1 * torch.randn(8, 8, 6, dtype=torch.complex64, generator=generator)
+        )
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(self.lift(x).transpose(1, 2).float(), dim=-1)[..., :6]
+        mixed = torch.einsum("bim,iom->bom", spectrum, self.spectral)
+        return self.head(torch.relu(torch.fft.irfft(mixed, n=32, dim=-1)).transpose(1, 2))
+
+
+def test_complex_weights_train_as_torch_trains_them_or_the_mode_is_not_checked() -> None:
+    """torch's optimizers update a complex weight's real and imaginary parts as two reals.
+    The stochastic-rounding optimizers do too; torch-optimi (bf16_kahan) and bitsandbytes
+    (8-bit states) train them wrongly without an error, so those are not checked, with the
+    reason. The movement check reads both parts (it read the real part alone, with a warning
+    that failed the fp32 reference under ``-W error``)."""
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(16):
+        x = torch.randn(16, 32, 1, generator=generator).cumsum(1) / 4
+        batches.append((x, torch.roll(x, 3, dims=1).tanh()))
+    model = _FourierLayer()
+    report = autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=12)
+    skipped = {s.spec.label: s.reasons for s in report.not_checked}
+    assert skipped["bf16_kahan"] == (
+        "bf16_kahan updates complex parameters unlike torch's optimizers (torch-optimi does not "
+        "treat their real and imaginary parts as two real numbers, and trains them wrongly "
+        "without an error) (found: 1 complex trainable parameter(s): spectral)",
+    )
+    with pytest.raises(
+        autoprec.UnsupportedModeError,
+        match=r"optimizer_bits=8 updates complex parameters unlike torch's optimizers "
+        r"\(bitsandbytes does not",
+    ):
+        autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
+                       modes=["amp_bf16+8bit-optim"])  # fmt: skip
+    assert report.verdict("bf16_sr").status == "safe", report.summary()
+    assert report.verdict("bf16_sr_kahan").status == "safe", report.summary()
+
+
 def test_check_refuses_a_requested_mode_it_cannot_run() -> None:
     task = tasks.regression(lr=1e-3)
     if torch.cuda.is_available():

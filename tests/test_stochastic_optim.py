@@ -9,25 +9,34 @@ import torch
 from autoprec.stochastic_optim import StochasticAdamW, StochasticSGD
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
 @pytest.mark.parametrize(
     ("cls", "decoupled"), [(torch.optim.AdamW, True), (torch.optim.Adam, False)]
 )
-def test_fp32_parameters_follow_torch_exactly(cls: type, decoupled: bool) -> None:
+def test_fp32_parameters_follow_torch_exactly(
+    cls: type, decoupled: bool, dtype: torch.dtype
+) -> None:
+    # complex: torch updates the real and imaginary parts as two real numbers (a Fourier
+    # layer's weights); taking .float() of them would drop the imaginary parts
     options = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.05}
     _assert_follows(
         lambda p: StochasticAdamW(p, decoupled_weight_decay=decoupled, **options),
         lambda p: cls(p, **options),
+        dtype,
     )
 
 
-def _assert_follows(ours_from: Callable, theirs_from: Callable) -> None:
-    """20 steps of both optimizers on the same fp32 weights and gradients end equal."""
+def _assert_follows(
+    ours_from: Callable, theirs_from: Callable, dtype: torch.dtype = torch.float32
+) -> None:
+    """20 steps of both optimizers on the same fp32 (or complex64) weights and gradients end
+    equal."""
     torch.manual_seed(0)
-    ours = torch.nn.Parameter(torch.randn(64, 32))
+    ours = torch.nn.Parameter(torch.randn(64, 32, dtype=dtype))
     theirs = torch.nn.Parameter(ours.detach().clone())
     a, b = ours_from([ours]), theirs_from([theirs])
     for step in range(20):
-        grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        grad = torch.randn(64, 32, dtype=dtype, generator=torch.Generator().manual_seed(step))
         ours.grad, theirs.grad = grad.clone(), grad.clone()
         a.step()
         b.step()
@@ -114,10 +123,12 @@ def test_a_checkpoint_carries_the_rounding_stream() -> None:
         {},
     ],
 )
-def test_sgd_fp32_parameters_follow_torch_exactly(options: dict) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_sgd_fp32_parameters_follow_torch_exactly(options: dict, dtype: torch.dtype) -> None:
     _assert_follows(
         lambda p: StochasticSGD(p, lr=1e-2, **options),
         lambda p: torch.optim.SGD(p, lr=1e-2, **options),
+        dtype,
     )
 
 
