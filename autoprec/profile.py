@@ -239,7 +239,7 @@ class Profile(BaseModel):
         scheduler: Any = None,
         *,
         grad_accumulation_steps: int | None = None,
-        clip_grad_norm: float | None = None,
+        clip_grad_norm: float | Literal["recipe"] | None = "recipe",
         strict: bool = False,
     ) -> PrecisionPlan:
         """Set ``model``, ``optimizer`` and ``scheduler`` up for this profile (see
@@ -247,8 +247,10 @@ class Profile(BaseModel):
         the optimizer.
 
         Args:
-            grad_accumulation_steps / clip_grad_norm: default to the recipe the profile was
-                tuned under (1 / None for profiles without one).
+            grad_accumulation_steps: defaults to the recipe the profile was tuned under (1
+                for profiles without one).
+            clip_grad_norm: the gradient norm ``plan.step()`` clips to; ``"recipe"`` (the
+                default) takes the tuned recipe's, ``None`` clips nothing.
             strict: refuse (ProfileError) a model other than the one the profile was proven
                 for (``ModelMismatchWarning``), or another optimizer class, group
                 hyper-parameters (lr, betas, ...), accumulation or clipping than the recipe it
@@ -258,8 +260,8 @@ class Profile(BaseModel):
         recipe = self.recipe
         if grad_accumulation_steps is None:
             grad_accumulation_steps = recipe.grad_accumulation_steps if recipe else 1
-        if clip_grad_norm is None and recipe is not None:
-            clip_grad_norm = recipe.clip_grad_norm
+        if clip_grad_norm == "recipe":
+            clip_grad_norm = recipe.clip_grad_norm if recipe is not None else None
         if recipe is not None:
             differences = recipe_differences(
                 recipe,

@@ -59,9 +59,14 @@ def recipe_differences(
         )
     if clip_grad_norm != recipe.clip_grad_norm:
         differences.append(
-            f"clip_grad_norm: proven at {recipe.clip_grad_norm}, applied with {clip_grad_norm}"
+            f"clip_grad_norm: proven at {_clipping(recipe.clip_grad_norm)}, applied with "
+            f"{_clipping(clip_grad_norm)}"
         )
     return differences
+
+
+def _clipping(norm: float | None) -> str:
+    return "None (no clipping)" if norm is None else str(norm)
 
 
 def _group_differences(

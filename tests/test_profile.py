@@ -251,6 +251,14 @@ def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
     ):
         plan = loaded.apply(model, optimizer, grad_accumulation_steps=1)
     assert plan.grad_accumulation_steps == 1
+    # None is no clipping (it meant "the recipe's", so no clipping could not be asked for)
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    with pytest.warns(
+        RecipeMismatchWarning, match=r"clip_grad_norm: proven at 1\.0, applied with None"
+    ):
+        plan = loaded.apply(model, optimizer, clip_grad_norm=None)
+    assert plan.clip_grad_norm is None
 
 
 def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reaches() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoprec.errors import RecipeMismatchWarning
 from autoprec.profile import Profile
 from autoprec.specs import ModeSpec
 
@@ -120,6 +121,20 @@ def test_apply_profile_trains_with_the_trainer(
         assert type(trainer.model.lm_head).__name__ == "Float8Linear"
 
 
+def test_a_trainer_that_clips_otherwise_than_the_profile_was_tuned_is_named(
+    hf_tuned: Any, tmp_path: Path
+) -> None:
+    """max_grad_norm=0 (no clipping) against a profile tuned at 1.0: it warned nothing, and
+    the plan clipped at 1.0 all the same (apply() took None for "the recipe's")."""
+    trainer = _gpt2_trainer(tmp_path, max_grad_norm=0.0)
+    with pytest.warns(
+        RecipeMismatchWarning,
+        match=r"clip_grad_norm: proven at 1\.0, applied with None \(no clipping\)",
+    ):
+        plan = apply_profile(trainer, hf_tuned[1].profile)
+    assert plan.clip_grad_norm is None  # the Trainer's setting, not the profile's
+
+
 def test_apply_profile_refuses_the_trainers_own_mixed_precision(
     hf_tuned: Any, tmp_path: Path
 ) -> None:
@@ -172,7 +187,7 @@ def _loader() -> Any:
     return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def _lightning_trainer(plugins: list[Any] | None = None) -> Any:
+def _lightning_trainer(plugins: list[Any] | None = None, clip: float | None = 1.0) -> Any:
     return lightning.Trainer(
         max_steps=6,
         accelerator="cpu",
@@ -182,7 +197,7 @@ def _lightning_trainer(plugins: list[Any] | None = None) -> Any:
         enable_model_summary=False,
         plugins=plugins or [],
         accumulate_grad_batches=2,
-        gradient_clip_val=1.0,
+        gradient_clip_val=clip,
     )
 
 
@@ -234,6 +249,15 @@ def test_a_plateau_scheduler_is_refused_with_the_way_out() -> None:
 def test_a_scheduler_without_a_length_is_refused() -> None:
     with pytest.raises(ValueError, match="total_steps"):
         module_recipe(_Regression("dict"), _loader())
+
+
+def test_the_plugin_names_a_trainer_that_clips_otherwise(lightning_tuned: Any) -> None:
+    """Lightning clips (gradient_clip_val); the plugin passed apply() no clipping at all, so
+    a Trainer without clipping under a profile tuned at 1.0 went unnamed."""
+    profile = lightning_tuned[1].profile
+    trainer = _lightning_trainer([AutoprecPrecision(profile)], clip=None)
+    with pytest.warns(RecipeMismatchWarning, match=r"proven at 1\.0, applied with None"):
+        trainer.fit(_Regression(), _loader())
 
 
 @pytest.mark.parametrize(

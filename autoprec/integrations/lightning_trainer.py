@@ -148,6 +148,14 @@ def tune_module(
     return tune(module, train_dataloaders, budget_minutes=budget_minutes, **recipe)
 
 
+def _trainer_clip_norm(trainer: Any) -> float | None:
+    """The norm the Trainer clips gradients to (``gradient_clip_val``); None when it does not
+    clip by norm (clipping by value is no norm the recipe could have been tuned with)."""
+    if trainer is None or trainer.gradient_clip_algorithm not in (None, "norm"):
+        return None
+    return trainer.gradient_clip_val or None
+
+
 class AutoprecPrecision(Precision):
     """``Trainer(plugins=[AutoprecPrecision(profile)])``: train in a profile's mode (a Profile
     or its path) under automatic optimization. The plan is built when the Trainer connects the
@@ -180,8 +188,8 @@ class AutoprecPrecision(Precision):
             optimizers[0],
             scheduler,
             grad_accumulation_steps=accumulation,
-            clip_grad_norm=None,  # Lightning clips (gradient_clip_val), after our unscale
-        )
+            clip_grad_norm=_trainer_clip_norm(trainer),
+        )  # compared with the recipe; Lightning clips (after our unscale), never plan.step()
         if self._pending_state is not None:
             self.plan.load_state_dict(self._pending_state)
             self._pending_state = None
