@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from autoprec._files import read_json
+from autoprec._files import read_json, write_atomically
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.outcomes import TrialOutcome
@@ -38,9 +38,14 @@ def plot_outcomes(
     outcomes: list[TrialOutcome], chosen: str | None, path: str | Path, title: str = ""
 ) -> Path:
     """Scatter samples/s against memory for every measured trial; returns the file written."""
+    measured = [o for o in outcomes if o.samples_per_second and o.memory_bytes]
+    if not measured:
+        raise ValueError(
+            f"No trial of these {len(outcomes)} has both a speed and a memory figure: nothing "
+            "to draw (a run interrupted before its first trial ended has none)."
+        )
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=120)
-    measured = [o for o in outcomes if o.samples_per_second and o.memory_bytes]
     for status, style in _STYLE.items():
         group = [o for o in measured if o.status == status]
         if group:
@@ -83,11 +88,24 @@ def plot_outcomes(
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target)
-    plt.close(figure)
-    return target
+    try:
+        target = _image_path(Path(path), figure.canvas.get_supported_filetypes())
+        return write_atomically(target, lambda temporary: figure.savefig(temporary))
+    finally:
+        plt.close(figure)
+
+
+def _image_path(path: Path, formats: dict[str, str]) -> Path:
+    """``path``, ``.png`` added when it has no suffix (as matplotlib would add it unseen); a
+    suffix matplotlib cannot write is an error naming those it can."""
+    if not path.suffix:
+        return path.with_suffix(".png")
+    if path.suffix.lower().lstrip(".") not in formats:
+        raise ValueError(
+            f"Cannot draw the report as {str(path)!r}: matplotlib writes no {path.suffix} files. "
+            f"Name a file ending in one of {', '.join('.' + f for f in sorted(formats))}."
+        )
+    return path
 
 
 def _read_result(path: Path) -> TuneResult:
@@ -131,10 +149,14 @@ def outcomes_from_study(
 
     opened = optuna_storage(storage)
     names = optuna.get_all_study_names(storage=opened)
+    if not names:
+        raise ValueError(f"{storage} holds no study: nothing was tuned with it.")
     if study_name is None:
         if len(names) != 1:
             raise ValueError(f"{storage} holds studies {names}; pick one with --study.")
         study_name = names[0]
+    elif study_name not in names:
+        raise ValueError(f"{storage} holds no study {study_name!r}; it holds {names}.")
     study = optuna.load_study(study_name=study_name, storage=opened)
     noise_runs = int(study.user_attrs.get("noise_runs", 1))
     finished = study.user_attrs.get("result")

@@ -569,6 +569,42 @@ def test_report_and_show_on_the_wrong_file_say_which_file_to_use(
     assert not (tmp_path / "r.png").exists()
 
 
+def test_report_names_a_missing_study_an_unknown_format_and_an_empty_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import optuna
+
+    from autoprec.outcomes import TrialOutcome
+    from autoprec.report import plot_outcomes
+    from autoprec.specs import ModeSpec
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    optuna.storages.RDBStorage(url)  # an empty storage
+    assert main(["report", url, "--out", str(tmp_path / "r.png")]) == 2
+    assert "holds no study: nothing was tuned with it" in _one_line_error(capsys)
+    optuna.create_study(study_name="mine", storage=url)
+    capsys.readouterr()  # Optuna's own log line
+    assert main(["report", url, "--study", "other", "--out", str(tmp_path / "r.png")]) == 2
+    assert "holds no study 'other'; it holds ['mine']" in _one_line_error(capsys)  # KeyError
+    assert main(["report", url, "--out", str(tmp_path / "r.png")]) == 2  # no trial ended yet
+    assert "nothing to draw" in _one_line_error(capsys)
+    assert not (tmp_path / "r.png").exists()
+    measured = [
+        TrialOutcome(spec=ModeSpec(mode="fp32"), status="accepted", samples_per_second=10.0,
+                     memory_bytes=2**20)
+    ]  # fmt: skip
+    # no suffix: ".png" added and named (matplotlib added it unseen, "wrote r" was untrue)
+    assert plot_outcomes(measured, "fp32", tmp_path / "r") == tmp_path / "r.png"
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match=r"matplotlib writes no \.txt files.*\.svg"):
+        plot_outcomes(measured, "fp32", tmp_path / "r.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.png", "s.db"]  # no temporary left
+    junk = tmp_path / "s.json"
+    junk.write_bytes((tmp_path / "s.db").read_bytes())
+    assert main(["show", str(junk)]) == 2
+    assert "is not JSON: the file is an SQLite database" in _one_line_error(capsys)
+
+
 def test_only_autoprecs_records_are_formatted_as_its_own(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
