@@ -11,6 +11,7 @@ torch's. An option the target cannot honour is an error, never dropped.
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -228,7 +229,36 @@ def rebuild_optimizer(
     rebuilt = constructor(new_groups, **defaults)
     if "beta1" in first:
         _expose_betas(rebuilt)
+    if target in ("bnb_8bit", "optimi_kahan"):
+        _refuse_foreign_state(rebuilt)
     return rebuilt
+
+
+def _refuse_foreign_state(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, when it is loaded, the state of another optimizer (the user's fp32 AdamW
+    checkpoint): ``load_state_dict`` takes the saved groups as they are, and the first step
+    then failed with a bare ``KeyError`` (``'state1'`` in bitsandbytes, ``'kahan_sum'`` in
+    torch-optimi). bitsandbytes overrides ``load_state_dict`` and runs no load hooks, so the
+    instance's method is wrapped (a bound method: a deep copy binds to the copy). The
+    stochastic-rounding optimizers load torch's Adam/SGD state as their own."""
+
+    def load_state_dict(
+        self: torch.optim.Optimizer, state_dict: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> None:
+        expected = set(self.param_groups[0]) - {"params", "betas", "initial_lr"}
+        for group in state_dict.get("param_groups", []):
+            missing = sorted(expected - set(group))
+            if missing:
+                name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"
+                raise ValueError(
+                    f"plan.optimizer ({name}) cannot load this optimizer state: another "
+                    f"optimizer wrote it (its parameter groups lack {missing[:4]}). Load a state "
+                    "saved from plan.optimizer under this profile, or keep the optimizer fresh "
+                    "and load the model's weights only."
+                )
+        type(self).load_state_dict(self, state_dict, *args, **kwargs)
+
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
 
 
 def _expose_betas(optimizer: torch.optim.Optimizer) -> None:

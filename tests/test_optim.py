@@ -201,3 +201,33 @@ def test_the_backends_refused_for_complex_weights_still_mistrain_them(target: st
     theirs = (model.spectral.detach() - start).imag.abs().mean()
     torch_moved = (reference.detach() - start).imag.abs().mean()
     assert not 0.5 < float(theirs / torch_moved) < 2.0, (float(theirs), float(torch_moved))
+
+
+@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit"])
+def test_another_optimizers_state_is_refused_at_load_and_its_own_loads(target: str) -> None:
+    """A user resuming their fp32 AdamW checkpoint into plan.optimizer: the first step failed
+    with a bare KeyError ('kahan_sum', 'state1'). Now the load says what and why."""
+    import copy
+
+    pytest.importorskip("optimi" if target == "optimi_kahan" else "bitsandbytes")
+    model = nn.Linear(64, 128)
+    source = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    fp32_run = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fp32_run.step()
+    rebuilt = rebuild_optimizer(source, named_groups(source, model), model, target)
+    with pytest.raises(ValueError, match=r"cannot load this optimizer state: another optimizer"):
+        rebuilt.load_state_dict(fp32_run.state_dict())
+    rebuilt.step()
+    saved = copy.deepcopy(rebuilt.state_dict())
+    if target == "optimi_kahan":
+        twin = copy.deepcopy(rebuilt)  # the wrapped load binds to the copy
+    else:  # a deep copy of a bitsandbytes optimizer cannot load (its own non_castable_tensor_keys)
+        twin = rebuild_optimizer(source, named_groups(source, model), model, target)
+    twin.load_state_dict(saved)
+    for name in ("exp_avg", "state1"):
+        if name in rebuilt.state[model.weight]:
+            assert torch.equal(
+                twin.state[twin.param_groups[0]["params"][0]][name],
+                rebuilt.state[model.weight][name],
+            )
