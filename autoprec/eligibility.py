@@ -178,7 +178,8 @@ def _needs_real_parameters(
     torch's optimizers (and autoprec's stochastic-rounding ones) update a complex parameter's
     real and imaginary parts as two real numbers. Measured on our CPU machines (complex64
     (64, 80) weight, 3 AdamW steps at lr 1e-2, no weight decay): torch moved the imaginary
-    parts by 0.017 on average, torch-optimi by 0.0045, bitsandbytes (32- and 8-bit) by 0.56."""
+    parts by 0.017 on average, torch-optimi by 0.0045, bitsandbytes (32- and 8-bit) by 0.56;
+    ``tests/test_optim.py`` fails when either library starts to update them as torch does."""
     if layers is None or not layers.complex_parameters:
         return
     names = layers.complex_parameters

@@ -66,7 +66,7 @@ def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
     budget, never with the model (a permutation of a 45M-element tensor took 2.2 s). A complex
     element counts as two real values."""
     sizes = {
-        name: parameter.numel() * (2 if parameter.is_complex() else 1)
+        name: as_real(parameter).numel()
         for name, parameter in model.named_parameters()
         if parameter.requires_grad
     }
