@@ -9,6 +9,8 @@ Beside it, a note when pure bf16's weight decay rounds away entirely (``decay_no
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from autoprec.drift_thresholds import DriftThresholds
@@ -16,20 +18,44 @@ from autoprec.recipe import LrPoint
 from autoprec.trial_records import TrialResult
 
 
+class LegMovement(NamedTuple):
+    """The movement check's figures for one lr leg and one lr class of parameter groups."""
+
+    point: LrPoint | None
+    groups: tuple[int, ...] | None
+    """The parameter groups judged together (those sharing this leg's lr); None: all."""
+    fraction: float
+    """Projection of the trial's movement onto the reference's (1.0: all of it arrived)."""
+    never_moved: float
+    """Share of the weights the reference moved that the trial never moved."""
+
+    def describe(self, legs: int, classes: int) -> str:
+        """Where this figure was taken, for a message (empty for a single leg and class)."""
+        if self.point is None or (legs == 1 and classes == 1):
+            return ""
+        if self.groups is None or classes == 1:
+            return f" at {self.point.describe()}"
+        named = ", ".join(str(group) for group in self.groups)
+        plural = "s" if len(self.groups) > 1 else ""
+        return f" in parameter group{plural} {named} at {self.point.describe(self.groups[0])}"
+
+
 def _movement(
     trial: dict[str, torch.Tensor],
     trial_start: dict[str, torch.Tensor],
     reference: dict[str, torch.Tensor],
     reference_start: dict[str, torch.Tensor],
+    names: list[str],
 ) -> tuple[float, float] | None:
     """(projection of the trial's movement onto the reference's, share of weights the
-    reference moved that the trial never moved); None when the reference did not move."""
+    reference moved that the trial never moved) over the tensors ``names``; None when the
+    reference did not move them."""
     dot = norm = 0.0
     reference_moved = trial_still = 0
-    for name, start in reference_start.items():
+    for name in names:
         if name not in trial or name not in trial_start:
             return None
-        intended = reference[name] - start
+        intended = reference[name] - reference_start[name]
         actual = trial[name] - trial_start[name]
         dot += float(torch.dot(actual, intended))
         norm += float(torch.dot(intended, intended))
@@ -41,21 +67,42 @@ def _movement(
     return dot / norm, trial_still / max(reference_moved, 1)
 
 
-def leg_movements(
-    trial: TrialResult, reference: TrialResult
-) -> list[tuple[LrPoint | None, float, float]]:
-    """Per lr leg: (its lr point, update fraction, never-moved share). Legs the reference did
-    not move in are left out; a trial with other legs than the reference's has none."""
+def _lr_classes(
+    names: list[str], groups: dict[str, int], point: LrPoint | None
+) -> list[tuple[tuple[int, ...] | None, list[str]]]:
+    """The sampled tensors split by their parameter group's lr in this leg, groups of equal lr
+    pooled, smallest lr first: rounding loss follows the lr (../shared/NUMERICS.md), so a
+    backbone at 1e-5 beside a head at 1e-2 is judged apart, not drowned in the head's
+    movement. One class when every group shares the lr or the groups are unknown."""
+    if point is None or not groups or any(name not in groups for name in names):
+        return [(None, names)]
+    by_lr: dict[float, list[str]] = {}
+    for name in names:
+        by_lr.setdefault(point.lrs[groups[name]], []).append(name)
+    if len(by_lr) == 1:
+        return [(None, names)]
+    return [
+        (tuple(sorted({groups[name] for name in members})), members)
+        for _, members in sorted(by_lr.items())
+    ]
+
+
+def leg_movements(trial: TrialResult, reference: TrialResult) -> list[LegMovement]:
+    """Per lr leg and lr class of parameter groups, the movement check's figures. Legs (and
+    classes) the reference did not move in are left out; a trial with other legs than the
+    reference's has none."""
     ours, theirs = trial.leg_weights, reference.leg_weights
     points = reference.record.lr_points
     if len(ours) != len(theirs) or len(ours) < 2 or trial.record.lr_points != points:
         return []
     found = []
+    names = list(theirs[0])
     for leg in range(len(ours) - 1):
-        movement = _movement(ours[leg + 1], ours[leg], theirs[leg + 1], theirs[leg])
-        if movement is not None:
-            point = points[leg] if leg < len(points) else None
-            found.append((point, *movement))
+        point = points[leg] if leg < len(points) else None
+        for groups, members in _lr_classes(names, reference.parameter_groups, point):
+            movement = _movement(ours[leg + 1], ours[leg], theirs[leg + 1], theirs[leg], members)
+            if movement is not None:
+                found.append(LegMovement(point, groups, *movement))
     return found
 
 
@@ -71,39 +118,47 @@ def movement_checks(
     limits: DriftThresholds,
     metrics: dict[str, float | None],
 ) -> tuple[list[str], list[str]]:
-    """(reasons, notes) of the weight-movement check, leg by leg: the trial's projection onto
-    the reference's movement, relative to the paired fp32 run's (1 without one)."""
+    """(reasons, notes) of the weight-movement check, leg by leg and lr class by lr class: the
+    trial's projection onto the reference's movement, relative to the paired fp32 run's (1
+    without one)."""
     legs = leg_movements(trial, reference)
     if not legs:
         return [], []
     ceilings = [1.0] * len(legs)
     if paired is not None:
         paired_legs = leg_movements(paired, reference)
-        if len(paired_legs) == len(legs):
-            ceilings = [fraction for _, fraction, _ in paired_legs]
+        if [(leg.point, leg.groups) for leg in paired_legs] == [
+            (leg.point, leg.groups) for leg in legs
+        ]:
+            ceilings = [leg.fraction for leg in paired_legs]
     judged = list(zip(legs, ceilings, strict=True))
-    weakest, ceiling = min(judged, key=lambda item: item[0][1] / max(item[1], 1e-12))
-    point, metrics["update_fraction"], metrics["never_moved_fraction"] = weakest
+    weakest, ceiling = min(judged, key=lambda item: item[0].fraction / max(item[1], 1e-12))
+    metrics["update_fraction"] = weakest.fraction
+    metrics["never_moved_fraction"] = weakest.never_moved
     metrics["update_fraction_noise"] = ceiling if paired is not None else None
-    metrics["update_fraction_lr"] = None if point is None else point.lr
+    metrics["update_fraction_lr"] = (
+        None if weakest.point is None else weakest.point.lrs[(weakest.groups or (0,))[0]]
+    )
+    leg_count = len({leg.point for leg in legs})
+    class_count = len({leg.groups for leg in legs})
     reasons, notes = [], []
-    for (point, fraction, never), ceiling in judged:
-        at = "" if point is None or len(legs) == 1 else f" at {point.describe()}"
+    for leg, ceiling in judged:
+        at = leg.describe(leg_count, class_count)
         if ceiling < MIN_PAIRED_MOVEMENT:
             notes.append(
                 f"weight movement not judged{at}: a second fp32 run with other random draws "
                 f"takes only {ceiling:.0%} of the reference's movement (random draws dominate)"
             )
-        elif fraction < limits.min_update_fraction * ceiling:
+        elif leg.fraction < limits.min_update_fraction * ceiling:
             paired_said = (
                 f"; a second fp32 run with other random draws reaches {ceiling:.0%}"
                 if paired is not None
                 else ""
             )
             reasons.append(
-                f"updates lost to rounding{at}: only {fraction:.0%} of the fp32 weight "
-                f"movement reached the weights ({never:.0%} of weights the reference moved "
-                f"never moved{paired_said})"
+                f"updates lost to rounding{at}: only {leg.fraction:.0%} of the fp32 weight "
+                f"movement reached the weights ({leg.never_moved:.0%} of weights the reference "
+                f"moved never moved{paired_said})"
             )
     return reasons, notes
 

@@ -110,6 +110,7 @@ def _pack(result: TrialResult) -> dict[str, Any]:
         "record": result.record.model_dump_json(),
         "leg_weights": result.leg_weights,
         "sample_indices": result.sample_indices,
+        "parameter_groups": result.parameter_groups,
         "heldout_outputs": [
             None
             if output is None
@@ -124,6 +125,7 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
         record=TrialRecord.model_validate_json(data["record"]),
         leg_weights=list(data["leg_weights"]),
         sample_indices=dict(data["sample_indices"]),
+        parameter_groups=dict(data.get("parameter_groups", {})),
         heldout_outputs=[
             None
             if output is None

@@ -116,14 +116,15 @@ class LrPoint(BaseModel):
         """The first group's lr (what messages quote)."""
         return self.lrs[0]
 
-    def describe(self) -> str:
+    def describe(self, group: int = 0) -> str:
+        """This leg's lr of one parameter group (the first by default), and where it is from."""
         where = (
             ""
             if self.schedule_step is None
             else f", the schedule's {self.role} at step {self.schedule_step} of {self.total_steps}"
         )
-        momentum = "" if self.momenta is None else f" (momentum/β1 {self.momenta[0]:.3g})"
-        return f"lr {self.lr:.3g}{momentum}{where}"
+        momentum = "" if self.momenta is None else f" (momentum/β1 {self.momenta[group]:.3g})"
+        return f"lr {self.lrs[group]:.3g}{momentum}{where}"
 
 
 class RecipeSummary(BaseModel):

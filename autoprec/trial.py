@@ -40,6 +40,7 @@ from autoprec.trial_measures import (
     compiled_graph_count,
     memory_now,
     memory_peak,
+    parameter_group_indices,
     replayed_rng,
     rng_states,
     sample_indices,
@@ -161,6 +162,7 @@ def _train_legs(
     random numbers, its peak memory and a weight left non-finite."""
     plan, device = loop.plan, inputs.device
     result.sample_indices = sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
+    result.parameter_groups = parameter_group_indices(plan)
     result.leg_weights.append(sampled_weights(plan, result.sample_indices))
     before = rng_states(device)
     run.failure, run.stopped = train_in_windows(

@@ -83,6 +83,20 @@ def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
     return indices
 
 
+def parameter_group_indices(plan: PrecisionPlan) -> dict[str, int]:
+    """Index of the optimizer parameter group each trainable parameter is in, by name."""
+    group_of = {
+        id(parameter): index
+        for index, group in enumerate(plan.optimizer.param_groups)
+        for parameter in group["params"]
+    }
+    return {
+        name: group_of[id(parameter)]
+        for name, parameter in plan.model.named_parameters()
+        if id(parameter) in group_of
+    }
+
+
 def sampled_weights(
     plan: PrecisionPlan, indices: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:

@@ -216,6 +216,9 @@ class TrialResult:
     leg_weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Sampled weights (fp32, Kahan buffers added) before training and after each lr leg."""
     sample_indices: dict[str, torch.Tensor] = field(default_factory=dict)
+    parameter_groups: dict[str, int] = field(default_factory=dict)
+    """Index of the optimizer's parameter group each sampled tensor trains in (the movement
+    check judges groups of different lrs apart); empty: judged as one."""
     heldout_outputs: list[OutputSummary | None] = field(default_factory=list)
 
     def moved(self) -> bool:

@@ -20,6 +20,7 @@ def _replaced(result: TrialResult, **record_fields: object) -> TrialResult:
         record=result.record.model_copy(update=record_fields),
         leg_weights=result.leg_weights,
         sample_indices=result.sample_indices,
+        parameter_groups=result.parameter_groups,
         heldout_outputs=result.heldout_outputs,
     )
 
@@ -353,6 +354,35 @@ def test_lost_updates_are_still_caught_in_a_model_that_draws_random_numbers() ->
     assert "a second fp32 run with other random draws reaches" in " ".join(verdict.reasons)
     sr = _trial(runs["task"], ModeSpec(mode="bf16_sr"))
     assert judge(sr, runs["reference"], runs["noise"], paired=runs["paired"]).accepted
+
+
+def test_a_backbone_at_a_small_lr_is_judged_apart_from_a_head_at_a_large_one() -> None:
+    """Discriminative lrs (backbone 1e-5, new head 1e-2): pure bf16 rounds away the backbone's
+    every update, but the head moves ~1000x as far a step and hid that in one pooled
+    projection (the gate accepted it). Judged group by group, the backbone's loss is named."""
+    task = tasks.regression()
+    model = task.model
+    body = [p for layer in list(model)[:-1] for p in layer.parameters()]
+    groups = [{"params": body, "lr": 1e-5}, {"params": list(model[-1].parameters()), "lr": 1e-2}]
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95))  # no rounded-state rule
+
+    def trial(mode: str) -> TrialResult:
+        recipe = TrainingRecipe(optimizer=optimizer, loss_fn=task.mse)
+        spec = ModeSpec(mode=mode)
+        return run_trial(
+            spec, model, task.batches, recipe=recipe, steps=STEPS, heldout=task.heldout
+        )
+
+    reference, pure, sr = trial("fp32"), trial("bf16_pure"), trial("bf16_sr")
+    assert set(reference.parameter_groups.values()) == {0, 1}
+    verdict = judge(pure, reference, reference)
+    lost = [reason for reason in verdict.reasons if reason.startswith("updates lost")]
+    assert lost and lost[0].startswith("updates lost to rounding in parameter group 0 at lr 1e-05")
+    assert verdict.metrics.update_fraction_lr == pytest.approx(1e-5)
+    pooled_reference = TrialResult(record=reference.record, leg_weights=reference.leg_weights)
+    pooled = judge(pure, pooled_reference, reference)
+    assert not any(reason.startswith("updates lost") for reason in pooled.reasons)
+    assert judge(sr, reference, reference).accepted
 
 
 def test_a_model_without_random_draws_says_so(low_lr: dict) -> None:
