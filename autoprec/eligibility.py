@@ -191,6 +191,20 @@ def _needs_real_parameters(
     )
 
 
+def _takes_no_sparse_gradients(verdict: _Verdict, what: str, layers: LayerMix | None) -> None:
+    """bitsandbytes' 8-bit optimizers fail at their first step on a sparse gradient
+    (0.50.2 on our CPU machines, SGD8bit, any table size: "RuntimeError: unsupported memory
+    format option Contiguous")."""
+    if layers is None or not layers.sparse_gradient_modules:
+        return
+    names = layers.sparse_gradient_modules
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    verdict.reasons.append(
+        f"{what}: bitsandbytes' 8-bit optimizers cannot take sparse gradients (found: "
+        f"sparse=True in {shown}); pass sparse=False to train them with 8-bit states"
+    )
+
+
 def _fp32(situation: Situation, verdict: _Verdict) -> None:
     verdict.notes.append("the reference every other mode is measured against")
 
@@ -287,6 +301,7 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
     verdict = _Verdict()
     _needs_backends(verdict, "optimizer_bits=8", ("bitsandbytes",), situation)
     _needs_real_parameters(verdict, "optimizer_bits=8", "bitsandbytes", situation.layers)
+    _takes_no_sparse_gradients(verdict, "optimizer_bits=8", situation.layers)
     layers = situation.layers
     if layers is not None and layers.parameters:
         large = layers.parameters_in_large_tensors

@@ -99,6 +99,9 @@ class LayerMix(BaseModel):
     findings: tuple[str, ...]
     complex_parameters: tuple[str, ...] = ()
     """Names of trainable complex parameters (a Fourier layer's spectral weights)."""
+    sparse_gradient_modules: tuple[str, ...] = ()
+    """Names of trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (their
+    weights get sparse gradients)."""
 
     def kind(self, kind: LayerKind) -> KindShare:
         """The share of one layer kind."""
@@ -202,6 +205,13 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         findings=(),
         complex_parameters=tuple(
             fqn for fqn, p in named_parameters.items() if p.requires_grad and p.is_complex()
+        ),
+        sparse_gradient_modules=tuple(
+            fqn
+            for fqn, module in model.named_modules()
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+            and module.sparse
+            and module.weight.requires_grad
         ),
     )
     findings = _findings(mix_without_findings)

@@ -16,7 +16,7 @@ from torch import nn
 from autoprec.layer_flops import storage_key
 from autoprec.plan import PrecisionPlan
 from autoprec.trial_records import LowPrecisionMoment, StateBytes
-from autoprec.weight_dtypes import as_real
+from autoprec.weight_dtypes import as_real, stored_values
 
 MOVEMENT_SAMPLE_ELEMENTS = 2**20
 """Weight elements sampled (evenly across tensors) to measure how far training moved them."""
@@ -122,11 +122,16 @@ def state_bytes(plan: PrecisionPlan) -> StateBytes:
     optimizer = 0
     for state in plan.optimizer.state.values():
         for value in state.values():
-            if isinstance(value, torch.Tensor):
-                key = (value.data_ptr(), str(value.device))
+            if not isinstance(value, torch.Tensor):
+                continue
+            # torch's SGD keeps a sparse momentum buffer for a sparse gradient (no storage of
+            # its own: its indices and values hold the bytes)
+            parts = (value._indices(), value._values()) if value.is_sparse else (value,)
+            for part in parts:
+                key = (part.data_ptr(), str(part.device))
                 if key not in seen:
                     seen.add(key)
-                    optimizer += value.numel() * value.element_size()
+                    optimizer += part.numel() * part.element_size()
     return StateBytes(
         parameters=sum(p.numel() * p.element_size() for p in parameters),
         gradients=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
@@ -212,7 +217,11 @@ def memory_peak(
 def max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> torch.Tensor | None:
     """Largest |gradient| of the parameters not in ``kept`` (ids), loss scaling removed, as a
     device tensor (no host read); None when no such parameter has a gradient."""
-    grads = [p.grad for p in plan.model.parameters() if p.grad is not None and id(p) not in kept]
+    grads = [
+        stored_values(p.grad)
+        for p in plan.model.parameters()
+        if p.grad is not None and id(p) not in kept
+    ]
     if not grads:
         return None
     largest = torch.stack(torch._foreach_norm(grads, math.inf)).max().float()

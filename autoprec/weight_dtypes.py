@@ -23,6 +23,13 @@ def as_real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
+def stored_values(gradient: torch.Tensor) -> torch.Tensor:
+    """The values a gradient stores: a sparse gradient's (``nn.Embedding(sparse=True)``)
+    nonzero values, duplicates summed; any other as it is. Norms and maxima over them are the
+    dense gradient's, which ``torch._foreach_norm`` cannot take from a sparse tensor."""
+    return gradient.coalesce().values() if gradient.is_sparse else gradient
+
+
 def _trainable_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every floating parameter that trains (``model.parameters()`` yields a shared one once)."""
     return [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]

@@ -51,6 +51,14 @@ def test_trainable_complex_parameters_are_named() -> None:
     assert scan_model(torch.nn.Linear(4, 4)).complex_parameters == ()
 
 
+def test_sparse_gradient_embeddings_are_named() -> None:
+    model = torch.nn.Module()
+    model.table = torch.nn.Embedding(10, 4, sparse=True)
+    model.bag = torch.nn.EmbeddingBag(10, 4, sparse=True).requires_grad_(False)
+    model.dense = torch.nn.Embedding(10, 4)
+    assert scan_model(model).sparse_gradient_modules == ("table",)
+
+
 def test_convnet_is_conv_dominated() -> None:
     mix = scan_model(*small_convnet.make_model())
     assert (mix.kind("conv").flop_share or 0) > 0.99

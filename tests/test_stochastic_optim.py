@@ -132,6 +132,41 @@ def test_sgd_fp32_parameters_follow_torch_exactly(options: dict, dtype: torch.dt
     )
 
 
+def _sparse_steps(make: Callable, dtype: torch.dtype, steps: int = 10) -> torch.Tensor:
+    """``steps`` of ``make``'s optimizer on an nn.Embedding(sparse=True) of ``dtype``, each
+    looking up 16 of its 200 rows (rows 100 and above never)."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(200, 8, sparse=True).to(dtype)
+    optimizer = make(embedding.parameters())
+    for step in range(steps):
+        rows = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(step))
+        embedding(rows).float().pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return embedding.weight.detach()
+
+
+@pytest.mark.parametrize("options", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {}])
+def test_sgd_takes_sparse_gradients_as_torch_does(options: dict) -> None:
+    """nn.Embedding(sparse=True) under plain SGD trains in fp32 with torch's SGD; the rebuilt
+    optimizer raised 'does not support sparse gradients', so bf16_sr failed its trial."""
+    theirs = _sparse_steps(lambda p: torch.optim.SGD(p, lr=0.1, **options), torch.float32)
+    ours = _sparse_steps(lambda p: StochasticSGD(p, lr=0.1, **options), torch.float32)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    start = _sparse_steps(lambda p: StochasticSGD(p, lr=0.1, **options), torch.bfloat16, 0)
+    rounded = _sparse_steps(lambda p: StochasticSGD(p, lr=0.1, **options), torch.bfloat16)
+    assert torch.equal(rounded[100:], start[100:])  # rows never looked up: bit for bit
+    assert (rounded[:100].float() - theirs[:100]).abs().mean() < 0.005  # bf16 ulp: 0.0078
+    assert not torch.equal(rounded[:100], start[:100])
+
+
+def test_adamw_refuses_sparse_gradients_as_torch_does() -> None:
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        _sparse_steps(lambda p: torch.optim.AdamW(p), torch.float32, 1)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        _sparse_steps(lambda p: StochasticAdamW(p), torch.float32, 1)
+
+
 def test_sgd_stochastic_rounding_keeps_updates_that_nearest_rounding_loses() -> None:
     """SGD steps of 1e-4 on weights of 1.0 (half a bf16 ulp there is 0.0039)."""
     steps, lr = 200, 1e-4

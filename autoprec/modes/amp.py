@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+from autoprec.weight_dtypes import stored_values
 
 SETTLE_TRIES = 24
 """Halvings :meth:`AmpFp16Mode.settle` tries: 2**16 down to 2**-8."""
@@ -88,7 +89,7 @@ class AmpFp16Mode(AmpBf16Mode):
         parameters = [p for p in model.parameters() if p.requires_grad]
         for _ in range(SETTLE_TRIES):
             scaler.scale(compute_loss()).backward()
-            gradients = [p.grad for p in parameters if p.grad is not None]
+            gradients = [stored_values(p.grad) for p in parameters if p.grad is not None]
             finite = not gradients or bool(
                 torch.stack(torch._foreach_norm(gradients)).isfinite().all()
             )
