@@ -171,6 +171,11 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
         )
 
 
+def _first_names(names: tuple[str, ...]) -> str:
+    """The first three names, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _needs_real_parameters(
     verdict: _Verdict, what: str, library: str, layers: LayerMix | None
 ) -> None:
@@ -183,11 +188,11 @@ def _needs_real_parameters(
     if layers is None or not layers.complex_parameters:
         return
     names = layers.complex_parameters
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     verdict.reasons.append(
         f"{what} updates complex parameters unlike torch's optimizers ({library} does not "
         "treat their real and imaginary parts as two real numbers, and trains them wrongly "
-        f"without an error) (found: {len(names)} complex trainable parameter(s): {shown})"
+        f"without an error) (found: {len(names)} complex trainable parameter(s): "
+        f"{_first_names(names)})"
     )
 
 
@@ -197,11 +202,10 @@ def _takes_no_sparse_gradients(verdict: _Verdict, what: str, layers: LayerMix | 
     format option Contiguous")."""
     if layers is None or not layers.sparse_gradient_modules:
         return
-    names = layers.sparse_gradient_modules
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     verdict.reasons.append(
         f"{what}: bitsandbytes' 8-bit optimizers cannot take sparse gradients (found: "
-        f"sparse=True in {shown}); pass sparse=False to train them with 8-bit states"
+        f"sparse=True in {_first_names(layers.sparse_gradient_modules)}); pass sparse=False "
+        "to train them with 8-bit states"
     )
 
 
