@@ -254,6 +254,16 @@ def test_state_rule_horizon_benchmark_runs_in_quick_mode(tmp_path: Path) -> None
     assert all(row.task == "digits_convnet" and row.fp32_sd > 0 for row in rows)
 
 
+def test_state_rounding_optimizers_benchmark_runs_in_quick_mode() -> None:
+    """Why the optimizer-state rule is Adam's alone; --quick keeps it in CI."""
+    from benchmarks import state_rounding_optimizers
+
+    rows = state_rounding_optimizers.main(["--quick"])
+    assert [row.state for row in rows] == ["exp_avg_sq", "sum", "row_var,col_var,variance",
+                                          "square_avg"]  # fmt: skip
+    assert all(len(row.fp32) == 2 and all(v > 0 for v in row.rounded) for row in rows)
+
+
 def test_bf16_second_moment_shadow_inflates_with_steps_on_stationary_gradients() -> None:
     """The measurement behind the optimizer-state rule: on gradients of one unchanging
     distribution a bf16 second moment rounded to nearest still lets through nearly all of
