@@ -148,7 +148,7 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
     if not compatible:
         verdict.reasons.append(
             f"{what} needs nn.Linear layers with both dimensions divisible by "
-            f"{FP8_DIM_MULTIPLE} (found: none of {len(layers.linears)})"
+            f"{FP8_DIM_MULTIPLE} (found: none of {len(layers.linears)}{_quantized(layers)})"
         )
         return
     share = layers.fp8_eligible_flop_share
@@ -169,6 +169,11 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
             f"{raw * 100:.0f}% of FLOPs are matmuls on raw nn.Parameter tensors, which FP8 "
             "module swapping cannot reach"
         )
+
+
+def _quantized(layers: LayerMix) -> str:
+    count = sum(linear.bnb_4bit for linear in layers.linears)
+    return f"; {count} are bitsandbytes 4-bit, which FP8 does not convert" if count else ""
 
 
 def _first_names(names: tuple[str, ...]) -> str:

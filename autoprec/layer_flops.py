@@ -16,7 +16,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from autoprec.layer_kinds import LAYER_KINDS, LayerKind, module_kind
+from autoprec.layer_kinds import LAYER_KINDS, LayerKind, is_bnb_4bit, module_kind
+
+_BNB_4BIT_MATMULS = frozenset({"bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit"})
+"""bitsandbytes' own ops for a 4-bit Linear's matmul (its CPU path; on CUDA it dequantizes and
+runs an aten matmul, which torch's formulas count)."""
 
 
 class FlopAttribution(TorchDispatchMode):
@@ -54,6 +58,9 @@ class FlopAttribution(TorchDispatchMode):
             # CPU SDPA kernel; torch's flop registry knows only the CUDA ones.
             query, key, value = args[:3]
             return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+        if func.name() in _BNB_4BIT_MATMULS:
+            # bitsandbytes' 4-bit Linear on CPU: out (..., N) = A (..., K) @ W(shapeB = (N, K)).T
+            return 2 * out.numel() * int(args[2][1])
         return 0
 
     def _credit(self, flops: int, args: Any) -> None:
@@ -114,10 +121,17 @@ def call_model(model: nn.Module, example_input: Any) -> Any:
 
 
 def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> None:
-    was_training = model.training
+    modes = {module: module.training for module in model.modules()}
     model.eval()  # no BatchNorm statistic updates, no dropout randomness
+    for module in modes:
+        # bitsandbytes' Linear4bit repacks its weight for CPU inference on an eval-mode
+        # no-grad forward, after which training it fails ("a view of a leaf Variable that
+        # requires grad is being used in an in-place operation", bitsandbytes 0.50.2): left in
+        # training mode, which changes nothing else in its forward
+        module.training = module.training or is_bnb_4bit(module)
     try:
         with torch.no_grad(), attribution.tracking(model), attribution:
             call_model(model, example_input)
     finally:
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training

@@ -30,6 +30,15 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
+def is_bnb_4bit(module: nn.Module) -> bool:
+    """A bitsandbytes 4-bit Linear (``Linear4bit``, ``LinearNF4``, ``LinearFP4``: QLoRA's frozen
+    base), recognised without importing bitsandbytes."""
+    return any(
+        cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes")
+        for cls in type(module).__mro__
+    )
+
+
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of an nn.Linear or an HF Conv1D."""
     if is_hf_conv1d(module):
@@ -73,9 +82,11 @@ def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwis
 
 def fp8_linear_fits(module: nn.Module) -> bool:
     """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
-    module swaps convert nn.Linear only)."""
+    module swaps convert nn.Linear only; nor is a bitsandbytes 4-bit Linear, whose packed
+    uint8 weight a Float8Linear would multiply as it is)."""
     return (
         isinstance(module, nn.Linear)
+        and not is_bnb_4bit(module)
         and module.in_features % FP8_DIM_MULTIPLE == 0
         and module.out_features % FP8_DIM_MULTIPLE == 0
     )

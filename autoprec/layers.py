@@ -7,7 +7,9 @@ any Linear/Conv module whose operand is a parameter held directly by a custom mo
 between activations (attention scores) are ``other``.
 
 The scan runs in eval mode under ``torch.no_grad()`` and restores the training flag, so the
-model's parameters, buffers (BatchNorm statistics) and gradients are left as they were. It
+model's parameters, buffers (BatchNorm statistics) and gradients are left as they were
+(bitsandbytes' 4-bit Linears stay in training mode: in eval mode they repack their weights for
+CPU inference, and the model then fails to train). It
 runs wherever the model lives: CPU, or the meta device for models too big to materialise.
 """
 
@@ -27,6 +29,7 @@ from autoprec.layer_kinds import (
     LayerKind,
     fp8_linear_fits,
     fp8_worthwhile,
+    is_bnb_4bit,
     is_hf_conv1d,
     linear_dims,
     module_kind,
@@ -60,6 +63,9 @@ class LinearInfo(BaseModel):
     fp8_compatible: bool
     """An nn.Linear with both dimensions divisible by 16 (what FP8 kernels take and FP8 module
     swaps convert)."""
+    bnb_4bit: bool = False
+    """A bitsandbytes 4-bit Linear (QLoRA's quantized base): FP8 conversions leave it as it
+    is (not compatible), and it is not kept in fp32 for its dimensions."""
     hf_conv1d: bool = False
     """A Hugging Face Conv1D: counted as a Linear, but torchao's and Transformer Engine's FP8
     conversions replace nn.Linear modules only, so it stays out of FP8 (not compatible)."""
@@ -183,6 +189,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             fp8_compatible=(compatible := fp8_linear_fits(module)),
             fp8_worthwhile=compatible and fp8_worthwhile(*dims),
             hf_conv1d=is_hf_conv1d(module),
+            bnb_4bit=is_bnb_4bit(module),
         )
         for fqn, module in model.named_modules()
         if module_kind(module) == "linear"
@@ -242,7 +249,11 @@ def _default_keep_fp32(model: nn.Module, compute_order: list[str]) -> tuple[Keep
         keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
         keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
     for fqn, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not fp8_linear_fits(module):
+        if (
+            isinstance(module, nn.Linear)
+            and not is_bnb_4bit(module)
+            and not fp8_linear_fits(module)
+        ):
             keep.setdefault(
                 fqn,
                 f"Linear {module.in_features}x{module.out_features}: dimensions not divisible "
@@ -301,6 +312,14 @@ def _findings(mix: LayerMix) -> list[str]:
             "of FLOPs: they are Linears with transposed (in, out) weights, counted as Linear; "
             "torchao's and Transformer Engine's FP8 conversions replace nn.Linear modules only, "
             "so FP8 leaves them in higher precision (AMP and pure bf16 do cover them)"
+        )
+    quantized = [linear for linear in mix.linears if linear.bnb_4bit]
+    if quantized:
+        findings.append(
+            f"{len(quantized)} bitsandbytes 4-bit Linear layers "
+            f"({', '.join(q.fqn for q in quantized[:3])}{', ...' if len(quantized) > 3 else ''}) "
+            f"carry {_percent(_share(sum(q.flops or 0 for q in quantized), mix.forward_flops))} "
+            "of FLOPs: their weights stay 4-bit in every mode and FP8 does not convert them"
         )
     if mix.linears:
         compatible = mix.fp8_compatible_linears

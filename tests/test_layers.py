@@ -59,6 +59,45 @@ def test_sparse_gradient_embeddings_are_named() -> None:
     assert scan_model(model).sparse_gradient_modules == ("table",)
 
 
+def _qlora_model() -> torch.nn.Module:
+    """QLoRA-style: frozen bitsandbytes 4-bit (NF4) base Linears, trainable LoRA factors."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    class LoRA(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32, quant_type="nf4")
+            self.base.requires_grad_(False)
+            self.a = torch.nn.Parameter(0.01 * torch.randn(4, 64))
+            self.b = torch.nn.Parameter(torch.zeros(64, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + x @ self.a.t() @ self.b.t()
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(LoRA(), torch.nn.ReLU(), LoRA(), torch.nn.Linear(64, 4)).to("cpu")
+
+
+def test_a_4bit_base_is_scanned_in_training_mode_and_counted() -> None:
+    """bitsandbytes' Linear4bit repacks its weight for CPU inference on an eval-mode no-grad
+    forward (on CPUs with AVX512-BF16), after which the user's model failed to train ("a view
+    of a leaf Variable that requires grad is being used in an in-place operation"): the scan,
+    which runs the rest of the model in eval mode, leaves it in training mode. Its CPU matmul
+    is bitsandbytes' own op, which torch's FLOP formulas do not know: counted here."""
+    model = _qlora_model()
+    seen = []
+    model[0].base.register_forward_pre_hook(lambda module, _: seen.append(module.training))
+    mix = scan_model(model, torch.randn(8, 64))
+    assert seen == [True] and model.training and model[1].training  # flags restored
+    base = next(linear for linear in mix.linears if linear.fqn == "0.base")
+    assert base.bnb_4bit and not base.fp8_compatible and base.flops == 2 * 8 * 64 * 64
+    assert any("2 bitsandbytes 4-bit Linear layers (0.base, 2.base)" in f for f in mix.findings)
+    assert "0.base" not in {keep.fqn for keep in mix.keep_fp32 if "divisible" in keep.reason}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(torch.randn(8, 64)).square().mean().backward()  # still trains after the scan
+    optimizer.step()
+
+
 def test_convnet_is_conv_dominated() -> None:
     mix = scan_model(*small_convnet.make_model())
     assert (mix.kind("conv").flop_share or 0) > 0.99

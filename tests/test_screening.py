@@ -23,6 +23,7 @@ from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport, ScreenVerdict
 from autoprec.specs import ModeSpec
 from examples import tasks
+from tests.test_layers import _qlora_model
 
 
 def test_check_judges_modes_tune_would_prune_for_speed() -> None:
@@ -204,6 +205,25 @@ def test_a_sparse_gradient_embedding_is_checked_in_every_mode_its_optimizer_take
     with pytest.raises(autoprec.UnsupportedModeError, match=r"sparse=True in table"):
         autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
                        optimizer=optimizer, modes=["amp_bf16+8bit-optim"])  # fmt: skip
+
+
+def test_a_qlora_model_is_checked_and_fp8_leaves_its_4bit_base_alone() -> None:
+    """The scan repacked the 4-bit base for CPU inference and every trial failed; FP8 then
+    swapped the 4-bit Linears for Float8Linears ("mat1 and mat2 shapes cannot be multiplied")."""
+    model = _qlora_model()
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(16, 64, generator=generator), torch.randn(16, 4, generator=generator))
+        for _ in range(10)
+    ]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    report = autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=6,
+                            optimizer=optimizer, modes=["amp_bf16", "bf16_sr"])  # fmt: skip
+    assert all(v.status != "failed" for v in report.verdicts), report.summary()
+    with pytest.raises(autoprec.UnsupportedModeError, match="2 are bitsandbytes 4-bit"):
+        autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
+                       optimizer=optimizer, modes=["fp8_torchao"])  # fmt: skip
 
 
 def test_check_refuses_a_requested_mode_it_cannot_run() -> None:
