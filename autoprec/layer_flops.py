@@ -129,9 +129,15 @@ def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttributi
         # requires grad is being used in an in-place operation", bitsandbytes 0.50.2): left in
         # training mode, which changes nothing else in its forward
         module.training = module.training or is_bnb_4bit(module)
+    # nn.MultiheadAttention (and TransformerEncoderLayer) take a fused fast path in eval mode
+    # without grad, which torch's FLOP formulas do not see: the in-projection, attention and
+    # out-projection counted 0. Training never takes it, so the scan does not either.
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         with torch.no_grad(), attribution.tracking(model), attribution:
             call_model(model, example_input)
     finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
         for module, training in modes.items():
             module.training = training

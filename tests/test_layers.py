@@ -98,6 +98,22 @@ def test_a_4bit_base_is_scanned_in_training_mode_and_counted() -> None:
     optimizer.step()
 
 
+def test_torchs_own_transformer_layers_are_counted_as_they_train() -> None:
+    """In eval mode without grad nn.MultiheadAttention takes a fused fast path that torch's FLOP
+    formulas do not see: its projections and attention counted 0 and the FP8-compatible share
+    read 100%. Training never takes it; the scan does not either, and leaves the switch as
+    it was."""
+    layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+    mix = scan_model(torch.nn.Sequential(encoder, torch.nn.Linear(256, 10)), torch.randn(2, 8, 256))
+    tokens = 2 * 8
+    in_and_out_projection = 2 * tokens * 256 * (3 * 256 + 256)
+    assert mix.kind("raw_param").flops == in_and_out_projection  # F.linear on MHA's weights
+    assert (mix.kind("other").flops or 0) > 0  # attention scores and values
+    assert mix.fp8_eligible_flop_share is not None and mix.fp8_eligible_flop_share < 0.9
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
 def test_convnet_is_conv_dominated() -> None:
     mix = scan_model(*small_convnet.make_model())
     assert (mix.kind("conv").flop_share or 0) > 0.99
