@@ -291,9 +291,8 @@ def judge(
     limits = thresholds or DriftThresholds()
     record = trial.record
     if record.failure is not None:
-        step = "" if record.failure.step is None else f" at step {record.failure.step}"
-        reason = f"{record.failure.kind.replace('_', ' ')}{step}: {record.failure.message}"
-        return DriftVerdict(accepted=False, reasons=(reason,), metrics=DriftMetrics())
+        reasons = (record.failure.reason(),)
+        return DriftVerdict(accepted=False, reasons=reasons, metrics=DriftMetrics())
     metrics: dict[str, float | None] = {}
     reasons = _loss_checks(trial, reference, noise, limits, metrics)
     movement_reasons, movement_notes = movement_checks(trial, reference, paired, limits, metrics)

@@ -106,11 +106,18 @@ def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
     failure = result.record.failure
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
-    hint = (
-        EVAL_FN_HINT if failure.kind == "eval_failed" else _reference_hint(failure.message, setup)
-    )
+    if failure.kind == "eval_failed":
+        hint = EVAL_FN_HINT
+    elif failure.raised_by_autoprec:
+        hint = (
+            "The error was raised by autoprec's own code, not by your model, batches or loss: "
+            "please report it with this message."
+        )
+    else:
+        hint = _reference_hint(failure.message, setup)
     message = failure.message.rstrip(".")
-    return ValueError(f"The fp32 reference failed{where}: {message}. {hint}".rstrip())
+    raised = "" if failure.raised_in is None else f" (raised in {failure.raised_in})"
+    return ValueError(f"The fp32 reference failed{where}: {message}{raised}. {hint}".rstrip())
 
 
 def _reference_still(result: TrialResult) -> ValueError:

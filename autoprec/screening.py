@@ -133,11 +133,10 @@ def _screen(
     )
     failure = result.record.failure
     if failure is not None and not failure.kind.startswith("non_finite"):
-        where = "" if failure.step is None else f" at step {failure.step}"
         screened = ScreenVerdict(
             spec=spec,
             status="failed",
-            reasons=(f"{failure.kind.replace('_', ' ')}{where}: {failure.message}",),
+            reasons=(failure.reason(),),
             steps=result.record.steps_run,
             seconds=result.record.wall_seconds,
         )

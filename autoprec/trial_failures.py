@@ -3,6 +3,10 @@ or anything else, as a :class:`TrialFailure` with a one-line message."""
 
 from __future__ import annotations
 
+import sysconfig
+import traceback
+from pathlib import Path
+
 import torch
 
 from autoprec.errors import UnsupportedModeError
@@ -44,7 +48,46 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
         if inner is not None:  # the compiler's own error says what failed
             message += f" {type(inner).__name__}: {first_line(inner)}"
         message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
-    return TrialFailure(kind=kind, step=step, message=message)
+    frames = traceback.extract_tb(error.__traceback__)
+    return TrialFailure(
+        kind=kind,
+        step=step,
+        message=message,
+        raised_in=raised_in(frames),
+        raised_by_autoprec=bool(frames) and _own(Path(frames[-1].filename).resolve()),
+    )
+
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+"""The directory autoprec's package sits in: frames under ``autoprec/`` there are its own."""
+_LIBRARY_ROOTS = tuple(
+    Path(path).resolve()
+    for path in {sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")}
+)
+
+
+def _own(file: Path) -> bool:
+    return file.is_relative_to(_PACKAGE_ROOT / "autoprec")
+
+
+def raised_in(frames: traceback.StackSummary) -> str | None:
+    """``path:line in function`` of the innermost of ``frames`` (a traceback's) that is
+    autoprec's own (``autoprec/...``) or outside every installed library and the standard
+    library (the user's model, loss or loader; relative to the working directory when under
+    it): where to look, which torch's innermost frames seldom say. None when every frame is a
+    library's."""
+    for frame in reversed(frames):
+        file = Path(frame.filename).resolve()
+        if _own(file):
+            name = file.relative_to(_PACKAGE_ROOT).as_posix()
+        elif any(file.is_relative_to(root) for root in _LIBRARY_ROOTS) or not file.exists():
+            continue
+        elif file.is_relative_to(Path.cwd()):
+            name = file.relative_to(Path.cwd()).as_posix()
+        else:
+            name = str(file)
+        return f"{name}:{frame.lineno} in {frame.name}"
+    return None
 
 
 def first_line(error: BaseException) -> str:

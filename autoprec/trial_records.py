@@ -73,6 +73,19 @@ class TrialFailure(BaseModel):
     kind: FailureKind
     step: int | None
     message: str
+    raised_in: str | None = None
+    """Where the exception was raised: the innermost frame in autoprec or in code outside any
+    installed library (the user's model, loss or loader), as ``path:line in function``."""
+
+    raised_by_autoprec: bool = False
+    """The innermost frame of the traceback is autoprec's own code (not torch's, called from
+    autoprec with the user's model, loss or batches): a defect of autoprec's."""
+
+    def reason(self) -> str:
+        """The failure as a verdict's reason: kind, step, message and where it was raised."""
+        step = "" if self.step is None else f" at step {self.step}"
+        where = "" if self.raised_in is None else f" (raised in {self.raised_in})"
+        return f"{self.kind.replace('_', ' ')}{step}: {self.message}{where}"
 
 
 class StateBytes(BaseModel):

@@ -118,7 +118,7 @@ def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcom
     elif verdict is not None:
         reasons = verdict.reasons
     elif record.failure is not None:
-        reasons = (f"{record.failure.kind.replace('_', ' ')}: {record.failure.message}",)
+        reasons = (record.failure.reason(),)
     on_gpu = device != "cpu"
     state = record.state_bytes.total if record.state_bytes else None
     activations = None if on_gpu else record.activation_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,27 @@ def test_a_qlora_model_is_checked_and_fp8_leaves_its_4bit_base_alone() -> None:
     with pytest.raises(autoprec.UnsupportedModeError, match="2 are bitsandbytes 4-bit"):
         autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
                        optimizer=optimizer, modes=["fp8_torchao"])  # fmt: skip
+
+
+class _Fp32Only(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear.weight.dtype != torch.float32:
+            raise TypeError(f"weights must be float32, not {self.linear.weight.dtype}")
+        return self.linear(x)
+
+
+def test_a_failed_mode_names_the_line_that_raised() -> None:
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 2, generator=generator))]
+    report = autoprec.check(_Fp32Only(), batches * 8, loss_fn=torch.nn.functional.mse_loss,
+                            steps=4, modes=["bf16_sr"])  # fmt: skip
+    (reason,) = report.verdict("bf16_sr").reasons
+    assert reason.startswith("exception at step 0: TypeError: weights must be float32")
+    assert re.search(r"\(raised in tests/test_screening\.py:\d+ in forward\)$", reason), reason
 
 
 def test_check_refuses_a_requested_mode_it_cannot_run() -> None:

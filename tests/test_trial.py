@@ -834,3 +834,38 @@ def test_the_fp32_read_draws_the_noise_the_modes_held_out_pass_drew() -> None:
     record = trial.record
     assert len(record.heldout_losses) == 4
     assert record.heldout_losses_fp32_read == record.heldout_losses
+
+
+def _failure(raise_it: object) -> object:
+    from autoprec.trial_failures import failure_of
+
+    try:
+        raise_it()  # type: ignore[operator]
+    except Exception as error:  # noqa: BLE001 - any error becomes a failure
+        return failure_of(error, step=3)
+    raise AssertionError("nothing raised")
+
+
+def test_a_failure_says_where_it_was_raised_and_whose_code_raised_it() -> None:
+    """A failed trial said only 'exception at step 0: RuntimeError: Cannot access data pointer
+    of Tensor that doesn't have storage': nothing told the user's model from autoprec's own
+    defect (this session found three such). The innermost frame outside the libraries is named,
+    and an error raised by autoprec's own code is said to be one."""
+
+    def users_forward() -> None:
+        torch.zeros(2) @ torch.zeros(3)  # torch raises in C, called from the user's code
+
+    users = _failure(users_forward)
+    assert users.raised_in.startswith("tests/test_trial.py:")
+    assert users.raised_in.endswith(" in users_forward") and not users.raised_by_autoprec
+    assert users.reason().startswith("exception at step 3: RuntimeError: ")
+    assert users.reason().endswith(f"(raised in {users.raised_in})")
+    from autoprec.run_setup import reference_failed
+
+    own = _failure(lambda: reference_failed(TrialResult(record=None), None))  # type: ignore[arg-type]
+    assert own.raised_by_autoprec
+    assert own.raised_in.startswith("autoprec/run_setup.py:") and own.raised_in.endswith(
+        " in reference_failed"
+    )
+    detached = _failure(lambda: torch.zeros(1).sum().backward())  # raised in torch's Python
+    assert not detached.raised_by_autoprec
