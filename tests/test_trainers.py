@@ -260,6 +260,18 @@ def test_the_plugin_names_a_trainer_that_clips_otherwise(lightning_tuned: Any) -
         trainer.fit(_Regression(), _loader())
 
 
+def test_the_plugin_names_a_trainer_that_clips_by_value(lightning_tuned: Any) -> None:
+    """Clipping by value counted as 'no norm clipping', so a profile tuned without clipping
+    went unnamed under a Trainer clipping every gradient to 0.01."""
+    profile = lightning_tuned[1].profile
+    trainer = _lightning_trainer([AutoprecPrecision(profile)], clip=0.01)
+    trainer.gradient_clip_algorithm = "value"
+    with pytest.warns(RecipeMismatchWarning) as caught:  # and the norm: proven at 1.0, not here
+        trainer.fit(_Regression(), _loader())
+    said = [str(warning.message) for warning in caught]
+    assert any("clips gradients by value (gradient_clip_val=0.01" in text for text in said), said
+
+
 @pytest.mark.parametrize(
     "spec",
     [*SPECS[:1], ModeSpec(mode="bf16_kahan", keep_fp32=("net.3",)), SPECS[2]],

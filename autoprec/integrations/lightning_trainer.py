@@ -15,6 +15,7 @@ gradient clipping behave as with Lightning's own precision plugins.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ import torch
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 
+from autoprec.errors import RecipeMismatchWarning
 from autoprec.plan import PrecisionPlan, _rebind_scheduler
 
 if TYPE_CHECKING:
@@ -156,6 +158,25 @@ def _trainer_clip_norm(trainer: Any) -> float | None:
     return trainer.gradient_clip_val or None
 
 
+def _warn_of_value_clipping(trainer: Any) -> None:
+    """A Trainer that clips gradients by value trains otherwise than any profile's trials
+    (they clip by norm only, and tune_module refuses value clipping): named, not silent."""
+    if trainer is None or trainer.gradient_clip_algorithm in (None, "norm"):
+        return
+    if not trainer.gradient_clip_val:
+        return
+    warnings.warn(
+        RecipeMismatchWarning(
+            f"the Trainer clips gradients by value (gradient_clip_val="
+            f"{trainer.gradient_clip_val}, gradient_clip_algorithm="
+            f"{trainer.gradient_clip_algorithm!r}); the profile was proven without it (autoprec's "
+            "trials clip by norm only), so its verdict does not cover this run: clip by norm "
+            "(gradient_clip_algorithm='norm') and tune with that clipping"
+        ),
+        stacklevel=3,
+    )
+
+
 class AutoprecPrecision(Precision):
     """``Trainer(plugins=[AutoprecPrecision(profile)])``: train in a profile's mode (a Profile
     or its path) under automatic optimization. The plan is built when the Trainer connects the
@@ -183,6 +204,7 @@ class AutoprecPrecision(Precision):
         trainer = getattr(module, "_trainer", None)
         accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
         scheduler = lr_schedulers[0].scheduler if lr_schedulers else None
+        _warn_of_value_clipping(trainer)
         self.plan = self.profile.apply(
             module,
             optimizers[0],
