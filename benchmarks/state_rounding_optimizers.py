@@ -16,7 +16,6 @@ held-out loss is given in percent and in fp32 seed deviations.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from examples import tasks
+from benchmarks.seeded_runs import run_arguments, seeded_regression
 
 OPTIMIZERS: dict[str, tuple[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], str]] = {
     "AdamW lr 1e-3 (control)": (lambda p: torch.optim.AdamW(p, lr=1e-3), "exp_avg_sq"),
@@ -64,12 +63,8 @@ def _round_to_bf16(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> N
 def heldout_loss(name: str, seed: int, steps: int, round_state: bool) -> float:
     """Held-out MSE after ``steps`` fp32 steps of ``name`` (its state rounded or not)."""
     make, keys = OPTIMIZERS[name]
-    task = tasks.regression(batches=60)
-    torch.manual_seed(seed)
+    task = seeded_regression(seed)
     model = task.model
-    for parameter in model.parameters():  # a seed of its own for each run
-        if parameter.dim() > 1:
-            nn.init.normal_(parameter, 0.0, 0.3 / parameter.shape[1] ** 0.5)
     optimizer = make(model.parameters())
     order = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -84,14 +79,7 @@ def heldout_loss(name: str, seed: int, steps: int, round_state: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="300 steps, 2 seeds (CI)")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    steps, seeds = (300, 2) if args.quick else (args.steps, args.seeds)
-    torch.set_num_threads(args.threads)
+    _, steps, seeds = run_arguments(__doc__, argv, steps=10_000, seeds=5, quick=(300, 2))
     print(f"{'optimizer':<26} {'state rounded':<26} {'fp32 held-out':>16} {'rounded':>10} change")
     rows = []
     for name, (_, keys) in OPTIMIZERS.items():

@@ -264,6 +264,14 @@ def test_state_rounding_optimizers_benchmark_runs_in_quick_mode() -> None:
     assert all(len(row.fp32) == 2 and all(v > 0 for v in row.rounded) for row in rows)
 
 
+def test_ema_rounding_benchmark_runs_in_quick_mode() -> None:
+    """The measurement behind the weight-average note; --quick keeps it in CI."""
+    from benchmarks import ema_rounding
+
+    (run,) = ema_rounding.main(["--quick"])
+    assert run.average_bf16 > run.average_fp32 > run.live  # the bf16 average lags most
+
+
 def test_bf16_second_moment_shadow_inflates_with_steps_on_stationary_gradients() -> None:
     """The measurement behind the optimizer-state rule: on gradients of one unchanging
     distribution a bf16 second moment rounded to nearest still lets through nearly all of
