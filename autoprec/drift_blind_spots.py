@@ -49,7 +49,7 @@ from the literature (NUMERICS.md, early-warning signals)."""
 
 
 BF16_WEIGHT_AVERAGE = (
-    "an average of the weights (EMA) is not part of the trial: made from the model after "
+    "your average of the weights (EMA), which no trial runs: made from the model after "
     "apply() it is bf16 like the weights, and with decay 0.999 each update moves it by 0.1%, "
     "below half a bf16 ulp, so it stops moving. Measured in bf16_sr (3000 steps, 3 seeds): "
     "the average's held-out loss 0.405 in bf16 against 0.0157 in fp32 (`python -m "

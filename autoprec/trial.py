@@ -105,8 +105,12 @@ def _constant_point(plan: PrecisionPlan) -> LrPoint:
 
 
 def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
-    """A deep copy of the model in train mode, in the trial's mode, with the recipe's optimizer."""
-    trained = deep_copy(inputs.model).train()
+    """A deep copy of the model in train mode, in the trial's mode, with the recipe's optimizer.
+    A model left in eval mode is put in train mode; in a model in train mode, submodules the
+    user put in eval mode (a frozen BatchNorm) stay so, as they train in the user's run."""
+    trained = deep_copy(inputs.model)
+    if not trained.training:
+        trained.train()
     recipe = inputs.recipe
     return build_plan(
         inputs.spec,

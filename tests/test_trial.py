@@ -869,3 +869,20 @@ def test_a_failure_says_where_it_was_raised_and_whose_code_raised_it() -> None:
     )
     detached = _failure(lambda: torch.zeros(1).sum().backward())  # raised in torch's Python
     assert not detached.raised_by_autoprec
+
+
+def test_a_submodule_the_user_froze_in_eval_mode_stays_frozen() -> None:
+    """Fine-tuning with a frozen BatchNorm (``model.bn.eval()`` in a model in train mode): the
+    model scan ended with ``model.train()``, which switched the user's own BatchNorm back to
+    train mode, and every trial trained a copy put wholly in train mode (its statistics moving
+    where the user's do not)."""
+    task = tasks.regression(lr=1e-3)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 16))
+    model[1].eval()
+    autoprec.probe(model, example_input=task.batches[0][0])
+    assert model.training and not model[1].training  # the user's model as it was
+    seen: list[bool] = []
+    model[1].register_forward_hook(lambda module, _i, _o: seen.append(module.training))
+    recipe = TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters()), loss_fn=task.mse)
+    run_trial(ModeSpec(mode="fp32"), model, task.batches, recipe=recipe, steps=4)
+    assert seen and not any(seen)  # the trial's copy trained with it frozen too
