@@ -6,11 +6,11 @@ any Linear/Conv module whose operand is a parameter held directly by a custom mo
 (``x @ self.W``) are counted as ``raw_param``: FP8 module swapping cannot reach them. Matmuls
 between activations (attention scores) are ``other``.
 
-The scan runs in eval mode under ``torch.no_grad()`` and restores the training flag, so the
-model's parameters, buffers (BatchNorm statistics) and gradients are left as they were
-(bitsandbytes' 4-bit Linears stay in training mode: in eval mode they repack their weights for
-CPU inference, and the model then fails to train). It
-runs wherever the model lives: CPU, or the meta device for models too big to materialise.
+The scan runs in eval mode under ``torch.no_grad()`` and restores every module's training
+flag, so the model's parameters, buffers (BatchNorm statistics), gradients and modes are left as
+they were (bitsandbytes' 4-bit Linears stay in training mode: in eval mode they repack their
+weights for CPU inference, and the model then fails to train). It runs wherever the model
+lives: CPU, or the meta device for models too big to materialise.
 """
 
 from __future__ import annotations
