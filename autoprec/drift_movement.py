@@ -73,13 +73,15 @@ def _lr_classes(
     """The sampled tensors split by their parameter group's lr in this leg, groups of equal lr
     pooled, smallest lr first: rounding loss follows the lr (../shared/NUMERICS.md), so a
     backbone at 1e-5 beside a head at 1e-2 is judged apart, not drowned in the head's
-    movement. One class when every group shares the lr or the groups are unknown."""
-    if point is None or not groups or any(name not in groups for name in names):
+    movement. One class when every group shares the lr or the groups are unknown. Trainable
+    tensors in no group (left out of the optimizer: no step moves them) join no class."""
+    if point is None or not groups:
         return [(None, names)]
     by_lr: dict[float, list[str]] = {}
     for name in names:
-        by_lr.setdefault(point.lrs[groups[name]], []).append(name)
-    if len(by_lr) == 1:
+        if name in groups:
+            by_lr.setdefault(point.lrs[groups[name]], []).append(name)
+    if len(by_lr) <= 1:
         return [(None, names)]
     return [
         (tuple(sorted({groups[name] for name in members})), members)

@@ -356,13 +356,20 @@ def test_lost_updates_are_still_caught_in_a_model_that_draws_random_numbers() ->
     assert judge(sr, runs["reference"], runs["noise"], paired=runs["paired"]).accepted
 
 
-def test_a_backbone_at_a_small_lr_is_judged_apart_from_a_head_at_a_large_one() -> None:
+@pytest.mark.parametrize("one_left_out", [False, True])
+def test_a_backbone_at_a_small_lr_is_judged_apart_from_a_head_at_a_large_one(
+    one_left_out: bool,
+) -> None:
     """Discriminative lrs (backbone 1e-5, new head 1e-2): pure bf16 rounds away the backbone's
     every update, but the head moves ~1000x as far a step and hid that in one pooled
-    projection (the gate accepted it). Judged group by group, the backbone's loss is named."""
+    projection (the gate accepted it). Judged group by group, the backbone's loss is named,
+    also when a trainable layer is left out of the optimizer (it pooled everything again)."""
     task = tasks.regression()
     model = task.model
-    body = [p for layer in list(model)[:-1] for p in layer.parameters()]
+    body_layers = list(model)[:-1]
+    if one_left_out:
+        body_layers.remove(model[3])  # trainable, in no group: nothing steps it
+    body = [p for layer in body_layers for p in layer.parameters()]
     groups = [{"params": body, "lr": 1e-5}, {"params": list(model[-1].parameters()), "lr": 1e-2}]
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95))  # no rounded-state rule
 
