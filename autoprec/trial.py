@@ -106,11 +106,10 @@ def _constant_point(plan: PrecisionPlan) -> LrPoint:
 
 def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
     """A deep copy of the model in train mode, in the trial's mode, with the recipe's optimizer.
-    A model left in eval mode is put in train mode; in a model in train mode, submodules the
-    user put in eval mode (a frozen BatchNorm) stay so, as they train in the user's run."""
-    trained = deep_copy(inputs.model)
-    if not trained.training:
-        trained.train()
+    ``train()`` is called as training loops, HF's Trainer and Lightning call it (each step or
+    epoch): a submodule set to eval once beforehand trains in train mode there too, and a
+    model whose own ``train()`` keeps a BatchNorm frozen keeps it frozen here."""
+    trained = deep_copy(inputs.model).train()
     recipe = inputs.recipe
     return build_plan(
         inputs.spec,

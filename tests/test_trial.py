@@ -871,16 +871,29 @@ def test_a_failure_says_where_it_was_raised_and_whose_code_raised_it() -> None:
     assert not detached.raised_by_autoprec
 
 
+class _FrozenNorm(nn.Sequential):
+    """The usual way to freeze a BatchNorm for a whole run: ``train()`` puts it back in eval."""
+
+    def train(self, mode: bool = True) -> _FrozenNorm:
+        super().train(mode)
+        self[1].eval()
+        return self
+
+
 def test_a_submodule_the_user_froze_in_eval_mode_stays_frozen() -> None:
-    """Fine-tuning with a frozen BatchNorm (``model.bn.eval()`` in a model in train mode): the
-    model scan ended with ``model.train()``, which switched the user's own BatchNorm back to
-    train mode, and every trial trained a copy put wholly in train mode (its statistics moving
-    where the user's do not)."""
+    """The model scan ended with ``model.train()``, which switched a BatchNorm the user had put
+    in eval mode back to train mode on the user's own model. The scan restores every module's
+    flag; a trial calls ``train()`` on its copy as training loops do, so a model that keeps
+    its BatchNorm frozen through ``train()`` trains it frozen."""
     task = tasks.regression(lr=1e-3)
-    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 16))
-    model[1].eval()
+    model = _FrozenNorm(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 16))
+    model.train()
     autoprec.probe(model, example_input=task.batches[0][0])
     assert model.training and not model[1].training  # the user's model as it was
+    plain = nn.Sequential(*[copy.deepcopy(layer) for layer in model])
+    plain[1].eval()
+    autoprec.probe(plain, example_input=task.batches[0][0])
+    assert plain.training and not plain[1].training
     seen: list[bool] = []
     model[1].register_forward_hook(lambda module, _i, _o: seen.append(module.training))
     recipe = TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters()), loss_fn=task.mse)
