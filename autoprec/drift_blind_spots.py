@@ -8,6 +8,8 @@ its figure comes from (our benchmarks, the README's ground-truth section, NUMERI
 
 from __future__ import annotations
 
+from autoprec.modes import MODE_CLASSES
+from autoprec.modes.pure_bf16 import Bf16PureMode
 from autoprec.specs import ModeSpec
 
 FP8_CONVERGED_COST = (
@@ -59,8 +61,6 @@ BF16_WEIGHT_AVERAGE = (
 """Measured on our CPU machines (README, "Weight averages under bf16 weights"). Every mode
 with bf16 weights: the average is the user's, made after apply()."""
 
-BF16_WEIGHT_MODES = ("bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan")
-
 
 def blind_spots(spec: ModeSpec) -> tuple[str, ...]:
     """What an accept of ``spec`` by a short trial does not show, with its figures.
@@ -75,7 +75,7 @@ def blind_spots(spec: ModeSpec) -> tuple[str, ...]:
         found.append(FP8_CONVERGED_COST)
     if spec.mode == "bf16_pure":
         found.append(BF16_LATE_ROUNDING)
-    if spec.mode in BF16_WEIGHT_MODES:
+    if issubclass(MODE_CLASSES[spec.mode], Bf16PureMode):  # every mode with bf16 weights
         found.append(BF16_WEIGHT_AVERAGE)
     if spec.mode == "amp_fp16":
         found.append(FP16_LATE_GROWTH)

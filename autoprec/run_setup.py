@@ -115,9 +115,7 @@ def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
         )
     else:
         hint = _reference_hint(failure.message, setup)
-    message = failure.message.rstrip(".")
-    raised = "" if failure.raised_in is None else f" (raised in {failure.raised_in})"
-    return ValueError(f"The fp32 reference failed{where}: {message}{raised}. {hint}".rstrip())
+    return ValueError(f"The fp32 reference failed{where}: {failure.located()}. {hint}".rstrip())
 
 
 def _reference_still(result: TrialResult) -> ValueError:

@@ -81,11 +81,15 @@ class TrialFailure(BaseModel):
     """The innermost frame of the traceback is autoprec's own code (not torch's, called from
     autoprec with the user's model, loss or batches): a defect of autoprec's."""
 
+    def located(self) -> str:
+        """The message and where it was raised."""
+        where = "" if self.raised_in is None else f" (raised in {self.raised_in})"
+        return f"{self.message.rstrip('.')}{where}"
+
     def reason(self) -> str:
         """The failure as a verdict's reason: kind, step, message and where it was raised."""
         step = "" if self.step is None else f" at step {self.step}"
-        where = "" if self.raised_in is None else f" (raised in {self.raised_in})"
-        return f"{self.kind.replace('_', ' ')}{step}: {self.message}{where}"
+        return f"{self.kind.replace('_', ' ')}{step}: {self.located()}"
 
 
 class StateBytes(BaseModel):

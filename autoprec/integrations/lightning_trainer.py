@@ -122,7 +122,7 @@ def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any)
                 "steps over the whole run) so every lr it reaches is judged."
             )
     if trainer is not None:
-        if trainer.gradient_clip_algorithm not in (None, "norm"):
+        if _clips_by_value(trainer):
             raise ValueError(
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: autoprec's "
                 "trials clip by norm only; tune without clipping by value or clip by norm."
@@ -150,10 +150,15 @@ def tune_module(
     return tune(module, train_dataloaders, budget_minutes=budget_minutes, **recipe)
 
 
+def _clips_by_value(trainer: Any) -> bool:
+    """Does the Trainer clip gradients by value (``gradient_clip_algorithm="value"``)?"""
+    return trainer is not None and trainer.gradient_clip_algorithm not in (None, "norm")
+
+
 def _trainer_clip_norm(trainer: Any) -> float | None:
     """The norm the Trainer clips gradients to (``gradient_clip_val``); None when it does not
     clip by norm (clipping by value is no norm the recipe could have been tuned with)."""
-    if trainer is None or trainer.gradient_clip_algorithm not in (None, "norm"):
+    if trainer is None or _clips_by_value(trainer):
         return None
     return trainer.gradient_clip_val or None
 
@@ -161,9 +166,7 @@ def _trainer_clip_norm(trainer: Any) -> float | None:
 def _warn_of_value_clipping(trainer: Any) -> None:
     """A Trainer that clips gradients by value trains otherwise than any profile's trials
     (they clip by norm only, and tune_module refuses value clipping): named, not silent."""
-    if trainer is None or trainer.gradient_clip_algorithm in (None, "norm"):
-        return
-    if not trainer.gradient_clip_val:
+    if not _clips_by_value(trainer) or not trainer.gradient_clip_val:
         return
     warnings.warn(
         RecipeMismatchWarning(
