@@ -13,6 +13,7 @@ import dataclasses
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.eligibility import Situation, mode_eligibility
+from autoprec.layers import RUNNING_STATE_REASON
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec
 
@@ -77,8 +78,9 @@ def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
     if layers is None or mode.startswith("fp8"):  # FP8 keeps layers out of FP8 instead
         return ()
     if mode.startswith("bf16"):
-        wanted = ("normalisation", "embedding")
-        return tuple(k.fqn for k in layers.keep_fp32 if k.reason.startswith(wanted))
+        wanted = ("normalisation", "embedding", RUNNING_STATE_REASON)
+        kept = (k.fqn for k in layers.keep_fp32 if k.reason.startswith(wanted))
+        return tuple(dict.fromkeys(kept))
     return ()
 
 

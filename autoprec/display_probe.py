@@ -100,7 +100,7 @@ def _layers(layers: LayerMix) -> Group:
                 format_percent(share.flop_share),
             )
     findings = Text("\n".join(f"• {finding}" for finding in layers.findings))
-    keep = ", ".join(keep.fqn for keep in layers.keep_fp32) or "none"
+    keep = ", ".join(dict.fromkeys(keep.fqn for keep in layers.keep_fp32)) or "none"
     return Group(table, findings, Text(f"keep in fp32 by default: {keep}", style="dim"))
 
 

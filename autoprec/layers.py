@@ -34,6 +34,7 @@ from autoprec.layer_kinds import (
     linear_dims,
     module_kind,
 )
+from autoprec.running_state import running_buffers
 from autoprec.weight_dtypes import non_fp32_weights
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,11 @@ class LayerMix(BaseModel):
     sparse_gradient_modules: tuple[str, ...] = ()
     """Names of trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (their
     weights get sparse gradients)."""
+    running_buffers: tuple[str, ...] = ()
+    """Floating buffers a training-mode forward changes (BatchNorm statistics, a running
+    normaliser, an EMA codebook): state outside the optimizer (``autoprec.running_state``)."""
+    running_buffers_error: str | None = None
+    """Why the training-mode forward that finds ``running_buffers`` failed, if it did."""
 
     def kind(self, kind: LayerKind) -> KindShare:
         """The share of one layer kind."""
@@ -167,6 +173,14 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
             forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
             logger.warning("forward pass for the model scan failed: %s", forward_error)
+    running: tuple[str, ...] = ()
+    running_error: str | None = None
+    if ran:
+        try:
+            running = running_buffers(model, example_input)
+        except Exception as error:  # noqa: BLE001 - reported as a finding, not raised
+            running_error = f"{type(error).__name__}: {error}".splitlines()[0]
+            logger.warning("training-mode forward for the model scan failed: %s", running_error)
 
     total_params = sum(count for _, count in parameter_kinds.values())
     forward_flops = sum(attribution.flops_by_kind.values()) if ran else None
@@ -208,7 +222,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         linears=linears,
         fp8_eligible_flop_share=_share(eligible_flops, forward_flops or 0) if ran else None,
         raw_param_matmuls=tuple(attribution.raw_params),
-        keep_fp32=_default_keep_fp32(model, attribution.compute_order),
+        keep_fp32=_default_keep_fp32(model, attribution.compute_order, running),
         findings=(),
         complex_parameters=tuple(
             fqn for fqn, p in named_parameters.items() if p.requires_grad and p.is_complex()
@@ -220,6 +234,8 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             and module.sparse
             and module.weight.requires_grad
         ),
+        running_buffers=running,
+        running_buffers_error=running_error,
     )
     findings = _findings(mix_without_findings)
     if (not_fp32 := non_fp32_weights(model)) is not None:
@@ -231,7 +247,36 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     return mix_without_findings.model_copy(update={"findings": tuple(findings)})
 
 
-def _default_keep_fp32(model: nn.Module, compute_order: list[str]) -> tuple[KeepFp32, ...]:
+RUNNING_STATE_REASON = "running statistics"
+"""How the keep-list names a module whose buffers training updates (pure bf16 keeps it fp32)."""
+
+
+def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> list[KeepFp32]:
+    """A keep entry for each module below the root that owns a running buffer and is not kept
+    already as a norm or embedding: in bf16 its updates round to nearest, whatever rounding the
+    optimizer uses, and an EMA's small ones vanish (``benchmarks/running_state_rounding.py``)."""
+    owners: dict[str, list[str]] = {}
+    for fqn in running:
+        owner, _, name = fqn.rpartition(".")
+        if owner:
+            owners.setdefault(owner, []).append(name)
+    entries: list[KeepFp32] = []
+    for owner, names in owners.items():
+        if kept.get(owner, "").startswith(("normalisation", "embedding")):
+            continue
+        entries.append(
+            KeepFp32(
+                fqn=owner,
+                reason=f"{RUNNING_STATE_REASON}: training updates its buffers "
+                f"({', '.join(names)}) outside the optimizer; in bf16 small updates round away",
+            )
+        )
+    return entries
+
+
+def _default_keep_fp32(
+    model: nn.Module, compute_order: list[str], running: tuple[str, ...] = ()
+) -> tuple[KeepFp32, ...]:
     keep: dict[str, str] = {}
     compute_layers = compute_order or [
         fqn for fqn, module in model.named_modules() if module_kind(module) in ("linear", "conv")
@@ -259,7 +304,8 @@ def _default_keep_fp32(model: nn.Module, compute_order: list[str]) -> tuple[Keep
                 f"Linear {module.in_features}x{module.out_features}: dimensions not divisible "
                 f"by {FP8_DIM_MULTIPLE}, FP8 kernels cannot take it",
             )
-    return tuple(KeepFp32(fqn=fqn, reason=reason) for fqn, reason in keep.items())
+    entries = [KeepFp32(fqn=fqn, reason=reason) for fqn, reason in keep.items()]
+    return tuple(entries + _running_state_modules(running, keep))
 
 
 def _percent(share: float) -> str:
@@ -342,5 +388,30 @@ def _findings(mix: LayerMix) -> list[str]:
             f"only {_percent(large_share)} of parameters sit in tensors of >= {BNB_MIN_8BIT_SIZE} "
             "elements: 8-bit optimizer states save little (bitsandbytes keeps small tensors in "
             "32 bit)"
+        )
+    findings.extend(_running_state_findings(mix))
+    return findings
+
+
+def _running_state_findings(mix: LayerMix) -> list[str]:
+    if mix.running_buffers_error is not None:
+        return [
+            f"a training-mode forward failed ({mix.running_buffers_error}): which buffers "
+            "training updates is unknown, so pure bf16 keeps only norms and embeddings in fp32"
+        ]
+    kept = [keep.fqn for keep in mix.keep_fp32 if keep.reason.startswith(RUNNING_STATE_REASON)]
+    own = [fqn for fqn in mix.running_buffers if "." not in fqn]
+    findings: list[str] = []
+    if kept:
+        findings.append(
+            f"training updates buffers of {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}"
+            " outside the optimizer (running statistics): pure bf16 keeps those modules in fp32, "
+            "since in bf16 their updates round to nearest whatever the optimizer does"
+        )
+    if own:
+        findings.append(
+            f"training updates the model's own buffers ({', '.join(own)}): pure bf16 casts them "
+            "to bf16, where small updates round away; hold them in a submodule so it can be "
+            "kept in fp32"
         )
     return findings

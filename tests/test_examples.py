@@ -272,6 +272,16 @@ def test_ema_rounding_benchmark_runs_in_quick_mode() -> None:
     assert run.average_bf16 > run.average_fp32 > run.live  # the bf16 average lags most
 
 
+def test_running_state_rounding_benchmark_runs_in_quick_mode() -> None:
+    """The measurement behind keeping running statistics fp32; --quick keeps it in CI."""
+    from benchmarks import running_state_rounding
+
+    runs = running_state_rounding.main(["--quick"])
+    (fp32,), (rounded,), (kept,) = runs.values()
+    assert abs(kept.running_mean - fp32.running_mean) < 1e-3  # kept fp32: every update arrived
+    assert rounded.running_mean < fp32.running_mean - 0.1  # bf16: small updates rounded away
+
+
 def test_bf16_second_moment_shadow_inflates_with_steps_on_stationary_gradients() -> None:
     """The measurement behind the optimizer-state rule: on gradients of one unchanging
     distribution a bf16 second moment rounded to nearest still lets through nearly all of

@@ -14,7 +14,8 @@ PACKAGE = Path(autoprec.__file__).parent
 # fmt: off
 ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
-    "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "layers",  # facts
+    "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
+    "layers",
     "eligibility",
     "stochastic_optim", "optim", "modes", "plan", "testing",        # runtime (apply path)
     "probing", "candidates", "batching", "recipe", "recipe_match", "model_copies",  # pipeline

@@ -1,0 +1,97 @@
+"""Running state: floating buffers a model's own forward pass updates in training mode.
+
+BatchNorm's statistics, an observation normaliser's running mean, a VQ-VAE's EMA codebook,
+spectral norm's power-iteration vectors: state changed in place by the forward pass, outside the
+optimizer. A mode that casts it to bf16 updates it with nearest rounding whatever rounding the
+optimizer uses, and an EMA's small updates then round away: a running mean of momentum 1e-3
+stopped at 4.9 where fp32's reached 19.0, and held-out loss ended 2.8x fp32's after 3000 steps
+(``python -m benchmarks.running_state_rounding``). The probe finds such buffers so that pure-bf16
+candidates keep their modules in fp32.
+
+One training-mode forward without gradients finds them; every buffer (its tensor object and
+values), every module's training flag and the random number generators are restored after it,
+so the user's model is left as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from autoprec.layer_flops import call_model
+
+logger = logging.getLogger(__name__)
+
+
+class _Entry(NamedTuple):
+    """One module's buffer slot as it was before the forward pass."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    buffer: torch.Tensor
+
+
+def _unchanged(before: torch.Tensor, after: torch.Tensor | None) -> bool:
+    if after is None or before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    return bool(torch.allclose(before, after, rtol=0.0, atol=0.0, equal_nan=True))
+
+
+def _entries(model: nn.Module) -> list[_Entry]:
+    return [
+        _Entry(f"{fqn}.{name}" if fqn else name, module, name, buffer)
+        for fqn, module in model.named_modules(remove_duplicate=False)
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
+
+
+def _restore(
+    model: nn.Module,
+    entries: list[_Entry],
+    values: dict[int, torch.Tensor],
+    modes: dict[nn.Module, bool],
+) -> None:
+    """Buffer slots, their tensor objects and values, and training flags as they were."""
+    slots = {(id(entry.module), entry.name) for entry in entries}
+    for module in model.modules():
+        for name in [n for n in module._buffers if (id(module), n) not in slots]:
+            del module._buffers[name]  # made by the forward pass (a lazy initialisation)
+    with torch.no_grad():
+        for entry in entries:
+            entry.module._buffers[entry.name] = entry.buffer
+            entry.buffer.copy_(values[id(entry.buffer)])
+    for module, training in modes.items():
+        module.training = training
+
+
+def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
+    """Names of the floating buffers one training-mode forward of ``example_input`` changes
+    (a shared buffer under its first name); () on the meta device. Raises what the forward
+    pass raises; the model is restored either way."""
+    entries = _entries(model)
+    if not any(e.buffer.is_floating_point() or e.buffer.is_complex() for e in entries):
+        return ()
+    if any(entry.buffer.is_meta for entry in entries):
+        return ()
+    modes = {module: module.training for module in model.modules()}
+    values = {id(e.buffer): e.buffer.detach().clone() for e in entries}
+    devices = [p.device for p in model.parameters()] + [e.buffer.device for e in entries]
+    cuda = sorted({device.index or 0 for device in devices if device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            model.train()
+            call_model(model, example_input)
+        changed: dict[int, str] = {}
+        for entry in entries:
+            floating = entry.buffer.is_floating_point() or entry.buffer.is_complex()
+            now = entry.module._buffers.get(entry.name)
+            if floating and not _unchanged(values[id(entry.buffer)], now):
+                changed.setdefault(id(entry.buffer), entry.fqn)
+        return tuple(changed.values())
+    finally:
+        _restore(model, entries, values, modes)

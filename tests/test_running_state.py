@@ -1,0 +1,166 @@
+"""Running state: buffers the forward pass updates in training, kept fp32 under pure bf16."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autoprec
+from autoprec.candidates import candidate_specs
+from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.layers import RUNNING_STATE_REASON, scan_model
+from autoprec.running_state import running_buffers
+from examples import running_stats
+
+
+class Counting(nn.Module):
+    """Replaces one buffer by a new tensor and creates another on its first training call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("fixed", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen = self.seen + 1  # a new tensor object
+            if not hasattr(self, "lazy"):
+                self.register_buffer("lazy", x.mean(0))
+        return nn.functional.dropout(self.linear(x) * self.fixed, 0.5, self.training)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def test_running_buffers_finds_what_training_updates_and_restores_the_model() -> None:
+    model = nn.Sequential(Counting(), nn.BatchNorm1d(4), running_stats.RunningStandardizer(4))
+    model[2].eval()  # the user's own flags come back as they were
+    flags = [module.training for module in model.modules()]
+    example = torch.randn(8, 4) + 3
+    before, rng = _state(model), torch.get_rng_state()
+    buffer = model[0].seen
+
+    found = running_buffers(model, example)
+
+    assert found == ("0.seen", "1.running_mean", "1.running_var", "2.mean", "2.var")
+    assert "0.fixed" not in found and "1.num_batches_tracked" not in found  # unchanged / int
+    after = model.state_dict()
+    assert after.keys() == before.keys()  # the lazy buffer made by the forward is gone
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert model[0].seen is buffer  # the tensor object the forward replaced is back
+    assert [module.training for module in model.modules()] == flags
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout's draws are undone
+
+
+def test_running_buffers_restores_the_model_when_the_forward_fails() -> None:
+    class FailsInTraining(running_stats.RunningStandardizer):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            if self.training:
+                raise RuntimeError("no training here")
+            return out
+
+    model = nn.Sequential(FailsInTraining(4)).eval()
+    with pytest.raises(RuntimeError, match="no training here"):
+        running_buffers(model, torch.randn(8, 4) + 3)
+    assert torch.equal(model[0].mean, torch.zeros(4)) and not model[0].training
+
+
+def test_running_buffers_skips_models_without_floating_buffers_and_meta_models() -> None:
+    calls = []
+    model = nn.Linear(4, 4)
+    model.register_forward_hook(lambda *_: calls.append(1))
+    assert running_buffers(model, torch.randn(2, 4)) == ()
+    assert calls == []  # no second forward pass for a model with nothing to find
+    with torch.device("meta"):
+        meta, _ = running_stats.make_model()
+    assert running_buffers(meta, torch.randn(2, 16, device="meta")) == ()
+
+
+def test_probe_keeps_running_statistics_fp32_for_pure_bf16_only() -> None:
+    model, example = running_stats.make_model()
+    mix = scan_model(model, example)
+    assert mix.running_buffers == ("0.mean", "0.var")
+    kept = {keep.fqn: keep.reason for keep in mix.keep_fp32}
+    assert kept["0"].startswith(RUNNING_STATE_REASON) and "(mean, var)" in kept["0"]
+    assert any("training updates buffers of 0 " in finding for finding in mix.findings)
+    specs = candidate_specs(autoprec.probe(model, example)).specs
+    by_mode = {spec.mode: spec for spec in specs}
+    for mode in ("bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan"):
+        assert by_mode[mode].keep_fp32 == ("0",)
+    assert by_mode["amp_bf16"].keep_fp32 == ()  # autocast keeps buffers fp32 anyway
+
+
+def test_a_kept_norm_is_named_once_and_a_first_layer_keeps_both_reasons() -> None:
+    first = nn.utils.spectral_norm(nn.Linear(8, 16))  # power iteration: running buffers
+    model = nn.Sequential(first, nn.BatchNorm1d(16), nn.Linear(16, 16), nn.Linear(16, 2))
+    mix = scan_model(model, torch.randn(4, 8))
+    reasons = [(keep.fqn, keep.reason.split(":")[0]) for keep in mix.keep_fp32]
+    assert ("1", "normalisation") in reasons and ("1", RUNNING_STATE_REASON) not in reasons
+    assert ("0", "first layer") in reasons and ("0", RUNNING_STATE_REASON) in reasons
+    specs = candidate_specs(autoprec.probe(model, torch.randn(4, 8))).specs
+    pure = next(spec for spec in specs if spec.mode == "bf16_sr")
+    assert pure.keep_fp32 == ("1", "0")  # each module once
+
+
+def test_probe_says_what_it_cannot_keep_or_could_not_find() -> None:
+    class OwnBuffer(running_stats.RunningStandardizer):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(super().forward(x))
+
+    mix = scan_model(OwnBuffer(), torch.randn(8, 4))
+    assert mix.running_buffers == ("mean", "var")
+    assert not any(keep.reason.startswith(RUNNING_STATE_REASON) for keep in mix.keep_fp32)
+    assert any("the model's own buffers (mean, var)" in finding for finding in mix.findings)
+
+    class TrainingFails(OwnBuffer):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                raise ValueError("eval only")
+            return super().forward(x)
+
+    mix = scan_model(TrainingFails(), torch.randn(8, 4))
+    assert mix.running_buffers == () and mix.running_buffers_error == "ValueError: eval only"
+    assert any("a training-mode forward failed (ValueError" in f for f in mix.findings)
+
+
+def test_check_judges_pure_bf16_with_the_running_statistics_kept_fp32() -> None:
+    model, _ = running_stats.make_model()
+    report = autoprec.check(
+        model,
+        running_stats.make_batches(count=24),
+        loss_fn=running_stats.loss_fn,
+        steps=20,
+        modes=["bf16_sr"],
+    )
+    assert report.verdict("bf16_sr").spec.keep_fp32 == ("0",)
+    assert model[0].mean.dtype == torch.float32 and torch.equal(model[0].mean, torch.zeros(16))
+
+
+def test_the_kept_standardiser_keeps_every_update_under_bf16_sr() -> None:
+    def trained(spec: autoprec.ModeSpec) -> torch.Tensor:
+        model, _ = running_stats.make_model()
+        with warnings.catch_warnings():  # no scheduler to rebind: plan.optimizer is stepped
+            warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+            plan = autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+        for x, y in running_stats.make_batches(count=60):
+            with plan.autocast():
+                loss = running_stats.loss_fn(plan.model(x), y)
+            plan.step(loss)
+        return model[0].mean.float()
+
+    fp32 = trained(autoprec.ModeSpec(mode="fp32"))
+    kept = trained(autoprec.ModeSpec(mode="bf16_sr", keep_fp32=("0",)))
+    rounded = trained(autoprec.ModeSpec(mode="bf16_sr"))
+    # kept: only the bf16 rounding of the model's inputs (pure bf16 casts them) remains
+    assert (kept - fp32).abs().max() < 1e-3
+    assert (rounded - fp32).abs().max() > 0.01  # nearest rounding already lags at 60 steps
