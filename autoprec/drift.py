@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from autoprec.drift_fp16 import fp16_risks
 from autoprec.drift_movement import decay_note, movement_checks
+from autoprec.drift_outside_state import outside_state_reasons
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
 
@@ -298,6 +299,7 @@ def judge(
     movement_reasons, movement_notes = movement_checks(trial, reference, paired, limits, metrics)
     reasons += movement_reasons
     reasons += _state_check(record, limits, metrics)
+    reasons += outside_state_reasons(trial, reference)
     reasons += _forward_cost_check(record, limits, metrics)
     reasons += _output_check(trial, reference, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from torch.utils._pytree import tree_flatten
 
 from autoprec.drift import Fp32Runs
-from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
+from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
 from autoprec.weight_dtypes import as_real
 
 SAMPLED_ELEMENTS = 4096
@@ -111,6 +111,10 @@ def _pack(result: TrialResult) -> dict[str, Any]:
         "leg_weights": result.leg_weights,
         "sample_indices": result.sample_indices,
         "parameter_groups": result.parameter_groups,
+        "outside_state": [
+            {name: list(digest) for name, digest in digests.items()}
+            for digests in result.outside_state
+        ],
         "heldout_outputs": [
             None
             if output is None
@@ -126,6 +130,10 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
         leg_weights=list(data["leg_weights"]),
         sample_indices=dict(data["sample_indices"]),
         parameter_groups=dict(data.get("parameter_groups", {})),
+        outside_state=[
+            {name: StateDigest(*digest) for name, digest in digests.items()}
+            for digests in data.get("outside_state", [])
+        ],
         heldout_outputs=[
             None
             if output is None

@@ -15,7 +15,7 @@ from torch import nn
 
 from autoprec.layer_flops import storage_key
 from autoprec.plan import PrecisionPlan
-from autoprec.trial_records import LowPrecisionMoment, StateBytes
+from autoprec.trial_records import LowPrecisionMoment, StateBytes, StateDigest
 from autoprec.weight_dtypes import as_real, stored_values
 
 MOVEMENT_SAMPLE_ELEMENTS = 2**20
@@ -81,6 +81,25 @@ def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
         drawn = torch.randint(0, size, (count,), generator=generator)
         indices[name] = torch.unique(drawn)  # sorted
     return indices
+
+
+def outside_state(model: nn.Module) -> dict[str, StateDigest]:
+    """Digests of the model's state no optimizer steps: floating buffers and frozen floating
+    weights (a teacher's EMA weights, running statistics). Two float64 reductions per tensor,
+    no copy of it."""
+    tensors = [
+        *((name, b) for name, b in model.named_buffers()),
+        *((name, p) for name, p in model.named_parameters() if not p.requires_grad),
+    ]
+    digests = {}
+    for name, tensor in tensors:
+        if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.is_meta:
+            continue
+        values = as_real(tensor.detach())
+        total = float(values.sum(dtype=torch.float64))
+        norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+        digests[name] = StateDigest(str(tensor.dtype), total, norm)
+    return digests
 
 
 def parameter_group_indices(plan: PrecisionPlan) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -225,6 +225,15 @@ def summarize_output(output: torch.Tensor) -> OutputSummary:
     return OutputSummary(shape=tuple(detached.shape), values=values, top1=top1)
 
 
+class StateDigest(NamedTuple):
+    """A tensor of state outside the optimizer, summarised: its dtype and two float64 sums
+    (training changed it when they differ)."""
+
+    dtype: str
+    total: float
+    norm: float
+
+
 @dataclass
 class TrialResult:
     """A record plus what the drift gate compares: sampled weights and held-out outputs."""
@@ -237,6 +246,9 @@ class TrialResult:
     """Index of the optimizer's parameter group each sampled tensor trains in (the movement
     check judges groups of different lrs apart); empty: judged as one."""
     heldout_outputs: list[OutputSummary | None] = field(default_factory=list)
+    outside_state: list[dict[str, StateDigest]] = field(default_factory=list)
+    """Floating buffers and frozen floating weights (state no optimizer steps), summarised
+    before and after training: the drift gate's state check (``drift_outside_state``)."""
 
     def moved(self) -> bool:
         """Did training change any sampled weight?"""

@@ -1,4 +1,5 @@
-"""Running state: buffers the forward pass updates in training, kept fp32 under pure bf16."""
+"""Running state: buffers the forward pass updates in training, kept fp32 under pure bf16; and
+the gate's check of state outside the optimizer that a trial holds in bf16."""
 
 from __future__ import annotations
 
@@ -10,10 +11,17 @@ from torch import nn
 
 import autoprec
 from autoprec.candidates import candidate_specs
+from autoprec.drift import judge
+from autoprec.drift_outside_state import changed_state, outside_state_reasons
 from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.fingerprint import Fp32Runs, load_references, references_path, save_references
 from autoprec.layers import RUNNING_STATE_REASON, scan_model
+from autoprec.recipe import TrainingRecipe
 from autoprec.running_state import running_buffers
+from autoprec.trial import run_trial
+from autoprec.trial_records import StateDigest, TrialResult
 from examples import running_stats
+from tests.test_fingerprint import _fingerprint
 
 
 class Counting(nn.Module):
@@ -142,7 +150,9 @@ def test_check_judges_pure_bf16_with_the_running_statistics_kept_fp32() -> None:
         steps=20,
         modes=["bf16_sr"],
     )
-    assert report.verdict("bf16_sr").spec.keep_fp32 == ("0",)
+    verdict = report.verdict("bf16_sr")
+    assert verdict.spec.keep_fp32 == ("0",)
+    assert not any(reason.startswith("state outside") for reason in verdict.reasons)
     assert model[0].mean.dtype == torch.float32 and torch.equal(model[0].mean, torch.zeros(16))
 
 
@@ -164,3 +174,96 @@ def test_the_kept_standardiser_keeps_every_update_under_bf16_sr() -> None:
     # kept: only the bf16 rounding of the model's inputs (pure bf16 casts them) remains
     assert (kept - fp32).abs().max() < 1e-3
     assert (rounded - fp32).abs().max() > 0.01  # nearest rounding already lags at 60 steps
+
+
+class MeanTeacher(nn.Module):
+    """A student and its EMA teacher (frozen weights ``train_step`` moves towards the student)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+        self.teacher = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+        self.teacher.load_state_dict(self.student.state_dict())
+        self.teacher.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.student(x)
+
+
+def _teacher_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    model = plan.model
+    if model.training:  # the held-out pass runs train_step too
+        with torch.no_grad():
+            pairs = zip(model.teacher.parameters(), model.student.parameters(), strict=True)
+            for teacher, student in pairs:
+                teacher.lerp_(student.to(teacher.dtype), 0.004)
+    with plan.autocast():
+        target = model.teacher(x).detach().float()
+        out = model(x).float()
+    return nn.functional.mse_loss(out, y) + nn.functional.mse_loss(out, target)
+
+
+def _teacher_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(8, 4, generator=generator)
+    pairs = [torch.randn(32, 8, generator=generator) for _ in range(count)]
+    return [(x, torch.sin(x @ weight)) for x in pairs]
+
+
+def test_check_rejects_pure_bf16_holding_an_ema_teacher_in_bf16() -> None:
+    report = autoprec.check(
+        MeanTeacher(),
+        _teacher_batches(24),
+        train_step=_teacher_step,
+        steps=20,
+        modes=["bf16_sr", "amp_bf16"],
+    )
+    (reason,) = [r for r in report.verdict("bf16_sr").reasons if r.startswith("state outside")]
+    assert "held in bfloat16: training changes teacher.0.weight, teacher.0.bias" in reason
+    assert "teacher.2.bias (buffers" in reason and "running_state_rounding" in reason
+    amp = report.verdict("amp_bf16")  # autocast leaves the teacher fp32
+    assert not any(r.startswith("state outside") for r in amp.reasons)
+
+
+def _digests(**named: tuple[str, float]) -> dict[str, StateDigest]:
+    return {name: StateDigest(dtype, total, abs(total)) for name, (dtype, total) in named.items()}
+
+
+def test_state_check_flags_only_changed_fp32_state_held_narrower() -> None:
+    reference = TrialResult(record=None)  # type: ignore[arg-type]
+    reference.outside_state = [
+        _digests(a=("torch.float32", 1.0), b=("torch.float32", 1.0), c=("torch.float64", 1.0)),
+        _digests(a=("torch.float32", 2.0), b=("torch.float32", 1.0), c=("torch.float64", 2.0)),
+    ]
+    assert changed_state(reference) == ["a", "c"]
+    trial = TrialResult(record=None)  # type: ignore[arg-type]
+    trial.outside_state = [_digests(a=("torch.float16", 1.0), b=("torch.bfloat16", 1.0))]
+    (reason,) = outside_state_reasons(trial, reference)
+    assert reason.startswith("state outside the optimizer held in float16: training changes a ")
+    trial.outside_state = [_digests(a=("torch.float32", 1.0), b=("torch.bfloat16", 1.0))]
+    assert outside_state_reasons(trial, reference) == []  # b never changed; a kept fp32
+    assert outside_state_reasons(trial, TrialResult(record=None)) == []  # type: ignore[arg-type]
+
+
+def test_trials_record_outside_state_and_the_reference_cache_keeps_it(tmp_path) -> None:
+    model, _ = running_stats.make_model()
+    batches = running_stats.make_batches(count=6)
+    optimizer = torch.optim.AdamW(model.parameters())
+    recipe = TrainingRecipe(optimizer=optimizer, loss_fn=running_stats.loss_fn)
+    runs = [
+        run_trial(autoprec.ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=4, seed=s)
+        for s in (0, 1)
+    ]
+    start, _ = runs[0].outside_state
+    assert set(start) == {"0.mean", "0.var"} and start["0.mean"].dtype == "torch.float32"
+    assert changed_state(runs[0]) == ["0.mean", "0.var"]
+    assert torch.equal(model[0].mean, torch.zeros(16))  # the trial trained a copy
+    pure = run_trial(autoprec.ModeSpec(mode="bf16_pure"), model, batches, recipe=recipe, steps=4)
+    assert pure.outside_state[0]["0.mean"].dtype == "torch.bfloat16"
+    assert judge(pure, runs[0], runs[1]).reasons[-1].startswith("state outside the optimizer")
+    path = references_path(f"sqlite:///{tmp_path / 'x.db'}", "s")
+    save_references(path, _fingerprint(), Fp32Runs(*runs))
+    loaded = load_references(path, _fingerprint())
+    assert loaded is not None and loaded.reference.outside_state == runs[0].outside_state

@@ -1,0 +1,59 @@
+"""The drift gate's check of state outside the optimizer: buffers and frozen weights training
+changed in the fp32 reference that the trial holds in a narrower dtype.
+
+Running statistics the forward pass updates are found by the probe and kept fp32 for pure bf16
+(``autoprec.running_state``); state your ``train_step`` updates (a mean teacher's EMA weights,
+a float step counter) or the model's root module holds is not, and pure bf16 casts it to bf16,
+where every update rounds to nearest whatever rounding the optimizer uses. An EMA's small
+updates then vanish: a running mean of momentum 1e-3 stopped at 4.92 where fp32's reached 19.00
+and held-out loss ended 2.8x fp32's (``python -m benchmarks.running_state_rounding``). The
+trial is too short to show that (its mean was still moving), so this is a rule on what the
+reference shows training changes, not a measurement of the trial.
+"""
+
+from __future__ import annotations
+
+from autoprec.trial_records import StateDigest, TrialResult
+
+NARROW_DTYPES = ("torch.bfloat16", "torch.float16")
+
+
+def changed_state(result: TrialResult) -> list[str]:
+    """Names of the state outside the optimizer that ``result``'s training changed."""
+    if len(result.outside_state) < 2:
+        return []
+    start, end = result.outside_state[0], result.outside_state[-1]
+    return [name for name, digest in start.items() if end.get(name, digest) != digest]
+
+
+def _narrowed(trial: TrialResult, reference: TrialResult) -> dict[str, list[str]]:
+    """dtype -> names the reference changed in fp32 that the trial holds in that dtype."""
+    if not trial.outside_state or not reference.outside_state:
+        return {}
+    held: dict[str, StateDigest] = trial.outside_state[0]
+    reference_start = reference.outside_state[0]
+    narrowed: dict[str, list[str]] = {}
+    for name in changed_state(reference):
+        digest = held.get(name)
+        if digest is None or reference_start[name].dtype != "torch.float32":
+            continue
+        if digest.dtype in NARROW_DTYPES:
+            narrowed.setdefault(digest.dtype.removeprefix("torch."), []).append(name)
+    return narrowed
+
+
+def outside_state_reasons(trial: TrialResult, reference: TrialResult) -> list[str]:
+    """One reason per narrow dtype holding state the reference's training changed."""
+    reasons = []
+    for dtype, names in _narrowed(trial, reference).items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        reasons.append(
+            f"state outside the optimizer held in {dtype}: training changes {shown} (buffers "
+            "or frozen weights your forward or train_step updates, such as a teacher's EMA), "
+            f"and in {dtype} every update rounds to nearest, so an average's small ones vanish "
+            "(a running mean of momentum 1e-3 stopped at 4.92 of fp32's 19.00: python -m "
+            "benchmarks.running_state_rounding). Keep it in fp32: outside the model you hand "
+            "autoprec (an EMA teacher as its own fp32 module, updated from plan.model), or in "
+            "a submodule whose forward updates it (the probe keeps those fp32)"
+        )
+    return reasons
