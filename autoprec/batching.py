@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoprec.layer_flops import call_model
 from autoprec.plan import PrecisionPlan
+from autoprec.weight_dtypes import same_values
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target) -> loss``; see :func:`forward_and_loss` for what target is."""
@@ -73,11 +74,7 @@ def fresh_copy(batch: Any) -> Any:
 
 def _same_leaf(first: Any, second: Any) -> bool:
     if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
-        if first.shape != second.shape or first.dtype != second.dtype:
-            return False
-        if first.is_floating_point() or first.is_complex():
-            return bool(torch.allclose(first, second, rtol=0, atol=0, equal_nan=True))
-        return torch.equal(first, second)
+        return same_values(first, second)
     try:
         return bool(first == second)
     except Exception:  # noqa: BLE001 - a leaf without a usable ==: not ours to judge

@@ -15,15 +15,13 @@ so the user's model is left as it was.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from autoprec.layer_flops import call_model
-
-logger = logging.getLogger(__name__)
+from autoprec.weight_dtypes import is_floating, same_values
 
 
 class _Entry(NamedTuple):
@@ -33,12 +31,6 @@ class _Entry(NamedTuple):
     module: nn.Module
     name: str
     buffer: torch.Tensor
-
-
-def _unchanged(before: torch.Tensor, after: torch.Tensor | None) -> bool:
-    if after is None or before.shape != after.shape or before.dtype != after.dtype:
-        return False
-    return bool(torch.allclose(before, after, rtol=0.0, atol=0.0, equal_nan=True))
 
 
 def _entries(model: nn.Module) -> list[_Entry]:
@@ -74,7 +66,7 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     (a shared buffer under its first name); () on the meta device. Raises what the forward
     pass raises; the model is restored either way."""
     entries = _entries(model)
-    if not any(e.buffer.is_floating_point() or e.buffer.is_complex() for e in entries):
+    if not any(is_floating(entry.buffer) for entry in entries):
         return ()
     if any(entry.buffer.is_meta for entry in entries):
         return ()
@@ -88,9 +80,9 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
             call_model(model, example_input)
         changed: dict[int, str] = {}
         for entry in entries:
-            floating = entry.buffer.is_floating_point() or entry.buffer.is_complex()
             now = entry.module._buffers.get(entry.name)
-            if floating and not _unchanged(values[id(entry.buffer)], now):
+            before = values[id(entry.buffer)]
+            if is_floating(entry.buffer) and (now is None or not same_values(before, now)):
                 changed.setdefault(id(entry.buffer), entry.fqn)
         return tuple(changed.values())
     finally:

@@ -16,7 +16,7 @@ from torch import nn
 from autoprec.layer_flops import storage_key
 from autoprec.plan import PrecisionPlan
 from autoprec.trial_records import LowPrecisionMoment, StateBytes, StateDigest
-from autoprec.weight_dtypes import as_real, stored_values
+from autoprec.weight_dtypes import as_real, is_floating, stored_values
 
 MOVEMENT_SAMPLE_ELEMENTS = 2**20
 """Weight elements sampled (evenly across tensors) to measure how far training moved them."""
@@ -93,7 +93,7 @@ def outside_state(model: nn.Module) -> dict[str, StateDigest]:
     ]
     digests = {}
     for name, tensor in tensors:
-        if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.is_meta:
+        if not is_floating(tensor) or tensor.is_meta:
             continue
         values = as_real(tensor.detach())
         total = float(values.sum(dtype=torch.float64))

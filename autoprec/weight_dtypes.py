@@ -23,6 +23,20 @@ def as_real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
+def is_floating(tensor: torch.Tensor) -> bool:
+    """A real floating or complex tensor (one a precision mode may cast)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def same_values(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Same shape, dtype and values, NaN equal to NaN."""
+    if first.shape != second.shape or first.dtype != second.dtype:
+        return False
+    if is_floating(first):
+        return bool(torch.allclose(first, second, rtol=0, atol=0, equal_nan=True))
+    return torch.equal(first, second)
+
+
 def stored_values(gradient: torch.Tensor) -> torch.Tensor:
     """The values a gradient stores: a sparse gradient's (``nn.Embedding(sparse=True)``)
     nonzero values, duplicates summed; any other as it is. Norms and maxima over them are the
