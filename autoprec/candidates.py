@@ -13,7 +13,7 @@ import dataclasses
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.eligibility import Situation, mode_eligibility
-from autoprec.layers import RUNNING_STATE_REASON
+from autoprec.layers import PURE_BF16_KEEP_REASONS
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec
 
@@ -78,8 +78,7 @@ def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
     if layers is None or mode.startswith("fp8"):  # FP8 keeps layers out of FP8 instead
         return ()
     if mode.startswith("bf16"):
-        wanted = ("normalisation", "embedding", RUNNING_STATE_REASON)
-        kept = (k.fqn for k in layers.keep_fp32 if k.reason.startswith(wanted))
+        kept = (k.fqn for k in layers.keep_fp32 if k.reason.startswith(PURE_BF16_KEEP_REASONS))
         return tuple(dict.fromkeys(kept))
     return ()
 

@@ -249,6 +249,8 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
 
 RUNNING_STATE_REASON = "running statistics"
 """How the keep-list names a module whose buffers training updates (pure bf16 keeps it fp32)."""
+PURE_BF16_KEEP_REASONS = ("normalisation", "embedding", RUNNING_STATE_REASON)
+"""The keep-list reasons pure-bf16 candidates keep in fp32 (the others are FP8's)."""
 
 
 def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> list[KeepFp32]:
@@ -262,7 +264,7 @@ def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> li
             owners.setdefault(owner, []).append(name)
     entries: list[KeepFp32] = []
     for owner, names in owners.items():
-        if kept.get(owner, "").startswith(("normalisation", "embedding")):
+        if kept.get(owner, "").startswith(PURE_BF16_KEEP_REASONS):
             continue
         entries.append(
             KeepFp32(
