@@ -94,6 +94,22 @@ def _specs_for(mode: ModeName, report: ProbeReport) -> list[ModeSpec]:
     return [ModeSpec(mode=mode, keep_fp32=keep)]
 
 
+def with_user_keep_fp32(candidates: CandidateList, patterns: tuple[str, ...]) -> CandidateList:
+    """Every candidate that lowers precision (autocast, pure bf16, FP8) also keeps the user's
+    ``keep_fp32`` patterns in fp32, after the probe's own; fp32 and tf32 are left as they are
+    (fp32 keeps everything; tf32 has no per-module setting)."""
+    if not patterns:
+        return candidates
+
+    def kept(spec: ModeSpec) -> ModeSpec:
+        if spec.mode in ("fp32", "tf32"):
+            return spec
+        keep = tuple(dict.fromkeys((*spec.keep_fp32, *patterns)))
+        return spec.model_copy(update={"keep_fp32": keep})
+
+    return candidates.model_copy(update={"specs": tuple(kept(s) for s in candidates.specs)})
+
+
 EIGHT_BIT_SUFFIX = "+8bit-optim"
 
 

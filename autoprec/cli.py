@@ -169,6 +169,7 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
         "grad_accumulation_steps": args.grad_accum,
         "clip_grad_norm": args.clip,
         "modes": [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None,
+        "keep_fp32": args.keep_fp32 or None,
         "device": args.device,
         "seed": args.seed,
         "thresholds": thresholds,

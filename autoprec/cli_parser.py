@@ -71,6 +71,14 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "amp_bf16+8bit-optim for 8-bit optimizer states); a mode that cannot run here is an "
         "error",
     )
+    parser.add_argument(
+        "--keep-fp32",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep these modules in fp32 in every mode that lowers precision (repeatable; a "
+        "module name as named_modules() gives it, or a pattern such as 'blocks.*.ln_1')",
+    )
     parser.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -3,7 +3,8 @@ changed in the fp32 reference that the trial holds in a narrower dtype.
 
 Running statistics the forward pass updates are found by the probe and kept fp32 for pure bf16
 (``autoprec.running_state``); state your ``train_step`` updates (a mean teacher's EMA weights,
-a float step counter) or the model's root module holds is not, and pure bf16 casts it to bf16,
+a float step counter) or the model's root module holds is not (unless you name its module in
+``keep_fp32``), and pure bf16 casts it to bf16,
 where every update rounds to nearest whatever rounding the optimizer uses. An EMA's small
 updates then vanish: a running mean of momentum 1e-3 stopped at 4.92 where fp32's reached 19.00
 and held-out loss ended 2.8x fp32's (``python -m benchmarks.running_state_rounding``). The
@@ -42,6 +43,23 @@ def _narrowed(trial: TrialResult, reference: TrialResult) -> dict[str, list[str]
     return narrowed
 
 
+def _way_out(names: list[str]) -> str:
+    """How to keep ``names`` in fp32: their modules through keep_fp32; state on the model's
+    root module cannot be kept apart from the model."""
+    owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names if "." in name))
+    if not owners:
+        return (
+            "Keep it in fp32 by holding it in a submodule (keep_fp32 names modules; the "
+            "model's root module cannot be kept apart from the model), or outside the model"
+        )
+    shown = ", ".join(repr(owner) for owner in owners[:4]) + (", ..." if len(owners) > 4 else "")
+    return (
+        f"Keep it in fp32: tune(..., keep_fp32=[{shown}]) or check(...) alike (CLI: "
+        "--keep-fp32 NAME), a name matching their parent, or keep it outside the model you "
+        "hand autoprec"
+    )
+
+
 def outside_state_reasons(trial: TrialResult, reference: TrialResult) -> list[str]:
     """One reason per narrow dtype holding state the reference's training changed."""
     reasons = []
@@ -52,8 +70,6 @@ def outside_state_reasons(trial: TrialResult, reference: TrialResult) -> list[st
             "or frozen weights your forward or train_step updates, such as a teacher's EMA), "
             f"and in {dtype} every update rounds to nearest, so an average's small ones vanish "
             "(a running mean of momentum 1e-3 stopped at 4.92 of fp32's 19.00: python -m "
-            "benchmarks.running_state_rounding). Keep it in fp32: outside the model you hand "
-            "autoprec (an EMA teacher as its own fp32 module, updated from plan.model), or in "
-            "a submodule whose forward updates it (the probe keeps those fp32)"
+            f"benchmarks.running_state_rounding). {_way_out(names)}"
         )
     return reasons

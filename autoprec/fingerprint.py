@@ -58,6 +58,8 @@ class StudyFingerprint(BaseModel):
     objective: str
     thresholds: dict[str, Any]
     candidates: tuple[str, ...]
+    keep_fp32: tuple[str, ...] = ()
+    """Your keep_fp32 patterns (candidates' labels do not show them)."""
     budget_minutes: float
     hardware: str
     seed: int
@@ -76,6 +78,8 @@ class StudyFingerprint(BaseModel):
             elif name == "recipe":
                 keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
                 found.append(f"recipe ({', '.join(keys)})")
+            elif name == "keep_fp32":
+                found.append(f"keep_fp32 ({list(theirs)} -> {list(ours)})")
             elif isinstance(ours, str | int | float) and len(str(ours)) < 40:
                 found.append(f"{name} ({theirs} -> {ours})")
             else:

@@ -5,6 +5,7 @@ list of batches; and the global RNG states, left as they were."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import random
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
 from autoprec.model_copies import compiled_in_place
 from autoprec.outcomes import OBJECTIVES
+from autoprec.specs import matches_keep_fp32
 from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
 
 MAX_BATCHES = 64
@@ -90,6 +92,37 @@ def resolve_thresholds(thresholds: Any) -> DriftThresholds | None:
         raise ValueError(
             f"thresholds: {field_errors(error)}. Fields: {', '.join(DriftThresholds.model_fields)}."
         ) from None
+
+
+def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
+    """Your ``keep_fp32`` patterns, each checked to name at least one module of ``model`` (the
+    exact name, a parent's, or an ``fnmatch`` pattern such as ``blocks.*.ln_*``)."""
+    if keep_fp32 is None:
+        return ()
+    if isinstance(keep_fp32, str) or not isinstance(keep_fp32, Iterable):
+        raise TypeError(
+            f"keep_fp32 must be a list of module-name patterns (e.g. ['teacher', "
+            f"'blocks.*.ln_1']), not {keep_fp32!r}."
+        )
+    patterns = tuple(keep_fp32)
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"keep_fp32 holds {pattern!r}: each entry must be a module name or pattern; "
+                "the whole model cannot be kept (that is fp32, the reference)."
+            )
+        if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names):
+            close = difflib.get_close_matches(pattern, names, n=3)
+            more = f" and {len(names) - 12} more" if len(names) > 12 else ""
+            shown = ", ".join(names[:12]) + more
+            hint = f"Did you mean {', '.join(map(repr, close))}? " if close else ""
+            raise ValueError(
+                f"keep_fp32 pattern {pattern!r} matches no module of {type(model).__name__} "
+                f"(its modules: {shown or 'none below the root'}). {hint}Use names as "
+                "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
+            )
+    return tuple(dict.fromkeys(patterns))
 
 
 def check_budget(budget_minutes: Any, objective: Any) -> None:

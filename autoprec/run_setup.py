@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from autoprec.batching import FreshBatches, LossFn, WatchedBatches, fresh_copy, to_device
-from autoprec.candidates import EIGHT_BIT_SUFFIX, CandidateList, Skipped, candidate_specs
+from autoprec.candidates import (
+    EIGHT_BIT_SUFFIX,
+    CandidateList,
+    Skipped,
+    candidate_specs,
+    with_user_keep_fp32,
+)
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
@@ -90,9 +96,18 @@ FRESH_BATCHES_NOTE = (
 )
 
 
+TF32_KEEP_NOTE = (
+    "keep_fp32 does not apply to tf32 (TF32 is one global matmul setting, not a per-module "
+    "one): its trial ran every layer's matmuls in TF32"
+)
+
+
 def setup_notes(setup: RunSetup) -> tuple[str, ...]:
     """What the run did differently from a plain trial, for the result's notes."""
-    return (FRESH_BATCHES_NOTE,) if setup.fresh_batches else ()
+    notes = (FRESH_BATCHES_NOTE,) if setup.fresh_batches else ()
+    if setup.keep_fp32 and any(spec.mode == "tf32" for spec in setup.candidates.specs):
+        notes += (TF32_KEEP_NOTE,)
+    return notes
 
 
 EVAL_FN_HINT = (
@@ -150,6 +165,8 @@ class RunSetup:
     events: EventSink
     compile: bool = False
     """Every run (the fp32 reference and noise runs included) trains compiled."""
+    keep_fp32: tuple[str, ...] = ()
+    """Your module-name patterns every candidate that lowers precision keeps in fp32."""
     fresh_batches: bool = False
     """The model (or loss / train_step) changed its input batch in place in calibration:
     every run then reads a fresh copy of each batch (:class:`FreshBatches`)."""
@@ -264,6 +281,7 @@ def setup_run(
         backends=report.backends,
     )
     candidates = (select or _tune_candidates)(report, situation, modes)
+    candidates = with_user_keep_fp32(candidates, shared.get("keep_fp32", ()))
     candidates = _without_untranslatable(candidates, recipe.make_optimizer(model, trial_model))
     refuse_unrunnable(candidates, modes)
     if shared.get("compile"):

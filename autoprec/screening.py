@@ -10,7 +10,7 @@ gate; no study, no speed ranking, no profile.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from autoprec.recipe import (
     default_optimizer,
 )
 from autoprec.run_inputs import (
+    checked_keep_fp32,
     checked_model,
     preserved_rng,
     resolve_thresholds,
@@ -181,9 +182,11 @@ def screen_setup(
     events: EventSink | None = None,
     clock: Callable[[], float] = time.monotonic,
     compile: bool = False,
+    keep_fp32: tuple[str, ...] = (),
 ) -> RunSetup:
     """The run check() screens in: every mode whose numerics run here (``modes``: exactly
-    these), no budget; every run compiled with ``compile``."""
+    these), no budget; every run compiled with ``compile``; ``keep_fp32`` kept in fp32 by
+    every mode that lowers precision."""
     return setup_run(
         model,
         loader,
@@ -199,6 +202,7 @@ def screen_setup(
         thresholds=thresholds,
         events=events or EventSink(None, started=clock(), budget_seconds=0.0, clock=clock),
         compile=compile,
+        keep_fp32=keep_fp32,
     )
 
 
@@ -232,6 +236,7 @@ def check(
     train_step: TrainStep | None = None,
     eval_fn: Callable[[nn.Module], float] | None = None,
     modes: list[str] | None = None,
+    keep_fp32: Sequence[str] | None = None,
     device: str | None = None,
     seed: int = 0,
     thresholds: DriftThresholds | Mapping[str, float] | None = None,
@@ -249,7 +254,9 @@ def check(
     taken anywhere here). Arguments as in :func:`autoprec.tune`; ``modes`` picks exactly these
     modes (default: every mode, 8-bit optimizer variants included where bitsandbytes works);
     ``compile`` as in :func:`autoprec.tune` (``"auto"``: every run, fp32 included, trains with
-    torch.compile when you pass a compiled model).
+    torch.compile when you pass a compiled model); ``keep_fp32``: module names or patterns
+    (``["teacher", "blocks.*.ln_1"]``) every mode that lowers precision keeps in fp32, beside
+    what the probe keeps (not tf32: a global matmul setting; the report's notes say so).
     Your model, its gradients and the global RNG states are left as they were. Trials start
     from your model's weights: to judge a mode at the loss your run reaches (FP8's precision
     floor shows only there), pass a model loaded from a checkpoint in the last tenth of your
@@ -260,6 +267,7 @@ def check(
     """
     model, use_compile = checked_model(model, device, compile)
     thresholds = resolve_thresholds(thresholds)
+    kept = checked_keep_fp32(model, keep_fp32)
     if not isinstance(steps, int) or steps < 4:
         raise ValueError(f"steps must be an int >= 4 (two lr legs of two steps), not {steps!r}.")
     recipe = TrainingRecipe(
@@ -286,6 +294,7 @@ def check(
             events=events,
             clock=clock,
             compile=use_compile,
+            keep_fp32=kept,
         )
         run = screen_trials(setup, steps)
     reference_verdict = run.references.judge(run.references.reference, setup.thresholds)

@@ -124,6 +124,12 @@ class ModeSpec(BaseModel):
                 )
         if self.emulate and self.mode != "fp8_torchao":
             raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")
+        if self.keep_fp32 and self.mode == "tf32":
+            raise ValueError(
+                "keep_fp32 does not apply to 'tf32': TF32 is one global matmul setting inside "
+                "plan.autocast() and plan.backward(), not a per-module one. Keep modules in "
+                "fp32 under an autocast or bf16 mode, or train in fp32."
+            )
         if self.fp8_skip and not self.mode.startswith("fp8"):
             raise ValueError(f"fp8_skip applies only to the FP8 modes, not {self.mode!r}.")
         if self.fp8_layers is not None and self.mode != "fp8_torchao":

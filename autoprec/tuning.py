@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from torch import nn
@@ -37,6 +37,7 @@ from autoprec.recipe import (
 from autoprec.retiming import CONFIRM_STEPS, confirm_speed
 from autoprec.run_inputs import (
     check_budget,
+    checked_keep_fp32,
     checked_model,
     preserved_rng,
     resolve_thresholds,
@@ -79,6 +80,7 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
         objective=objective,
         thresholds=(setup.thresholds or DriftThresholds()).model_dump(mode="json"),
         candidates=tuple(spec.label for spec in setup.candidates.specs),
+        keep_fp32=setup.keep_fp32,
         budget_minutes=float(budget_minutes),
         hardware=f"{report.device}: {setup.situation.found_device()}, torch "
         f"{report.hardware.torch_version}",
@@ -103,6 +105,7 @@ def tune(
     eval_fn: Callable[[nn.Module], float] | None = None,
     objective: Objective = "speed",
     modes: list[str] | None = None,
+    keep_fp32: Sequence[str] | None = None,
     device: str | None = None,
     compile: bool | Literal["auto"] = "auto",
     storage: str | None = None,
@@ -135,6 +138,11 @@ def tune(
         eval_fn: ``eval_fn(model) -> float`` (lower is better), judged against fp32.
         objective: "speed", "memory" or "balanced".
         modes: restrict the candidates to these canonical mode names.
+        keep_fp32: module names or ``fnmatch`` patterns (``["teacher", "blocks.*.ln_1"]``)
+            that every mode lowering precision (autocast, pure bf16, FP8) keeps in fp32,
+            beside what the probe keeps: state your ``train_step`` updates, a layer you know
+            is sensitive. Each must name a module. tf32 has no per-module setting (a note says
+            so); the profile carries the list and ``apply()`` keeps it.
         thresholds: the drift gate's bars: a :class:`~autoprec.drift_thresholds.DriftThresholds`
             or a dict of its fields (``{"min_update_fraction": 0.7}``); default: its defaults.
         device: "cpu" or "cuda:N" to tune on (default: where the model is).
@@ -159,6 +167,7 @@ def tune(
     model, use_compile = checked_model(model, device, compile)
     check_budget(budget_minutes, objective)
     thresholds = resolve_thresholds(thresholds)
+    kept = checked_keep_fp32(model, keep_fp32)
     recipe = TrainingRecipe(
         optimizer=optimizer if optimizer is not None else default_optimizer,
         scheduler=scheduler,
@@ -185,6 +194,7 @@ def tune(
             thresholds=thresholds,
             events=EventSink(callback, started=start, budget_seconds=budget_seconds, clock=clock),
             compile=use_compile,
+            keep_fp32=kept,
         )
         return _search(setup, budget_minutes, objective, storage, study_name, start)
 

@@ -4,20 +4,23 @@ the gate's check of state outside the optimizer that a trial holds in bf16."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 import autoprec
-from autoprec.candidates import candidate_specs
+from autoprec.candidates import CandidateList, candidate_specs, with_user_keep_fp32
 from autoprec.drift import judge
 from autoprec.drift_outside_state import changed_state, outside_state_reasons
 from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.fingerprint import Fp32Runs, load_references, references_path, save_references
 from autoprec.layers import RUNNING_STATE_REASON, scan_model
 from autoprec.recipe import TrainingRecipe
+from autoprec.run_setup import TF32_KEEP_NOTE, setup_notes
 from autoprec.running_state import running_buffers
+from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import StateDigest, TrialResult
 from examples import running_stats
@@ -225,6 +228,49 @@ def test_check_rejects_pure_bf16_holding_an_ema_teacher_in_bf16() -> None:
     assert "teacher.2.bias (buffers" in reason and "running_state_rounding" in reason
     amp = report.verdict("amp_bf16")  # autocast leaves the teacher fp32
     assert not any(r.startswith("state outside") for r in amp.reasons)
+    assert "Keep it in fp32: tune(..., keep_fp32=['teacher.0', 'teacher.2'])" in reason
+
+
+def test_keep_fp32_keeps_an_ema_teacher_in_fp32_from_the_trial_to_apply() -> None:
+    batches, common = _teacher_batches(24), {"train_step": _teacher_step, "modes": ["bf16_sr"]}
+    report = autoprec.check(MeanTeacher(), batches, steps=20, keep_fp32=["teacher"], **common)
+    kept = report.verdict("bf16_sr")
+    assert kept.spec.keep_fp32 == ("teacher",) and kept.status == "safe", kept.reasons
+    result = autoprec.tune(
+        MeanTeacher(), batches, budget_minutes=0.3, objective="memory", keep_fp32=["teacher"],
+        progress=False, **common,
+    )  # fmt: skip
+    assert result.chosen.mode == "bf16_sr" and result.chosen.keep_fp32 == ("teacher",)
+    model = MeanTeacher()
+    with pytest.warns(OptimizerRebuiltWarning):  # bf16_sr steps a StochasticAdamW
+        plan = result.profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    assert {p.dtype for p in plan.model.teacher.parameters()} == {torch.float32}
+    assert {p.dtype for p in plan.model.student.parameters()} == {torch.bfloat16}
+
+
+def test_user_keep_fp32_joins_every_candidate_that_lowers_precision() -> None:
+    specs = (
+        ModeSpec(mode="fp32"),
+        ModeSpec(mode="tf32"),
+        ModeSpec(mode="amp_bf16"),
+        ModeSpec(mode="bf16_sr", keep_fp32=("norm", "head")),
+        ModeSpec(mode="fp8_torchao", fp8_skip=("head",)),
+    )
+    candidates = CandidateList(specs=specs, skipped=())
+    kept = with_user_keep_fp32(candidates, ("head", "teacher"))
+    assert [spec.keep_fp32 for spec in kept.specs] == [
+        (),
+        (),  # fp32 keeps everything; tf32 has no per-module setting (a note says so)
+        ("head", "teacher"),
+        ("norm", "head", "teacher"),  # the probe's first, each once
+        ("head", "teacher"),  # in fp32: FP8's own skips (bf16 autocast) are apart
+    ]
+    assert kept.specs[4].fp8_skip == ("head",)
+    assert with_user_keep_fp32(candidates, ()) is candidates
+    # where tf32 is a candidate (a GPU), the result's notes say it did not keep them
+    setup = SimpleNamespace(fresh_batches=False, keep_fp32=("head",), candidates=kept)
+    assert setup_notes(setup) == (TF32_KEEP_NOTE,)  # type: ignore[arg-type]
+    assert setup_notes(SimpleNamespace(**{**vars(setup), "keep_fp32": ()})) == ()  # type: ignore[arg-type]
 
 
 def _digests(**named: tuple[str, float]) -> dict[str, StateDigest]:

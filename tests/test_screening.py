@@ -413,6 +413,13 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*kahan, "--threshold", "max_rounded_beta2=0.9995"]) == 0
     (lifted,) = json.loads(capsys.readouterr().out)["verdicts"]
     assert not any(r.startswith("optimizer state loses") for r in lifted["reasons"])
+    # --keep-fp32 (repeatable) keeps modules in fp32 in every mode checked; a typo is named
+    assert main([*kahan, "--keep-fp32", "head", "--keep-fp32", "norm"]) == 0
+    (kept,) = json.loads(capsys.readouterr().out)["verdicts"]
+    assert "head" not in ruled["spec"]["keep_fp32"]  # the probe keeps the norm alone
+    assert kept["spec"]["keep_fp32"] == [*ruled["spec"]["keep_fp32"], "head"]
+    assert main([*kahan, "--keep-fp32", "haed"]) == 2
+    assert "keep_fp32 pattern 'haed' matches no module of" in capsys.readouterr().err
     for bad, said in [
         ("max_rounded_beta=0.9", "no threshold 'max_rounded_beta'; known: max_loss_gap_units"),
         ("max_loss_gap_units=lots", "'lots' is not a number"),

@@ -37,6 +37,7 @@ def test_spec_labels() -> None:
         ({"mode": "fp64"}, "Input should be 'fp32'"),
         ({"mode": "fp32", "optimizer_bits": 4}, "Input should be 32 or 8"),
         ({"mode": "fp32", "colour": "red"}, "Extra inputs are not permitted"),
+        ({"mode": "tf32", "keep_fp32": ("head",)}, "keep_fp32 does not apply to 'tf32'"),
     ],
 )
 def test_invalid_specs(kwargs: dict, message: str) -> None:

@@ -189,6 +189,22 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
             TypeError,
             "thresholds must be a DriftThresholds or a dict of its fields, not float",
         ),
+        (  # a typo in a keep_fp32 name fails before anything trains, naming the modules
+            lambda m, b: tune(m, b, budget_minutes=1, keep_fp32=["lm_haed"]),
+            ValueError,
+            r"keep_fp32 pattern 'lm_haed' matches no module of TinyGPT \(its modules: wte, wpe, "
+            r"blocks, blocks.0, .* and 3 more\). Did you mean 'lm_head'\?",
+        ),
+        (
+            lambda m, b: tune(m, b, budget_minutes=1, keep_fp32="lm_head"),
+            TypeError,
+            "keep_fp32 must be a list of module-name patterns",
+        ),
+        (
+            lambda m, b: tune(m, b, budget_minutes=1, keep_fp32=[""]),
+            ValueError,
+            "the whole model cannot be kept",
+        ),
     ],
 )
 def test_clear_errors(call, error: type, message: str) -> None:
@@ -327,6 +343,7 @@ def test_a_study_refuses_to_resume_for_another_run(tmp_path: Path) -> None:
         ({"modes": ["bf16_kahan"]}, "candidates"),
         ({"optimizer": lambda p: torch.optim.AdamW(p, lr=5e-5)}, r"recipe \(.*optimizer_groups"),
         ({"seed": 3}, r"seed \(0 -> 3\)"),
+        ({"keep_fp32": ["lm_head"]}, r"keep_fp32 \(\[\] -> \['lm_head'\]\)"),
     ]
     for change, message in changes:
         options = {"modes": ["amp_bf16"], **change}
