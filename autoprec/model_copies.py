@@ -1,11 +1,37 @@
 """Deep copies of the user's model for trials: in-place compilation dropped, and an error that
-names the attribute when copying fails."""
+names the attribute when copying fails; and the compiled forward a plan sets, which copies
+itself for the copy."""
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
+import torch
 from torch import nn
+
+
+class CompiledForward:
+    """``torch.compile`` of a model's forward, set as the model's ``forward`` attribute (the
+    same object, the same state_dict keys). A deep copy of the model gets a forward compiled
+    afresh for the copy: a copied ``torch.compile`` wrapper still calls the original model's
+    forward, so ``AveragedModel(plan.model)`` (an EMA, a deep copy) would have evaluated the
+    live weights and updated the live buffers, silently."""
+
+    def __init__(self, model: nn.Module, forward: Any = None) -> None:
+        self.model = model
+        self.forward = forward
+        """A forward set on the instance before (compiled instead of the class's), or None."""
+        self.compiled = torch.compile(forward or type(model).forward.__get__(model))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
+        model = memo.get(id(self.model))  # the copy being made, when the model is copied
+        if model is None:
+            model = copy.deepcopy(self.model, memo)
+        return CompiledForward(model, copy.deepcopy(self.forward, memo))
 
 
 def _uncopyable_attribute(model: nn.Module) -> str | None:
@@ -24,7 +50,8 @@ def _uncopyable_attribute(model: nn.Module) -> str | None:
 
 def _compiled_forward(module: nn.Module) -> bool:
     """A compiled ``forward`` set on the instance (what ``plan.compile_model`` does)."""
-    return hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+    forward = vars(module).get("forward")
+    return isinstance(forward, CompiledForward) or hasattr(forward, "_torchdynamo_orig_callable")
 
 
 def compiled_in_place(model: nn.Module) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 
 from autoprec.eligibility import Situation, situation_for_model
 from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
+from autoprec.model_copies import CompiledForward
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
@@ -134,8 +135,8 @@ def compile_model(model: nn.Module) -> None:
     ``_orig_mod.`` prefix). Compilation happens on the first forward pass; errors surface
     there. (``nn.Module.compile()`` is not used: in torch 2.13 it silently runs eager when the
     root module's class is torch's own, an ``nn.Sequential``; the forward is what it must
-    compile.)"""
-    model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
+    compile.) A deep copy of the model compiles its own forward (:class:`CompiledForward`)."""
+    model.forward = CompiledForward(model, vars(model).get("forward"))  # type: ignore[method-assign]
 
 
 def build_plan(

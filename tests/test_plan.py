@@ -373,3 +373,43 @@ def test_pure_bf16_accumulates_micro_batches_in_fp32(mode: str) -> None:
     assert error([p.grad for p in parameters]) == pytest.approx(once, rel=1e-3)
     assert error(in_bf16) > 1.5 * once
     assert plan.step() is True  # the step goes on from the fp32 sums
+
+
+class _CustomForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.forward = self.doubled  # set on the instance, as patching libraries do
+
+    def doubled(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.linear(x)
+
+
+def test_a_deep_copy_of_a_compiled_plan_model_runs_its_own_weights() -> None:
+    # a copied torch.compile(model.forward) still called the original model: an EMA made with
+    # AveragedModel(plan.model) evaluated the live weights, silently
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    plan = autoprec.prepare(
+        ModeSpec(mode="fp32", compile=True), model, torch.optim.AdamW(model.parameters())
+    )
+    x = torch.randn(8, 4)
+    live = plan.model(x)
+    averaged = torch.optim.swa_utils.AveragedModel(plan.model)
+    with torch.no_grad():
+        averaged.module[2].weight.zero_()
+        averaged.module[2].bias.fill_(1.0)
+    assert torch.equal(averaged(x), torch.ones(8, 1))
+    assert torch.equal(plan.model(x), live)
+    # a forward the model had on its instance is what compiles, in the copy too
+    custom = _CustomForward()
+    plan = autoprec.prepare(
+        ModeSpec(mode="fp32", compile=True), custom, torch.optim.AdamW(custom.parameters())
+    )
+    assert torch.allclose(plan.model(x), 2 * custom.linear(x))
+    copied = copy.deepcopy(plan.model)
+    with torch.no_grad():
+        copied.linear.bias.add_(1.0)
+    assert torch.allclose(copied(x), 2 * copied.linear(x)) and not torch.allclose(
+        copied(x), plan.model(x)
+    )

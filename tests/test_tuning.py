@@ -15,6 +15,7 @@ import torch
 
 import autoprec
 from autoprec.drift_blind_spots import BF16_WEIGHT_AVERAGE
+from autoprec.model_copies import CompiledForward
 from autoprec.outcomes import TrialOutcome
 from autoprec.report import outcomes_from_study
 from autoprec.run_inputs import resolve_compile, uncompiled_model
@@ -502,7 +503,8 @@ def test_compiled_tune_writes_a_compiled_profile_that_trains(tmp_path: Path) -> 
     path = result.profile.save(tmp_path / "compiled.json")
     model = copy.deepcopy(task.model)
     plan = autoprec.load_profile(path).apply(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    assert plan.model is model and hasattr(model.forward, "_torchdynamo_orig_callable")
+    assert plan.model is model and isinstance(model.forward, CompiledForward)
+    assert hasattr(model.forward.compiled, "_torchdynamo_orig_callable")
     losses = []
     for x, y in task.batches[:20]:
         with plan.autocast():
