@@ -4,6 +4,7 @@ keep_fp32."""
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 from pathlib import Path
@@ -431,3 +432,51 @@ def test_pure_bf16_islands_train_under_torch_compile() -> None:
         assert plan.model.mix.weight.dtype == torch.bfloat16
     assert losses[True] == pytest.approx(losses[False], rel=1e-2)
     assert losses[True][-1] < losses[True][0]
+
+
+class _Standardised(nn.Module):
+    """A running standardiser handed the model's input directly, and one handed a slice of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from examples.running_stats import RunningStandardizer
+
+        self.norm = RunningStandardizer(4, momentum=0.5)
+        self.sliced = RunningStandardizer(2, momentum=0.5)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.norm(x), self.sliced(x[:, :2])], dim=1))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_kept_module_handed_a_model_input_reads_it_in_fp32(compiled: bool) -> None:
+    # inputs like a year (2020 +- 3): bf16's step there is 8, so a standardiser kept in fp32
+    # but handed the bf16 cast saw 2016 or 2024 (its mean 0.25 off fp32's after one batch)
+    from autoprec.modes import root_inputs
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)) * 3 + 2020
+    torch.manual_seed(0)
+    reference = _Standardised()
+    reference(x)
+    torch.manual_seed(0)
+    model = _Standardised()
+    spec = ModeSpec(mode="bf16_sr", keep_fp32=("norm", "sliced"), compile=compiled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    out = plan.model(x)
+    assert out.dtype == torch.bfloat16 and model.head.weight.dtype == torch.bfloat16
+    tolerance = 1e-7 * 2020 if compiled else 0.0  # inductor may reduce in another order
+    assert (model.norm.mean - reference.norm.mean).abs().max() <= tolerance
+    # a slice is a new tensor, not the model's input: it arrives bf16-rounded, as before
+    assert (model.sliced.mean - reference.sliced.mean).abs().max() > 0.01
+    out.float().sum().backward()
+    assert model.head.weight.grad is not None
+    copied = copy.deepcopy(plan.model)  # a copy's calls find their own inputs
+    copied(x)
+    reference(x)
+    assert (copied.norm.mean - reference.norm.mean).abs().max() <= 2 * tolerance
+    with pytest.raises(RuntimeError):
+        plan.model(torch.zeros(3, 5))  # a forward that raises leaves no record behind
+    assert root_inputs._stack() == []

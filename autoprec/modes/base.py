@@ -57,12 +57,18 @@ _LOW = (torch.bfloat16, torch.float16)
 
 
 def install_fp32_islands(
-    model: nn.Module, fqns: list[str], device_type: str, output_dtype: torch.dtype | None = None
+    model: nn.Module,
+    fqns: list[str],
+    device_type: str,
+    output_dtype: torch.dtype | None = None,
+    original: Callable[[Any], Any] | None = None,
 ) -> None:
     """Run the named modules in fp32: autocast off, low-precision inputs cast to fp32.
 
-    ``output_dtype`` casts their fp32 outputs back (pure bf16 models need bf16 downstream).
-    Hooks, not wrapped ``forward`` methods, so ``copy.deepcopy(plan.model)`` keeps working.
+    ``output_dtype`` casts their fp32 outputs back (pure bf16 models need bf16 downstream);
+    ``original`` maps each input tensor to a wider one it was cast from, where known (pure
+    bf16: the model's own fp32 inputs). Hooks, not wrapped ``forward`` methods, so
+    ``copy.deepcopy(plan.model)`` keeps working.
     """
     for fqn in fqns:
         module = model.get_submodule(fqn)
@@ -73,6 +79,8 @@ def install_fp32_islands(
         ) -> tuple[Any, Any]:
             saved.append(torch.is_autocast_enabled(device_type))
             torch.set_autocast_enabled(device_type, False)
+            if original is not None:
+                args, kwargs = tree_map(original, args), tree_map(original, kwargs)
             return _cast_floats(args, _LOW, torch.float32), _cast_floats(
                 kwargs, _LOW, torch.float32
             )

@@ -3,8 +3,9 @@
 ``bf16_pure`` rounds every update to nearest (updates below half a bf16 ulp vanish);
 ``bf16_sr`` rounds them stochastically, ``bf16_kahan`` carries the rounding error in a Kahan
 buffer (torch-optimi), ``bf16_sr_kahan`` does both. ``keep_fp32`` modules keep fp32 weights,
-run in fp32 and hand bf16 outputs on; a module tied to one (a ``lm_head`` sharing ``wte``'s
-weight) keeps that weight fp32 and computes in bf16 from it.
+run in fp32 (a model input handed to one directly arrives as the fp32 original, not the bf16
+cast the rest of the model sees) and hand bf16 outputs on; a module tied to one (a
+``lm_head`` sharing ``wte``'s weight) keeps that weight fp32 and computes in bf16 from it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from autoprec.modes.base import (
     install_fp32_islands,
     override,
 )
+from autoprec.modes.root_inputs import install_root_cast, original_input
 
 
 def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
@@ -96,14 +98,16 @@ class Bf16PureMode(PrecisionMode):
         for fqn, module in model.named_modules():
             if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
                 _cast_own_tensors(module, torch.bfloat16, kept_parameters)
-        model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+        install_root_cast(model)  # kept modules handed a model input get its fp32 original
         # fp32 tensors made inside forward (a timestep embedding, a mask) meet bf16 weights:
         # every layer that holds bf16 parameters casts its fp32 inputs to bf16.
         for fqn, module in model.named_modules():
             own = list(module.parameters(recurse=False))
             if fqn and own and all(p.dtype == torch.bfloat16 for p in own):
                 module.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
-        install_fp32_islands(model, kept, self.device_type, output_dtype=torch.bfloat16)
+        install_fp32_islands(
+            model, kept, self.device_type, output_dtype=torch.bfloat16, original=original_input
+        )
         tied = self.tied_to_kept(model)  # their shared weight is fp32: compute in bf16 from it
         install_autocast_islands(model, tied, self.device_type, torch.bfloat16)
         self._parameters = [p for p in model.parameters() if p.dtype == torch.bfloat16]
