@@ -257,6 +257,8 @@ def quality_table(report: QualityReport) -> Group:
         why = Text(verdict.label, style="bold")
         if "forward_cost" in verdict.drift:
             why.append(f"  forward cost {verdict.drift['forward_cost']:+.2%}", style="dim")
+        if verdict.spec.keep_fp32:
+            why.append(f"\n◦ kept in fp32: {', '.join(verdict.spec.keep_fp32)}", style="dim")
         for reason in verdict.reasons:
             why.append(f"\n• {reason}")
         for spot in verdict.blind_spots:

@@ -111,6 +111,8 @@ class QualityReport(BaseModel):
             cost = verdict.drift.get("forward_cost")
             forward = "" if cost is None else f" (forward cost {cost:+.2%})"
             lines.append(f"{verdict.label:42} {verdict.status}{forward}")
+            if verdict.spec.keep_fp32:
+                lines.append(f"    kept in fp32: {', '.join(verdict.spec.keep_fp32)}")
             lines.extend(f"    {reason}" for reason in verdict.reasons)
             lines.extend(f"    not seen by a short trial: {spot}" for spot in verdict.blind_spots)
             lines.extend(f"    note: {note}" for note in self.own_notes(verdict))

@@ -492,14 +492,18 @@ def test_the_quality_table_prints_each_blind_spot_once() -> None:
     assert report.summary().count("not seen by a short trial: FP8's cost") == 2
 
 
-def test_the_quality_table_prints_a_modes_own_notes_under_it_and_shared_ones_once() -> None:
+def test_the_quality_table_prints_a_modes_own_notes_and_kept_modules_under_it() -> None:
     from rich.console import Console
 
     shared = "no held-out batches: held-out loss and outputs not compared"
     own = "weight decay never applies: lr x weight_decay = 1e-05 a step"
     report = QualityReport(
         verdicts=(
-            ScreenVerdict(spec=ModeSpec(mode="bf16_pure"), status="safe", notes=(shared, own)),
+            ScreenVerdict(
+                spec=ModeSpec(mode="bf16_pure", keep_fp32=("norm", "head")),
+                status="safe",
+                notes=(shared, own),
+            ),
             ScreenVerdict(spec=ModeSpec(mode="amp_bf16"), status="safe", notes=(shared,)),
         ),
         not_checked=(),
@@ -515,6 +519,10 @@ def test_the_quality_table_prints_a_modes_own_notes_under_it_and_shared_ones_onc
     assert text.count(own) == 1 and text.index(own) < text.index("amp_bf16")
     assert text.count(shared) == 1 and text.index(shared) > text.index("amp_bf16")
     assert report.summary().count(shared) == 1 and report.summary().count(own) == 1
+    # what each mode kept in fp32 (the probe's and your keep_fp32) is said under it
+    assert text.count("kept in fp32: norm, head") == 1
+    assert text.index("kept in fp32: norm, head") < text.index("amp_bf16")
+    assert report.summary().count("    kept in fp32: norm, head") == 1
 
 
 def test_weights_start_every_trial_from_a_checkpoint(
