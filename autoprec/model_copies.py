@@ -16,7 +16,8 @@ class CompiledForward:
     same object, the same state_dict keys). A deep copy of the model gets a forward compiled
     afresh for the copy: a copied ``torch.compile`` wrapper still calls the original model's
     forward, so ``AveragedModel(plan.model)`` (an EMA, a deep copy) would have evaluated the
-    live weights and updated the live buffers, silently."""
+    live weights and updated the live buffers, silently. A pickled model (``torch.save``) is
+    compiled afresh when loaded; a ``torch.compile`` wrapper could not be pickled."""
 
     def __init__(self, model: nn.Module, forward: Any = None) -> None:
         self.model = model
@@ -26,6 +27,10 @@ class CompiledForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as what it compiles (``torch.save(plan.model)``): loading compiles afresh."""
+        return (CompiledForward, (self.model, self.forward))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
         model = memo.get(id(self.model))  # the copy being made, when the model is copied

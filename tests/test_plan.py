@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -401,6 +402,16 @@ def test_a_deep_copy_of_a_compiled_plan_model_runs_its_own_weights() -> None:
         averaged.module[2].bias.fill_(1.0)
     assert torch.equal(averaged(x), torch.ones(8, 1))
     assert torch.equal(plan.model(x), live)
+    # torch.save(plan.model) pickles it (a torch.compile wrapper could not be); loaded, it
+    # compiles its own forward
+    buffer = io.BytesIO()
+    torch.save(plan.model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(x), live)
+    with torch.no_grad():
+        loaded[2].bias.add_(1.0)
+    assert torch.allclose(loaded(x), live + 1.0) and torch.equal(plan.model(x), live)
     # a forward the model had on its instance is what compiles, in the copy too
     custom = _CustomForward()
     plan = autoprec.prepare(
