@@ -15,6 +15,7 @@ so the user's model is left as it was.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -75,7 +76,10 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     devices = [p.device for p in model.parameters()] + [e.buffer.device for e in entries]
     cuda = sorted({device.index or 0 for device in devices if device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        # the probe's own pass: what it warns of is not the user's training (a checkpointed
+        # layer run without gradients warns that none of its inputs requires grad)
+        with torch.random.fork_rng(devices=cuda), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             model.train()
             call_model(model, example_input)
         changed: dict[int, str] = {}

@@ -22,6 +22,7 @@ from autoprec.drift_blind_spots import (
     blind_spots,
 )
 from autoprec.recipe import RecipeSummary
+from autoprec.running_state import running_buffers
 from autoprec.screening import QualityReport, ScreenVerdict
 from autoprec.specs import ModeSpec
 from examples import tasks
@@ -565,3 +566,45 @@ def test_weights_start_every_trial_from_a_checkpoint(
     torch.save(wrong_shape, tmp_path / "wrong_shape.pt")
     assert main([*command, "--weights", str(tmp_path / "wrong_shape.pt")]) == 2
     assert "does not fit the model: size mismatch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_hugging_face_model_with_gradient_checkpointing_is_judged_as_without(
+    reentrant: bool,
+) -> None:
+    # checkpointing recomputes each decoder layer in backward: the kept norms' fp32 islands and
+    # the bf16 casts run twice, and every figure must come out as without it
+    transformers = pytest.importorskip("transformers")
+
+    def llama(checkpointing: bool) -> torch.nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            use_cache=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        if checkpointing:  # transformers 5: gradient_checkpointing_enable's new name
+            kwargs = {"use_reentrant": reentrant}
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        calls = layer_calls[checkpointing]  # the trials' copies share the hook function
+        model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+        return model
+
+    layer_calls: dict[bool, list[int]] = {False: [], True: []}
+
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (16, 4, 16), generator=generator)
+    batches = [{"input_ids": t, "labels": t} for t in tokens]
+    reports = [
+        autoprec.check(llama(on), batches, steps=12, modes=["amp_bf16", "bf16_sr"])
+        for on in (False, True)
+    ]
+    plain, checkpointed = ([(v.label, v.status, v.drift) for v in r.verdicts] for r in reports)
+    assert checkpointed == plain and [status for _, status, _ in plain] == ["safe", "safe"]
+    assert "model.norm" in reports[1].verdict("bf16_sr").spec.keep_fp32
+    assert len(layer_calls[True]) > 1.5 * len(layer_calls[False])  # recomputed in backward
+    # the probe's own training-mode pass (no gradients) keeps what it warns of to itself:
+    # reentrant checkpointing warned "None of the inputs have requires_grad=True" there (an
+    # error under this suite's warning filter: the scan then reported the pass as failed)
+    assert running_buffers(llama(True), batches[0]) == ()
