@@ -162,6 +162,9 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
         "model": model,
         "loader": _loader(args.data),
         "loss_fn": load_object(args.loss, option="--loss") if args.loss else None,
+        "train_step": (
+            load_object(args.train_step, option="--train-step") if args.train_step else None
+        ),
         "eval_fn": load_object(args.eval, option="--eval") if args.eval else None,
         "optimizer": _optimizer_factory(args.optimizer, args.lr),
         "scheduler": load_object(args.scheduler, option="--scheduler") if args.scheduler else None,

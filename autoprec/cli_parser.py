@@ -27,6 +27,11 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
     parser.add_argument(
+        "--train-step",
+        metavar="MODULE:FN",
+        help="train_step(plan, batch) -> loss, for anything else (instead of --loss)",
+    )
+    parser.add_argument(
         "--eval",
         metavar="MODULE:FN",
         help="eval_fn(model) -> float, lower is better, judged against fp32",

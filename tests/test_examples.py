@@ -557,3 +557,15 @@ def test_gpu_session_script_runs_a_stage_and_refuses_an_unknown_one(tmp_path: Pa
     assert " passed" in (tmp_path / "tests.txt").read_text()
     wrong = subprocess.run([*script, "bogus"], cwd=REPO, env=env, capture_output=True, text=True)
     assert wrong.returncode == 2 and "unknown stage 'bogus'" in wrong.stderr
+
+
+def test_mean_teacher_example_passes_bf16_sr_only_with_the_teacher_kept(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from examples import mean_teacher
+
+    mean_teacher.main()
+    out = capsys.readouterr().out
+    without, kept = out.split("keep_fp32=['teacher']:")
+    assert "bf16_sr   unsafe" in without and "state outside the optimizer" in without
+    assert "bf16_sr   safe" in kept and "amp_bf16  safe" in kept

@@ -23,7 +23,7 @@ from autoprec.running_state import running_buffers
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import StateDigest, TrialResult
-from examples import running_stats
+from examples import mean_teacher, running_stats
 from tests.test_fingerprint import _fingerprint
 
 
@@ -179,47 +179,11 @@ def test_the_kept_standardiser_keeps_every_update_under_bf16_sr() -> None:
     assert (rounded - fp32).abs().max() > 0.01  # nearest rounding already lags at 60 steps
 
 
-class MeanTeacher(nn.Module):
-    """A student and its EMA teacher (frozen weights ``train_step`` moves towards the student)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.student = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
-        self.teacher = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
-        self.teacher.load_state_dict(self.student.state_dict())
-        self.teacher.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.student(x)
-
-
-def _teacher_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    x, y = batch
-    model = plan.model
-    if model.training:  # the held-out pass runs train_step too
-        with torch.no_grad():
-            pairs = zip(model.teacher.parameters(), model.student.parameters(), strict=True)
-            for teacher, student in pairs:
-                teacher.lerp_(student.to(teacher.dtype), 0.004)
-    with plan.autocast():
-        target = model.teacher(x).detach().float()
-        out = model(x).float()
-    return nn.functional.mse_loss(out, y) + nn.functional.mse_loss(out, target)
-
-
-def _teacher_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(8, 4, generator=generator)
-    pairs = [torch.randn(32, 8, generator=generator) for _ in range(count)]
-    return [(x, torch.sin(x @ weight)) for x in pairs]
-
-
 def test_check_rejects_pure_bf16_holding_an_ema_teacher_in_bf16() -> None:
     report = autoprec.check(
-        MeanTeacher(),
-        _teacher_batches(24),
-        train_step=_teacher_step,
+        mean_teacher.make_model()[0],
+        mean_teacher.make_batches(),
+        train_step=mean_teacher.train_step,
         steps=20,
         modes=["bf16_sr", "amp_bf16"],
     )
@@ -232,16 +196,16 @@ def test_check_rejects_pure_bf16_holding_an_ema_teacher_in_bf16() -> None:
 
 
 def test_keep_fp32_keeps_an_ema_teacher_in_fp32_from_the_trial_to_apply() -> None:
-    batches, common = _teacher_batches(24), {"train_step": _teacher_step, "modes": ["bf16_sr"]}
-    report = autoprec.check(MeanTeacher(), batches, steps=20, keep_fp32=["teacher"], **common)
-    kept = report.verdict("bf16_sr")
+    model, _ = mean_teacher.make_model()
+    batches = mean_teacher.make_batches()
+    common = {"train_step": mean_teacher.train_step, "modes": ["bf16_sr"], "keep_fp32": ["teacher"]}
+    kept = autoprec.check(model, batches, steps=20, **common).verdict("bf16_sr")
     assert kept.spec.keep_fp32 == ("teacher",) and kept.status == "safe", kept.reasons
     result = autoprec.tune(
-        MeanTeacher(), batches, budget_minutes=0.3, objective="memory", keep_fp32=["teacher"],
-        progress=False, **common,
-    )  # fmt: skip
+        model, batches, budget_minutes=0.3, objective="memory", progress=False, **common
+    )
     assert result.chosen.mode == "bf16_sr" and result.chosen.keep_fp32 == ("teacher",)
-    model = MeanTeacher()
+    model = mean_teacher.make_model()[0]
     with pytest.warns(OptimizerRebuiltWarning):  # bf16_sr steps a StochasticAdamW
         plan = result.profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
     assert {p.dtype for p in plan.model.teacher.parameters()} == {torch.float32}

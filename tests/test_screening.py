@@ -608,3 +608,21 @@ def test_a_hugging_face_model_with_gradient_checkpointing_is_judged_as_without(
     # reentrant checkpointing warned "None of the inputs have requires_grad=True" there (an
     # error under this suite's warning filter: the scan then reported the pass as failed)
     assert running_buffers(llama(True), batches[0]) == ()
+
+
+def test_check_command_takes_a_train_step_and_keep_fp32(capsys: pytest.CaptureFixture[str]) -> None:
+    # examples.mean_teacher: state train_step updates, which only keep_fp32 can keep fp32
+    command = [
+        "check", "examples.mean_teacher:make_model", "--data",
+        "examples.mean_teacher:make_batches", "--train-step", "examples.mean_teacher:train_step",
+        "--modes", "bf16_sr", "--steps", "20", "--json",
+    ]  # fmt: skip
+    assert main(command) == 0
+    (held,) = json.loads(capsys.readouterr().out)["verdicts"]
+    assert held["status"] == "unsafe"
+    assert any("keep_fp32=['teacher.0', 'teacher.2']" in r for r in held["reasons"])
+    assert main([*command, "--keep-fp32", "teacher"]) == 0
+    (kept,) = json.loads(capsys.readouterr().out)["verdicts"]
+    assert kept["status"] == "safe" and kept["spec"]["keep_fp32"] == ["teacher"]
+    assert main([*command, "--loss", "examples.mean_teacher:train_step"]) == 2
+    assert "Pass loss_fn or train_step, not both" in capsys.readouterr().err
