@@ -68,13 +68,17 @@ def compiled_in_place(model: nn.Module) -> bool:
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
-    """Drop in-place compilation from a copy: the copied compiled callable would still run the
-    original."""
+    """Drop in-place compilation from a copy (a copied ``torch.compile`` callable would still
+    run the original); a forward the instance had before a plan compiled it stays."""
     for module in model.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
         if _compiled_forward(module):
+            compiled = vars(module)["forward"]
+            before = compiled.forward if isinstance(compiled, CompiledForward) else None
             del module.forward
+            if before is not None:
+                module.forward = before
     return model
 
 

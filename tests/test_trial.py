@@ -17,6 +17,7 @@ from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import TIMING_FIELDS, TrialResult
 from examples import tasks, tiny_gpt
+from tests.test_plan import _CustomForward
 
 
 def _trial_on(
@@ -725,6 +726,18 @@ def test_trial_copies_do_not_run_the_users_compiled_forward() -> None:
     with torch.no_grad():
         copied[0].weight.zero_()
         assert not torch.equal(copied(task.batches[0][0]), task.model(task.batches[0][0]))
+    # a plan's compiled forward over a forward the instance had: the copy keeps that one
+    model = _CustomForward()  # its forward set on the instance
+    plan = autoprec.prepare(
+        ModeSpec(mode="fp32", compile=True), model, torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    copied = deep_copy(plan.model)
+    assert vars(copied)["forward"].__func__ is _CustomForward.doubled
+    with torch.no_grad():
+        copied.linear.bias.add_(1.0)
+    x = torch.randn(3, 4)
+    assert torch.allclose(copied(x), 2 * copied.linear(x))
+    assert not torch.allclose(copied(x), plan.model(x))
 
 
 def test_cpu_trial_counts_the_bytes_saved_for_backward_exactly() -> None:
