@@ -16,14 +16,10 @@ end (the inputs' mean is 20).
 from __future__ import annotations
 
 import statistics
-import warnings
 from dataclasses import dataclass
 
-import torch
-
 import autoprec
-from autoprec.errors import OptimizerRebuiltWarning
-from benchmarks.seeded_runs import run_arguments
+from benchmarks.seeded_runs import prepared_run, run_arguments
 from examples import running_stats
 
 VARIANTS: dict[str, autoprec.ModeSpec] = {
@@ -40,21 +36,9 @@ class Run:
 
 
 def run(spec: autoprec.ModeSpec, seed: int, steps: int) -> Run:
-    batches = running_stats.make_batches()
-    train, heldout = batches[:-8], batches[-8:]
     model, _ = running_stats.make_model(seed)
-    with warnings.catch_warnings():  # no scheduler to rebind: plan.optimizer is stepped
-        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
-        plan = autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    order = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = train[int(torch.randint(0, len(train), (1,), generator=order))]
-        with plan.autocast():
-            loss = running_stats.loss_fn(plan.model(x), y)
-        plan.step(loss)
-    plan.model.eval()
-    with torch.no_grad(), plan.autocast():
-        loss = statistics.mean(float(running_stats.loss_fn(plan.model(x), y)) for x, y in heldout)
+    batches = running_stats.make_batches()
+    loss, plan = prepared_run(spec, model, batches, running_stats.loss_fn, seed=seed, steps=steps)
     standardiser = plan.model[0]
     assert isinstance(standardiser, running_stats.RunningStandardizer)
     return Run(loss, float(standardiser.mean.float().mean()))

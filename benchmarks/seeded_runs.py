@@ -1,15 +1,53 @@
-"""What the small seeded-run benchmarks share: their command line and a regression MLP whose
-weights each seed draws anew (``state_rounding_optimizers``, ``ema_rounding``)."""
+"""What the small seeded-run benchmarks share: their command line, a regression MLP whose
+weights each seed draws anew (``state_rounding_optimizers``, ``ema_rounding``), and a run
+through ``autoprec.prepare`` scored on held-out batches (``running_state_rounding``,
+``spectral_norm_rounding``)."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+import autoprec
+from autoprec.errors import OptimizerRebuiltWarning
 from examples import tasks
+
+HELDOUT = 8
+"""Batches at the end of the list that no step sees."""
+
+
+def prepared_run(
+    spec: autoprec.ModeSpec,
+    model: nn.Module,
+    batches: list[Any],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    seed: int,
+    steps: int,
+) -> tuple[float, autoprec.PrecisionPlan]:
+    """Train ``model`` in ``spec`` through ``autoprec.prepare`` with AdamW (lr 1e-3), ``steps``
+    steps on (x, y) batches drawn at random (``seed``) from all but the last ``HELDOUT``;
+    return the mean loss over those (eval mode, the mode's autocast) and the plan."""
+    train, heldout = batches[:-HELDOUT], batches[-HELDOUT:]
+    with warnings.catch_warnings():  # no scheduler to rebind: plan.optimizer is stepped
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    order = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = train[int(torch.randint(0, len(train), (1,), generator=order))]
+        with plan.autocast():
+            loss = loss_fn(plan.model(x), y)
+        plan.step(loss)
+    plan.model.eval()
+    with torch.no_grad(), plan.autocast():
+        losses = [float(loss_fn(plan.model(x), y)) for x, y in heldout]
+    return statistics.mean(losses), plan
 
 
 def run_arguments(

@@ -282,6 +282,17 @@ def test_running_state_rounding_benchmark_runs_in_quick_mode() -> None:
     assert rounded.running_mean < fp32.running_mean - 0.1  # bf16: small updates rounded away
 
 
+def test_spectral_norm_rounding_benchmark_runs_in_quick_mode() -> None:
+    """The measurement behind leaving spectral norm's vectors out of the running state."""
+    from benchmarks import spectral_norm_rounding
+
+    results = spectral_norm_rounding.main(["--quick"])
+    assert len(results) == 6 and all(len(losses) == 1 for losses in results.values())
+    for style in spectral_norm_rounding.STYLES:  # all three variants train the same task
+        losses = [losses[0] for (s, _), losses in results.items() if s == style]
+        assert max(losses) < 1.5 * min(losses) and max(losses) < 0.5
+
+
 def test_bf16_second_moment_shadow_inflates_with_steps_on_stationary_gradients() -> None:
     """The measurement behind the optimizer-state rule: on gradients of one unchanging
     distribution a bf16 second moment rounded to nearest still lets through nearly all of

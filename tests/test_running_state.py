@@ -107,8 +107,22 @@ def test_probe_keeps_running_statistics_fp32_for_pure_bf16_only() -> None:
     assert by_mode["amp_bf16"].keep_fp32 == ()  # autocast keeps buffers fp32 anyway
 
 
+class _AveragingLinear(nn.Linear):
+    """A Linear that keeps a running average of its inputs (a buffer its forward updates)."""
+
+    def __init__(self, features: int, out_features: int) -> None:
+        super().__init__(features, out_features)
+        self.register_buffer("average", torch.zeros(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.average.lerp_(x.mean(0), 0.01)
+        return super().forward(x)
+
+
 def test_a_kept_norm_is_named_once_and_a_first_layer_keeps_both_reasons() -> None:
-    first = nn.utils.spectral_norm(nn.Linear(8, 16))  # power iteration: running buffers
+    first = _AveragingLinear(8, 16)
     model = nn.Sequential(first, nn.BatchNorm1d(16), nn.Linear(16, 16), nn.Linear(16, 2))
     mix = scan_model(model, torch.randn(4, 8))
     reasons = [(keep.fqn, keep.reason.split(":")[0]) for keep in mix.keep_fp32]
@@ -117,6 +131,25 @@ def test_a_kept_norm_is_named_once_and_a_first_layer_keeps_both_reasons() -> Non
     specs = candidate_specs(autoprec.probe(model, torch.randn(4, 8))).specs
     pure = next(spec for spec in specs if spec.mode == "bf16_sr")
     assert pure.keep_fp32 == ("1", "0")  # each module once
+
+
+def test_spectral_norms_vectors_are_not_running_statistics() -> None:
+    # recomputed from the weight by every forward, not averaged: in bf16 they cost nothing
+    # (benchmarks.spectral_norm_rounding), so pure bf16 keeps neither spectral norm in fp32
+    hook = nn.utils.spectral_norm(nn.Linear(8, 16))
+    parametrized = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16))
+    model = nn.Sequential(hook, nn.GELU(), parametrized, _AveragingLinear(16, 2))
+    example = torch.randn(4, 8)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    assert running_buffers(model, example) == ("3.average",)
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
+    mix = scan_model(model, example)
+    running = [keep.fqn for keep in mix.keep_fp32 if keep.reason.startswith(RUNNING_STATE_REASON)]
+    assert running == ["3"]
+    specs = candidate_specs(autoprec.probe(model, example)).specs
+    pure = next(spec for spec in specs if spec.mode == "bf16_sr")
+    assert "0" not in pure.keep_fp32  # the hook's Linear trains in bf16 (it was kept fp32)
+    assert "3" in pure.keep_fp32
 
 
 def test_probe_says_what_it_cannot_keep_or_could_not_find() -> None:
