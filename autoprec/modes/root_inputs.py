@@ -65,6 +65,8 @@ def original_input(value: Any) -> Any:
 
 
 def install_root_cast(model: nn.Module) -> None:
-    """Cast the model's fp32 inputs to bf16, keeping the originals for kept modules."""
-    model.register_forward_pre_hook(cast_root_inputs, with_kwargs=True)
-    model.register_forward_hook(forget_root_inputs, always_call=True)
+    """Cast the model's fp32 inputs to bf16, keeping the originals for kept modules. The
+    hooks run eagerly under ``torch.compile(plan.model)`` (the record is Python state, keyed
+    by tensor identity, which a traced graph would not keep), as the islands' hooks do."""
+    model.register_forward_pre_hook(torch.compiler.disable(cast_root_inputs), with_kwargs=True)
+    model.register_forward_hook(torch.compiler.disable(forget_root_inputs), always_call=True)
