@@ -87,8 +87,7 @@ def _restore(
 def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     """Names of the floating buffers one training-mode forward of ``example_input`` changes
     (a shared buffer under its first name), spectral norm's vectors left out; () on the meta
-    device. Raises what the forward
-    pass raises; the model is restored either way."""
+    device. Raises what the forward pass raises; the model is restored either way."""
     entries = _entries(model)
     if not any(is_floating(entry.buffer) for entry in entries):
         return ()
