@@ -98,7 +98,10 @@ class Bf16PureMode(PrecisionMode):
         for fqn, module in model.named_modules():
             if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
                 _cast_own_tensors(module, torch.bfloat16, kept_parameters)
-        install_root_cast(model)  # kept modules handed a model input get its fp32 original
+        if kept:  # kept modules handed a model input get its fp32 original
+            install_root_cast(model)
+        else:  # nothing to record: a plain cast, which torch.compile traces
+            model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
         # fp32 tensors made inside forward (a timestep embedding, a mask) meet bf16 weights:
         # every layer that holds bf16 parameters casts its fp32 inputs to bf16.
         for fqn, module in model.named_modules():
