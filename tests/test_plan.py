@@ -424,3 +424,58 @@ def test_a_deep_copy_of_a_compiled_plan_model_runs_its_own_weights() -> None:
     assert torch.allclose(copied(x), 2 * copied.linear(x)) and not torch.allclose(
         copied(x), plan.model(x)
     )
+
+
+@pytest.mark.parametrize(
+    "spec", [ModeSpec(mode="bf16_kahan"), ModeSpec(mode="amp_bf16", optimizer_bits=8)]
+)
+def test_an_fp32_run_resumes_under_a_profile_with_its_optimizer_state(spec: ModeSpec) -> None:
+    """Switching a run mid-way: the fp32 checkpoint (model, AdamW, scheduler) loads into the
+    plan built over a fresh model and optimizer, and the next step moves the weights as the
+    fp32 run's next step does (the load was refused for torch-optimi and bitsandbytes)."""
+    pytest.importorskip("optimi" if spec.mode == "bf16_kahan" else "bitsandbytes")
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = _warmup(optimizer)
+    for _ in range(20):
+        optimizer.zero_grad()
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        optimizer.step()
+        scheduler.step()
+    checkpoint = copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        }
+    )
+    inputs = torch.randn(4, 16)
+    start = copy.deepcopy(model)
+    optimizer.zero_grad()
+    model(inputs).pow(2).mean().backward()
+    optimizer.step()
+
+    fresh = _model()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    plan = autoprec.prepare(spec, fresh, fresh_optimizer, _warmup(fresh_optimizer))
+    plan.model.load_state_dict(checkpoint["model"])
+    plan.optimizer.load_state_dict(checkpoint["optimizer"])
+    plan.scheduler.load_state_dict(checkpoint["scheduler"])
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bitsandbytes on CPU
+        with plan.autocast():
+            loss = plan.model(inputs.to(plan.model[0].weight.dtype)).float().pow(2).mean()
+        plan.step(loss)
+    with torch.no_grad():
+        fp32_step = torch.cat(
+            [(a - b).flatten() for a, b in zip(model.parameters(), start.parameters(), strict=True)]
+        )
+        plan_step = torch.cat(
+            [
+                (a.float() - b).flatten()
+                for a, b in zip(plan.model.parameters(), start.parameters(), strict=True)
+            ]
+        )
+    cosine = float(torch.nn.functional.cosine_similarity(fp32_step, plan_step, dim=0))
+    assert cosine > 0.9, cosine

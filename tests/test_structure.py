@@ -17,7 +17,8 @@ ORDER = [
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layers",
     "eligibility",
-    "stochastic_optim", "optim", "modes", "model_copies", "plan", "testing",  # runtime (apply)
+    "stochastic_optim", "state_translation", "optim",               # runtime (apply)
+    "modes", "model_copies", "plan", "testing",
     "probing", "candidates", "batching", "recipe", "recipe_match",  # pipeline
     "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",
     "drift_movement", "drift_outside_state", "drift_fp16", "drift", "drift_blind_spots",
