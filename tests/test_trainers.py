@@ -121,6 +121,27 @@ def test_apply_profile_trains_with_the_trainer(
         assert type(trainer.model.lm_head).__name__ == "Float8Linear"
 
 
+def test_an_fp32_trainer_checkpoint_resumes_under_a_kahan_profile(
+    hf_tuned: Any, tmp_path: Path
+) -> None:
+    """Switching a Trainer run mid-way: its fp32 checkpoint (AdamW's state included) resumes
+    into the plan's torch-optimi optimizer, translated (the Trainer's load was refused)."""
+    first = _gpt2_trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    assert (checkpoint / "optimizer.pt").exists()
+    trainer = _gpt2_trainer(tmp_path)
+    spec = ModeSpec(mode="bf16_kahan", keep_fp32=("lm_head",))
+    plan = apply_profile(trainer, _profile_for(spec, hf_tuned[1].profile))
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 6
+    group = plan.optimizer.param_groups[0]
+    assert int(group["step"]) == 6  # 4 loaded, 2 resumed
+    weight = trainer.model.transformer.h[0].mlp.c_fc.weight
+    assert weight.dtype == torch.bfloat16
+    assert plan.optimizer.state[weight]["exp_avg_sq"].dtype == torch.bfloat16
+
+
 def test_a_trainer_that_clips_otherwise_than_the_profile_was_tuned_is_named(
     hf_tuned: Any, tmp_path: Path
 ) -> None:
