@@ -208,9 +208,11 @@ def _loader() -> Any:
     return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def _lightning_trainer(plugins: list[Any] | None = None, clip: float | None = 1.0) -> Any:
+def _lightning_trainer(
+    plugins: list[Any] | None = None, clip: float | None = 1.0, max_steps: int = 6
+) -> Any:
     return lightning.Trainer(
-        max_steps=6,
+        max_steps=max_steps,
         accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
@@ -319,3 +321,24 @@ def test_the_plugin_trains_any_profile_under_automatic_optimization(
     plugin = trainer.precision_plugin
     assert isinstance(plugin, AutoprecPrecision) and plugin.plan is not None
     assert plugin.plan.optimizer is trainer.optimizers[0]
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+def test_an_fp32_lightning_checkpoint_resumes_under_a_kahan_profile(
+    lightning_tuned: Any, tmp_path: Path
+) -> None:
+    """Switching a Lightning run mid-way: its fp32 checkpoint (AdamW's state included) resumes
+    under the plugin's bf16_kahan plan, the optimizer state translated into torch-optimi's."""
+    first = _lightning_trainer()
+    first.fit(_Regression(), _loader())
+    path = tmp_path / "fp32.ckpt"
+    first.save_checkpoint(path)
+    spec = ModeSpec(mode="bf16_kahan", keep_fp32=("net.3",))
+    plugin = AutoprecPrecision(_profile_for(spec, lightning_tuned[1].profile))
+    trainer = _lightning_trainer([plugin], max_steps=10)
+    module = _Regression()
+    trainer.fit(module, _loader(), ckpt_path=path)
+    assert trainer.global_step == 10
+    optimizer = trainer.optimizers[0]
+    assert optimizer is plugin.plan.optimizer and int(optimizer.param_groups[0]["step"]) == 10
+    assert optimizer.state[module.net[0].weight]["exp_avg"].dtype == torch.bfloat16
