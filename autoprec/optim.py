@@ -11,7 +11,6 @@ torch's. An option the target cannot honour is an error, never dropped.
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,7 +18,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from autoprec import state_translation
 from autoprec._imports import require
 from autoprec.stochastic_optim import StochasticAdamW, StochasticSGD
 
@@ -100,7 +98,7 @@ def _adam_options(options: dict[str, Any]) -> dict[str, Any]:
     return {key: options[key] for key in ("lr", "betas", "eps", "weight_decay")}
 
 
-def _translate(
+def translate_group(
     kind: SourceKind, options: dict[str, Any], target: OptimizerTarget
 ) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
     """(constructor, group options in the target's names) for one group."""
@@ -170,7 +168,7 @@ def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarge
     try:
         kind = source_kind(optimizer)
         for group in optimizer.param_groups:
-            _translate(kind, {k: v for k, v in group.items() if k != "params"}, target)
+            translate_group(kind, {k: v for k, v in group.items() if k != "params"}, target)
     except (TypeError, ValueError) as error:
         return str(error)
     return None
@@ -216,7 +214,7 @@ def rebuild_optimizer(
         ]
         return type(optimizer)(new_groups, **_constructor_defaults(optimizer))
     kind = source_kind(optimizer)
-    translations = [_translate(kind, group.options, target) for group in groups]
+    translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
     defaults = {k: v for k, v in first.items() if k not in ("beta1", "beta2")}
     if "beta1" in first:  # torch-optimi: constructor takes betas, groups hold beta1/beta2
@@ -232,110 +230,7 @@ def rebuild_optimizer(
     rebuilt = constructor(new_groups, **defaults)
     if "beta1" in first:
         _expose_betas(rebuilt)
-    if target in ("bnb_8bit", "optimi_kahan"):
-        _load_source_state(rebuilt, kind, target, set(optimizer.defaults))
     return rebuilt
-
-
-_TORCH_STATE_KEYS: dict[SourceKind, set[str]] = {
-    "adamw": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
-    "adam": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
-    "sgd": {"momentum_buffer"},
-}
-"""The per-parameter state keys torch's optimizers of each family save."""
-
-
-def _load_source_state(
-    optimizer: torch.optim.Optimizer,
-    kind: SourceKind,
-    target: OptimizerTarget,
-    source_keys: set[str],
-) -> None:
-    """Let ``optimizer`` (a bitsandbytes or torch-optimi rebuild) load, besides its own state,
-    the state of the torch optimizer it was rebuilt from (``kind``, whose groups hold
-    ``source_keys``): the user's fp32 AdamW checkpoint, resumed under the profile, is translated
-    (``_translate_source_state``). Any other optimizer's state is refused: torch's own
-    ``load_state_dict`` takes the saved groups as they are, and the first step then failed with
-    a bare ``KeyError`` (``'state1'`` in bitsandbytes, ``'kahan_sum'`` in torch-optimi).
-    bitsandbytes overrides ``load_state_dict`` and runs no load hooks, so the instance's method
-    is wrapped (a bound method: a deep copy binds to the copy)."""
-
-    def load_state_dict(
-        self: torch.optim.Optimizer, state_dict: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> None:
-        groups = state_dict.get("param_groups", [])
-        saved_keys = {key for entry in state_dict.get("state", {}).values() for key in entry}
-        torch_written = saved_keys <= _TORCH_STATE_KEYS[kind]
-        if groups and torch_written and all(source_keys <= set(group) for group in groups):
-            _translate_source_state(self, state_dict, kind, target, source_keys)
-            return
-        expected = set(self.param_groups[0]) - {"params", "betas", "initial_lr"}
-        for group in groups:
-            missing = sorted(expected - set(group))
-            if missing:
-                name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"
-                raise ValueError(
-                    f"plan.optimizer ({name}) cannot load this optimizer state: another "
-                    f"optimizer wrote it (its parameter groups lack {missing[:4]}). It loads "
-                    "its own state and that of the torch optimizer passed to apply() "
-                    f"({SUPPORTED_SOURCES}); load one of those, or keep the optimizer fresh "
-                    "and load the model's weights only."
-                )
-        type(self).load_state_dict(self, state_dict, *args, **kwargs)
-
-    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
-
-
-def _translate_source_state(
-    optimizer: torch.optim.Optimizer,
-    state_dict: dict[str, Any],
-    kind: SourceKind,
-    target: OptimizerTarget,
-    source_keys: set[str],
-) -> None:
-    """Load a torch optimizer's state (``kind``) into its rebuild for ``target``: each saved
-    group's hyper-parameters translated as at rebuild (the saved values win, as in torch's own
-    load), each parameter's state by ``state_translation``. Everything is translated before
-    anything is written, so a failure leaves the optimizer as it was."""
-    saved_groups = state_dict["param_groups"]
-    sizes = [len(group["params"]) for group in optimizer.param_groups]
-    if [len(group["params"]) for group in saved_groups] != sizes:
-        raise ValueError(
-            "The saved optimizer state does not fit plan.optimizer: its parameter groups hold "
-            f"{[len(group['params']) for group in saved_groups]} parameters, plan.optimizer's "
-            f"{sizes}. Save and load the state of the optimizer built over this model."
-        )
-    options = []
-    for group in saved_groups:
-        saved_options = {key: value for key, value in group.items() if key != "params"}
-        _, translated = _translate(kind, saved_options, target)
-        extras = {k: v for k, v in saved_options.items() if k not in source_keys}
-        options.append({**extras, **translated})
-    states: dict[torch.Tensor, dict[str, Any]] = {}
-    steps = [0] * len(saved_groups)
-    for group_index, group in enumerate(saved_groups):
-        for position, saved_index in enumerate(group["params"]):
-            saved = state_dict["state"].get(saved_index)
-            if not saved:
-                continue
-            parameter = optimizer.param_groups[group_index]["params"][position]
-            steps[group_index] = max(steps[group_index], state_translation.saved_step(saved))
-            if target == "bnb_8bit":
-                states[parameter] = state_translation.bnb_state(
-                    optimizer, saved, (group_index, position), adam=kind != "sgd"
-                )
-            else:
-                betas = None if kind == "sgd" else tuple(group["betas"])
-                states[parameter] = state_translation.optimi_state(saved, parameter, betas)
-    for group, translated, step in zip(optimizer.param_groups, options, steps, strict=True):
-        group.update(translated)
-        if target == "optimi_kahan":
-            adam = "beta1" in translated
-            if adam:
-                group["betas"] = (translated["beta1"], translated["beta2"])
-            state_translation.optimi_group_resumed(group, step if adam else None)
-    optimizer.state.clear()
-    optimizer.state.update(states)
 
 
 def _expose_betas(optimizer: torch.optim.Optimizer) -> None:

@@ -1,6 +1,5 @@
-"""Translate one parameter's saved torch optimizer state (AdamW, Adam, SGD) into the state of
-the optimizer a mode rebuilt it into: torch-optimi with Kahan summation, or bitsandbytes'
-8-bit states.
+"""Load a torch optimizer's saved state (AdamW, Adam, SGD) into the optimizer a mode rebuilt it
+into: torch-optimi with Kahan summation, or bitsandbytes' 8-bit states.
 
 A run switched mid-way from fp32 (or AMP) to bf16_kahan or 8-bit states resumes with its Adam
 moments or SGD momentum, not with fresh state. What each library keeps (read in their sources,
@@ -21,9 +20,129 @@ torch-optimi 0.3, bitsandbytes 0.50):
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
+
+from autoprec._imports import require
+from autoprec.optim import (
+    SUPPORTED_SOURCES,
+    OptimizerTarget,
+    SourceKind,
+    source_kind,
+    translate_group,
+)
+
+_TORCH_STATE_KEYS: dict[SourceKind, set[str]] = {
+    "adamw": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    "adam": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    "sgd": {"momentum_buffer"},
+}
+"""The per-parameter state keys torch's optimizers of each family save."""
+
+
+def accept_source_state(
+    rebuilt: torch.optim.Optimizer, source: torch.optim.Optimizer, target: OptimizerTarget
+) -> None:
+    """Let ``rebuilt`` (``source`` rebuilt for ``target``) load ``source``'s state besides its
+    own; a no-op for the targets whose optimizers load torch's state natively (the same class,
+    the stochastic-rounding ones)."""
+    if target in ("bnb_8bit", "optimi_kahan"):
+        _load_source_state(rebuilt, source_kind(source), target, set(source.defaults))
+
+
+def _load_source_state(
+    optimizer: torch.optim.Optimizer,
+    kind: SourceKind,
+    target: OptimizerTarget,
+    source_keys: set[str],
+) -> None:
+    """Let ``optimizer`` (a bitsandbytes or torch-optimi rebuild) load, besides its own state,
+    the state of the torch optimizer it was rebuilt from (``kind``, whose groups hold
+    ``source_keys``): the user's fp32 AdamW checkpoint, resumed under the profile, is translated
+    (``_translate_source_state``). Any other optimizer's state is refused: torch's own
+    ``load_state_dict`` takes the saved groups as they are, and the first step then failed with
+    a bare ``KeyError`` (``'state1'`` in bitsandbytes, ``'kahan_sum'`` in torch-optimi).
+    bitsandbytes overrides ``load_state_dict`` and runs no load hooks, so the instance's method
+    is wrapped (a bound method: a deep copy binds to the copy)."""
+
+    def load_state_dict(
+        self: torch.optim.Optimizer, state_dict: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> None:
+        groups = state_dict.get("param_groups", [])
+        saved_keys = {key for entry in state_dict.get("state", {}).values() for key in entry}
+        torch_written = saved_keys <= _TORCH_STATE_KEYS[kind]
+        if groups and torch_written and all(source_keys <= set(group) for group in groups):
+            _translate_source_state(self, state_dict, kind, target, source_keys)
+            return
+        expected = set(self.param_groups[0]) - {"params", "betas", "initial_lr"}
+        for group in groups:
+            missing = sorted(expected - set(group))
+            if missing:
+                name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"
+                raise ValueError(
+                    f"plan.optimizer ({name}) cannot load this optimizer state: another "
+                    f"optimizer wrote it (its parameter groups lack {missing[:4]}). It loads "
+                    "its own state and that of the torch optimizer passed to apply() "
+                    f"({SUPPORTED_SOURCES}); load one of those, or keep the optimizer fresh "
+                    "and load the model's weights only."
+                )
+        type(self).load_state_dict(self, state_dict, *args, **kwargs)
+
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+
+
+def _translate_source_state(
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    kind: SourceKind,
+    target: OptimizerTarget,
+    source_keys: set[str],
+) -> None:
+    """Load a torch optimizer's state (``kind``) into its rebuild for ``target``: each saved
+    group's hyper-parameters translated as at rebuild (the saved values win, as in torch's own
+    load), each parameter's state by ``state_translation``. Everything is translated before
+    anything is written, so a failure leaves the optimizer as it was."""
+    saved_groups = state_dict["param_groups"]
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if [len(group["params"]) for group in saved_groups] != sizes:
+        raise ValueError(
+            "The saved optimizer state does not fit plan.optimizer: its parameter groups hold "
+            f"{[len(group['params']) for group in saved_groups]} parameters, plan.optimizer's "
+            f"{sizes}. Save and load the state of the optimizer built over this model."
+        )
+    options = []
+    for group in saved_groups:
+        saved_options = {key: value for key, value in group.items() if key != "params"}
+        _, translated = translate_group(kind, saved_options, target)
+        extras = {k: v for k, v in saved_options.items() if k not in source_keys}
+        options.append({**extras, **translated})
+    states: dict[torch.Tensor, dict[str, Any]] = {}
+    steps = [0] * len(saved_groups)
+    for group_index, group in enumerate(saved_groups):
+        for position, saved_index in enumerate(group["params"]):
+            saved = state_dict["state"].get(saved_index)
+            if not saved:
+                continue
+            parameter = optimizer.param_groups[group_index]["params"][position]
+            steps[group_index] = max(steps[group_index], saved_step(saved))
+            if target == "bnb_8bit":
+                states[parameter] = bnb_state(
+                    optimizer, saved, (group_index, position), adam=kind != "sgd"
+                )
+            else:
+                betas = None if kind == "sgd" else tuple(group["betas"])
+                states[parameter] = optimi_state(saved, parameter, betas)
+    for group, translated, step in zip(optimizer.param_groups, options, steps, strict=True):
+        group.update(translated)
+        if target == "optimi_kahan":
+            adam = "beta1" in translated
+            if adam:
+                group["betas"] = (translated["beta1"], translated["beta2"])
+            optimi_group_resumed(group, step if adam else None)
+    optimizer.state.clear()
+    optimizer.state.update(states)
 
 
 def saved_step(saved: dict[str, Any]) -> int:
@@ -80,7 +199,7 @@ def bnb_state(
     """bitsandbytes' state for the parameter at ``indices`` (group, position) from torch's,
     built by the optimizer's own ``init_state`` (8-bit or fp32 by its ``min_8bit_size``) and
     filled with bitsandbytes' block-wise quantisation."""
-    from bitsandbytes import functional
+    functional = require("bitsandbytes").functional
 
     group_index, position = indices
     group = optimizer.param_groups[group_index]
@@ -112,11 +231,11 @@ def optimi_group_resumed(group: dict[str, Any], step: int | None) -> None:
     """Set a torch-optimi group up as its first step would, at ``step`` (None: SGD, which counts
     none): its first step otherwise resets the group's step to 0, and Adam's bias correction
     would start again over moments that are already corrected."""
-    from optimi.utils import _default_to_triton
+    default_to_triton = require("optimi").utils._default_to_triton
 
     if step is not None:
         group["step"] = torch.tensor(step, dtype=torch.int32)
     if not group["setup"]:
         group["setup"] = True
         if group["triton"] is None and group["foreach"] is None:
-            group["triton"] = _default_to_triton(group["params"])
+            group["triton"] = default_to_triton(group["params"])

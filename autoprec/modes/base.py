@@ -20,6 +20,7 @@ from typing_extensions import override
 from autoprec.eligibility import Situation, mode_eligibility, optimizer_8bit_eligibility
 from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer, translation_problem
 from autoprec.specs import ModeName, ModeSpec, matches_keep_fp32
+from autoprec.state_translation import accept_source_state
 
 __all__ = ["PrecisionMode", "install_autocast_islands", "install_fp32_islands", "override"]
 
@@ -236,7 +237,9 @@ class PrecisionMode:
             if held <= current:
                 return optimizer  # nothing swapped: keep the user's optimizer as it is
             target = "same"
-        return rebuild_optimizer(optimizer, groups, model, target)
+        rebuilt = rebuild_optimizer(optimizer, groups, model, target)
+        accept_source_state(rebuilt, optimizer, target)  # a run switched mid-way resumes
+        return rebuilt
 
     # -- training step ------------------------------------------------------------------------
 

@@ -1,0 +1,144 @@
+"""Loading a torch optimizer's state into the optimizer a mode rebuilt it into."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.optim import named_groups, rebuild_optimizer
+from autoprec.state_translation import accept_source_state
+
+
+def _rebuild(source: torch.optim.Optimizer, model: nn.Module, target: str) -> torch.optim.Optimizer:
+    """``source`` rebuilt for ``target`` as a mode rebuilds it (``convert_optimizer``)."""
+    rebuilt = rebuild_optimizer(source, named_groups(source, model), model, target)
+    accept_source_state(rebuilt, source, target)
+    return rebuilt
+
+
+@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit"])
+def test_another_optimizers_state_is_refused_at_load_and_its_own_loads(target: str) -> None:
+    """A state neither plan.optimizer's own nor the user's optimizer's (here RMSprop's, for an
+    AdamW rebuild): the first step failed with a bare KeyError ('kahan_sum', 'state1'). Now the
+    load says what and why."""
+    pytest.importorskip("optimi" if target == "optimi_kahan" else "bitsandbytes")
+    model = nn.Linear(64, 128)
+    source = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    other_run = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    other_run.step()
+    rebuilt = _rebuild(source, model, target)
+    with pytest.raises(ValueError, match=r"cannot load this optimizer state: another optimizer"):
+        rebuilt.load_state_dict(other_run.state_dict())
+    rebuilt.step()
+    saved = copy.deepcopy(rebuilt.state_dict())
+    # the wrapped load binds to a deep copy; a deep copy of a bitsandbytes optimizer cannot load
+    # (its own non_castable_tensor_keys), so that one is rebuilt
+    copied = target == "optimi_kahan"
+    twin = copy.deepcopy(rebuilt) if copied else _rebuild(source, model, target)
+    twin.load_state_dict(saved)
+    for name in ("exp_avg", "state1"):
+        if name in rebuilt.state[model.weight]:
+            assert torch.equal(
+                twin.state[twin.param_groups[0]["params"][0]][name],
+                rebuilt.state[model.weight][name],
+            )
+
+
+def _torch_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    inputs = torch.randn(256, 64, generator=torch.Generator().manual_seed(99))
+    targets = inputs[:, :1].sin()
+    for step in steps:
+        rows = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(step))
+        dtype = next(model.parameters()).dtype
+        loss = (model(inputs[rows].to(dtype)).float() - targets[rows]).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _resumed_error(kind: str, target: str, width: int, dtype: torch.dtype, load: bool) -> float:
+    """Relative distance, after 30 resumed steps, between an fp32 run continued with its own
+    optimizer and the same run switched to ``target`` (its state loaded, or left fresh)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, 1))
+    optimizer = _torch_optimizer(kind, model)
+    _train(model, optimizer, range(100))
+    saved = optimizer.state_dict()
+    continued = copy.deepcopy(model)
+    continued_optimizer = _torch_optimizer(kind, continued)
+    continued_optimizer.load_state_dict(copy.deepcopy(saved))
+    _train(continued, continued_optimizer, range(100, 130))
+    switched = copy.deepcopy(model).to(dtype)
+    fresh = _torch_optimizer(kind, switched)
+    rebuilt = _rebuild(fresh, switched, target)
+    if load:
+        rebuilt.load_state_dict(copy.deepcopy(saved))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bitsandbytes on CPU
+        _train(switched, rebuilt, range(100, 130))
+    pairs = list(
+        zip(switched.parameters(), continued.parameters(), model.parameters(), strict=True)
+    )
+    error = sum(float((a.detach().float() - b.detach()).norm() ** 2) for a, b, _ in pairs)
+    moved = sum(float((b.detach() - c.detach()).norm() ** 2) for _, b, c in pairs)
+    return (error / moved) ** 0.5
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit"])
+def test_a_torch_optimizers_state_is_translated_into_the_rebuild(kind: str, target: str) -> None:
+    """A run switched mid-way from fp32 to bf16_kahan or 8-bit states resumes with its Adam
+    moments or SGD momentum: the load was refused before. Where the target keeps fp32 state
+    (torch-optimi over fp32 weights; bitsandbytes below min_8bit_size) the resumed run is
+    torch's to rounding; with bf16 weights or 8-bit states it is far closer to the run
+    continued in fp32 than a restart with fresh state."""
+    pytest.importorskip("optimi" if target == "optimi_kahan" else "bitsandbytes")
+    exact = _resumed_error(kind, target, width=40, dtype=torch.float32, load=True)
+    assert exact < 1e-5, exact
+    low = torch.bfloat16 if target == "optimi_kahan" else torch.float32
+    loaded = _resumed_error(kind, target, width=128, dtype=low, load=True)
+    fresh = _resumed_error(kind, target, width=128, dtype=low, load=False)
+    assert loaded < 0.4 * fresh, (loaded, fresh)
+
+
+def test_a_translated_load_takes_the_saved_hyperparameters_and_fails_whole() -> None:
+    """As torch's own load: the checkpoint's lr (and a scheduler's initial_lr) win. A state
+    that does not fit (other parameter counts, an amsgrad run) is refused before anything of
+    the optimizer changed."""
+    pytest.importorskip("optimi")
+    model = nn.Linear(64, 128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 5e-4
+    saved = optimizer.state_dict()
+    bf16 = nn.Linear(64, 128).to(torch.bfloat16)
+    fresh = torch.optim.AdamW(bf16.parameters(), lr=1e-3)
+    rebuilt = _rebuild(fresh, bf16, "optimi_kahan")
+    rebuilt.load_state_dict(saved)
+    group = rebuilt.param_groups[0]
+    assert (group["lr"], group["initial_lr"], int(group["step"])) == (5e-4, 1e-3, 1)
+    assert rebuilt.state[bf16.weight]["exp_avg"].dtype == torch.bfloat16
+
+    pristine = _rebuild(fresh, bf16, "optimi_kahan")
+    before = {key: value for key, value in pristine.param_groups[0].items() if key != "params"}
+    one_short = {**saved, "param_groups": [{**saved["param_groups"][0], "params": [0]}]}
+    with pytest.raises(ValueError, match=r"groups hold \[1\] parameters, plan.optimizer's \[2\]"):
+        pristine.load_state_dict(one_short)
+    amsgrad = {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}
+    with pytest.raises(ValueError, match="amsgrad=True has no equivalent"):
+        pristine.load_state_dict(amsgrad)
+    after = {key: value for key, value in pristine.param_groups[0].items() if key != "params"}
+    assert after == before and not pristine.state
