@@ -580,3 +580,17 @@ def test_mean_teacher_example_passes_bf16_sr_only_with_the_teacher_kept(
     without, kept = out.split("keep_fp32=['teacher']:")
     assert "bf16_sr   unsafe" in without and "state outside the optimizer" in without
     assert "bf16_sr   safe" in kept and "amp_bf16  safe" in kept
+
+
+def test_readme_tune_signature_names_every_parameter() -> None:
+    """The README's `tune(...)` line lists every parameter of autoprec.tune, in order (it had
+    lost keep_fp32 and compile)."""
+    import inspect
+    import re
+
+    import autoprec
+
+    readme = (REPO / "README.md").read_text()
+    line = readme.split("`tune(model, loader,", 1)[1].split(")`", 1)[0]
+    written = ["model", "loader", *re.findall(r"(\w+)=", line)]
+    assert written == list(inspect.signature(autoprec.tune).parameters)
