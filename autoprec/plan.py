@@ -232,7 +232,8 @@ def prepare(
     the mode needs another implementation, with the same groups and hyper-parameters, and the
     ``scheduler`` built on it is rebound to ``plan.optimizer`` (``plan.scheduler``), so its lr
     follows the schedule in every mode. Call it before training starts (and before loading
-    optimizer checkpoints).
+    optimizer checkpoints), or mid-run: an optimizer that has stepped keeps its state in
+    ``plan.optimizer`` (``PrecisionMode.convert_optimizer``).
 
     Raises:
         UnsupportedModeError: the mode cannot run here; the message lists every reason. No

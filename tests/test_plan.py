@@ -479,3 +479,66 @@ def test_an_fp32_run_resumes_under_a_profile_with_its_optimizer_state(spec: Mode
         )
     cosine = float(torch.nn.functional.cosine_similarity(fp32_step, plan_step, dim=0))
     assert cosine > 0.9, cosine
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModeSpec(mode="amp_bf16"),
+        ModeSpec(mode="bf16_pure"),
+        ModeSpec(mode="bf16_sr"),
+        ModeSpec(mode="bf16_kahan"),
+        ModeSpec(mode="bf16_sr_kahan"),
+        ModeSpec(mode="amp_bf16", optimizer_bits=8),
+        ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all"),
+    ],
+    ids=lambda spec: spec.label,
+)
+def test_apply_mid_run_carries_the_optimizers_state(spec: ModeSpec) -> None:
+    """apply() on a run's live model and stepped optimizer: the state is carried into
+    plan.optimizer (cast, loaded or translated), so the next step moves the weights as fp32's
+    next step does. Before, bf16_pure failed in its first step (fp32 state beside bf16 weights,
+    in ``lerp``) and the rebuilding modes refused the optimizer."""
+    backend = {"bf16_kahan": "optimi", "amp_bf16+8bit-optim": "bitsandbytes"}.get(spec.label)
+    if backend:
+        pytest.importorskip(backend)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(30):
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    inputs = torch.randn(4, 16)
+    fp32 = copy.deepcopy(model)
+    fp32_optimizer = torch.optim.AdamW(fp32.parameters(), lr=1e-3)
+    fp32_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    fp32(inputs).pow(2).mean().backward()
+    fp32_optimizer.step()
+
+    def agreement(carried: bool) -> float:
+        switched = copy.deepcopy(model)
+        live = torch.optim.AdamW(switched.parameters(), lr=1e-3)
+        if carried:
+            live.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no scheduler to rebind; bitsandbytes on CPU
+            plan = autoprec.prepare(spec, switched, live)
+            with plan.autocast():
+                dtype = next(plan.model.parameters()).dtype
+                loss = plan.model(inputs.to(dtype)).float().pow(2).mean()
+            plan.step(loss)
+        with torch.no_grad():
+            moved = [
+                torch.cat(
+                    [
+                        (p.float() - q).flatten()
+                        for p, q in zip(a.parameters(), model.parameters(), strict=True)
+                    ]
+                )
+                for a in (plan.model, fp32)
+            ]
+        return float(torch.nn.functional.cosine_similarity(*moved, dim=0))
+
+    carried, fresh = agreement(True), agreement(False)
+    assert carried > 0.75 and fresh < 0.4, (carried, fresh)

@@ -229,16 +229,25 @@ class PrecisionMode:
     def convert_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, groups: list[NamedGroup]
     ) -> torch.optim.Optimizer:
-        """The optimizer this mode trains with, over ``model``'s (possibly new) parameters."""
+        """The optimizer this mode trains with, over ``model``'s (possibly new) parameters. An
+        optimizer that has stepped (a run switched mid-way) keeps its state: loaded into the
+        rebuild (translated where that is another library's), or, where the mode keeps the
+        optimizer, cast to its parameters' new dtypes as torch's own load casts it (bf16_pure
+        stepped with fp32 state on bf16 weights failed in ``lerp``)."""
+        held = optimizer.state_dict() if optimizer.state else None
         target = self.rebuilt_optimizer_target
         if target is None:
             current = {id(p) for p in model.parameters()}
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if held <= current:
-                return optimizer  # nothing swapped: keep the user's optimizer as it is
+            kept = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if kept <= current:  # nothing swapped: keep the user's optimizer
+                if held is not None:
+                    optimizer.load_state_dict(held)
+                return optimizer
             target = "same"
-        rebuilt = rebuild_optimizer(optimizer, groups, model, target)
+        rebuilt = rebuild_optimizer(optimizer, groups, model, target, require_fresh=False)
         accept_source_state(rebuilt, optimizer, target)  # a run switched mid-way resumes
+        if held is not None:
+            rebuilt.load_state_dict(held)
         return rebuilt
 
     # -- training step ------------------------------------------------------------------------
