@@ -224,6 +224,15 @@ def _tf32(situation: Situation, verdict: _Verdict) -> None:
 
 def _amp_fp16(situation: Situation, verdict: _Verdict) -> None:
     _needs_low_precision(verdict, "amp_fp16", "float16", situation)
+    layers = situation.layers
+    if layers is not None and layers.complex_parameters:
+        verdict.reasons.append(
+            "amp_fp16: torch's GradScaler cannot unscale complex gradients (its "
+            "_amp_foreach_non_finite_check_and_unscale_ is not implemented for ComplexFloat, "
+            "on CPU and CUDA: pytorch/pytorch#58228) (found: "
+            f"{len(layers.complex_parameters)} complex trainable parameter(s): "
+            f"{_first_names(layers.complex_parameters)})"
+        )
     if situation.gpu is None and not verdict.reasons:
         verdict.doubt(
             "PyTorch has no fast fp16 kernels on most CPUs: expect amp_fp16 to be far slower "

@@ -482,3 +482,36 @@ def test_a_kept_module_handed_a_model_input_reads_it_in_fp32(compiled: str) -> N
     with pytest.raises(RuntimeError):
         plan.model(torch.zeros(3, 5))  # a forward that raises leaves no record behind
     assert root_inputs._stack() == []
+
+
+def test_bf16_kahan_refuses_a_sparse_embedding_left_out_of_keep_fp32() -> None:
+    """torch-optimi failed at the first step ("copy_() between dense and sparse Tensors") on a
+    sparse=True embedding cast to bf16. Kept in fp32 (the default) it trains; left out by a
+    spec's keep_fp32 it is refused before the model is touched, naming the module and the
+    keep_fp32 that works."""
+    pytest.importorskip("optimi")
+
+    def sparse_model() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.table = nn.Embedding(100, 16, sparse=True)
+        model.head = nn.Linear(16, 4)
+        model.forward = lambda rows: model.head(model.table(rows))  # type: ignore[method-assign]
+        return model
+
+    model = sparse_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        autoprec.UnsupportedModeError,
+        match=r"sparse=True in 'table', outside keep_fp32\); keep them in fp32 "
+        r"\(keep_fp32=\['head', 'table'\]\)",
+    ):
+        prepare(ModeSpec(mode="bf16_kahan", keep_fp32=("head",)), model, optimizer)
+    assert model.table.weight.dtype == model.head.weight.dtype == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(ModeSpec(mode="bf16_kahan", keep_fp32=("table",)), model, optimizer)
+    start = plan.model.table.weight.detach().clone()
+    plan.step(plan.model(torch.randint(0, 100, (8,))).float().square().mean())
+    assert plan.model.head.weight.dtype == torch.bfloat16
+    assert not torch.equal(plan.model.table.weight.detach(), start)

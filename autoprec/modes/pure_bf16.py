@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autoprec.eligibility import Situation
 from autoprec.modes.base import (
     PrecisionMode,
     install_autocast_islands,
@@ -132,6 +133,29 @@ class Bf16KahanMode(Bf16PureMode):
     name = "bf16_kahan"
     optimizer_target = "optimi_kahan"
     allows_8bit_optimizer = False
+
+    @override
+    def requirements(self, situation: Situation) -> list[str]:
+        """Beside the mode's own: torch-optimi cannot add a sparse gradient into a bf16 weight's
+        Kahan buffer (0.3.3: "copy_() between dense and sparse Tensors is not implemented" at
+        the first step). Every embedding is kept in fp32 by default, where it trains; a spec
+        whose ``keep_fp32`` leaves a ``sparse=True`` one out is refused up front."""
+        reasons = super().requirements(situation)
+        layers = situation.layers
+        converted = [
+            name
+            for name in (layers.sparse_gradient_modules if layers is not None else ())
+            if not self.keeps_fp32(name)
+        ]
+        if converted:
+            listed = ", ".join(repr(name) for name in converted)
+            reasons.append(
+                f"bf16_kahan: torch-optimi cannot step a sparse gradient on bf16 weights (found: "
+                f"sparse=True in {listed}, outside keep_fp32); keep them in fp32 "
+                f"(keep_fp32={[*self.spec.keep_fp32, *converted]!r}), pass sparse=False, or "
+                "use bf16_sr"
+            )
+        return reasons
 
 
 class Bf16SrKahanMode(Bf16PureMode):
