@@ -15,6 +15,7 @@ runs; see the README).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -143,6 +144,10 @@ class RecipeSummary(BaseModel):
     loss_fn: str | None = None
     train_step: str | None = None
     lr_points: tuple[LrPoint, ...] = ()
+    optimizer_state_steps: int | None = None
+    """None: trials started from fresh optimizer state. Else they started from the state of the
+    optimizer passed (a run's checkpoint), whose parameters had taken up to this many steps (0
+    for state that counts none, such as SGD's momentum)."""
 
 
 def plain_value(value: Any) -> Any:
@@ -211,8 +216,9 @@ class TrainingRecipe:
 
     Args:
         optimizer: an optimizer over the model (its groups and hyper-parameters are cloned per
-            trial; the object itself is never stepped) or a factory ``params -> optimizer``.
-            Default: AdamW(lr=3e-4).
+            trial, and its state when it has stepped: a run's checkpoint starts every trial
+            with its own Adam moments or momentum; the object itself is never stepped) or a
+            factory ``params -> optimizer``. Default: AdamW(lr=3e-4).
         scheduler: ``factory(optimizer) -> LRScheduler`` (or ``factory(optimizer,
             total_steps=N)``); needs ``total_steps``.
         total_steps: the real run's number of optimizer steps.
@@ -264,11 +270,20 @@ class TrainingRecipe:
 
     # -- optimizers ---------------------------------------------------------------------------
 
-    def make_optimizer(self, user_model: nn.Module, model: nn.Module) -> torch.optim.Optimizer:
-        """A fresh optimizer over ``model`` (a copy of ``user_model``), never the user's own."""
+    def make_optimizer(
+        self, user_model: nn.Module, model: nn.Module, *, with_state: bool = False
+    ) -> torch.optim.Optimizer:
+        """An optimizer over ``model`` (a copy of ``user_model``), never the user's own. With
+        ``with_state`` (a trial), a copy of the user's optimizer's state when it has stepped:
+        a trial from a late checkpoint then continues the run with its Adam moments, where a
+        fresh Adam's first steps are about ``lr`` per weight whatever the gradient's size.
+        Without (reading the schedule, the summary), no state is copied."""
         if isinstance(self.optimizer, torch.optim.Optimizer):
             groups = named_groups(self.optimizer, user_model)
-            return rebuild_optimizer(self.optimizer, groups, model, "same", require_fresh=False)
+            clone = rebuild_optimizer(self.optimizer, groups, model, "same", require_fresh=False)
+            if with_state and self.optimizer.state:  # copied: trials never touch the user's
+                clone.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
+            return clone
         made = self.optimizer(model.parameters())
         if isinstance(made, dict | list | tuple):
             raise TypeError(
@@ -366,9 +381,21 @@ class TrainingRecipe:
             loss_fn=qualified_name(self.loss_fn),
             train_step=qualified_name(self.train_step),
             lr_points=self.lr_points(model),
+            optimizer_state_steps=self._state_steps(),
         )
         self._cache[key] = summary
         return summary
+
+    def _state_steps(self) -> int | None:
+        """The most steps a parameter of the user's optimizer had taken (None: no state)."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer) or not self.optimizer.state:
+            return None
+        steps = [
+            float(state["step"])
+            for state in self.optimizer.state.values()
+            if isinstance(state.get("step"), torch.Tensor | int | float)
+        ]
+        return int(max(steps, default=0))
 
 
 def _require_readable(scheduler: Any) -> None:

@@ -115,7 +115,7 @@ def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
     return build_plan(
         inputs.spec,
         trained,
-        recipe.make_optimizer(inputs.model, trained),
+        recipe.make_optimizer(inputs.model, trained, with_state=True),
         grad_accumulation_steps=recipe.grad_accumulation_steps,
         clip_grad_norm=recipe.clip_grad_norm,
         situation=inputs.situation,

@@ -10,9 +10,11 @@ mode for ``--trial-steps`` from those weights with the task's optimizer at the s
 there (constant). Every verdict is scored against the same long-run truth as
 ``benchmarks.ground_truth`` (its cache). Printed: each pair with the mode's forward cost (its own
 trained weights read in the mode vs in fp32), then the confusion matrix with the forward-cost
-check at several lines (``DriftThresholds.max_forward_cost``).
+check at several lines (``DriftThresholds.max_forward_cost``). ``--with-state`` passes
+``check()`` the fp32 run's own optimizer, its state included (Adam's moments, SGD's momentum), as
+a user resuming from a full checkpoint does; without it the optimizer starts fresh.
 
-    python -m benchmarks.late_checkpoint [--tasks a,b] [--at 0.5,0.9] [--steps 2000]
+    python -m benchmarks.late_checkpoint [--tasks a,b] [--at 0.5,0.9] [--steps 2000] [--with-state]
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]
     lrs: tuple[float, ...]
     """Every parameter group's learning rate for the next step (the task's schedule there)."""
+    optimizer_state: dict[str, Any]
+    """The fp32 run's optimizer state there (its ``state_dict()``)."""
 
 
 def fp32_checkpoint(task: GroundTask, steps: int) -> Checkpoint:
@@ -54,7 +58,9 @@ def fp32_checkpoint(task: GroundTask, steps: int) -> Checkpoint:
     long_run(task, ModeSpec(mode="fp32"), 0, steps, plans.append)
     (plan,) = plans
     lrs = tuple(float(group["lr"]) for group in plan.optimizer.param_groups)
-    return Checkpoint(copy.deepcopy(plan.model.state_dict()), lrs)
+    return Checkpoint(
+        copy.deepcopy(plan.model.state_dict()), lrs, copy.deepcopy(plan.optimizer.state_dict())
+    )
 
 
 def at_lrs(factory: Callable[..., torch.optim.Optimizer], lrs: tuple[float, ...]) -> Any:
@@ -69,16 +75,24 @@ def at_lrs(factory: Callable[..., torch.optim.Optimizer], lrs: tuple[float, ...]
     return late
 
 
-def check_from(task: GroundTask, checkpoint: Checkpoint, trial_steps: int) -> QualityReport:
+def check_from(
+    task: GroundTask, checkpoint: Checkpoint, trial_steps: int, with_state: bool = False
+) -> QualityReport:
     model = copy.deepcopy(task.model)
     model.load_state_dict(checkpoint.weights)
     recipe = task.recipe
+    optimizer: Any = at_lrs(recipe.optimizer, checkpoint.lrs)
+    if with_state:  # the run's own optimizer, stepped: check() starts every trial from its state
+        optimizer = optimizer(model.parameters())
+        optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer_state))
+        for group, lr in zip(optimizer.param_groups, checkpoint.lrs, strict=True):
+            group["lr"] = lr
     return autoprec.check(
         model,
         task.batches,
         steps=trial_steps,
         loss_fn=recipe.loss_fn,
-        optimizer=at_lrs(recipe.optimizer, checkpoint.lrs),
+        optimizer=optimizer,
         clip_grad_norm=recipe.clip_grad_norm,
         eval_fn=task.eval_fn,
         thresholds=NO_FORWARD_RULE,
@@ -112,10 +126,12 @@ def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
     return false_accepts, false_rejects
 
 
-def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], list[str]]:
-    """``--at`` (fractions of the run, each in (0, 1)) and the other arguments."""
+def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], bool, list[str]]:
+    """``--at`` (fractions of the run, each in (0, 1)), ``--with-state`` and the other
+    arguments."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--at", default="0.9")
+    pre.add_argument("--with-state", action="store_true")
     known, rest = pre.parse_known_args(argv)
     try:
         fractions = [float(value) for value in known.at.split(",")]
@@ -123,15 +139,21 @@ def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], list[str]
         fractions = []
     if not fractions or not all(0 < f < 1 for f in fractions):
         raise SystemExit(f"--at: fractions of the run in (0, 1), e.g. 0.5,0.9; got {known.at!r}")
-    return fractions, rest
+    return fractions, known.with_state, rest
 
 
 def task_rows(
-    task: GroundTask, at: float, steps: int, trial_steps: int, cache: Path, fp32: list[float]
+    task: GroundTask,
+    at: float,
+    runs: tuple[int, int, Path],
+    fp32: list[float],
+    with_state: bool,
 ) -> list[Row]:
-    """Every mode's verdict from fp32's checkpoint at ``at`` of the run, with its truth."""
+    """Every mode's verdict from fp32's checkpoint at ``at`` of the run, with its truth
+    (``runs``: long-run steps, trial steps, the cache)."""
+    steps, trial_steps, cache = runs
     checkpoint = fp32_checkpoint(task, int(at * steps))
-    report = check_from(task, checkpoint, trial_steps)
+    report = check_from(task, checkpoint, trial_steps, with_state)
     print(
         f"\n{task.name}: checked from fp32's step {int(at * steps)} at lr {checkpoint.lrs[0]:.3g}",
         flush=True,
@@ -157,15 +179,14 @@ def task_rows(
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    fractions, rest = checkpoint_fractions(argv)
+    fractions, with_state, rest = checkpoint_fractions(argv)
     names, steps, trial_steps, cache = scoring_arguments(__doc__ or "", rest)
     rows: list[Row] = []
     for name in names:  # each task and its fp32 truth built once, for every fraction
         task = TASKS[name](steps)
         fp32 = fp32_metrics(cache, task, steps)
-        rows += [
-            row for at in fractions for row in task_rows(task, at, steps, trial_steps, cache, fp32)
-        ]
+        runs = (steps, trial_steps, cache)
+        rows += [row for at in fractions for row in task_rows(task, at, runs, fp32, with_state)]
     for at in fractions:
         at_rows = [row for row in rows if row.at == at]
         print(f"\n{len(at_rows)} pairs checked from {at:.0%} of the run; by the forward-cost line:")

@@ -525,8 +525,13 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     assert {r.at for r in rows} == {0.9}
     assert late_checkpoint.checkpoint_fractions(["--at", "0.5,0.9", "--quick"]) == (
         [0.5, 0.9],
+        False,
         ["--quick"],
     )
+    # --with-state: check() starts every trial from the fp32 run's own optimizer state
+    stateful = late_checkpoint.main([*args, "--with-state"])
+    assert [r.label for r in stateful] == [r.label for r in rows]
+    assert next(r for r in stateful if r.label == "bf16_pure").rejected_by_other_checks
     for wrong in ("1.5", "half", "0"):
         with pytest.raises(SystemExit, match="--at: fractions of the run in"):
             late_checkpoint.checkpoint_fractions(["--at", wrong])

@@ -631,3 +631,32 @@ def test_check_command_takes_a_train_step_and_keep_fp32(capsys: pytest.CaptureFi
     assert kept["status"] == "safe" and kept["spec"]["keep_fp32"] == ["teacher"]
     assert main([*command, "--loss", "examples.mean_teacher:train_step"]) == 2
     assert "Pass loss_fn or train_step, not both" in capsys.readouterr().err
+
+
+def test_check_from_a_runs_stepped_optimizer_starts_from_its_state_and_leaves_it() -> None:
+    """A late checkpoint with its optimizer: every trial starts from a copy of the Adam state
+    (the report says from how many steps), and the user's model and optimizer are untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(12):
+        x = torch.randn(16, 8, generator=generator)
+        batches.append((x, x[:, :1].sin()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches[:10]:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(optimizer.state_dict())
+    report = autoprec.check(
+        model, batches, loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer, steps=6,
+        modes=["amp_bf16", "bf16_sr"],
+    )  # fmt: skip
+    assert report.recipe.optimizer_state_steps == 10
+    assert all(v.status != "failed" for v in report.verdicts), report.summary()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name])
+    for index, entry in optimizer.state_dict()["state"].items():
+        assert all(torch.equal(v, state["state"][index][k]) for k, v in entry.items())
