@@ -150,14 +150,36 @@ def _thresholds(settings: list[str]) -> Any:
         raise ValueError(f"--threshold: {field_errors(error)}.") from None
 
 
+def _stepped_optimizer(model: Any, factory: Any, path: str) -> Any:
+    """The run's optimizer: ``factory`` (None: autoprec's default) over ``model``, its state
+    loaded from ``path``."""
+    from autoprec.factories import load_optimizer_state
+    from autoprec.recipe import default_optimizer
+
+    optimizer = (factory or default_optimizer)(model.parameters())
+    load_optimizer_state(optimizer, path)
+    return optimizer
+
+
 def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """The model, batches and recipe the command line names, as keyword arguments."""
     from autoprec.factories import load_model, load_object, load_weights
 
     thresholds = _thresholds(args.threshold)  # before the model loads: a typo fails at once
+    if args.optimizer_state == "" and not args.weights:
+        raise ValueError(
+            "--optimizer-state without a FILE reads the --weights checkpoint: pass --weights, "
+            "or --optimizer-state FILE."
+        )
     model, _ = load_model(args.model)
     if args.weights:
         load_weights(model, args.weights)
+    optimizer = _optimizer_factory(args.optimizer, args.lr)
+    if args.optimizer_state is not None:
+        optimizer = _stepped_optimizer(model, optimizer, args.optimizer_state or args.weights)
+        if args.lr is not None:  # the lr the run ends at, over the one saved with the state
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr
     return {
         "model": model,
         "loader": _loader(args.data),
@@ -166,7 +188,7 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
             load_object(args.train_step, option="--train-step") if args.train_step else None
         ),
         "eval_fn": load_object(args.eval, option="--eval") if args.eval else None,
-        "optimizer": _optimizer_factory(args.optimizer, args.lr),
+        "optimizer": optimizer,
         "scheduler": load_object(args.scheduler, option="--scheduler") if args.scheduler else None,
         "total_steps": args.total_steps,
         "grad_accumulation_steps": args.grad_accum,

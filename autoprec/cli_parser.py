@@ -25,6 +25,16 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "from a late checkpoint of your run (with --lr at the lr it ends at) to see costs that "
         "show only at a low loss, such as FP8's",
     )
+    parser.add_argument(
+        "--optimizer-state",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="start every trial from your run's optimizer state (Adam's moments), as the run "
+        "continues: the one in the --weights checkpoint (under 'optimizer', "
+        "'optimizer_state_dict', 'optim' or 'optimizer_states'), or FILE (a Hugging Face "
+        "Trainer's optimizer.pt); its lr is the run's there unless --lr is given",
+    )
     parser.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
     parser.add_argument(
         "--train-step",

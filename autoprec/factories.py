@@ -152,21 +152,74 @@ def _state_dict_in(loaded: Any, path: Path, option: str) -> dict[str, torch.Tens
     )
 
 
-def load_weights(model: nn.Module, path_text: str, *, option: str = "--weights") -> None:
-    """Load the state dict saved at ``path_text`` into ``model`` (a model the factory just
-    made), every key matched: a late checkpoint of your run to start trials from. The file is
-    read with ``weights_only=True`` (no code runs) and never written."""
+def _read(path_text: str, option: str, what: str) -> tuple[Path, Any]:
+    """The file at ``path_text`` read with ``weights_only=True`` (no code runs)."""
     path = Path(path_text)
     if not path.is_file():
         raise ModelLoadError(f"{option}: no file {path_text!r}.")
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        return path, torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file is the same user error
         first = (str(error).strip().splitlines() or [""])[0]
         raise ModelLoadError(
-            f"{option}: {path} is not a torch.save file of weights "
+            f"{option}: {path} is not a torch.save file of {what} "
             f"({type(error).__name__}: {first})."
         ) from None
+
+
+OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_states")
+"""Where training scripts put the optimizer's state inside a checkpoint dict (nanoGPT:
+"optimizer"; Lightning: "optimizer_states", a list with one per optimizer). A Hugging Face
+Trainer's ``optimizer.pt`` is the optimizer's state dict itself."""
+
+
+def _optimizer_state_in(loaded: Any, path: Path, option: str) -> dict[str, Any]:
+    """The optimizer state dict in a loaded file: the file itself or one under a common key."""
+
+    def state_dict(value: Any) -> bool:
+        return isinstance(value, dict) and "state" in value and "param_groups" in value
+
+    if state_dict(loaded):
+        return loaded
+    if isinstance(loaded, dict):
+        for key in OPTIMIZER_KEYS:
+            value = loaded.get(key)
+            if isinstance(value, list) and len(value) == 1:
+                value = value[0]
+            if state_dict(value):
+                return value
+    found = ", ".join(repr(key) for key in list(loaded)[:8]) if isinstance(loaded, dict) else ""
+    raise ModelLoadError(
+        f"{option}: {path} holds no optimizer state (keys: {found or 'none'}); expected "
+        "optimizer.state_dict() saved alone or under one of "
+        f"{', '.join(repr(key) for key in OPTIMIZER_KEYS)}."
+    )
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, path_text: str, *, option: str = "--optimizer-state"
+) -> None:
+    """Load the optimizer state saved at ``path_text`` into ``optimizer`` (built over the model
+    the weights were loaded into): trials then start from a copy of it, as the run continues.
+    The file is read with ``weights_only=True`` and never written."""
+    path, loaded = _read(path_text, option, "optimizer state")
+    state = _optimizer_state_in(loaded, path, option)
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ModelLoadError(
+            f"{option}: {path}'s optimizer state does not fit {type(optimizer).__name__} over "
+            f"this model ({type(error).__name__}: {first}); pass the --optimizer the run "
+            "trained with."
+        ) from None
+
+
+def load_weights(model: nn.Module, path_text: str, *, option: str = "--weights") -> None:
+    """Load the state dict saved at ``path_text`` into ``model`` (a model the factory just
+    made), every key matched: a late checkpoint of your run to start trials from. The file is
+    read with ``weights_only=True`` (no code runs) and never written."""
+    path, loaded = _read(path_text, option, "weights")
     state = _state_dict_in(loaded, path, option)
     if all(key.startswith(COMPILED_PREFIX) for key in state):
         state = {key[len(COMPILED_PREFIX) :]: value for key, value in state.items()}

@@ -573,6 +573,59 @@ def test_weights_start_every_trial_from_a_checkpoint(
     assert "does not fit the model: size mismatch" in capsys.readouterr().err
 
 
+def test_optimizer_state_starts_every_trial_from_the_runs_adam_moments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--optimizer-state: the run's optimizer state from its checkpoint (nanoGPT's "optimizer"
+    key, or a file of its own such as a Hugging Face Trainer's optimizer.pt) starts every trial;
+    the report's recipe says from how many steps, and --lr still sets the lr."""
+    from examples import raw_param_mlp
+
+    model, _ = raw_param_mlp.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in raw_param_mlp.make_batches()[:7]:
+        raw_param_mlp.loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    command = [*RAW_PARAM_CHECK, "--steps", "4", "--modes", "amp_bf16", "--json"]
+    command += ["--weights", str(tmp_path / "ckpt.pt")]
+    for extra, lr in ([], 1e-3), (["--lr", "1e-5"], 1e-5):
+        assert main([*command, "--optimizer-state", *extra]) == 0
+        recipe = json.loads(capsys.readouterr().out)["recipe"]
+        assert recipe["optimizer_state_steps"] == 7
+        assert recipe["optimizer_groups"][0]["lr"] == lr
+    assert main([*command, "--optimizer-state", str(tmp_path / "optimizer.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["recipe"]["optimizer_state_steps"] == 7
+    assert main([*command]) == 0  # without it: fresh state, as before
+    assert json.loads(capsys.readouterr().out)["recipe"]["optimizer_state_steps"] is None
+
+    torch.save({"model": model.state_dict()}, tmp_path / "weights_only.pt")
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    other.step()
+    torch.save({"optimizer": other.state_dict()}, tmp_path / "other.pt")
+    no_weights = [arg for arg in command if "ckpt.pt" not in arg and arg != "--weights"]
+    for arguments, said in [
+        (
+            [*no_weights, "--optimizer-state"],
+            "--optimizer-state without a FILE reads the --weights",
+        ),
+        (
+            [*command, "--optimizer-state", str(tmp_path / "weights_only.pt")],
+            "holds no optimizer state (keys: 'model')",
+        ),
+        (
+            [*command, "--optimizer-state", str(tmp_path / "other.pt")],
+            "optimizer state does not fit AdamW over this model",
+        ),
+    ]:
+        assert main(arguments) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_hugging_face_model_with_gradient_checkpointing_is_judged_as_without(
     reentrant: bool,
