@@ -102,8 +102,8 @@ def _translate_source_state(
 ) -> None:
     """Load a torch optimizer's state (``kind``) into its rebuild for ``target``: each saved
     group's hyper-parameters translated as at rebuild (the saved values win, as in torch's own
-    load), each parameter's state by ``state_translation``. Everything is translated before
-    anything is written, so a failure leaves the optimizer as it was."""
+    load), each parameter's state by ``optimi_state`` or ``bnb_state``. Everything is
+    translated before anything is written, so a failure leaves the optimizer as it was."""
     saved_groups = state_dict["param_groups"]
     sizes = [len(group["params"]) for group in optimizer.param_groups]
     if [len(group["params"]) for group in saved_groups] != sizes:
