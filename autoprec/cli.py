@@ -150,20 +150,20 @@ def _thresholds(settings: list[str]) -> Any:
         raise ValueError(f"--threshold: {field_errors(error)}.") from None
 
 
-def _stepped_optimizer(model: Any, factory: Any, path: str) -> Any:
+def _stepped_optimizer(model: Any, factory: Any, path: str, read: Any) -> Any:
     """The run's optimizer: ``factory`` (None: autoprec's default) over ``model``, its state
-    loaded from ``path``."""
+    loaded from ``path`` (``read``: that file already read, or None)."""
     from autoprec.factories import load_optimizer_state
     from autoprec.recipe import default_optimizer
 
     optimizer = (factory or default_optimizer)(model.parameters())
-    load_optimizer_state(optimizer, path)
+    load_optimizer_state(optimizer, path, read=read)
     return optimizer
 
 
 def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """The model, batches and recipe the command line names, as keyword arguments."""
-    from autoprec.factories import load_model, load_object, load_weights
+    from autoprec.factories import load_model, load_object, load_weights, read_checkpoint
 
     thresholds = _thresholds(args.threshold)  # before the model loads: a typo fails at once
     if args.optimizer_state == "" and not args.weights:
@@ -172,11 +172,15 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
             "or --optimizer-state FILE."
         )
     model, _ = load_model(args.model)
+    read = None  # a checkpoint holding weights and optimizer state is read once
     if args.weights:
-        load_weights(model, args.weights)
+        read = read_checkpoint(args.weights, "--weights", "weights")
+        load_weights(model, args.weights, read=read)
     optimizer = _optimizer_factory(args.optimizer, args.lr)
     if args.optimizer_state is not None:
-        optimizer = _stepped_optimizer(model, optimizer, args.optimizer_state or args.weights)
+        own_file = args.optimizer_state != ""
+        path = args.optimizer_state if own_file else args.weights
+        optimizer = _stepped_optimizer(model, optimizer, path, None if own_file else read)
         if args.lr is not None:  # the lr the run ends at, over the one saved with the state
             for group in optimizer.param_groups:
                 group["lr"] = args.lr

@@ -152,7 +152,7 @@ def _state_dict_in(loaded: Any, path: Path, option: str) -> dict[str, torch.Tens
     )
 
 
-def _read(path_text: str, option: str, what: str) -> tuple[Path, Any]:
+def read_checkpoint(path_text: str, option: str, what: str) -> tuple[Path, Any]:
     """The file at ``path_text`` read with ``weights_only=True`` (no code runs)."""
     path = Path(path_text)
     if not path.is_file():
@@ -197,12 +197,17 @@ def _optimizer_state_in(loaded: Any, path: Path, option: str) -> dict[str, Any]:
 
 
 def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, path_text: str, *, option: str = "--optimizer-state"
+    optimizer: torch.optim.Optimizer,
+    path_text: str,
+    *,
+    option: str = "--optimizer-state",
+    read: tuple[Path, Any] | None = None,
 ) -> None:
     """Load the optimizer state saved at ``path_text`` into ``optimizer`` (built over the model
     the weights were loaded into): trials then start from a copy of it, as the run continues.
-    The file is read with ``weights_only=True`` and never written."""
-    path, loaded = _read(path_text, option, "optimizer state")
+    The file is read with ``weights_only=True`` (or ``read``: the file already read, a
+    checkpoint holding weights and optimizer is read once) and never written."""
+    path, loaded = read or read_checkpoint(path_text, option, "optimizer state")
     state = _optimizer_state_in(loaded, path, option)
     try:
         optimizer.load_state_dict(state)
@@ -215,11 +220,18 @@ def load_optimizer_state(
         ) from None
 
 
-def load_weights(model: nn.Module, path_text: str, *, option: str = "--weights") -> None:
+def load_weights(
+    model: nn.Module,
+    path_text: str,
+    *,
+    option: str = "--weights",
+    read: tuple[Path, Any] | None = None,
+) -> None:
     """Load the state dict saved at ``path_text`` into ``model`` (a model the factory just
     made), every key matched: a late checkpoint of your run to start trials from. The file is
-    read with ``weights_only=True`` (no code runs) and never written."""
-    path, loaded = _read(path_text, option, "weights")
+    read with ``weights_only=True`` (no code runs; or ``read``, the file already read) and
+    never written."""
+    path, loaded = read or read_checkpoint(path_text, option, "weights")
     state = _state_dict_in(loaded, path, option)
     if all(key.startswith(COMPILED_PREFIX) for key in state):
         state = {key[len(COMPILED_PREFIX) :]: value for key, value in state.items()}
