@@ -83,10 +83,8 @@ def check_from(
     recipe = task.recipe
     optimizer: Any = at_lrs(recipe.optimizer, checkpoint.lrs)
     if with_state:  # the run's own optimizer, stepped: check() starts every trial from its state
-        optimizer = optimizer(model.parameters())
+        optimizer = optimizer(model.parameters())  # its saved groups hold checkpoint.lrs
         optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer_state))
-        for group, lr in zip(optimizer.param_groups, checkpoint.lrs, strict=True):
-            group["lr"] = lr
     return autoprec.check(
         model,
         task.batches,

@@ -426,6 +426,21 @@ def test_a_deep_copy_of_a_compiled_plan_model_runs_its_own_weights() -> None:
     )
 
 
+def _step_cosine(start: nn.Module, one: nn.Module, other: nn.Module) -> float:
+    """Cosine between how far ``one`` and ``other`` moved their weights from ``start``'s."""
+    with torch.no_grad():
+        moved = [
+            torch.cat(
+                [
+                    (p.float() - q).flatten()
+                    for p, q in zip(model.parameters(), start.parameters(), strict=True)
+                ]
+            )
+            for model in (one, other)
+        ]
+    return float(torch.nn.functional.cosine_similarity(*moved, dim=0))
+
+
 @pytest.mark.parametrize(
     "spec", [ModeSpec(mode="bf16_kahan"), ModeSpec(mode="amp_bf16", optimizer_bits=8)]
 )
@@ -467,17 +482,7 @@ def test_an_fp32_run_resumes_under_a_profile_with_its_optimizer_state(spec: Mode
         with plan.autocast():
             loss = plan.model(inputs.to(plan.model[0].weight.dtype)).float().pow(2).mean()
         plan.step(loss)
-    with torch.no_grad():
-        fp32_step = torch.cat(
-            [(a - b).flatten() for a, b in zip(model.parameters(), start.parameters(), strict=True)]
-        )
-        plan_step = torch.cat(
-            [
-                (a.float() - b).flatten()
-                for a, b in zip(plan.model.parameters(), start.parameters(), strict=True)
-            ]
-        )
-    cosine = float(torch.nn.functional.cosine_similarity(fp32_step, plan_step, dim=0))
+    cosine = _step_cosine(start, model, plan.model)
     assert cosine > 0.9, cosine
 
 
@@ -528,17 +533,7 @@ def test_apply_mid_run_carries_the_optimizers_state(spec: ModeSpec) -> None:
                 dtype = next(plan.model.parameters()).dtype
                 loss = plan.model(inputs.to(dtype)).float().pow(2).mean()
             plan.step(loss)
-        with torch.no_grad():
-            moved = [
-                torch.cat(
-                    [
-                        (p.float() - q).flatten()
-                        for p, q in zip(a.parameters(), model.parameters(), strict=True)
-                    ]
-                )
-                for a in (plan.model, fp32)
-            ]
-        return float(torch.nn.functional.cosine_similarity(*moved, dim=0))
+        return _step_cosine(model, plan.model, fp32)
 
     carried, fresh = agreement(True), agreement(False)
     assert carried > 0.75 and fresh < 0.4, (carried, fresh)
