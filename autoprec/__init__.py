@@ -20,6 +20,7 @@ from autoprec.probing import ModeVerdict, ProbeReport, probe
 from autoprec.profile import Profile, load_profile, profile_for
 from autoprec.screening import QualityReport, check
 from autoprec.specs import ModeSpec
+from autoprec.torch_state_form import torch_optimizer_state
 from autoprec.tune_result import TuneResult
 from autoprec.tuning import tune
 
@@ -46,5 +47,6 @@ __all__ = [
     "prepare",
     "probe",
     "profile_for",
+    "torch_optimizer_state",
     "tune",
 ]

@@ -1,9 +1,10 @@
-"""Load a torch optimizer's saved state (AdamW, Adam, SGD) into the optimizer a mode rebuilt it
-into: torch-optimi with Kahan summation, or bitsandbytes' 8-bit states.
+"""Let plan.optimizer load the optimizer state any mode saved, whichever optimizer wrote it.
 
-A run switched mid-way from fp32 (or AMP) to bf16_kahan or 8-bit states resumes with its Adam
-moments or SGD momentum, not with fresh state. What each library keeps (read in their sources,
-torch-optimi 0.3, bitsandbytes 0.50):
+A run switched between modes resumes with its Adam moments or SGD momentum, not with fresh
+state: from fp32 (or AMP) to bf16_kahan (torch-optimi with Kahan summation) or 8-bit states
+(bitsandbytes), back, or between the two. A state in another library's layout is read into
+torch's (``torch_state_form``) and, for a torch-optimi or bitsandbytes rebuild, translated on
+from there. What each library keeps (read in their sources, torch-optimi 0.3, bitsandbytes 0.50):
 
 - torch: ``exp_avg`` m, ``exp_avg_sq`` v (raw; the update divides by ``1 - beta ** step``),
   ``step`` per parameter; SGD ``momentum_buffer``.
@@ -33,63 +34,50 @@ from autoprec.optim import (
     source_kind,
     translate_group,
 )
+from autoprec.torch_state_form import Writer, in_layout_of, state_writer, torch_form
 
-_TORCH_STATE_KEYS: dict[SourceKind, set[str]] = {
-    "adamw": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
-    "adam": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
-    "sgd": {"momentum_buffer"},
-}
-"""The per-parameter state keys torch's optimizers of each family save."""
+_OWN_LAYOUT: dict[OptimizerTarget | None, Writer] = {"bnb_8bit": "bnb", "optimi_kahan": "optimi"}
+"""The layout each rebuild saves in; every other plan optimizer saves torch's."""
 
 
 def accept_source_state(
-    rebuilt: torch.optim.Optimizer, source: torch.optim.Optimizer, target: OptimizerTarget
-) -> None:
-    """Let ``rebuilt`` (``source`` rebuilt for ``target``) load ``source``'s state besides its
-    own; a no-op for the targets whose optimizers load torch's state natively (the same class,
-    the stochastic-rounding ones)."""
-    if target in ("bnb_8bit", "optimi_kahan"):
-        _load_source_state(rebuilt, source_kind(source), target, set(source.defaults))
-
-
-def _load_source_state(
     optimizer: torch.optim.Optimizer,
-    kind: SourceKind,
-    target: OptimizerTarget,
-    source_keys: set[str],
+    source: torch.optim.Optimizer,
+    target: OptimizerTarget | None,
 ) -> None:
-    """Let ``optimizer`` (a bitsandbytes or torch-optimi rebuild) load, besides its own state,
-    the state of the torch optimizer it was rebuilt from (``kind``, whose groups hold
-    ``source_keys``): the user's fp32 AdamW checkpoint, resumed under the profile, is translated
-    (``_translate_source_state``). Any other optimizer's state is refused: torch's own
-    ``load_state_dict`` takes the saved groups as they are, and the first step then failed with
-    a bare ``KeyError`` (``'state1'`` in bitsandbytes, ``'kahan_sum'`` in torch-optimi).
-    bitsandbytes overrides ``load_state_dict`` and runs no load hooks, so the instance's method
-    is wrapped (a bound method: a deep copy binds to the copy)."""
+    """Let ``optimizer`` (plan.optimizer: ``source`` itself, ``target`` None, or ``source``
+    rebuilt for ``target``) load the state any mode's optimizer saved: its own natively, the
+    others translated (a run switched between modes, either way, resumes with its moments). A
+    no-op when ``source`` is no torch AdamW, Adam or SGD: its own state loads as torch loads it."""
+    try:
+        kind = source_kind(source)
+    except TypeError:
+        return
+    own = _OWN_LAYOUT.get(target, "torch")
 
     def load_state_dict(
         self: torch.optim.Optimizer, state_dict: dict[str, Any], *args: Any, **kwargs: Any
     ) -> None:
-        groups = state_dict.get("param_groups", [])
-        saved_keys = {key for entry in state_dict.get("state", {}).values() for key in entry}
-        torch_written = saved_keys <= _TORCH_STATE_KEYS[kind]
-        if groups and torch_written and all(source_keys <= set(group) for group in groups):
-            _translate_source_state(self, state_dict, kind, target, source_keys)
-            return
-        expected = set(self.param_groups[0]) - {"params", "betas", "initial_lr"}
-        for group in groups:
-            missing = sorted(expected - set(group))
-            if missing:
-                name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"
-                raise ValueError(
-                    f"plan.optimizer ({name}) cannot load this optimizer state: another "
-                    f"optimizer wrote it (its parameter groups lack {missing[:4]}). It loads "
-                    "its own state and that of the torch optimizer passed to apply() "
-                    f"({SUPPORTED_SOURCES}); load one of those, or keep the optimizer fresh "
-                    "and load the model's weights only."
-                )
-        type(self).load_state_dict(self, state_dict, *args, **kwargs)
+        writer = state_writer(state_dict)
+        if writer == own or (writer is None and own == "torch"):
+            type(self).load_state_dict(self, state_dict, *args, **kwargs)
+        elif writer is None:
+            name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"
+            raise ValueError(
+                f"plan.optimizer ({name}) cannot load this optimizer state: another optimizer "
+                f"wrote it. It loads the states of torch ({SUPPORTED_SOURCES}), torch-optimi "
+                "and bitsandbytes, as autoprec's modes save them; load one of those, or keep "
+                "the optimizer fresh and load the model's weights only."
+            )
+        elif own == "torch":
+            form = in_layout_of(torch_form(state_dict, kind), self)
+            type(self).load_state_dict(self, form, *args, **kwargs)
+        else:
+            form = torch_form(state_dict, kind)
+            _translate_source_state(self, form, kind, target, set(source.defaults))  # type: ignore[arg-type]
 
+    # bitsandbytes overrides load_state_dict and runs no load hooks, so the instance's method
+    # is wrapped (a bound method: a deep copy binds to the copy)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
 
 

@@ -17,7 +17,7 @@ ORDER = [
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layers",
     "eligibility",
-    "stochastic_optim", "optim", "state_translation",               # runtime (apply)
+    "stochastic_optim", "optim", "torch_state_form", "state_translation",  # runtime (apply)
     "modes", "model_copies", "plan", "testing",
     "probing", "candidates", "batching", "recipe", "recipe_match",  # pipeline
     "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",

@@ -142,6 +142,29 @@ def test_an_fp32_trainer_checkpoint_resumes_under_a_kahan_profile(
     assert plan.optimizer.state[weight]["exp_avg_sq"].dtype == torch.bfloat16
 
 
+def test_a_kahan_trainer_checkpoint_resumes_under_an_amp_profile(
+    hf_tuned: Any, tmp_path: Path
+) -> None:
+    """The way back: a checkpoint the plan's torch-optimi optimizer wrote (bf16_kahan) resumes
+    into the Trainer's own torch AdamW under an amp_bf16 profile, its moments read back into
+    torch's layout. torch's load took it and the first step failed with KeyError: 'step'."""
+    first = _gpt2_trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+    kahan = ModeSpec(mode="bf16_kahan", keep_fp32=("lm_head",))
+    with pytest.warns(RecipeMismatchWarning, match="learning rates"):  # 4 steps, not 6
+        apply_profile(first, _profile_for(kahan, hf_tuned[1].profile))
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    trainer = _gpt2_trainer(tmp_path)
+    plan = apply_profile(trainer, _profile_for(ModeSpec(mode="amp_bf16"), hf_tuned[1].profile))
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 6
+    assert type(plan.optimizer) is torch.optim.AdamW
+    weight = trainer.model.transformer.h[0].mlp.c_fc.weight
+    state = plan.optimizer.state[weight]
+    assert int(state["step"]) == 6  # 4 loaded, 2 resumed
+    assert state["exp_avg_sq"].dtype == torch.float32 and bool(state["exp_avg_sq"].any())
+
+
 def test_a_trainer_that_clips_otherwise_than_the_profile_was_tuned_is_named(
     hf_tuned: Any, tmp_path: Path
 ) -> None:

@@ -242,10 +242,11 @@ class PrecisionMode:
             if kept <= current:  # nothing swapped: keep the user's optimizer
                 if held is not None:
                     optimizer.load_state_dict(held)
+                accept_source_state(optimizer, optimizer, None)  # resumes other modes' saves
                 return optimizer
             target = "same"
         rebuilt = rebuild_optimizer(optimizer, groups, model, target, require_fresh=False)
-        accept_source_state(rebuilt, optimizer, target)  # a run switched mid-way resumes
+        accept_source_state(rebuilt, optimizer, target)  # a run switched between modes resumes
         if held is not None:
             rebuilt.load_state_dict(held)
         return rebuilt

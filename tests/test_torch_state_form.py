@@ -1,0 +1,195 @@
+"""Reading the optimizer state a mode's optimizer saved back into torch's layout."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autoprec
+from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.optim import named_groups, rebuild_optimizer
+from autoprec.state_translation import accept_source_state
+from autoprec.torch_state_form import state_writer, torch_optimizer_state
+
+
+def _fresh(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _stepped(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model (a weight of 8192 elements, quantised by bitsandbytes, and a bias of 128, kept
+    in fp32) and its torch optimizer after 20 steps, with a scheduler's ``initial_lr``."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 128)
+    optimizer = _fresh(kind, model)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
+    for step in range(20):
+        inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        model(inputs).sin().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _prepare(
+    spec: autoprec.ModeSpec, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> autoprec.PrecisionPlan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)  # no scheduler to rebind
+        return autoprec.prepare(spec, model, optimizer)
+
+
+def _written_by(target: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer``'s state as the ``target`` rebuild over fp32 weights saves it."""
+    fresh = _fresh("sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw", model)
+    rebuilt = rebuild_optimizer(fresh, named_groups(fresh, model), model, target)  # type: ignore[arg-type]
+    accept_source_state(rebuilt, fresh, target)  # type: ignore[arg-type]
+    rebuilt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return copy.deepcopy(rebuilt.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit"])
+def test_a_rebuilds_saved_state_reads_back_into_torchs_layout(kind: str, target: str) -> None:
+    """torch -> torch-optimi or bitsandbytes -> torch gives the torch state back: exact to fp32
+    arithmetic through torch-optimi's bias-corrected moments and bitsandbytes' fp32 states,
+    within 8-bit block-wise quantisation through its 8-bit ones; the step, the lr and a
+    scheduler's initial_lr come back too."""
+    pytest.importorskip("optimi" if target == "optimi_kahan" else "bitsandbytes")
+    model, optimizer = _stepped(kind)
+    saved = _written_by(target, model, optimizer)
+    assert state_writer(saved) == ("optimi" if target == "optimi_kahan" else "bnb")
+    reader = _fresh(kind, model)
+    reader.load_state_dict(torch_optimizer_state(saved, reader))
+    assert reader.param_groups[0]["initial_lr"] == optimizer.param_groups[0]["initial_lr"]
+    for parameter in model.parameters():
+        original, read = optimizer.state[parameter], reader.state[parameter]
+        quantised = target == "bnb_8bit" and parameter.numel() >= 4096
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if key not in original:
+                continue
+            error = float((read[key] - original[key]).abs().max() / original[key].abs().max())
+            assert error < (0.02 if quantised else 1e-5), (key, error)
+        if kind == "adamw":
+            assert int(read["step"]) == 20
+
+
+def test_plain_torch_resumes_a_kahan_plans_checkpoint() -> None:
+    """Leaving autoprec: a bf16_kahan plan's saved optimizer state, read by
+    ``autoprec.torch_optimizer_state``, resumes a plain torch AdamW, whose next step then
+    follows the plan's; loaded as it is, torch failed at the step (KeyError: 'step')."""
+    pytest.importorskip("optimi")
+    model, optimizer = _stepped("adamw")
+    plan = _prepare(autoprec.ModeSpec(mode="bf16_kahan"), model, optimizer)
+    saved = copy.deepcopy(plan.optimizer.state_dict())
+    weights = {k: v.float() for k, v in plan.model.state_dict().items()}
+    inputs = torch.randn(8, 64)
+    plan.step(plan.model(inputs.bfloat16()).float().sin().pow(2).mean())
+    plain = nn.Linear(64, 128)
+    plain.load_state_dict(weights)
+    torch_adamw = torch.optim.AdamW(plain.parameters(), lr=5e-2)
+    with pytest.raises(KeyError):  # what autoprec replaces
+        bare = torch.optim.AdamW(copy.deepcopy(plain).parameters(), lr=1e-3)
+        bare.load_state_dict(copy.deepcopy(saved))
+        bare.step()
+    torch_adamw.load_state_dict(torch_optimizer_state(saved, torch_adamw))
+    assert torch_adamw.param_groups[0]["lr"] == 1e-3  # the saved lr wins
+    plain(inputs).sin().pow(2).mean().backward()
+    torch_adamw.step()
+    planned = plan.model.weight.detach().float() - weights["weight"]
+    stepped = plain.weight.detach() - weights["weight"]
+    cosine = float(nn.functional.cosine_similarity(planned.flatten(), stepped.flatten(), dim=0))
+    assert cosine > 0.9, cosine
+
+
+def test_a_state_of_another_family_or_optimizer_is_refused_with_the_reason() -> None:
+    pytest.importorskip("optimi")
+    model, sgd = _stepped("sgd")
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"written by torch-optimi \(bf16_kahan\) for another"):
+        torch_optimizer_state(_written_by("optimi_kahan", model, sgd), adamw)
+    with pytest.raises(ValueError, match=r"written by torch for another optimizer family"):
+        torch_optimizer_state(sgd.state_dict(), adamw)
+    rmsprop = torch.optim.RMSprop(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    rmsprop.step()
+    with pytest.raises(ValueError, match=r"not one autoprec can read .*square_avg"):
+        torch_optimizer_state(rmsprop.state_dict(), adamw)
+    with pytest.raises(TypeError, match=r"supported: torch\.optim\.AdamW"):
+        torch_optimizer_state(sgd.state_dict(), rmsprop)
+    saved = _written_by("optimi_kahan", *_stepped("adamw"))
+    saved["param_groups"][0]["decouple_lr"] = True
+    with pytest.raises(ValueError, match="decouple_lr=True"):
+        torch_optimizer_state(saved, adamw)
+
+
+WRITERS_AND_READERS = [
+    ("bf16_kahan", "amp_bf16"),
+    ("bf16_kahan", "bf16_pure"),
+    ("bf16_kahan", "fp32+8bit"),
+    ("fp32+8bit", "bf16_kahan"),
+    ("fp32+8bit", "fp32"),
+    ("bf16_sr_kahan", "bf16_kahan"),
+    ("bf16_kahan", "bf16_sr_kahan"),
+]
+
+
+def _spec(label: str) -> autoprec.ModeSpec:
+    mode, _, bits = label.partition("+")
+    return autoprec.ModeSpec(mode=mode, optimizer_bits=8 if bits else 32)
+
+
+@pytest.mark.parametrize(("writer", "reader"), WRITERS_AND_READERS, ids="->".join)
+def test_a_checkpoint_resumes_under_a_mode_with_another_optimizer(writer: str, reader: str) -> None:
+    """A run's checkpoint (weights and plan.optimizer's state) saved under one mode resumes
+    under a profile of another whose optimizer is another library's: plan.optimizer reads the
+    state (into torch's layout, translated on where it is torch-optimi's or bitsandbytes'), so
+    its next step follows the writer's own next step far closer than with fresh state. Each
+    pair failed before: torch's or torch-optimi's first step raised KeyError, or the load was
+    refused."""
+    for label in (writer, reader):
+        if "kahan" in label:
+            pytest.importorskip("optimi")
+        if "8bit" in label:
+            pytest.importorskip("bitsandbytes")
+
+    def plan_for(label: str) -> autoprec.PrecisionPlan:
+        torch.manual_seed(0)
+        model = nn.Linear(64, 128)
+        return _prepare(_spec(label), model, _fresh("adamw", model))
+
+    def next_step(plan: autoprec.PrecisionPlan) -> torch.Tensor:
+        before = plan.model.weight.detach().float().clone()
+        inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(99))
+        dtype = plan.model.weight.dtype
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # bitsandbytes on CPU
+            plan.step(plan.model(inputs.to(dtype)).float().sin().pow(2).mean())
+        return (plan.model.weight.detach().float() - before).flatten()
+
+    written = plan_for(writer)
+    for step in range(30):
+        inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            loss = written.model(inputs.to(written.model.weight.dtype)).float().sin().pow(2).mean()
+            written.step(loss)
+    weights = copy.deepcopy(written.model.state_dict())
+    saved = copy.deepcopy(written.optimizer.state_dict())
+    truth = next_step(written)
+
+    def agreement(load: bool) -> float:
+        resumed = plan_for(reader)
+        resumed.model.load_state_dict(weights)
+        if load:
+            resumed.optimizer.load_state_dict(copy.deepcopy(saved))
+        return float(nn.functional.cosine_similarity(next_step(resumed), truth, dim=0))
+
+    loaded, fresh = agreement(True), agreement(False)
+    assert loaded > 0.8 and fresh < 0.5, (loaded, fresh)
