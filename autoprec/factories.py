@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import ModelLoadError
+from autoprec.torch_state_form import state_writer, torch_optimizer_state
 
 _FORM = "'module.path:factory' or 'path/to/file.py:factory'"
 
@@ -205,13 +206,17 @@ def load_optimizer_state(
 ) -> None:
     """Load the optimizer state saved at ``path_text`` into ``optimizer`` (built over the model
     the weights were loaded into): trials then start from a copy of it, as the run continues.
+    A state a bf16_kahan (torch-optimi) or 8-bit-states (bitsandbytes) run saved is read into
+    torch's layout first.
     The file is read with ``weights_only=True`` (or ``read``: the file already read, a
     checkpoint holding weights and optimizer is read once) and never written."""
     path, loaded = read or read_checkpoint(path_text, option, "optimizer state")
     state = _optimizer_state_in(loaded, path, option)
     try:
+        if state_writer(state) in ("optimi", "bnb"):  # saved by a bf16_kahan or 8-bit run
+            state = torch_optimizer_state(state, optimizer)
         optimizer.load_state_dict(state)
-    except (ValueError, KeyError, RuntimeError) as error:
+    except (TypeError, ValueError, KeyError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [""])[0]
         raise ModelLoadError(
             f"{option}: {path}'s optimizer state does not fit {type(optimizer).__name__} over "

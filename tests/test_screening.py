@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from autoprec.drift_blind_spots import (
     FP16_LATE_GROWTH,
     blind_spots,
 )
+from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.recipe import RecipeSummary
 from autoprec.running_state import running_buffers
 from autoprec.screening import QualityReport, ScreenVerdict
@@ -601,6 +604,19 @@ def test_optimizer_state_starts_every_trial_from_the_runs_adam_moments(
     assert json.loads(capsys.readouterr().out)["recipe"]["optimizer_state_steps"] == 7
     assert main([*command]) == 0  # without it: fresh state, as before
     assert json.loads(capsys.readouterr().out)["recipe"]["optimizer_state_steps"] is None
+    if importlib.util.find_spec("optimi") is not None:  # a state a bf16_kahan run saved
+        kahan_model = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+            plan = autoprec.prepare(
+                ModeSpec(mode="bf16_kahan"),
+                kahan_model,
+                torch.optim.AdamW(kahan_model.parameters(), lr=1e-3),
+            )
+        plan.optimizer.load_state_dict(optimizer.state_dict())
+        torch.save(plan.optimizer.state_dict(), tmp_path / "kahan_optimizer.pt")
+        assert main([*command, "--optimizer-state", str(tmp_path / "kahan_optimizer.pt")]) == 0
+        assert json.loads(capsys.readouterr().out)["recipe"]["optimizer_state_steps"] == 7
 
     torch.save({"model": model.state_dict()}, tmp_path / "weights_only.pt")
     other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
