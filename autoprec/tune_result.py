@@ -44,6 +44,38 @@ class BudgetReport(BaseModel):
     one closest to fp32 wins. None when nothing was re-timed."""
 
 
+def budget_report(
+    setup: RunSetup,
+    outcomes: list[TrialOutcome],
+    *,
+    used: float,
+    phases: tuple[float, float],
+    steps: tuple[int, float],
+    noise_runs: int,
+    reused: bool,
+    speed_noise: float | None,
+) -> BudgetReport:
+    """Where tune()'s budget went: ``phases`` (calibration, reference seconds) of ``used``,
+    the trials' ``steps`` (steps, fp32 seconds a step), the trials run (the reference and its
+    ``noise_runs`` included) and not run."""
+    calibration_seconds, reference_seconds = phases
+    run = [o for o in outcomes if o.seconds > 0]
+    return BudgetReport(
+        budget_seconds=setup.budget_seconds,
+        used_seconds=used,
+        calibration_seconds=calibration_seconds,
+        reference_seconds=reference_seconds,
+        search_seconds=used - calibration_seconds - reference_seconds,
+        trial_steps=steps[0],
+        fp32_step_seconds=steps[1],
+        trials_run=len(run) + 1 + noise_runs,
+        trials_not_run=len(outcomes) - len(run),
+        reference_reused=reused,
+        fp32_noise_runs=noise_runs,
+        speed_noise=speed_noise,
+    )
+
+
 class TuneResult(BaseModel):
     """What tune() found: the profile, every trial with its verdict, and how time was spent."""
 

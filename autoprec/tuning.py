@@ -60,7 +60,7 @@ from autoprec.search import (
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
-from autoprec.tune_result import BudgetReport, TuneResult, build_result, trial_outcome
+from autoprec.tune_result import TuneResult, budget_report, build_result, trial_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +261,52 @@ def _record_reference(study: Any, outcome: TrialOutcome, candidates: list[ModeSp
         record_outcome(study, trial, outcome)
 
 
+def _search_candidates(
+    setup: RunSetup,
+    study: Any,
+    objective: Objective,
+    fp32_runs: Fp32Runs,
+    steps: tuple[int, float],
+    reference: TrialOutcome,
+) -> list[TrialOutcome]:
+    """Every candidate after the reference, run for ``steps`` (steps, fp32 seconds a step)
+    and judged against ``fp32_runs`` within the budget (``search``)."""
+    specs = setup.candidates.specs
+    return search(
+        specs[1:],
+        _judged_runner(setup, fp32_runs, steps[0]),
+        study=study,
+        objective=objective,
+        deadline=setup.deadline,
+        expected_trial_seconds=steps[0] * steps[1],
+        events=setup.events,
+        accepted=[reference],
+        choices=[spec.label for spec in specs],
+        clock=setup.clock,
+    )
+
+
+def _confirmed_speed(
+    setup: RunSetup,
+    objective: Objective,
+    outcomes: list[TrialOutcome],
+    reference: TrialOutcome,
+    steps: int,
+) -> tuple[list[TrialOutcome], TrialOutcome, float | None]:
+    """The outcomes with the leaders' speed confirmed by re-timing (``confirm_speed``), and
+    the measured speed noise; as they are for the memory objective, which speed does not rank."""
+    if objective == "memory":
+        return outcomes, reference, None
+    budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
+    return confirm_speed(
+        outcomes,
+        reference,
+        setup.deadline,
+        setup.clock,
+        lambda spec: _retime(setup, spec, min(steps, CONFIRM_STEPS), budget_only),
+    )
+
+
 def _search(
     setup: RunSetup,
     budget_minutes: float,
@@ -282,42 +328,20 @@ def _search(
     reference_outcome = trial_outcome(fp32_runs.reference, reference_verdict, setup.report.device)
     reference_seconds = clock() - start - calibration_seconds
     _record_reference(study, reference_outcome, candidates.specs)
-    outcomes = search(
-        candidates.specs[1:],
-        _judged_runner(setup, fp32_runs, steps),
-        study=study,
-        objective=objective,
-        deadline=setup.deadline,
-        expected_trial_seconds=steps * step_seconds,
-        events=setup.events,
-        accepted=[reference_outcome],
-        choices=[s.label for s in candidates.specs],
-        clock=clock,
+    outcomes = _search_candidates(
+        setup, study, objective, fp32_runs, (steps, step_seconds), reference_outcome
     )
-    speed_noise = None
-    if objective != "memory":
-        budget_only = make_stop_check(None, objective, setup.deadline, clock)
-        outcomes, reference_outcome, speed_noise = confirm_speed(
-            outcomes,
-            reference_outcome,
-            setup.deadline,
-            clock,
-            lambda spec: _retime(setup, spec, min(steps, CONFIRM_STEPS), budget_only),
-        )
-    used = clock() - start
-    run = [o for o in outcomes if o.seconds > 0]
-    budget = BudgetReport(
-        budget_seconds=setup.budget_seconds,
-        used_seconds=used,
-        calibration_seconds=calibration_seconds,
-        reference_seconds=reference_seconds,
-        search_seconds=used - calibration_seconds - reference_seconds,
-        trial_steps=steps,
-        fp32_step_seconds=step_seconds,
-        trials_run=len(run) + 1 + fp32_runs.noise_runs,
-        trials_not_run=len(outcomes) - len(run),
-        reference_reused=reused,
-        fp32_noise_runs=fp32_runs.noise_runs,
+    outcomes, reference_outcome, speed_noise = _confirmed_speed(
+        setup, objective, outcomes, reference_outcome, steps
+    )
+    budget = budget_report(
+        setup,
+        outcomes,
+        used=clock() - start,
+        phases=(calibration_seconds, reference_seconds),
+        steps=(steps, step_seconds),
+        noise_runs=fp32_runs.noise_runs,
+        reused=reused,
         speed_noise=speed_noise,
     )
     result = build_result(
