@@ -143,6 +143,73 @@ def _share(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
+def _run_scans(
+    model: nn.Module, example_input: Any, attribution: FlopAttribution
+) -> tuple[bool, str | None, tuple[str, ...], str | None]:
+    """Run the forward scans on ``example_input`` (None: none): whether the FLOP-counting
+    forward ran, its error, the running buffers a training-mode forward updates, that
+    forward's error. A failed forward is reported (and logged), never raised."""
+    if example_input is None:
+        return False, None, (), None
+    try:
+        run_forward(model, example_input, attribution)
+    except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
+        forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
+        logger.warning("forward pass for the model scan failed: %s", forward_error)
+        return False, forward_error, (), None
+    try:
+        return True, None, running_buffers(model, example_input), None
+    except Exception as error:  # noqa: BLE001 - reported as a finding, not raised
+        running_error = f"{type(error).__name__}: {error}".splitlines()[0]
+        logger.warning("training-mode forward for the model scan failed: %s", running_error)
+        return True, None, (), running_error
+
+
+def _kind_shares(
+    parameter_kinds: dict[str, tuple[LayerKind, int]], attribution: FlopAttribution | None
+) -> tuple[KindShare, ...]:
+    """Parameters and forward FLOPs of each layer kind (FLOPs None when no forward ran)."""
+    total_params = sum(count for _, count in parameter_kinds.values())
+    forward_flops = sum(attribution.flops_by_kind.values()) if attribution else 0
+    shares = []
+    for kind in LAYER_KINDS:
+        parameters = sum(count for k, count in parameter_kinds.values() if k == kind)
+        flops = attribution.flops_by_kind[kind] if attribution else None
+        shares.append(
+            KindShare(
+                kind=kind,
+                parameters=parameters,
+                parameter_share=_share(parameters, total_params),
+                flops=flops,
+                flop_share=None if flops is None else _share(flops, forward_flops),
+            )
+        )
+    return tuple(shares)
+
+
+def _linear_infos(model: nn.Module, attribution: FlopAttribution | None) -> tuple[LinearInfo, ...]:
+    """Every Linear-like module: its dims, FLOPs (None when no forward ran), FP8 fit."""
+    infos = []
+    for fqn, module in model.named_modules():
+        if module_kind(module) != "linear":
+            continue
+        dims = linear_dims(module)
+        compatible = fp8_linear_fits(module)
+        infos.append(
+            LinearInfo(
+                fqn=fqn,
+                in_features=dims[0],
+                out_features=dims[1],
+                flops=attribution.flops_by_module.get(fqn, 0) if attribution else None,
+                fp8_compatible=compatible,
+                fp8_worthwhile=compatible and fp8_worthwhile(*dims),
+                hf_conv1d=is_hf_conv1d(module),
+                bnb_4bit=is_bnb_4bit(module),
+            )
+        )
+    return tuple(infos)
+
+
 def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     """Scan ``model``: parameter and FLOP shares by layer kind, FP8 fit, fp32 keep-list.
 
@@ -164,50 +231,11 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         if (key := storage_key(parameter)) is not None
     }
     attribution = FlopAttribution(storages)
-    forward_error: str | None = None
-    ran = False
-    if example_input is not None:
-        try:
-            run_forward(model, example_input, attribution)
-            ran = True
-        except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
-            forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
-            logger.warning("forward pass for the model scan failed: %s", forward_error)
-    running: tuple[str, ...] = ()
-    running_error: str | None = None
-    if ran:
-        try:
-            running = running_buffers(model, example_input)
-        except Exception as error:  # noqa: BLE001 - reported as a finding, not raised
-            running_error = f"{type(error).__name__}: {error}".splitlines()[0]
-            logger.warning("training-mode forward for the model scan failed: %s", running_error)
-
+    ran, forward_error, running, running_error = _run_scans(model, example_input, attribution)
     total_params = sum(count for _, count in parameter_kinds.values())
     forward_flops = sum(attribution.flops_by_kind.values()) if ran else None
-    by_kind = tuple(
-        KindShare(
-            kind=kind,
-            parameters=(n := sum(c for k, c in parameter_kinds.values() if k == kind)),
-            parameter_share=_share(n, total_params),
-            flops=attribution.flops_by_kind[kind] if ran else None,
-            flop_share=_share(attribution.flops_by_kind[kind], forward_flops or 0) if ran else None,
-        )
-        for kind in LAYER_KINDS
-    )
-    linears = tuple(
-        LinearInfo(
-            fqn=fqn,
-            in_features=(dims := linear_dims(module))[0],
-            out_features=dims[1],
-            flops=attribution.flops_by_module.get(fqn, 0) if ran else None,
-            fp8_compatible=(compatible := fp8_linear_fits(module)),
-            fp8_worthwhile=compatible and fp8_worthwhile(*dims),
-            hf_conv1d=is_hf_conv1d(module),
-            bnb_4bit=is_bnb_4bit(module),
-        )
-        for fqn, module in model.named_modules()
-        if module_kind(module) == "linear"
-    )
+    by_kind = _kind_shares(parameter_kinds, attribution if ran else None)
+    linears = _linear_infos(model, attribution if ran else None)
     eligible_flops = sum(linear.flops or 0 for linear in linears if linear.fp8_compatible)
     mix_without_findings = LayerMix(
         model_class=type(model).__name__,
