@@ -53,6 +53,10 @@ class ModelMismatchWarning(UserWarning):
     """A profile is applied to a model other than the one it was proven for."""
 
 
+class PrecisionSwitchWarning(UserWarning):
+    """A plan resumes a checkpoint a plan of another mode wrote: the run switches precision."""
+
+
 class RecipeMismatchWarning(UserWarning):
     """A profile is applied under another optimizer, hyper-parameters, accumulation or clipping
     than the recipe its evidence was measured under."""

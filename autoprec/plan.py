@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.eligibility import Situation, situation_for_model
-from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
+from autoprec.errors import OptimizerRebuiltWarning, PrecisionSwitchWarning, UnsupportedModeError
 from autoprec.model_copies import CompiledForward
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
@@ -117,12 +117,23 @@ class PrecisionPlan:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. A plan of the same mode (other knobs, say
+        ``keep_fp32``) takes the mode's state (the loss scale); one of another mode resumes the
+        run in its own precision from here, its mode's state fresh, with a warning."""
         saved = ModeSpec.model_validate(state["spec"])
-        if saved != self.spec:
-            raise ValueError(
-                f"This checkpoint was written by a plan for {saved.label}, not {self.spec.label}."
+        if saved.mode == self.spec.mode:
+            self.mode.load_state_dict(state["mode"])
+        else:
+            carried = ", ".join(sorted(state["mode"])) or "nothing"
+            warnings.warn(
+                f"This checkpoint was written by a plan for {saved.label}; resuming it under "
+                f"{self.spec.label} switches the run's precision here. {saved.mode}'s own state "
+                f"({carried}) does not carry over: {self.spec.mode} starts its own. The model's "
+                "and the optimizer's states load as usual (plan.optimizer reads another mode's "
+                "optimizer state).",
+                PrecisionSwitchWarning,
+                stacklevel=2,
             )
-        self.mode.load_state_dict(state["mode"])
         self.micro_step = int(state["micro_step"])
 
     def __repr__(self) -> str:

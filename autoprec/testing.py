@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
+from autoprec.errors import OptimizerRebuiltWarning, PrecisionSwitchWarning, UnsupportedModeError
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.specs import ModeSpec
 
@@ -178,13 +178,17 @@ class ModeContract:
         ):
             assert torch.equal(value, other), f"{name} differs after resuming"
 
-    def test_refuses_another_modes_checkpoint(self) -> None:
+    def test_another_modes_checkpoint_switches_with_a_warning(self) -> None:
+        """A plan state another mode saved: the run switches precision here, with a warning;
+        the saved mode's own state (a loss scale) is left behind, the step counter taken."""
         plan = self.make_plan()
         other = ModeSpec(mode="fp32" if self.spec.mode != "fp32" else "amp_bf16")
-        state = plan.state_dict()
-        state["spec"] = other.model_dump(mode="json")
-        with pytest.raises(ValueError, match=f"written by a plan for {other.label}"):
+        own = plan.mode.state_dict()
+        state = {**plan.state_dict(), "spec": other.model_dump(mode="json"), "micro_step": 7}
+        state["mode"] = {"scaler": {"scale": 1.0}}
+        with pytest.warns(PrecisionSwitchWarning, match=f"written by a plan for {other.label}"):
             plan.load_state_dict(state)
+        assert plan.micro_step == 7 and plan.mode.state_dict() == own
 
     def test_a_deep_copy_of_the_model_trains(self) -> None:
         plan = self.make_plan()

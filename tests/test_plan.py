@@ -164,8 +164,19 @@ def test_state_dict_round_trip_restores_the_scaler() -> None:
     bf16 = autoprec.prepare(
         ModeSpec(mode="amp_bf16"), bf16_model, torch.optim.AdamW(bf16_model.parameters())
     )
-    with pytest.raises(ValueError, match="written by a plan for amp_fp16, not amp_bf16"):
+    # a switch of mode: the run resumes in amp_bf16, amp_fp16's scaler left behind, with a
+    # warning (it raised before, and a Lightning resume under another profile failed)
+    with pytest.warns(autoprec.PrecisionSwitchWarning, match=r"amp_fp16's own state \(scaler"):
         bf16.load_state_dict(state)
+    assert bf16.micro_step == 3 and bf16.mode.state_dict() == {}
+    kept_model = _model()
+    kept = autoprec.prepare(
+        ModeSpec(mode="amp_fp16", keep_fp32=("0",)),
+        kept_model,
+        torch.optim.AdamW(kept_model.parameters()),
+    )
+    kept.load_state_dict(state)  # the same mode, other knobs: its loss scale carries over
+    assert kept.mode.loss_scale == plan.mode.loss_scale
 
 
 def test_tf32_is_switched_on_only_inside_the_plan() -> None:

@@ -6,6 +6,7 @@ Real libraries (the ``integrations`` extra), tiny models, a few steps each.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.errors import RecipeMismatchWarning
+from autoprec.errors import PrecisionSwitchWarning, RecipeMismatchWarning
 from autoprec.profile import Profile
 from autoprec.specs import ModeSpec
 
 transformers = pytest.importorskip("transformers")
 lightning = pytest.importorskip("lightning.pytorch")
+
+from lightning.fabric.utilities.warnings import PossibleUserWarning  # noqa: E402
 
 from autoprec.integrations.hf import apply_profile, trainer_recipe, tune_trainer  # noqa: E402
 from autoprec.integrations.lightning import (  # noqa: E402
@@ -365,3 +368,29 @@ def test_an_fp32_lightning_checkpoint_resumes_under_a_kahan_profile(
     optimizer = trainer.optimizers[0]
     assert optimizer is plugin.plan.optimizer and int(optimizer.param_groups[0]["step"]) == 10
     assert optimizer.state[module.net[0].weight]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_a_kahan_lightning_checkpoint_resumes_under_an_amp_profile(
+    lightning_tuned: Any, tmp_path: Path
+) -> None:
+    """The way back under Lightning: a checkpoint written by the plugin's bf16_kahan plan
+    (torch-optimi's state) resumes under an amp_bf16 plugin in the module's own torch AdamW."""
+    kahan = ModeSpec(mode="bf16_kahan", keep_fp32=("net.3",))
+    first = _lightning_trainer([AutoprecPrecision(_profile_for(kahan, lightning_tuned[1].profile))])
+    first.fit(_Regression(), _loader())
+    path = tmp_path / "kahan.ckpt"
+    first.save_checkpoint(path)
+    amp = ModeSpec(mode="amp_bf16")
+    plugin = AutoprecPrecision(_profile_for(amp, lightning_tuned[1].profile))
+    trainer = _lightning_trainer([plugin], max_steps=10)
+    module = _Regression()
+    with warnings.catch_warnings():
+        # pytest.warns re-emits the others: Lightning's note that the loader is not resumable
+        warnings.simplefilter("ignore", PossibleUserWarning)
+        with pytest.warns(PrecisionSwitchWarning, match="written by a plan for bf16_kahan"):
+            trainer.fit(module, _loader(), ckpt_path=path)
+    assert trainer.global_step == 10
+    optimizer = trainer.optimizers[0]
+    assert type(optimizer) is torch.optim.AdamW
+    state = optimizer.state[module.net[0].weight]
+    assert int(state["step"]) == 10 and state["exp_avg"].dtype == torch.float32
