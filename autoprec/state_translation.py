@@ -34,7 +34,13 @@ from autoprec.optim import (
     source_kind,
     translate_group,
 )
-from autoprec.torch_state_form import Writer, in_layout_of, state_writer, torch_form
+from autoprec.torch_state_form import (
+    HYPER_KEYS,
+    Writer,
+    in_layout_of,
+    state_writer,
+    torch_form,
+)
 
 _OWN_LAYOUT: dict[OptimizerTarget | None, Writer] = {"bnb_8bit": "bnb", "optimi_kahan": "optimi"}
 """The layout each rebuild saves in; every other plan optimizer saves torch's."""
@@ -54,11 +60,15 @@ def accept_source_state(
     except TypeError:
         return
     own = _OWN_LAYOUT.get(target, "torch")
+    source_keys = set(source.defaults)  # not ``source``: the closure would keep it alive
 
     def load_state_dict(
         self: torch.optim.Optimizer, state_dict: dict[str, Any], *args: Any, **kwargs: Any
     ) -> None:
         writer = state_writer(state_dict)
+        groups = state_dict.get("param_groups", [])
+        if writer == "torch" and own != "torch":  # to translate: the family's hyper-parameters
+            writer = writer if all(HYPER_KEYS[kind] <= set(group) for group in groups) else None
         if writer == own or (writer is None and own == "torch"):
             type(self).load_state_dict(self, state_dict, *args, **kwargs)
         elif writer is None:
@@ -74,7 +84,7 @@ def accept_source_state(
             type(self).load_state_dict(self, form, *args, **kwargs)
         else:
             form = torch_form(state_dict, kind)
-            _translate_source_state(self, form, kind, target, set(source.defaults))  # type: ignore[arg-type]
+            _translate_source_state(self, form, kind, target, source_keys)  # type: ignore[arg-type]
 
     # bitsandbytes overrides load_state_dict and runs no load hooks, so the instance's method
     # is wrapped (a bound method: a deep copy binds to the copy)

@@ -35,6 +35,13 @@ TORCH_STATE_KEYS: dict[SourceKind, set[str]] = {
 }
 """The per-parameter state keys torch's optimizers of each family save."""
 
+HYPER_KEYS: dict[SourceKind, set[str]] = {
+    "adamw": {"lr", "betas", "eps", "weight_decay"},
+    "adam": {"lr", "betas", "eps", "weight_decay"},
+    "sgd": {"lr", "momentum", "weight_decay"},
+}
+"""The group keys of each family's hyper-parameters, in torch's names."""
+
 STOCHASTIC_EXTRA_KEYS = {"compensation", "rounding_rng"}
 """What autoprec's stochastic-rounding optimizers save besides torch's keys."""
 

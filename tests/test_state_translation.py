@@ -34,6 +34,9 @@ def test_another_optimizers_state_is_refused_at_load_and_its_own_loads(target: s
     rebuilt = _rebuild(source, model, target)
     with pytest.raises(ValueError, match=r"cannot load this optimizer state: another optimizer"):
         rebuilt.load_state_dict(other_run.state_dict())
+    unstepped = torch.optim.RMSprop(model.parameters()).state_dict()  # groups alone tell
+    with pytest.raises(ValueError, match=r"cannot load this optimizer state: another optimizer"):
+        rebuilt.load_state_dict(unstepped)
     rebuilt.step()
     saved = copy.deepcopy(rebuilt.state_dict())
     # the wrapped load binds to a deep copy; a deep copy of a bitsandbytes optimizer cannot load

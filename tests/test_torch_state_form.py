@@ -145,7 +145,9 @@ def _spec(label: str) -> autoprec.ModeSpec:
     return autoprec.ModeSpec(mode=mode, optimizer_bits=8 if bits else 32)
 
 
-@pytest.mark.parametrize(("writer", "reader"), WRITERS_AND_READERS, ids="->".join)
+@pytest.mark.parametrize(
+    ("writer", "reader"), WRITERS_AND_READERS, ids=[f"{w}->{r}" for w, r in WRITERS_AND_READERS]
+)
 def test_a_checkpoint_resumes_under_a_mode_with_another_optimizer(writer: str, reader: str) -> None:
     """A run's checkpoint (weights and plan.optimizer's state) saved under one mode resumes
     under a profile of another whose optimizer is another library's: plan.optimizer reads the
