@@ -11,9 +11,8 @@ from torch import nn
 
 import autoprec
 from autoprec.errors import OptimizerRebuiltWarning
-from autoprec.optim import named_groups, rebuild_optimizer
-from autoprec.state_translation import accept_source_state
 from autoprec.torch_state_form import state_writer, torch_optimizer_state
+from tests.test_state_translation import _rebuild
 
 
 def _fresh(kind: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -48,8 +47,7 @@ def _prepare(
 def _written_by(target: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``optimizer``'s state as the ``target`` rebuild over fp32 weights saves it."""
     fresh = _fresh("sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw", model)
-    rebuilt = rebuild_optimizer(fresh, named_groups(fresh, model), model, target)  # type: ignore[arg-type]
-    accept_source_state(rebuilt, fresh, target)  # type: ignore[arg-type]
+    rebuilt = _rebuild(fresh, model, target)
     rebuilt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     return copy.deepcopy(rebuilt.state_dict())
 
