@@ -13,7 +13,7 @@ import dataclasses
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.eligibility import Situation, mode_eligibility
-from autoprec.layers import PURE_BF16_KEEP_REASONS
+from autoprec.layer_keep import PURE_BF16_KEEP_REASONS
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec
 

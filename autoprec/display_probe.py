@@ -10,7 +10,7 @@ from rich.text import Text
 
 from autoprec.display import format_bytes, format_count, format_percent, yes_no
 from autoprec.hardware import GpuInfo, HardwareInfo
-from autoprec.layers import LayerMix
+from autoprec.layer_mix import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
 
 

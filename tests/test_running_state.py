@@ -16,7 +16,8 @@ from autoprec.drift import judge
 from autoprec.drift_outside_state import changed_state, outside_state_reasons
 from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.fingerprint import Fp32Runs, load_references, references_path, save_references
-from autoprec.layers import RUNNING_STATE_REASON, scan_model
+from autoprec.layer_keep import RUNNING_STATE_REASON
+from autoprec.layers import scan_model
 from autoprec.recipe import TrainingRecipe
 from autoprec.run_setup import TF32_KEEP_NOTE, setup_notes
 from autoprec.running_state import running_buffers

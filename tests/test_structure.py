@@ -15,7 +15,7 @@ PACKAGE = Path(autoprec.__file__).parent
 ORDER = [
     "_version", "_files", "errors", "_imports", "specs",            # base
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
-    "layers",
+    "layer_mix", "layer_keep", "layer_findings", "layers",
     "eligibility",
     "stochastic_optim", "optim", "torch_state_form", "state_translation",  # runtime (apply)
     "modes", "model_copies", "plan", "testing",

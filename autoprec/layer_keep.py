@@ -1,0 +1,72 @@
+"""The modules a model scan keeps in fp32 by default, and why: norms and embeddings, the first
+and last compute layers, Linears FP8 kernels cannot take, and modules whose buffers training
+updates outside the optimizer (``autoprec.running_state``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autoprec.layer_kinds import FP8_DIM_MULTIPLE, fp8_linear_fits, is_bnb_4bit, module_kind
+from autoprec.layer_mix import KeepFp32
+
+RUNNING_STATE_REASON = "running statistics"
+"""How the keep-list names a module whose buffers training updates (pure bf16 keeps it fp32)."""
+PURE_BF16_KEEP_REASONS = ("normalisation", "embedding", RUNNING_STATE_REASON)
+"""The keep-list reasons pure-bf16 candidates keep in fp32 (the others are FP8's)."""
+
+
+def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> list[KeepFp32]:
+    """A keep entry for each module below the root that owns a running buffer and is not kept
+    already as a norm or embedding: in bf16 its updates round to nearest, whatever rounding the
+    optimizer uses, and an EMA's small ones vanish (``benchmarks/running_state_rounding.py``)."""
+    owners: dict[str, list[str]] = {}
+    for fqn in running:
+        owner, _, name = fqn.rpartition(".")
+        if owner:
+            owners.setdefault(owner, []).append(name)
+    entries: list[KeepFp32] = []
+    for owner, names in owners.items():
+        if kept.get(owner, "").startswith(PURE_BF16_KEEP_REASONS):
+            continue
+        entries.append(
+            KeepFp32(
+                fqn=owner,
+                reason=f"{RUNNING_STATE_REASON}: training updates its buffers "
+                f"({', '.join(names)}) outside the optimizer; in bf16 small updates round away",
+            )
+        )
+    return entries
+
+
+def default_keep_fp32(
+    model: nn.Module, compute_order: list[str], running: tuple[str, ...] = ()
+) -> tuple[KeepFp32, ...]:
+    keep: dict[str, str] = {}
+    compute_layers = compute_order or [
+        fqn for fqn, module in model.named_modules() if module_kind(module) in ("linear", "conv")
+    ]
+    matmul_layers = [
+        fqn for fqn in compute_layers if module_kind(model.get_submodule(fqn)) != "embedding"
+    ]
+    for fqn, module in model.named_modules():
+        kind = module_kind(module)
+        if kind == "norm":
+            keep[fqn] = "normalisation: statistics need full precision"
+        elif kind == "embedding":
+            keep[fqn] = "embedding: a lookup, nothing for low precision to speed up"
+    if matmul_layers:
+        keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
+        keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
+    for fqn, module in model.named_modules():
+        if (
+            isinstance(module, nn.Linear)
+            and not is_bnb_4bit(module)
+            and not fp8_linear_fits(module)
+        ):
+            keep.setdefault(
+                fqn,
+                f"Linear {module.in_features}x{module.out_features}: dimensions not divisible "
+                f"by {FP8_DIM_MULTIPLE}, FP8 kernels cannot take it",
+            )
+    entries = [KeepFp32(fqn=fqn, reason=reason) for fqn, reason in keep.items()]
+    return tuple(entries + _running_state_modules(running, keep))

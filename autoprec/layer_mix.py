@@ -1,0 +1,92 @@
+"""What a model scan found, as data: parameters and FLOPs by layer kind, each Linear's FP8
+fit, the modules kept in fp32 and why (``autoprec.layers.scan_model`` builds it)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from autoprec.layer_kinds import LayerKind
+
+
+class KindShare(BaseModel):
+    """Parameters and forward FLOPs of one layer kind."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: LayerKind
+    parameters: int
+    parameter_share: float
+    flops: int | None
+    flop_share: float | None
+
+
+class LinearInfo(BaseModel):
+    """One nn.Linear (or HF Conv1D) and its fit for FP8."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fqn: str
+    in_features: int
+    out_features: int
+    flops: int | None
+    fp8_compatible: bool
+    """An nn.Linear with both dimensions divisible by 16 (what FP8 kernels take and FP8 module
+    swaps convert)."""
+    bnb_4bit: bool = False
+    """A bitsandbytes 4-bit Linear (QLoRA's quantized base): FP8 conversions leave it as it
+    is (not compatible), and it is not kept in fp32 for its dimensions."""
+    hf_conv1d: bool = False
+    """A Hugging Face Conv1D: counted as a Linear, but torchao's and Transformer Engine's FP8
+    conversions replace nn.Linear modules only, so it stays out of FP8 (not compatible)."""
+    fp8_worthwhile: bool
+    """Compatible and big enough that FP8 is likely to gain (torchao's auto-filter rule)."""
+
+
+class KeepFp32(BaseModel):
+    """A module kept in full precision by default, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fqn: str
+    reason: str
+
+
+class LayerMix(BaseModel):
+    """What a model is made of, as far as precision choices care."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_class: str
+    parameters: int
+    trainable_parameters: int
+    parameters_in_large_tensors: int
+    """Parameters in tensors of >= 4096 elements (those bitsandbytes keeps in 8 bit)."""
+    by_kind: tuple[KindShare, ...]
+    forward_flops: int | None
+    """FLOPs of one forward pass on the example input (matmul, conv, attention); None if not run."""
+    forward_error: str | None = None
+    linears: tuple[LinearInfo, ...]
+    fp8_eligible_flop_share: float | None
+    """Share of forward FLOPs in FP8-compatible Linears; None when no forward pass ran."""
+    raw_param_matmuls: tuple[str, ...]
+    """Names of parameters used directly in matmuls (outside Linear/Conv modules)."""
+    keep_fp32: tuple[KeepFp32, ...]
+    findings: tuple[str, ...]
+    complex_parameters: tuple[str, ...] = ()
+    """Names of trainable complex parameters (a Fourier layer's spectral weights)."""
+    sparse_gradient_modules: tuple[str, ...] = ()
+    """Names of trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (their
+    weights get sparse gradients)."""
+    running_buffers: tuple[str, ...] = ()
+    """Floating buffers a training-mode forward changes (BatchNorm statistics, a running
+    normaliser, an EMA codebook): state outside the optimizer (``autoprec.running_state``)."""
+    running_buffers_error: str | None = None
+    """Why the training-mode forward that finds ``running_buffers`` failed, if it did."""
+
+    def kind(self, kind: LayerKind) -> KindShare:
+        """The share of one layer kind."""
+        return next(share for share in self.by_kind if share.kind == kind)
+
+    @property
+    def fp8_compatible_linears(self) -> tuple[LinearInfo, ...]:
+        return tuple(linear for linear in self.linears if linear.fp8_compatible)
