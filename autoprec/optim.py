@@ -162,13 +162,19 @@ def translate_group(
     raise ValueError(f"Unknown optimizer target {target!r}.")
 
 
+def check_translation(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> None:
+    """Raise what rebuilding ``optimizer`` for ``target`` would raise (``TypeError`` for its
+    class, ``ValueError`` for an option without an equivalent). Builds nothing."""
+    kind = source_kind(optimizer)
+    for group in optimizer.param_groups:
+        translate_group(kind, {k: v for k, v in group.items() if k != "params"}, target)
+
+
 def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> str | None:
     """Why ``optimizer`` cannot be rebuilt for ``target`` (the error rebuilding would raise),
     or None when every group translates. Builds nothing."""
     try:
-        kind = source_kind(optimizer)
-        for group in optimizer.param_groups:
-            translate_group(kind, {k: v for k, v in group.items() if k != "params"}, target)
+        check_translation(optimizer, target)
     except (TypeError, ValueError) as error:
         return str(error)
     return None
@@ -236,7 +242,13 @@ def rebuild_optimizer(
 def _expose_betas(optimizer: torch.optim.Optimizer) -> None:
     """torch-optimi's Adam groups hold ``beta1``/``beta2``; LR schedulers that cycle the
     momentum (OneCycleLR, CyclicLR) write torch's ``betas`` (and raised KeyError without it).
-    Give every group ``betas`` and copy it into ``beta1``/``beta2`` before each step."""
+    Give every group ``betas`` and copy it into ``beta1``/``beta2`` before each step.
+
+    torch-optimi folds Adam's bias correction into a per-step beta, exact for a constant one;
+    under a cycled beta1 it differs from torch's AdamW while the correction matters. Measured
+    (OneCycleLR over an MLP, all layers fp32, distance from torch's weights in units of their
+    movement): 10 steps 0.26, 100 steps 0.034, 1000 and 3000 steps 0.003 and 0.005, as with
+    constant betas (0.003, 0.004)."""
     for group in optimizer.param_groups:
         group["betas"] = (group["beta1"], group["beta2"])
 

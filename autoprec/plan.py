@@ -26,6 +26,20 @@ from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
 from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
 
+PLAN_STATE_KEYS = frozenset({"spec", "mode", "micro_step"})
+"""What :meth:`PrecisionPlan.state_dict` holds."""
+
+
+def check_step_settings(grad_accumulation_steps: int, clip_grad_norm: float | None) -> None:
+    """Refuse step settings that would silently change training (a clip of 0 freezes the
+    model, a negative one steps uphill)."""
+    if grad_accumulation_steps < 1:
+        raise ValueError(f"grad_accumulation_steps must be >= 1 but got {grad_accumulation_steps}.")
+    if clip_grad_norm is not None and clip_grad_norm <= 0:
+        raise ValueError(
+            f"clip_grad_norm must be positive but got {clip_grad_norm}; pass None for no clipping."
+        )
+
 
 class PrecisionPlan:
     """A model and optimizer set up for one precision mode, and the training-step verbs.
@@ -45,12 +59,7 @@ class PrecisionPlan:
         grad_accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
     ) -> None:
-        if grad_accumulation_steps < 1:
-            raise ValueError(
-                f"grad_accumulation_steps must be >= 1 but got {grad_accumulation_steps}."
-            )
-        if clip_grad_norm is not None and clip_grad_norm <= 0:
-            raise ValueError(f"clip_grad_norm must be positive but got {clip_grad_norm}.")
+        check_step_settings(grad_accumulation_steps, clip_grad_norm)
         self.mode = mode
         mode.configure_accumulation(grad_accumulation_steps)
         self.model = model
@@ -93,6 +102,7 @@ class PrecisionPlan:
             True when the optimizer stepped; False on accumulation micro-batches and when the
             loss scaler skipped a step after inf/nan gradients.
         """
+        check_step_settings(1, clip_grad_norm)  # before any work: 0 freezes, < 0 steps uphill
         if loss is not None:
             self.backward(loss)
         self.micro_step += 1
@@ -120,6 +130,14 @@ class PrecisionPlan:
         """Restore what :meth:`state_dict` returned. A plan of the same mode (other knobs, say
         ``keep_fp32``) takes the mode's state (the loss scale); one of another mode resumes the
         run in its own precision from here, its mode's state fresh, with a warning."""
+        if not isinstance(state, dict) or not set(state) >= PLAN_STATE_KEYS:
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                "plan.load_state_dict takes what plan.state_dict() returned (keys "
+                f"{', '.join(sorted(PLAN_STATE_KEYS))}) but got {found}. Load a model's state "
+                "with plan.model.load_state_dict and an optimizer's with "
+                "plan.optimizer.load_state_dict."
+            )
         saved = ModeSpec.model_validate(state["spec"])
         if saved.mode == self.spec.mode:
             self.mode.load_state_dict(state["mode"])
@@ -166,6 +184,11 @@ def build_plan(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."
         )
+    if not isinstance(spec, ModeSpec):
+        raise TypeError(
+            f"spec must be an autoprec.ModeSpec, e.g. ModeSpec(mode='amp_bf16'), but got "
+            f"{type(spec).__name__} {spec!r}."
+        )
     mode = mode_for(spec)
     situation = situation or situation_for_model(model, emulate_fp8=spec.emulate)
     reasons = mode.requirements(situation)
@@ -175,6 +198,9 @@ def build_plan(
             f"{spec.label} cannot run here:{listed}\nRun `autoprec probe` to see what can.",
             tuple(reasons),
         )
+    # refuse before converting anything: a refusal leaves the model and optimizer untouched
+    check_step_settings(grad_accumulation_steps, clip_grad_norm)
+    mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
     model = mode.convert_module(model)
     optimizer = mode.convert_optimizer(optimizer, model, groups)

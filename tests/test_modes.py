@@ -515,3 +515,77 @@ def test_bf16_kahan_refuses_a_sparse_embedding_left_out_of_keep_fp32() -> None:
     plan.step(plan.model(torch.randint(0, 100, (8,))).float().square().mean())
     assert plan.model.head.weight.dtype == torch.bfloat16
     assert not torch.equal(plan.model.table.weight.detach(), start)
+
+
+def _norm_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModeSpec(mode="bf16_sr"),
+        ModeSpec(mode="bf16_pure", keep_fp32=("0",)),
+        ModeSpec(mode="bf16_kahan", keep_fp32=("0", "3")),
+    ],
+    ids=lambda spec: f"{spec.mode}-keep{len(spec.keep_fp32)}",
+)
+def test_an_fp32_copy_of_a_pure_bf16_model_runs_in_fp32(spec: ModeSpec) -> None:
+    """README's EMA kept in fp32, AveragedModel(plan.model).float(), failed at its first call
+    ("mat1 and mat2 must have the same dtype"): the copied hooks cast its inputs to bf16."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
+
+    model = _norm_mlp()
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ema = AveragedModel(plan.model, avg_fn=get_ema_avg_fn(0.999)).float()
+    for _ in range(2):
+        with plan.autocast():
+            loss = plan.model(x).float().pow(2).mean()
+        plan.step(loss)
+        ema.update_parameters(plan.model)
+    with torch.no_grad():
+        averaged = ema(x)
+        plain = copy.deepcopy(ema.module)
+        for module in plain.modules():  # the same weights with no hooks: plain fp32
+            module._forward_pre_hooks.clear()
+            module._forward_hooks.clear()
+        assert averaged.dtype == torch.float32
+        assert torch.equal(averaged, plain(x))
+        assert plan.model(x).dtype == torch.bfloat16  # the model itself is still pure bf16
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModeSpec(mode="amp_bf16", keep_fp32=("0",)),
+        ModeSpec(mode="bf16_pure", keep_fp32=("0",)),
+        ModeSpec(mode="bf16_sr"),
+    ],
+    ids=lambda spec: f"{spec.mode}-keep{len(spec.keep_fp32)}",
+)
+def test_a_converted_model_pickles_and_its_copy_hooks_its_own_state(spec: ModeSpec) -> None:
+    """torch.save(plan.model) failed with keep_fp32 (closures as hooks; pure bf16's root hooks
+    pickled as other objects)."""
+    import io
+
+    model = _norm_mlp()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    buffer = io.BytesIO()
+    torch.save(plan.model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with plan.autocast():
+        assert torch.equal(loaded(x), plan.model(x))
+    copied = copy.deepcopy(plan.model)
+    hook = next(iter(copied[0]._forward_pre_hooks.values()), None)
+    original = next(iter(plan.model[0]._forward_pre_hooks.values()), None)
+    if spec.keep_fp32:  # each copy's island is its own object
+        assert hook is not None and original is not None
+        assert hook.function.__self__ is not original.function.__self__

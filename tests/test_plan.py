@@ -221,6 +221,94 @@ def test_bad_model_or_optimizer() -> None:
         autoprec.prepare(ModeSpec(mode="fp32"), model, None)  # type: ignore[arg-type]
 
 
+def test_a_mode_name_instead_of_a_spec_is_a_type_error() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match=r"spec must be an autoprec\.ModeSpec.*'amp_bf16'"):
+        autoprec.prepare("amp_bf16", model, torch.optim.AdamW(model.parameters()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("spec", "make_optimizer", "kwargs", "message"),
+    [
+        (
+            ModeSpec(mode="bf16_sr"),
+            lambda p: torch.optim.Adam(p, amsgrad=True),
+            {},
+            "amsgrad=True has no equivalent",
+        ),
+        (
+            ModeSpec(mode="bf16_kahan"),
+            lambda p: torch.optim.RMSprop(p),
+            {},
+            "cannot translate torch.optim.rmsprop.RMSprop",
+        ),
+        (
+            ModeSpec(mode="amp_bf16", keep_fp32=("0",), optimizer_bits=8),
+            lambda p: torch.optim.Adam(p, amsgrad=True),
+            {},
+            "amsgrad=True has no equivalent",
+        ),
+        (
+            ModeSpec(mode="bf16_sr_kahan"),
+            lambda p: torch.optim.AdamW(p),
+            {"clip_grad_norm": 0},
+            "clip_grad_norm must be positive",
+        ),
+        (
+            ModeSpec(mode="bf16_pure", keep_fp32=("0",)),
+            lambda p: torch.optim.AdamW(p),
+            {"grad_accumulation_steps": 0},
+            "grad_accumulation_steps must be >= 1",
+        ),
+    ],
+    ids=["amsgrad", "rmsprop", "8bit-amsgrad", "clip-0", "accumulation-0"],
+)
+def test_a_refused_prepare_leaves_the_model_as_it_was(
+    spec: ModeSpec, make_optimizer: object, kwargs: dict, message: str
+) -> None:
+    """Every refusal comes before the model is converted: its weights stay fp32 and hookless,
+    and another mode can be prepared on it (the model was cast to bf16 and hooked first)."""
+    if spec.optimizer_bits == 8:
+        pytest.importorskip("bitsandbytes")
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    optimizer = make_optimizer(model.parameters())  # type: ignore[operator]
+    with pytest.raises((TypeError, ValueError), match=message):
+        autoprec.prepare(spec, model, optimizer, **kwargs)
+    assert all(
+        torch.equal(before[k], v) and v.dtype == torch.float32
+        for k, v in model.state_dict().items()
+    )
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    plan = autoprec.prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters()))
+    with plan.autocast():
+        loss = plan.model(torch.randn(4, 16)).float().pow(2).mean()
+    assert plan.step(loss)
+
+
+@pytest.mark.parametrize("clip", [0, -1.0])
+def test_a_step_refuses_a_clip_norm_that_is_not_positive(clip: float) -> None:
+    """plan.step(clip_grad_norm=0) froze the model (and returned True); -1 stepped uphill."""
+    model = _model()
+    plan = autoprec.prepare(
+        ModeSpec(mode="fp32"), model, torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    before = copy.deepcopy(model.state_dict())
+    loss = plan.model(torch.randn(4, 16)).pow(2).mean()
+    with pytest.raises(ValueError, match=r"clip_grad_norm must be positive.*None for no clipping"):
+        plan.step(loss, clip_grad_norm=clip)
+    assert plan.micro_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_loading_another_state_into_the_plan_says_what_it_takes() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = autoprec.prepare(ModeSpec(mode="fp32"), model, optimizer)
+    with pytest.raises(ValueError, match=r"what plan\.state_dict\(\) returned.*plan\.optimizer"):
+        plan.load_state_dict(optimizer.state_dict())
+
+
 @pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_sr"])
 def test_a_model_in_bf16_is_refused_before_anything_is_converted(mode: str) -> None:
     model = _model().to(torch.bfloat16)

@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.islands import install_fp32_islands
 from autoprec.weight_dtypes import stored_values
 
 SETTLE_TRIES = 24

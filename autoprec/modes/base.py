@@ -2,7 +2,7 @@
 
 A concrete mode overrides only what it changes (modelled on Lightning Fabric's precision
 plugins). ``keep_fp32`` is honoured through one predicate, :meth:`PrecisionMode.keeps_fp32`,
-and :func:`install_fp32_islands`, which makes the kept modules run in fp32 whatever the
+and ``autoprec.modes.islands``, whose hooks make the kept modules run in fp32 whatever the
 surrounding precision.
 """
 
@@ -14,15 +14,20 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from autoprec.eligibility import Situation, mode_eligibility, optimizer_8bit_eligibility
-from autoprec.optim import NamedGroup, OptimizerTarget, rebuild_optimizer, translation_problem
+from autoprec.optim import (
+    NamedGroup,
+    OptimizerTarget,
+    check_translation,
+    rebuild_optimizer,
+    translation_problem,
+)
 from autoprec.specs import ModeName, ModeSpec, matches_keep_fp32
 from autoprec.state_translation import accept_source_state
 
-__all__ = ["PrecisionMode", "install_autocast_islands", "install_fp32_islands", "override"]
+__all__ = ["PrecisionMode", "override"]
 
 
 @contextlib.contextmanager
@@ -43,87 +48,6 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
             yield
         finally:
             matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def _cast_floats(tree: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dtype in source:
-            return value.to(target)
-        return value
-
-    return tree_map(cast, tree)
-
-
-_LOW = (torch.bfloat16, torch.float16)
-
-
-def install_fp32_islands(
-    model: nn.Module,
-    fqns: list[str],
-    device_type: str,
-    output_dtype: torch.dtype | None = None,
-    original: Callable[[Any], Any] | None = None,
-) -> None:
-    """Run the named modules in fp32: autocast off, low-precision inputs cast to fp32.
-
-    ``output_dtype`` casts their fp32 outputs back (pure bf16 models need bf16 downstream);
-    ``original`` maps each input tensor to a wider one it was cast from, where known (pure
-    bf16: the model's own fp32 inputs). Hooks, not wrapped ``forward`` methods, so
-    ``copy.deepcopy(plan.model)`` keeps working.
-    """
-    for fqn in fqns:
-        module = model.get_submodule(fqn)
-        saved: list[bool] = []
-
-        def enter(
-            _module: nn.Module, args: Any, kwargs: Any, saved: list[bool] = saved
-        ) -> tuple[Any, Any]:
-            saved.append(torch.is_autocast_enabled(device_type))
-            torch.set_autocast_enabled(device_type, False)
-            if original is not None:
-                args, kwargs = tree_map(original, args), tree_map(original, kwargs)
-            return _cast_floats(args, _LOW, torch.float32), _cast_floats(
-                kwargs, _LOW, torch.float32
-            )
-
-        def leave(_module: nn.Module, _args: Any, output: Any, saved: list[bool] = saved) -> Any:
-            torch.set_autocast_enabled(device_type, saved.pop() if saved else False)
-            if output_dtype is None:
-                return output
-            return _cast_floats(output, (torch.float32,), output_dtype)
-
-        module.register_forward_pre_hook(torch.compiler.disable(enter), with_kwargs=True)
-        module.register_forward_hook(torch.compiler.disable(leave))  # see install_autocast_islands
-
-
-def install_autocast_islands(
-    model: nn.Module, fqns: list[str], device_type: str, dtype: torch.dtype
-) -> None:
-    """Run the named modules under autocast to ``dtype``, whatever surrounds them: a module
-    of a pure-bf16 model whose weight stays fp32 because it is tied to a kept module computes
-    in bf16 from it (autocast casts the weight per call; its gradient arrives in fp32)."""
-    for fqn in fqns:
-        module = model.get_submodule(fqn)
-        contexts: list[torch.autocast] = []
-
-        def enter(
-            _module: nn.Module, _args: Any, contexts: list[torch.autocast] = contexts
-        ) -> None:
-            context = torch.autocast(device_type, dtype=dtype)
-            context.__enter__()
-            contexts.append(context)
-
-        def leave(
-            _module: nn.Module, _args: Any, _output: Any, contexts: list[torch.autocast] = contexts
-        ) -> None:
-            if contexts:
-                contexts.pop().__exit__(None, None, None)
-
-        # run eagerly under torch.compile: dynamo cannot trace an autocast entered in one hook
-        # and left in another (the exit found no saved state), nor set_autocast_enabled; the
-        # module's graph is compiled under the state the hooks set
-        module.register_forward_pre_hook(torch.compiler.disable(enter))
-        module.register_forward_hook(torch.compiler.disable(leave))
 
 
 class PrecisionMode:
@@ -220,6 +144,13 @@ class PrecisionMode:
     def rebuilt_optimizer_target(self) -> OptimizerTarget | None:
         """The implementation this mode rebuilds the user's optimizer as; None: it keeps it."""
         return "bnb_8bit" if self.spec.optimizer_bits == 8 else self.optimizer_target
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise what rebuilding ``optimizer`` for this mode would raise (its class, an option
+        without an equivalent), before anything is converted."""
+        target = self.rebuilt_optimizer_target
+        if target is not None:
+            check_translation(optimizer, target)
 
     def optimizer_problem(self, optimizer: torch.optim.Optimizer) -> str | None:
         """Why this mode cannot rebuild ``optimizer`` (its class or options), or None."""

@@ -16,7 +16,8 @@ from torch import nn
 
 from autoprec._imports import require
 from autoprec.layer_kinds import fp8_linear_fits
-from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.islands import install_fp32_islands
 from autoprec.specs import TeDelayedScaling
 
 

@@ -18,7 +18,8 @@ from torch import nn
 from autoprec._imports import require
 from autoprec.eligibility import Situation
 from autoprec.layer_kinds import fp8_linear_fits, fp8_worthwhile
-from autoprec.modes.base import PrecisionMode, install_fp32_islands, override
+from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.islands import install_fp32_islands
 
 _TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
 

@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from autoprec.eligibility import Situation
-from autoprec.modes.base import (
-    PrecisionMode,
-    install_autocast_islands,
-    install_fp32_islands,
-    override,
+from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.islands import install_autocast_islands, install_fp32_islands
+from autoprec.modes.root_inputs import (
+    InputsToBf16,
+    in_narrow_call,
+    install_root_cast,
+    original_input,
 )
-from autoprec.modes.root_inputs import install_root_cast, original_input
 
 
 def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
@@ -34,15 +34,6 @@ def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> 
     for name, buffer in module.named_buffers(recurse=False):
         if buffer is not None and buffer.is_floating_point():
             setattr(module, name, buffer.to(dtype))
-
-
-def _inputs_to_bf16(_module: nn.Module, args: object, kwargs: object) -> tuple[object, object]:
-    def cast(value: object) -> object:
-        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-            return value.to(torch.bfloat16)
-        return value
-
-    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 class Bf16PureMode(PrecisionMode):
@@ -99,21 +90,29 @@ class Bf16PureMode(PrecisionMode):
         for fqn, module in model.named_modules():
             if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
                 _cast_own_tensors(module, torch.bfloat16, kept_parameters)
+        # every cast below asks whether the model still holds bf16 weights (by one it cast):
+        # a copy made fp32 again (an fp32 weight average) runs as plain fp32
+        witness = next((n for n, p in model.named_parameters() if p.dtype == torch.bfloat16), None)
         if kept:  # kept modules handed a model input get its fp32 original
-            install_root_cast(model)
+            install_root_cast(model, witness)
         else:  # nothing to record: a plain cast, which torch.compile traces
-            model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+            model.register_forward_pre_hook(InputsToBf16(witness), with_kwargs=True)
         # fp32 tensors made inside forward (a timestep embedding, a mask) meet bf16 weights:
         # every layer that holds bf16 parameters casts its fp32 inputs to bf16.
         for fqn, module in model.named_modules():
-            own = list(module.parameters(recurse=False))
-            if fqn and own and all(p.dtype == torch.bfloat16 for p in own):
-                module.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+            own = list(module.named_parameters(recurse=False))
+            if fqn and own and all(p.dtype == torch.bfloat16 for _, p in own):
+                module.register_forward_pre_hook(InputsToBf16(own[0][0]), with_kwargs=True)
         install_fp32_islands(
-            model, kept, self.device_type, output_dtype=torch.bfloat16, original=original_input
+            model,
+            kept,
+            self.device_type,
+            output_dtype=torch.bfloat16,
+            original=original_input,
+            narrow=in_narrow_call,
         )
         tied = self.tied_to_kept(model)  # their shared weight is fp32: compute in bf16 from it
-        install_autocast_islands(model, tied, self.device_type, torch.bfloat16)
+        install_autocast_islands(model, tied, self.device_type, torch.bfloat16, in_narrow_call)
         self._parameters = [p for p in model.parameters() if p.dtype == torch.bfloat16]
         return model
 

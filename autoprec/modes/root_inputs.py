@@ -1,4 +1,5 @@
-"""The model's own fp32 inputs, for the modules a pure-bf16 model keeps in fp32.
+"""The model's own fp32 inputs, for the modules a pure-bf16 model keeps in fp32; and whether the
+model is still bf16 at all.
 
 Pure bf16 casts the model's fp32 inputs to bf16 at its root (functional code in ``forward``
 meets bf16 weights). A kept module handed such an input directly (an observation normaliser
@@ -8,65 +9,117 @@ bf16 tensor it made, for the length of the forward call; a kept module's fp32 is
 inputs up and takes the originals. Anything computed from an input (a view, a sum) is a new
 tensor, not found, and cast up from bf16 as before.
 
+Every cast first asks whether the model still holds bf16 weights (:func:`holds_bf16`, by one
+parameter the mode cast, its ``witness``): a copy made fp32 again, as an fp32 weight average
+is (``AveragedModel(plan.model).float()``), carries the hooks but must not cast its inputs or
+its kept modules' outputs to bf16 (it failed with "mat1 and mat2 must have the same dtype").
+
 The record is per thread and not kept on the model, so a deep copy of ``plan.model`` (whose
-hooks are shared functions) finds the inputs of its own calls.
+hooks are copied with it) finds the inputs of its own calls.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autoprec.modes.islands import EagerHook
+
 _calls = threading.local()
-"""``.stack``: one dict per forward call in progress, id(bf16 input) -> (bf16, fp32 original)."""
+"""``.stack``: one record per forward call of the model in progress."""
 
 
-def _stack() -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+class _Call(NamedTuple):
+    narrow: bool
+    """The model held bf16 weights when the call began, so its inputs were cast."""
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    """id(bf16 input) -> (the bf16 input, its fp32 original)."""
+
+
+def _stack() -> list[_Call]:
     if not hasattr(_calls, "stack"):
         _calls.stack = []
     return _calls.stack
 
 
-def cast_root_inputs(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """Forward pre-hook of the model: its fp32 inputs to bf16, each original recorded."""
-    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-            low = value.to(torch.bfloat16)
-            originals[id(low)] = (low, value)
-            return low
-        return value
-
-    _stack().append(originals)
-    return tree_map(cast, args), tree_map(cast, kwargs)
+def holds_bf16(module: nn.Module, witness: str | None) -> bool:
+    """Does ``module`` still hold its parameter ``witness`` in bf16 (None: no witness, yes)?"""
+    return witness is None or module.get_parameter(witness).dtype == torch.bfloat16
 
 
-def forget_root_inputs(_module: nn.Module, _args: Any, _output: Any) -> None:
-    """Forward hook of the model (also called when forward raises): drop this call's record."""
-    stack = _stack()
-    if stack:
-        stack.pop()
+class InputsToBf16:
+    """Forward pre-hook: a module's fp32 inputs to bf16 while it holds ``witness`` in bf16.
+    A plain cast, which ``torch.compile`` traces."""
+
+    def __init__(self, witness: str | None) -> None:
+        self.witness = witness
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if not holds_bf16(module, self.witness):
+            return None
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                return value.to(torch.bfloat16)
+            return value
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+class RootCast:
+    """The model's hooks: its fp32 inputs to bf16, each original recorded (while the model
+    holds ``witness`` in bf16); the record dropped when the call ends (also when it raises)."""
+
+    def __init__(self, witness: str | None) -> None:
+        self.witness = witness
+
+    def cast(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        narrow = holds_bf16(module, self.witness)
+        _stack().append(_Call(narrow, originals))
+        if not narrow:
+            return None
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                low = value.to(torch.bfloat16)
+                originals[id(low)] = (low, value)
+                return low
+            return value
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def forget(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        stack = _stack()
+        if stack:
+            stack.pop()
 
 
 def original_input(value: Any) -> Any:
     """The fp32 original of a model input the root cast to bf16; anything else as it is."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.bfloat16:
         return value
-    for originals in reversed(_stack()):
-        entry = originals.get(id(value))
+    for call in reversed(_stack()):
+        entry = call.originals.get(id(value))
         if entry is not None and entry[0] is value:
             return entry[1]
     return value
 
 
-def install_root_cast(model: nn.Module) -> None:
+def in_narrow_call() -> bool:
+    """Is the innermost forward call of the model in progress a bf16 one (True outside any)?"""
+    stack = _stack()
+    return stack[-1].narrow if stack else True
+
+
+def install_root_cast(model: nn.Module, witness: str | None) -> None:
     """Cast the model's fp32 inputs to bf16, keeping the originals for kept modules. The
     hooks run eagerly under ``torch.compile(plan.model)`` (the record is Python state, keyed
     by tensor identity, which a traced graph would not keep), as the islands' hooks do."""
-    model.register_forward_pre_hook(torch.compiler.disable(cast_root_inputs), with_kwargs=True)
-    model.register_forward_hook(torch.compiler.disable(forget_root_inputs), always_call=True)
+    root = RootCast(witness)
+    model.register_forward_pre_hook(EagerHook(root.cast), with_kwargs=True)
+    model.register_forward_hook(EagerHook(root.forget), always_call=True)

@@ -1,0 +1,142 @@
+"""Modules that run in another precision than the model around them: ``keep_fp32`` modules in
+fp32 (autocast off, low-precision inputs cast up), and modules tied to a kept one under
+autocast.
+
+The hooks are objects, not closures: ``torch.save(plan.model)`` pickles them, and
+``copy.deepcopy(plan.model)`` gives every copy hooks of its own. They run eagerly under
+``torch.compile`` (:class:`EagerHook`): dynamo cannot trace an autocast entered in one hook and
+left in another (the exit found no saved state), nor ``set_autocast_enabled``; the module's
+graph is compiled under the state the hooks set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cast_floats(tree: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    """Every tensor of a ``source`` dtype in ``tree`` cast to ``target``."""
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype in source:
+            return value.to(target)
+        return value
+
+    return tree_map(cast, tree)
+
+
+class EagerHook:
+    """A module hook that runs eagerly under ``torch.compile``, picklable and deep-copyable
+    (rebuilt from the function it wraps, so a copy's hook calls the copy's island)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self._eager = torch.compiler.disable(function)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._eager(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EagerHook, (self.function,))
+
+
+class Fp32Island:
+    """One kept module's hooks: autocast off and low-precision inputs cast to fp32 on the way
+    in; on the way out autocast as it was and, with ``output_dtype``, fp32 outputs cast to it
+    (pure bf16 hands bf16 on) while ``narrow()`` says the model around is still narrow (a copy
+    made fp32 again keeps its fp32 outputs). ``original`` maps an input to the wider tensor it
+    was cast from, where known (pure bf16: the model's own fp32 inputs)."""
+
+    def __init__(
+        self,
+        device_type: str,
+        output_dtype: torch.dtype | None = None,
+        original: Callable[[Any], Any] | None = None,
+        narrow: Callable[[], bool] | None = None,
+    ) -> None:
+        self.device_type = device_type
+        self.output_dtype = output_dtype
+        self.original = original
+        self.narrow = narrow
+        self.saved: list[bool] = []
+
+    def enter(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self.saved.append(torch.is_autocast_enabled(self.device_type))
+        torch.set_autocast_enabled(self.device_type, False)
+        if self.original is not None:
+            args, kwargs = tree_map(self.original, args), tree_map(self.original, kwargs)
+        return cast_floats(args, LOW_DTYPES, torch.float32), cast_floats(
+            kwargs, LOW_DTYPES, torch.float32
+        )
+
+    def leave(self, _module: nn.Module, _args: Any, output: Any) -> Any:
+        torch.set_autocast_enabled(self.device_type, self.saved.pop() if self.saved else False)
+        if self.output_dtype is None or (self.narrow is not None and not self.narrow()):
+            return output
+        return cast_floats(output, (torch.float32,), self.output_dtype)
+
+
+class AutocastIsland:
+    """One module's hooks running it under autocast to ``dtype`` whatever surrounds it, while
+    ``active()`` says so (pure bf16: while the model is still bf16)."""
+
+    def __init__(
+        self, device_type: str, dtype: torch.dtype, active: Callable[[], bool] | None = None
+    ) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+        self.active = active
+        self.contexts: list[torch.autocast | None] = []
+
+    def enter(self, _module: nn.Module, _args: Any) -> None:
+        if self.active is not None and not self.active():
+            self.contexts.append(None)
+            return
+        context = torch.autocast(self.device_type, dtype=self.dtype)
+        context.__enter__()
+        self.contexts.append(context)
+
+    def leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        context = self.contexts.pop() if self.contexts else None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def install_fp32_islands(
+    model: nn.Module,
+    fqns: list[str],
+    device_type: str,
+    output_dtype: torch.dtype | None = None,
+    original: Callable[[Any], Any] | None = None,
+    narrow: Callable[[], bool] | None = None,
+) -> None:
+    """Run the named modules in fp32 (:class:`Fp32Island`)."""
+    for fqn in fqns:
+        island = Fp32Island(device_type, output_dtype, original, narrow)
+        module = model.get_submodule(fqn)
+        module.register_forward_pre_hook(EagerHook(island.enter), with_kwargs=True)
+        module.register_forward_hook(EagerHook(island.leave))
+
+
+def install_autocast_islands(
+    model: nn.Module,
+    fqns: list[str],
+    device_type: str,
+    dtype: torch.dtype,
+    active: Callable[[], bool] | None = None,
+) -> None:
+    """Run the named modules under autocast to ``dtype``, whatever surrounds them: a module
+    of a pure-bf16 model whose weight stays fp32 because it is tied to a kept module computes
+    in bf16 from it (autocast casts the weight per call; its gradient arrives in fp32)."""
+    for fqn in fqns:
+        island = AutocastIsland(device_type, dtype, active)
+        module = model.get_submodule(fqn)
+        module.register_forward_pre_hook(EagerHook(island.enter))
+        module.register_forward_hook(EagerHook(island.leave))
