@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +17,32 @@ def _umask() -> int:
     return current
 
 
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def atomic_target(path: str | os.PathLike[str]) -> Path:
+    """The file an atomic write to ``path`` replaces: a symbolic link's target (the link
+    stays), or ``path``. Anything but a regular file there (a folder, ``/dev/null``) is refused:
+    renaming a finished file over it would replace it."""
+    target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    if target.exists() and not target.is_file():
+        raise ValueError(
+            f"{str(path)!r} is {_kind(target)}, not a file: autoprec writes by renaming a "
+            "finished file over its target and will not replace it. Give a file name."
+        )
+    return target
+
+
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Let ``write`` fill a temporary file next to ``path`` (with its suffix, which some writers
-    read the format from), fsync it, then rename it over ``path``."""
-    target = Path(path)
+    read the format from), fsync it, then rename it over ``path`` (over a symbolic link's
+    target, the link kept; anything but a regular file is refused: :func:`atomic_target`)."""
+    target = atomic_target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(
         dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix

@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 from autoprec.eligibility import Situation, mode_eligibility
 from autoprec.layer_keep import PURE_BF16_KEEP_REASONS
+from autoprec.layer_kinds import fp8_worthwhile
 from autoprec.probing import ProbeReport
-from autoprec.specs import MODE_NAMES, ModeName, ModeSpec
+from autoprec.specs import MODE_NAMES, ModeName, ModeSpec, matches_keep_fp32
 
 GPU_PREFERENCE: tuple[ModeName, ...] = (
     "fp8_torchao", "fp8_te", "amp_bf16", "bf16_kahan", "bf16_sr_kahan", "bf16_sr", "tf32",
@@ -73,6 +74,56 @@ def _fp8_skip(report: ProbeReport) -> tuple[str, ...]:
     return tuple(k.fqn for k in layers.keep_fp32 if k.reason.startswith(FP8_SKIP_REASONS))
 
 
+def no_fp8_layer(spec: ModeSpec, report: ProbeReport) -> str | None:
+    """Why an FP8 spec would run no layer in FP8 on the scanned model (its verdict and speed
+    would be bf16 autocast's under an FP8 label), or None when some Linear converts (or no
+    scan says)."""
+    layers = report.layers
+    if layers is None or not spec.mode.startswith("fp8") or not layers.fp8_compatible_linears:
+        return None
+    fitting = layers.fp8_compatible_linears
+    left_out = [
+        linear.fqn
+        for linear in fitting
+        if matches_keep_fp32(linear.fqn, spec.fp8_skip + spec.keep_fp32)
+    ]
+    recipe = (spec.fp8_recipe or "torchao_tensorwise").removeprefix("torchao_")
+    small = [
+        linear.fqn
+        for linear in fitting
+        if linear.fqn not in left_out
+        and spec.fp8_layers == "worthwhile"
+        and not fp8_worthwhile(linear.in_features, linear.out_features, recipe)
+    ]
+    if len(left_out) + len(small) < len(fitting):
+        return None
+    parts = []
+    if left_out:
+        parts.append(
+            f"{', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''} kept out of FP8 "
+            "(fp8_skip: the first and last layers, as FP8 training runs them, or keep_fp32)"
+        )
+    if small:
+        parts.append(
+            f"{', '.join(small[:4])}{', ...' if len(small) > 4 else ''} too small for FP8 to "
+            f"pay by torchao's {recipe} rule (fp8_layers='all' converts them)"
+        )
+    return (
+        f"{spec.label} would run no layer in FP8 (found: {len(fitting)} Linear(s) FP8 kernels "
+        f"take: {'; '.join(parts)}), so its verdict would be bf16 autocast's (amp_bf16)"
+    )
+
+
+def _with_fp8_layers(spec: ModeSpec, report: ProbeReport) -> ModeSpec:
+    """An fp8_torchao spec whose ``"worthwhile"`` layers are none, but whose fitting Linears
+    are too small to pay, with ``fp8_layers="all"``: the trial then measures FP8 on them (the
+    probe expects it slower; a trial of no FP8 layer would time bf16 autocast)."""
+    if spec.fp8_layers != "worthwhile" or no_fp8_layer(spec, report) is None:
+        return spec
+    every = spec.model_copy(update={"fp8_layers": "all"})
+    return every if no_fp8_layer(every, report) is None else spec
+
+
 def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
     layers = report.layers
     if layers is None or mode.startswith("fp8"):  # FP8 keeps layers out of FP8 instead
@@ -116,6 +167,10 @@ EIGHT_BIT_SUFFIX = "+8bit-optim"
 def _parse_modes(modes: list[str]) -> tuple[set[str], set[str]]:
     """(compute modes, modes wanted with 8-bit optimizer states) from canonical names and
     ``<mode>+8bit-optim`` labels."""
+    if isinstance(modes, str):
+        raise TypeError(
+            f"modes must be a list of mode names, e.g. [{modes!r}], not the string {modes!r}."
+        )
     if not modes:
         raise ValueError(
             "modes is empty: name the modes to run (e.g. ['amp_bf16', 'bf16_sr']), or pass "
@@ -168,7 +223,12 @@ def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> Cand
                 spec = ModeSpec(mode=mode, optimizer_bits=bits)
                 skipped.append(Skipped(spec=spec, reasons=verdict.reasons))
             continue
-        (promising if verdict.worth_trying else doubtful).extend(_specs_for(mode, report))
+        for spec in _specs_for(mode, report):
+            spec = _with_fp8_layers(spec, report)
+            if (reason := no_fp8_layer(spec, report)) is not None:
+                skipped.append(Skipped(spec=spec, reasons=(reason,)))
+            else:
+                (promising if verdict.worth_trying else doubtful).append(spec)
     for mode in sorted(wanted - set(preference) - {"fp32"}):  # requested, never eligible here
         skipped.append(Skipped(spec=ModeSpec(mode=mode), reasons=verdicts[mode].reasons))  # type: ignore[arg-type]
     if modes is not None:
@@ -232,7 +292,10 @@ def _screen_specs_for(
         specs = [ModeSpec(mode=mode, fp8_recipe="torchao_tensorwise", emulate=True, fp8_skip=skip)]
     if mode == "fp8_torchao":  # the screen: FP8 numerics on every layer its kernels take
         specs = [spec.model_copy(update={"fp8_layers": "all"}) for spec in specs]
-    return specs, ()
+    reasons = [reason for spec in specs if (reason := no_fp8_layer(spec, report)) is not None]
+    if specs and len(reasons) == len(specs):
+        return [], (reasons[0],)
+    return [spec for spec in specs if no_fp8_layer(spec, report) is None], ()
 
 
 def screen_specs(

@@ -642,3 +642,19 @@ def test_compile_is_a_training_flag_of_tune_and_check(command: str) -> None:
     assert parser.parse_args(base).compile is None  # "auto": follow the model factory
     assert parser.parse_args([*base, "--compile"]).compile is True
     assert parser.parse_args([*base, "--no-compile"]).compile is False
+
+
+def test_tune_refuses_an_out_that_is_not_a_file_before_any_trial(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--out /dev/null` (as root) replaced the device with a profile after the whole run."""
+    import os
+
+    pipe = tmp_path / "p.json"
+    os.mkfifo(pipe)
+    data = "examples.tiny_gpt:make_small_batches"
+    argv = ["tune", "examples.tiny_gpt:make_small_model", "--data", data, "--budget", "1",
+            "--out", str(pipe)]  # fmt: skip
+    assert main(argv) == 2
+    assert "is a pipe, not a file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no study was started

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -401,3 +402,21 @@ def test_saved_files_respect_the_umask(tmp_path: Path, umask: int, mode: int) ->
     finally:
         os.umask(previous)
     assert path.stat().st_mode & 0o777 == mode
+
+
+def test_save_through_a_link_writes_its_target_and_refuses_what_is_not_a_file(
+    tmp_path: Path,
+) -> None:
+    """A link was replaced by a regular file; /dev/null (as root) by a profile."""
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    _profile(mode="amp_bf16").save(link)
+    assert link.is_symlink() and load_profile(real).spec.mode == "amp_bf16"
+    pipe = tmp_path / "pipe.json"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"pipe\.json' is a pipe, not a file.*Give a file name"):
+        _profile(mode="fp32").save(pipe)
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe.json", "real.json"]

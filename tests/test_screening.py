@@ -729,3 +729,58 @@ def test_check_from_a_runs_stepped_optimizer_starts_from_its_state_and_leaves_it
         assert torch.equal(value, weights[name])
     for index, entry in optimizer.state_dict()["state"].items():
         assert all(torch.equal(v, state["state"][index][k]) for k, v in entry.items())
+
+
+def test_fp8_that_would_convert_no_layer_is_not_checked_with_the_reason() -> None:
+    """The raw-parameter MLP's only Linears are its first and last layers, which FP8 runs keep
+    out of FP8: its "FP8 verdict" was bf16 autocast's (README's own example said safe). Named
+    in ``modes``, a mode that cannot be checked is an error; by default it is listed."""
+    from autoprec.candidates import screen_specs
+    from autoprec.eligibility import Situation
+    from autoprec.probing import probe
+    from examples import raw_param_mlp
+
+    model, example = raw_param_mlp.make_model()
+    batches = raw_param_mlp.make_batches(count=8)
+    with pytest.raises(autoprec.UnsupportedModeError, match=r"no layer in FP8") as raised:
+        autoprec.check(model, batches, loss_fn=raw_param_mlp.loss_fn, steps=4,
+                       modes=["amp_bf16", "fp8_torchao"])  # fmt: skip
+    assert "embed, head kept out of FP8" in str(raised.value)
+    report = probe(model, example)
+    situation = Situation(hardware=report.hardware, device=report.device, layers=report.layers,
+                          backends=report.backends)  # fmt: skip
+    candidates = screen_specs(report, situation)
+    assert "fp8_torchao" not in {s.mode for s in candidates.specs}
+    (skipped,) = [s for s in candidates.skipped if s.spec.mode == "fp8_torchao"]
+    assert "would run no layer in FP8 (found: 2 Linear(s)" in skipped.reasons[0]
+    assert "verdict would be bf16 autocast's (amp_bf16)" in skipped.reasons[0]
+
+
+def test_tune_trials_fp8_on_small_linears_and_skips_it_where_none_converts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp8_layers='worthwhile' (tune's default) converts no Linear of a small model: the trial
+    would have timed bf16 autocast under an FP8 label. It now measures FP8 on every Linear FP8
+    kernels take ("all"), and where even that is none, the candidate is skipped, with why."""
+    from autoprec import candidates as candidates_module
+    from autoprec.probing import probe
+    from examples import raw_param_mlp
+
+    monkeypatch.setattr(candidates_module, "CPU_PREFERENCE", candidates_module.GPU_PREFERENCE)
+
+    def candidates(model: torch.nn.Module, example: torch.Tensor) -> object:
+        probed = probe(model, example)
+        eligible = tuple(
+            v.model_copy(update={"eligible": True, "reasons": ()}) for v in probed.modes
+        )
+        report = probed.model_copy(update={"modes": eligible})  # as on an H100
+        return candidates_module.candidate_specs(report, modes=["fp8_torchao"])
+
+    small = candidates(torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4))),
+                       torch.randn(8, 64))  # fmt: skip
+    fp8 = [s for s in small.specs if s.mode == "fp8_torchao"]  # type: ignore[attr-defined]
+    assert fp8 and all(s.fp8_layers == "all" and s.fp8_skip == ("0", "3") for s in fp8)
+    assert not small.skipped  # type: ignore[attr-defined]
+    none = candidates(*raw_param_mlp.make_model())
+    assert [s.mode for s in none.specs] == ["fp32"]  # type: ignore[attr-defined]
+    assert all("would run no layer in FP8" in s.reasons[0] for s in none.skipped)  # type: ignore[attr-defined]
