@@ -14,6 +14,7 @@ from typing import Any, overload
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoprec.errors import LossError
 from autoprec.layer_flops import call_model
 from autoprec.plan import PrecisionPlan
 from autoprec.weight_dtypes import same_values
@@ -188,11 +189,11 @@ def prediction(output: Any) -> torch.Tensor | None:
 
 
 def _scalar(loss: Any, source: str) -> torch.Tensor:
-    """``loss`` when it is one number; else a ValueError saying what ``source`` returned."""
+    """``loss`` when it is one number; else a LossError saying what ``source`` returned."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
     if isinstance(loss, tuple | list):
-        raise ValueError(
+        raise LossError(
             f"{source} returned a {type(loss).__name__} of {len(loss)}, not a scalar loss: "
             "return the loss tensor alone (log the rest from your own loop or a hook)."
         )
@@ -201,7 +202,7 @@ def _scalar(loss: Any, source: str) -> torch.Tensor:
         if isinstance(loss, torch.Tensor)
         else type(loss).__name__
     )
-    raise ValueError(
+    raise LossError(
         f"{source} returned {found}, not a scalar loss: reduce it to one number (e.g. "
         "reduction='mean' in a torch.nn loss, or .mean())."
     )
@@ -232,7 +233,7 @@ def forward_and_loss(
     if loss is None:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None
         found = f"Tensor of shape {shape}" if shape is not None else type(output).__name__
-        raise ValueError(
+        raise LossError(
             f"Cannot find a loss: the model returned {found}. Pass loss_fn(output, target) or "
             "train_step(plan, batch), or make the model return a scalar loss, .loss or "
             '["loss"].'

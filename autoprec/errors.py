@@ -33,6 +33,11 @@ class ModelLoadError(AutoprecError):
     """A ``module.path:attr`` model factory could not be imported, called or understood."""
 
 
+class LossError(AutoprecError, ValueError):
+    """No loss to train on: the model's output, ``loss_fn`` or ``train_step`` gave something
+    that is not one number (a tensor of shape (8, 4), a tuple, an int)."""
+
+
 class ProfileError(AutoprecError):
     """A profile file is unreadable, invalid, or from a newer schema version."""
 

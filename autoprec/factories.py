@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import ModelLoadError
+from autoprec.optim import source_kind
 from autoprec.torch_state_form import state_writer, torch_optimizer_state
 
 _FORM = "'module.path:factory' or 'path/to/file.py:factory'"
@@ -213,16 +214,40 @@ def load_optimizer_state(
     path, loaded = read or read_checkpoint(path_text, option, "optimizer state")
     state = _optimizer_state_in(loaded, path, option)
     try:
-        if state_writer(state) in ("optimi", "bnb"):  # saved by a bf16_kahan or 8-bit run
+        if _translatable(optimizer) or state_writer(state) in ("optimi", "bnb"):
+            # checks the family's keys (torch's own load does not), reads bf16_kahan/8-bit saves
             state = torch_optimizer_state(state, optimizer)
+        _check_state_shapes(state, optimizer)
         optimizer.load_state_dict(state)
     except (TypeError, ValueError, KeyError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [""])[0]
         raise ModelLoadError(
             f"{option}: {path}'s optimizer state does not fit {type(optimizer).__name__} over "
             f"this model ({type(error).__name__}: {first}); pass the --optimizer the run "
-            "trained with."
+            "trained with, and the state saved with these --weights."
         ) from None
+
+
+def _translatable(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        source_kind(optimizer)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_state_shapes(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Each saved tensor state has its parameter's shape (torch's load checks only counts:
+    another model's state with as many parameters loaded and failed at the first step)."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    indices = [index for group in state.get("param_groups", []) for index in group["params"]]
+    for number, (index, parameter) in enumerate(zip(indices, parameters, strict=False)):
+        for key, value in state.get("state", {}).get(index, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != parameter.shape:
+                raise ValueError(
+                    f"its {key!r} for parameter {number} has shape {tuple(value.shape)}, the "
+                    f"parameter {tuple(parameter.shape)}: it was saved for another model"
+                )
 
 
 def load_weights(

@@ -335,12 +335,15 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float
     available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
     if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
+        # what every run needs for its shortest trial, on top of what is spent already
+        used = budget_minutes * 60 - (setup.deadline - setup.clock())
+        per_run = overhead + 1.5 * MIN_TRIAL_STEPS * step_seconds
+        needed = used + trials * per_run / (1 - BUDGET_RESERVE)
         raise ValueError(
             f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
-            f"{step_seconds:.3g} s and the reference and noise runs alone need "
-            f"{2 * MIN_TRIAL_STEPS} steps. Give at least "
-            f"{(calibration_seconds + 3 * (MIN_TRIAL_STEPS * step_seconds + overhead)) / 60:.2f}"
-            " minutes."
+            f"{step_seconds:.3g} s and each of {trials} runs (the reference, the noise run and "
+            f"every candidate) needs {MIN_TRIAL_STEPS} steps. Give at least "
+            f"{max(math.ceil(needed / 60 * 100) / 100, budget_minutes + 0.01):.2f} minutes."
         )
     return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from autoprec.errors import UnsupportedModeError
+from autoprec.errors import AutoprecError, UnsupportedModeError
 from autoprec.trial_records import FailureKind, TrialFailure
 
 
@@ -54,7 +54,10 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
         step=step,
         message=message,
         raised_in=raised_in(frames),
-        raised_by_autoprec=bool(frames) and _own(Path(frames[-1].filename).resolve()),
+        # autoprec's own refusals of your input (a loss that is not one number) are yours
+        raised_by_autoprec=bool(frames)
+        and _own(Path(frames[-1].filename).resolve())
+        and not isinstance(error, AutoprecError),
     )
 
 

@@ -642,6 +642,37 @@ def test_optimizer_state_starts_every_trial_from_the_runs_adam_moments(
         assert said in err and "Traceback" not in err, err
 
 
+def test_an_optimizer_state_of_another_optimizer_or_model_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's load takes any state with as many parameters: an RMSprop state, or another
+    model's AdamW state, loaded and the fp32 reference failed at step 0 (KeyError 'betas',
+    a size mismatch) with advice to check the batches."""
+    from examples import raw_param_mlp
+
+    model, _ = raw_param_mlp.make_model()
+    torch.save({"model": model.state_dict()}, tmp_path / "ckpt.pt")
+    rmsprop = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    other = raw_param_mlp.RawParamMLP(hidden=128)  # as many tensors, other shapes
+    adamw = torch.optim.AdamW(other.parameters())
+    for optimizer, module in ((rmsprop, model), (adamw, other)):
+        x, y = raw_param_mlp.make_batches(count=1)[0]
+        raw_param_mlp.loss_fn(module(x), y).backward()
+        optimizer.step()
+    torch.save(rmsprop.state_dict(), tmp_path / "rmsprop.pt")
+    torch.save(adamw.state_dict(), tmp_path / "other_model.pt")
+    command = [*RAW_PARAM_CHECK, "--steps", "4", "--modes", "amp_bf16"]
+    command += ["--weights", str(tmp_path / "ckpt.pt"), "--optimizer-state"]
+    for name, said in [
+        ("rmsprop.pt", "its per-parameter keys are ['square_avg', 'step']"),
+        ("other_model.pt", "has shape (128, 128), the parameter (256, 256)"),
+    ]:
+        assert main([*command, str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert "optimizer state does not fit AdamW over this model" in err, err
+        assert said in err and "batches" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_hugging_face_model_with_gradient_checkpointing_is_judged_as_without(
     reentrant: bool,

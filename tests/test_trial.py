@@ -912,3 +912,19 @@ def test_a_submodule_the_user_froze_in_eval_mode_stays_frozen() -> None:
     recipe = TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters()), loss_fn=task.mse)
     run_trial(ModeSpec(mode="fp32"), model, task.batches, recipe=recipe, steps=4)
     assert seen and not any(seen)  # the trial's copy trained with it frozen too
+
+
+def test_a_loss_that_is_not_one_number_is_the_users_not_autoprecs() -> None:
+    """autoprec's own refusal of a loss of shape (8, 4) ended with "raised by autoprec's own
+    code ... please report it", blaming itself for the user's reduction='none'."""
+    from autoprec.batching import _scalar
+    from autoprec.errors import LossError
+
+    failure = _failure(lambda: _scalar(torch.zeros(8, 4), "loss_fn(output, batch)"))
+    assert failure.message.startswith(
+        "LossError: loss_fn(output, batch) returned a tensor of shape"
+    )
+    assert failure.raised_in.startswith("autoprec/batching.py:") and not failure.raised_by_autoprec
+    with pytest.raises(ValueError, match="not a scalar loss"):  # still a ValueError
+        _scalar(3, "loss_fn(output, batch)")
+    assert issubclass(LossError, autoprec.AutoprecError)

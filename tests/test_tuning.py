@@ -621,3 +621,33 @@ def test_a_resumed_study_keeps_reading_fresh_batches_for_a_model_that_changes_th
     assert any("changes its input batches in place" in n for n in resumed.checks_not_run)
     assert resumed.chosen.mode == "bf16_sr", resumed.summary()
     assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, before, strict=True))
+
+
+def test_the_budget_a_too_small_budget_asks_for_is_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--budget 0.01` was told "Give at least 0.01 minutes": the advice left out what each run
+    costs beyond its steps and was rounded down. Given what it asks for, calibration passes."""
+    import re
+    import types
+
+    from autoprec import run_setup
+
+    step, calibration = 0.5, 4.0  # 5 calibration steps of 0.5 s and 1.5 s of copying/converting
+    monkeypatch.setattr(run_setup, "calibration_run", lambda setup: (step, calibration, False))
+
+    def setup_for(budget_minutes: float) -> object:
+        return types.SimpleNamespace(
+            candidates=types.SimpleNamespace(specs=[None] * 3),
+            deadline=budget_minutes * 60,
+            clock=lambda: calibration,  # started at 0, calibration just ended
+        )
+
+    with pytest.raises(ValueError, match=r"too small.*Give at least") as raised:
+        run_setup.calibrate(setup_for(0.5), 0.5)  # type: ignore[arg-type]
+    asked = float(re.search(r"Give at least ([\d.]+) minutes", str(raised.value)).group(1))  # type: ignore[union-attr]
+    assert asked > 0.5
+    steps, _, _ = run_setup.calibrate(setup_for(asked), asked)  # type: ignore[arg-type]
+    assert steps >= run_setup.MIN_TRIAL_STEPS
+    # and enough for every run's shortest trial (4 runs: the reference, the noise run, 2 more)
+    overhead = calibration - run_setup.CALIBRATION_STEPS * step
+    left = (asked * 60 - calibration - 4 * overhead) * (1 - run_setup.BUDGET_RESERVE)
+    assert left >= 4 * run_setup.MIN_TRIAL_STEPS * step * 1.5  # the old advice left 26 s of 60
