@@ -292,10 +292,10 @@ def _screen_specs_for(
         specs = [ModeSpec(mode=mode, fp8_recipe="torchao_tensorwise", emulate=True, fp8_skip=skip)]
     if mode == "fp8_torchao":  # the screen: FP8 numerics on every layer its kernels take
         specs = [spec.model_copy(update={"fp8_layers": "all"}) for spec in specs]
-    reasons = [reason for spec in specs if (reason := no_fp8_layer(spec, report)) is not None]
-    if specs and len(reasons) == len(specs):
-        return [], (reasons[0],)
-    return [spec for spec in specs if no_fp8_layer(spec, report) is None], ()
+    converting = [spec for spec in specs if no_fp8_layer(spec, report) is None]
+    if specs and not converting:
+        return [], (no_fp8_layer(specs[0], report) or "",)
+    return converting, ()
 
 
 def screen_specs(

@@ -47,8 +47,14 @@ def _stack() -> list[_Call]:
 
 
 def holds_bf16(module: nn.Module, witness: str | None) -> bool:
-    """Does ``module`` still hold its parameter ``witness`` in bf16 (None: no witness, yes)?"""
-    return witness is None or module.get_parameter(witness).dtype == torch.bfloat16
+    """Does ``module`` still hold its parameter ``witness`` in bf16 (None: no witness, yes)?
+    A layer's own parameter is looked up directly: this runs before every bf16 layer."""
+    if witness is None:
+        return True
+    if "." in witness:
+        return module.get_parameter(witness).dtype == torch.bfloat16
+    parameter = module._parameters.get(witness)
+    return parameter is None or parameter.dtype == torch.bfloat16
 
 
 class InputsToBf16:
