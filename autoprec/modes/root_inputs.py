@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoprec.modes.islands import EagerHook
+from autoprec.modes.islands import EagerHook, cast_floats
 
 _calls = threading.local()
 """``.stack``: one record per forward call of the model in progress."""
@@ -67,13 +67,8 @@ class InputsToBf16:
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if not holds_bf16(module, self.witness):
             return None
-
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-                return value.to(torch.bfloat16)
-            return value
-
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        fp32 = (torch.float32,)
+        return cast_floats(args, fp32, torch.bfloat16), cast_floats(kwargs, fp32, torch.bfloat16)
 
 
 class RootCast:
