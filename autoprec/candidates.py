@@ -13,7 +13,7 @@ import dataclasses
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.eligibility import Situation, mode_eligibility
-from autoprec.layer_keep import PURE_BF16_KEEP_REASONS
+from autoprec.layer_keep import FP8_SKIP_REASONS, PURE_BF16_KEEP_REASONS
 from autoprec.layer_kinds import fp8_worthwhile
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec, matches_keep_fp32
@@ -59,12 +59,6 @@ def _fp8_recipes(mode: ModeName, report: ProbeReport) -> list[str]:
     if mode == "fp8_torchao":
         return ["torchao_tensorwise"] + (["torchao_rowwise"] if capability >= (9, 0) else [])
     return ["te_delayed_hybrid", "te_current"] + (["te_mxfp8"] if capability >= (10, 0) else [])
-
-
-FP8_SKIP_REASONS = ("first layer", "last layer", "Linear")
-"""Which of the probe's kept layers FP8 candidates keep out of FP8 (in bf16 autocast): the
-first and last layer and Linears FP8 kernels cannot take. Norms and embeddings need nothing:
-bf16 autocast already runs norms in fp32, and a lookup of fp32 weights stays fp32."""
 
 
 def _fp8_skip(report: ProbeReport) -> tuple[str, ...]:

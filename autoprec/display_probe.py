@@ -10,6 +10,7 @@ from rich.text import Text
 
 from autoprec.display import format_bytes, format_count, format_percent, yes_no
 from autoprec.hardware import GpuInfo, HardwareInfo
+from autoprec.layer_keep import FP8_SKIP_REASONS, PURE_BF16_KEEP_REASONS
 from autoprec.layer_mix import LayerMix
 from autoprec.probing import ModeVerdict, ProbeReport
 
@@ -100,8 +101,21 @@ def _layers(layers: LayerMix) -> Group:
                 format_percent(share.flop_share),
             )
     findings = Text("\n".join(f"• {finding}" for finding in layers.findings))
-    keep = ", ".join(dict.fromkeys(keep.fqn for keep in layers.keep_fp32)) or "none"
-    return Group(table, findings, Text(f"keep in fp32 by default: {keep}", style="dim"))
+    return Group(table, findings, _kept_by_default(layers))
+
+
+def _kept_by_default(layers: LayerMix) -> Text:
+    """Which modules each family of modes keeps out of low precision, and where they run."""
+
+    def named(reasons: tuple[str, ...]) -> str:
+        kept = (keep.fqn for keep in layers.keep_fp32 if keep.reason.startswith(reasons))
+        return ", ".join(dict.fromkeys(kept)) or "none"
+
+    return Text(
+        f"pure bf16 keeps in fp32: {named(PURE_BF16_KEEP_REASONS)}\n"
+        f"FP8 keeps out of FP8 (bf16 autocast): {named(FP8_SKIP_REASONS)}",
+        style="dim",
+    )
 
 
 def _verdict_text(verdict: ModeVerdict) -> Text:

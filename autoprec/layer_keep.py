@@ -1,6 +1,7 @@
-"""The modules a model scan keeps in fp32 by default, and why: norms and embeddings, the first
-and last compute layers, Linears FP8 kernels cannot take, and modules whose buffers training
-updates outside the optimizer (``autoprec.running_state``)."""
+"""The modules a model scan keeps out of low precision by default, and why: in fp32 under pure
+bf16, norms and embeddings and modules whose buffers training updates outside the optimizer
+(``autoprec.running_state``); out of FP8 (in bf16 autocast), the first and last compute layers
+and Linears FP8 kernels cannot take."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ RUNNING_STATE_REASON = "running statistics"
 """How the keep-list names a module whose buffers training updates (pure bf16 keeps it fp32)."""
 PURE_BF16_KEEP_REASONS = ("normalisation", "embedding", RUNNING_STATE_REASON)
 """The keep-list reasons pure-bf16 candidates keep in fp32 (the others are FP8's)."""
+FP8_SKIP_REASONS = ("first layer", "last layer", "first and last layer", "Linear")
+"""The keep-list reasons FP8 candidates keep out of FP8 (in bf16 autocast, not fp32): the
+first and last layer and Linears FP8 kernels cannot take. Norms and embeddings need nothing:
+bf16 autocast already runs norms in fp32, and a lookup of fp32 weights stays fp32."""
 
 
 def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> list[KeepFp32]:
@@ -54,7 +59,12 @@ def default_keep_fp32(
             keep[fqn] = "normalisation: statistics need full precision"
         elif kind == "embedding":
             keep[fqn] = "embedding: a lookup, nothing for low precision to speed up"
-    if matmul_layers:
+    if len(matmul_layers) == 1:
+        keep.setdefault(
+            matmul_layers[0],
+            "first and last layer: sees raw inputs and produces the outputs the loss sees",
+        )
+    elif matmul_layers:
         keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
         keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
     for fqn, module in model.named_modules():

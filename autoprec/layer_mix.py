@@ -71,6 +71,9 @@ class LayerMix(BaseModel):
     raw_param_matmuls: tuple[str, ...]
     """Names of parameters used directly in matmuls (outside Linear/Conv modules)."""
     keep_fp32: tuple[KeepFp32, ...]
+    """Modules kept out of low precision by default: the reasons in
+    ``layer_keep.PURE_BF16_KEEP_REASONS`` are kept in fp32 under pure bf16, those in
+    ``layer_keep.FP8_SKIP_REASONS`` out of FP8 (in bf16 autocast)."""
     findings: tuple[str, ...]
     complex_parameters: tuple[str, ...] = ()
     """Names of trainable complex parameters (a Fourier layer's spectral weights)."""

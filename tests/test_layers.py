@@ -284,3 +284,21 @@ def test_weights_not_in_fp32_are_the_first_finding() -> None:
     findings = scan_model(model, torch.randn(2, 16, dtype=torch.bfloat16)).findings
     assert findings[0].startswith("weights not fp32 (torch.bfloat16 in 4 of 4 trainable tensors")
     assert not any("not fp32" in f for f in scan_model(model.float(), torch.randn(2, 16)).findings)
+
+
+def test_an_only_matmul_layer_is_first_and_last_and_the_probe_says_who_keeps_what() -> None:
+    """A token model of one Linear: its only matmul layer was called "first layer" alone; the
+    probe listed FP8's skips under "keep in fp32", which no mode does with them."""
+    from rich.console import Console
+
+    from autoprec.display_probe import _kept_by_default
+
+    model = nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 64))
+    mix = scan_model(model, torch.randint(0, 64, (2, 8)))
+    reasons = {k.fqn: k.reason for k in mix.keep_fp32}
+    assert reasons["2"].startswith("first and last layer: sees raw inputs and produces")
+    console = Console(width=200, record=True)
+    console.print(_kept_by_default(mix))
+    shown = console.export_text()
+    assert "pure bf16 keeps in fp32: 0, 1\n" in shown
+    assert "FP8 keeps out of FP8 (bf16 autocast): 2\n" in shown
