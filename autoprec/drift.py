@@ -322,8 +322,9 @@ def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ..
     notes = []
     if all(output is None for output in (*reference.heldout_outputs, *trial.heldout_outputs)):
         notes.append(
-            "held-out outputs not compared: the model returns only a loss (no logits or other "
-            "prediction tensor); losses, movement and eval_fn are judged"
+            "held-out outputs not compared: no prediction tensor reached autoprec (the model "
+            "returns only a loss, or train_step returns the loss alone); losses, movement and "
+            "eval_fn are judged"
         )
     record = trial.record
     if record.spec.mode != "fp32" and record.heldout_losses and not record.heldout_losses_fp32_read:

@@ -312,6 +312,8 @@ def test_a_skipped_output_check_is_said_not_silent() -> None:
     trial = run_trial(ModeSpec(mode="amp_bf16"), task.model, task.batches, **common)
     verdict = judge(trial, reference, reference)
     assert verdict.notes and verdict.notes[0].startswith("held-out outputs not compared")
+    # the model returns predictions: the note names train_step as what hid them
+    assert "train_step returns the loss alone" in verdict.notes[0]
     with_outputs = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
     reference = run_trial(
         ModeSpec(mode="fp32"), task.model, task.batches, **{**common, "recipe": with_outputs}
