@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -162,11 +163,40 @@ def read_checkpoint(path_text: str, option: str, what: str) -> tuple[Path, Any]:
     try:
         return path, torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file is the same user error
-        first = (str(error).strip().splitlines() or [""])[0]
+        unsafe = _UNSAFE_GLOBAL.search(str(error))
+        if unsafe is not None:
+            raise ModelLoadError(
+                f"{option}: {path} holds a Python object beyond tensors and plain containers "
+                f"({unsafe.group(1)}); autoprec reads checkpoints with weights_only=True, so "
+                f"that no code in them runs. Save the {what} alone "
+                f"(torch.save({_SAVE_CALL[what]}, path)){_OR_LOAD_IT.get(what, '')}."
+            ) from None
+        cause = _torch_load_cause(error) or "the file ends early"
         raise ModelLoadError(
             f"{option}: {path} is not a torch.save file of {what} "
-            f"({type(error).__name__}: {first})."
+            f"({type(error).__name__}: {cause})."
         ) from None
+
+
+_UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+"""What torch's weights-only unpickler names when a file holds an object it will not build."""
+_SAVE_CALL = {"weights": "model.state_dict()", "optimizer state": "optimizer.state_dict()"}
+_OR_LOAD_IT = {"weights": ", or load the file in your model factory yourself if you trust it"}
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _torch_load_cause(error: BaseException) -> str:
+    """The line of a ``torch.load`` error that says what is wrong with the file: after
+    "WeightsUnpickler error:" when there is one (its first line is advice to load unsafely),
+    else the first line; without terminal colour codes, which torch's messages carry."""
+    lines = [line.strip() for line in _ANSI_ESCAPE.sub("", str(error)).splitlines()]
+    lines = [line for line in lines if line]
+    for index, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            rest = line.split("WeightsUnpickler error:", 1)[1].strip()
+            following = lines[index + 1] if index + 1 < len(lines) else ""
+            return rest or following
+    return lines[0] if lines else ""
 
 
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_states")
