@@ -19,9 +19,9 @@ def _umask() -> int:
 
 def _kind(path: Path) -> str:
     mode = path.stat().st_mode
-    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
-             (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    kinds = [(stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket")]  # fmt: skip
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
@@ -35,6 +35,33 @@ def atomic_target(path: str | os.PathLike[str]) -> Path:
             f"{str(path)!r} is {_kind(target)}, not a file: autoprec writes by renaming a "
             "finished file over its target and will not replace it. Give a file name."
         )
+    return target
+
+
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """The target of an atomic write to ``path`` (:func:`atomic_target`), after proving a file
+    can be made where it goes: a probe file is created in its folder, or in the nearest folder
+    that exists (nothing is left behind, no folder is made). For a long run, so that a path it
+    cannot write (``/proc/p.json``, a read-only folder, a file used as a folder) is refused
+    before the run, not after it."""
+    target = atomic_target(path)
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(
+            f"{str(path)!r} cannot be written: {str(folder)!r} is {_kind(folder)}, not a "
+            "folder. Give a path in a folder."
+        )
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".autoprec-write-check.")
+    except OSError as error:
+        raise ValueError(
+            f"{str(path)!r} cannot be written: making a file in {str(folder)!r} fails "
+            f"({error.strerror or type(error).__name__}). Give a path in a folder you can write."
+        ) from None
+    os.close(handle)
+    os.unlink(name)
     return target
 
 

@@ -213,7 +213,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from autoprec._files import atomic_target, write_text_atomically
+    from autoprec._files import check_writable, write_text_atomically
     from autoprec.display import print_profile, tune_table
     from autoprec.progress import TuneProgress
     from autoprec.tuning import tune
@@ -223,7 +223,7 @@ def _tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {args.out!r} is a folder; give the profile's file name.")
-    atomic_target(out)  # /dev/null or a pipe: refused before any trial, not after
+    check_writable(out)  # /dev/null, a pipe, /proc/p.json: refused before any trial, not after
     # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
     # the first fp32 steps have checked the inputs.
     storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"

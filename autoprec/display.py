@@ -54,12 +54,19 @@ def _figures(figures: TrialFigures) -> str:
     return ", ".join(parts) or "—"
 
 
+RECIPE_OPTIONS = ("lr", "betas", "beta1", "beta2", "momentum", "nesterov", "weight_decay")
+"""The optimizer settings a recipe line shows: the lr and what sets its momentum and decay
+(torch's betas, torch-optimi's beta1/beta2, SGD's momentum and nesterov when on)."""
+
+
 def describe_recipe(recipe: RecipeSummary) -> str:
     """One paragraph: the optimizer, the lrs trials trained at, accumulation and clipping."""
     optimizer = recipe.optimizer.rpartition(":")[2]
     group = recipe.optimizer_groups[0] if recipe.optimizer_groups else {}
     options = ", ".join(
-        f"{key} {group[key]}" for key in ("lr", "betas", "weight_decay") if key in group
+        f"{key} {group[key]}"
+        for key in RECIPE_OPTIONS
+        if key in group and (key != "nesterov" or group[key] is True)
     )
     more = (
         f" (+{len(recipe.optimizer_groups) - 1} groups)" if len(recipe.optimizer_groups) > 1 else ""

@@ -4,9 +4,11 @@ import io
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoprec.cli import main
 
@@ -426,6 +428,24 @@ def test_recipe_flag_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         assert flag in help_text
 
 
+def test_the_recipe_line_names_what_sets_each_optimizers_momentum() -> None:
+    """SGD's momentum (and nesterov when on), torch-optimi's beta1/beta2, torch's betas."""
+    from autoprec.display import describe_recipe
+    from autoprec.recipe import TrainingRecipe
+
+    model = torch.nn.Linear(4, 2)
+
+    def line(optimizer: Callable[..., torch.optim.Optimizer]) -> str:
+        return describe_recipe(TrainingRecipe(optimizer=optimizer).summary(model))
+
+    sgd = line(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
+    assert sgd.startswith("SGD(lr 0.1, momentum 0.9, nesterov True, weight_decay 0")
+    plain = line(lambda params: torch.optim.SGD(params, lr=0.1))
+    assert "momentum 0," in plain and "nesterov" not in plain
+    adam = line(lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.99)))
+    assert adam.startswith("AdamW(lr 0.001, betas [0.8, 0.99], weight_decay 0.01)")
+
+
 def test_show_prints_the_recipe_a_profile_was_tuned_under(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -658,3 +678,14 @@ def test_tune_refuses_an_out_that_is_not_a_file_before_any_trial(
     assert main(argv) == 2
     assert "is a pipe, not a file" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no study was started
+    # where no file can be made: refused before calibration, not after the run
+    (tmp_path / "notes.txt").write_text("mine")
+    for out, said in [
+        ("/proc/p.json", "making a file in '/proc' fails"),
+        (str(tmp_path / "notes.txt" / "sub" / "p.json"), "notes.txt' is a file, not a folder"),
+    ]:
+        assert main([*argv[:-1], out]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be written" in err and said in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "p.json"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"

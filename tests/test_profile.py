@@ -420,3 +420,18 @@ def test_save_through_a_link_writes_its_target_and_refuses_what_is_not_a_file(
         _profile(mode="fp32").save(pipe)
     assert stat.S_ISFIFO(pipe.stat().st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe.json", "real.json"]
+
+
+def test_check_writable_proves_a_file_can_be_made_and_leaves_nothing(tmp_path: Path) -> None:
+    """A long run's output path is tried before the run: a probe file in the nearest folder
+    that exists, removed; no folder is made for a path whose folders do not exist yet."""
+    from autoprec._files import check_writable
+
+    deep = tmp_path / "a" / "b" / "p.json"
+    assert check_writable(deep) == deep
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"file' is a file, not a folder"):
+        check_writable(tmp_path / "file" / "p.json")
+    with pytest.raises(ValueError, match=r"making a file in '/proc' fails"):
+        check_writable("/proc/p.json")
