@@ -3,7 +3,8 @@
 An accept means the mode did not drift from fp32 over the trial's steps. Some harm only shows
 later; where we measured such a case, or the literature reports one, the accept says so, with
 the figure, instead of letting "safe" read as "safe for any run length". Each text names where
-its figure comes from (our benchmarks, the README's ground-truth section, NUMERICS.md).
+its figure comes from (our benchmarks, the README's ground-truth section, a paper by arXiv
+number).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ FP16_LATE_GROWTH = (
     "preceded the low-precision failures of arXiv 2409.12517"
 )
 """The growth measured on our CPU machines (README, "The fp16 headroom"); the late failures
-from the literature (NUMERICS.md, early-warning signals)."""
+from the literature (arXiv 2409.12517; early-warning signals in arXiv 2505.20524 and
+2304.13013)."""
 
 
 BF16_WEIGHT_AVERAGE = (

@@ -1,8 +1,8 @@
 """The drift gate's fp16 checks: range headroom and the loss scaler's health.
 
 Loss scaling protects gradients from underflow, not the forward pass from overflow: activations
-above 65504 overflow fp16 whatever the scaler does (NUMERICS.md). Modules kept in fp32 are not
-counted. The scaler's start-up skips are settled on the first batch before the trial
+above 65504 (fp16's largest finite value) overflow whatever the scaler does. Modules kept in
+fp32 are not counted. The scaler's start-up skips are settled on the first batch before the trial
 (``trial_loop.settle``, ``AmpFp16Mode.settle``), so a skip here is drift, not calibration.
 """
 

@@ -351,13 +351,17 @@ def scoring_arguments(
     *,
     default: Sequence[str] = tuple(TASKS),
     quick: Sequence[str] = QUICK_TASKS,
+    more_options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> tuple[list[str], int, int, Path]:
     """(task names, long-run steps, trial steps, cache) from the options of the benchmarks that
     score the gate against the long runs: the task options, ``--steps``, ``--trial-steps``,
-    ``--cache``; ``--quick`` means the ``quick`` tasks, 300-step runs and 30-step trials."""
+    ``--cache``; ``--quick`` means the ``quick`` tasks, 300-step runs and 30-step trials.
+    ``more_options`` adds a benchmark's own (read apart; here they show in ``--help``)."""
     parser = task_parser(
         doc, quick=f"{', '.join(quick)}, 300/30 steps (CI)", default=", ".join(default)
     )
+    if more_options is not None:
+        more_options(parser)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
     parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))

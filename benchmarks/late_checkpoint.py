@@ -124,12 +124,22 @@ def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
     return false_accepts, false_rejects
 
 
+def checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--at", default="0.9", help="fractions of the run to check from, e.g. 0.25,0.5,0.9"
+    )
+    parser.add_argument(
+        "--with-state",
+        action="store_true",
+        help="pass check() the fp32 run's optimizer with its state there (default: fresh)",
+    )
+
+
 def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], bool, list[str]]:
     """``--at`` (fractions of the run, each in (0, 1)), ``--with-state`` and the other
     arguments."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--at", default="0.9")
-    pre.add_argument("--with-state", action="store_true")
+    checkpoint_options(pre)
     known, rest = pre.parse_known_args(argv)
     try:
         fractions = [float(value) for value in known.at.split(",")]
@@ -178,7 +188,9 @@ def task_rows(
 
 def main(argv: list[str] | None = None) -> list[Row]:
     fractions, with_state, rest = checkpoint_fractions(argv)
-    names, steps, trial_steps, cache = scoring_arguments(__doc__ or "", rest)
+    names, steps, trial_steps, cache = scoring_arguments(
+        __doc__ or "", rest, more_options=checkpoint_options
+    )
     rows: list[Row] = []
     for name in names:  # each task and its fp32 truth built once, for every fraction
         task = TASKS[name](steps)

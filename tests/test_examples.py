@@ -71,11 +71,14 @@ def test_example_smoke_tune_then_after_loop(name: str, tmp_path: Path) -> None:
         loss_fn=getattr(example, "loss_fn", None),
         modes=["amp_bf16"],
         eval_fn=getattr(example, "eval_fn", None),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),  # the loop's recipe
+        clip_grad_norm=1.0,
     )
     assert result.reference.status == "accepted"
     profile = result.profile.save(tmp_path / f"{name}.json")
     done = _run_module("examples.loop_autoprec", name, "--profile", str(profile), "--steps", "3")
     assert done.returncode == 0, done.stderr
+    assert "RecipeMismatchWarning" not in done.stderr  # tuned under the recipe the loop runs
     assert done.stdout.count("loss") == 2  # steps 0 and 2
 
 
