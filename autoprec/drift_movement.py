@@ -73,9 +73,8 @@ def _lr_classes(
     """The sampled tensors split by their parameter group's lr in this leg, groups of equal lr
     pooled, smallest lr first: rounding loss follows the lr (an MLP under AdamW, 150-step
     trials on our CPU machines: pure bf16 kept 0.994 of fp32's movement at lr 1e-3, 0.078 at
-    3e-5), so a
-    backbone at 1e-5 beside a head at 1e-2 is judged apart, not drowned in the head's
-    movement. One class when every group shares the lr or the groups are unknown. Trainable
+    3e-5), so a backbone at 1e-5 beside a head at 1e-2 is judged apart, not drowned in the
+    head's movement. One class when every group shares the lr or the groups are unknown. Trainable
     tensors in no group (left out of the optimizer: no step moves them) join no class."""
     if point is None or not groups:
         return [(None, names)]

@@ -168,8 +168,8 @@ def read_checkpoint(path_text: str, option: str, what: str) -> tuple[Path, Any]:
             raise ModelLoadError(
                 f"{option}: {path} holds a Python object beyond tensors and plain containers "
                 f"({unsafe.group(1)}); autoprec reads checkpoints with weights_only=True, so "
-                f"that no code in them runs. Save the {what} alone "
-                f"(torch.save({_SAVE_CALL[what]}, path)){_OR_LOAD_IT.get(what, '')}."
+                f"that no code in them runs. Save the {what} alone (torch.save("
+                f"{_SAVE_CALL.get(what, 'the state')}, path)){_OR_LOAD_IT.get(what, '')}."
             ) from None
         cause = _torch_load_cause(error) or "the file ends early"
         raise ModelLoadError(
