@@ -57,7 +57,12 @@ def _power_iteration(entry: _Entry) -> bool:
     from torch.nn.utils import parametrizations
     from torch.nn.utils.spectral_norm import SpectralNorm
 
-    if isinstance(entry.module, parametrizations._SpectralNorm):
+    # a private class: where a torch release renames it, its shape still tells it apart
+    parametrization = getattr(parametrizations, "_SpectralNorm", None)
+    if parametrization is None:
+        if hasattr(entry.module, "n_power_iterations") and hasattr(entry.module, "_power_method"):
+            return entry.name in ("_u", "_v")
+    elif isinstance(entry.module, parametrization):
         return entry.name in ("_u", "_v")
     return any(
         isinstance(hook, SpectralNorm) and entry.name in (f"{hook.name}_u", f"{hook.name}_v")

@@ -153,6 +153,17 @@ def test_spectral_norms_vectors_are_not_running_statistics() -> None:
     assert "3" in pure.keep_fp32
 
 
+def test_spectral_norms_vectors_are_told_apart_without_torchs_private_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``parametrizations._SpectralNorm`` is private: were a torch release to rename it, the
+    probe read every model with buffers as AttributeError; its shape tells it apart then."""
+    parametrized = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16))
+    model = nn.Sequential(parametrized, _AveragingLinear(16, 2))
+    monkeypatch.delattr(nn.utils.parametrizations, "_SpectralNorm")
+    assert running_buffers(model, torch.randn(4, 16)) == ("1.average",)
+
+
 def test_probe_says_what_it_cannot_keep_or_could_not_find() -> None:
     class OwnBuffer(running_stats.RunningStandardizer):
         def __init__(self) -> None:
