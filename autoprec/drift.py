@@ -320,11 +320,11 @@ def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ..
             "loss stands in)",
         )
     notes = []
-    if all(output is None for output in (*reference.heldout_outputs, *trial.heldout_outputs)):
+    if _relative_error(trial.heldout_outputs, reference.heldout_outputs)[0] is None:
         notes.append(
             "held-out outputs not compared: no prediction tensor reached autoprec (the model "
-            "returns only a loss, or train_step returns the loss alone); losses, movement and "
-            "eval_fn are judged"
+            "returns only a loss, or train_step called it more than once a batch); losses, "
+            "movement and eval_fn are judged"
         )
     record = trial.record
     if record.spec.mode != "fp32" and record.heldout_losses and not record.heldout_losses_fp32_read:

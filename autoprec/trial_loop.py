@@ -69,7 +69,8 @@ def heldout_pass(
 ) -> tuple[list[float], list[OutputSummary | None], float]:
     """(loss per batch, output summary per batch, largest |output| of any leaf module not kept
     in fp32) over ``heldout`` in eval mode, no gradients, under the plan's autocast: the range
-    the fp16 check reads."""
+    the fp16 check reads. Under ``train_step`` the output is what the model returned to it,
+    when it called the model once for the batch (a hook on the model; None otherwise)."""
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -85,14 +86,21 @@ def heldout_pass(
     # (seen on an H100: dynamo's recompile limit hit in every compiled held-out pass)
     watch_eagerly = torch.compiler.disable(watch)
     handles = [leaf.register_forward_hook(watch_eagerly) for leaf in leaves]
+    returned: list[Any] = []  # what the model returned to train_step, call by call
+    if train_step is not None:
+        keep = torch.compiler.disable(lambda _module, _args, output: returned.append(output))
+        handles.append(plan.model.register_forward_hook(keep))
     was_training = plan.model.training
     plan.model.eval()
     losses, outputs = [], []
     try:
         with torch.no_grad(), plan.autocast():
             for batch in heldout:
+                returned.clear()
                 loss, output = forward_and_loss(plan, to_device(batch, device), loss_fn, train_step)
                 losses.append(float(loss.detach().float()))
+                if len(returned) == 1:  # one call: its output; more (a teacher, CFG): ambiguous
+                    output = returned.pop()
                 predicted = prediction(output)
                 outputs.append(None if predicted is None else summarize_output(predicted))
     finally:

@@ -300,23 +300,40 @@ def test_without_held_out_batches_the_noise_floor_compares_like_with_like(low_lr
     assert noise_floor(reference, noise, DriftThresholds()) == pytest.approx(0.02)
 
 
-def test_a_skipped_output_check_is_said_not_silent() -> None:
+def test_train_steps_outputs_are_compared_and_a_skipped_check_is_said() -> None:
+    """Under train_step the output check was skipped (with a note): the outputs are now what
+    the model returned to it, when it called the model once a batch; twice is ambiguous and
+    said, as a model that returns only a loss is."""
     task = tasks.regression()
 
-    def step(plan, batch):  # type: ignore[no-untyped-def]
+    def once(plan, batch):  # type: ignore[no-untyped-def]
         return task.mse(plan.model(batch[0]), batch[1])
 
-    recipe = TrainingRecipe(optimizer=task.optimizer, train_step=step)
-    common = {"recipe": recipe, "steps": 10, "heldout": task.heldout}
-    reference = run_trial(ModeSpec(mode="fp32"), task.model, task.batches, **common)
-    trial = run_trial(ModeSpec(mode="amp_bf16"), task.model, task.batches, **common)
+    def twice(plan, batch):  # type: ignore[no-untyped-def]
+        return task.mse(plan.model(batch[0]), batch[1]) + 0.0 * plan.model(batch[0]).sum()
+
+    common = {"steps": 10, "heldout": task.heldout}
+
+    def runs(step):  # type: ignore[no-untyped-def]
+        recipe = TrainingRecipe(optimizer=task.optimizer, train_step=step)
+        return [
+            run_trial(ModeSpec(mode=mode), task.model, task.batches, recipe=recipe, **common)
+            for mode in ("fp32", "amp_bf16")
+        ]
+
+    reference, trial = runs(once)
+    assert all(output is not None for output in trial.heldout_outputs)
     verdict = judge(trial, reference, reference)
+    assert verdict.metrics.output_error is not None and verdict.metrics.output_error > 0
+    assert not any(note.startswith("held-out outputs not compared") for note in verdict.notes)
+    reference, trial = runs(twice)
+    verdict = judge(trial, reference, reference)
+    assert verdict.metrics.output_error is None
     assert verdict.notes and verdict.notes[0].startswith("held-out outputs not compared")
-    # the model returns predictions: the note names train_step as what hid them
-    assert "train_step returns the loss alone" in verdict.notes[0]
+    assert "train_step called it more than once a batch" in verdict.notes[0]
     with_outputs = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
     reference = run_trial(
-        ModeSpec(mode="fp32"), task.model, task.batches, **{**common, "recipe": with_outputs}
+        ModeSpec(mode="fp32"), task.model, task.batches, recipe=with_outputs, **common
     )
     assert judge(reference, reference, reference).notes == ()
 
