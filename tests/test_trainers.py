@@ -98,7 +98,22 @@ def test_tune_trainer_uses_an_overridden_compute_loss(tmp_path: Path) -> None:
     plain = _gpt2_trainer(tmp_path)
     custom = Doubled(model=plain.model, args=plain.args, train_dataset=plain.train_dataset)
     assert "train_step" not in trainer_recipe(plain)  # the model's own loss: outputs compared
-    assert "train_step" in trainer_recipe(custom)
+    recipe = trainer_recipe(custom)
+    assert "train_step" in recipe
+    # the logits the model returned to compute_loss are what the output check compares
+    from autoprec.recipe import TrainingRecipe
+    from autoprec.trial import run_trial
+
+    result = run_trial(
+        ModeSpec(mode="fp32"),
+        plain.model,
+        batches := list(plain.get_train_dataloader())[:2],
+        recipe=TrainingRecipe(**recipe),
+        steps=2,
+        heldout=batches,
+    )
+    assert result.heldout_outputs and all(out is not None for out in result.heldout_outputs)
+    assert result.heldout_outputs[0].shape[-1] == plain.model.config.vocab_size
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.label)
