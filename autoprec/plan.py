@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 import weakref
 from typing import Any
@@ -35,7 +36,7 @@ def check_step_settings(grad_accumulation_steps: int, clip_grad_norm: float | No
     model, a negative one steps uphill)."""
     if grad_accumulation_steps < 1:
         raise ValueError(f"grad_accumulation_steps must be >= 1 but got {grad_accumulation_steps}.")
-    if clip_grad_norm is not None and clip_grad_norm <= 0:
+    if clip_grad_norm is not None and not 0 < clip_grad_norm <= math.inf:  # NaN: every weight NaN
         raise ValueError(
             f"clip_grad_norm must be positive but got {clip_grad_norm}; pass None for no clipping."
         )

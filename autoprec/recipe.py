@@ -22,10 +22,10 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from autoprec.batching import LossFn, TrainStep
@@ -103,7 +103,7 @@ class LrPoint(BaseModel):
 
     role: Literal["constant", "peak", "floor", "replay"]
     """constant: no schedule; peak / floor: the legs tune() trains; replay: benchmarks only."""
-    lrs: tuple[float, ...]
+    lrs: tuple[Annotated[float, Field(ge=0, allow_inf_nan=False)], ...] = Field(min_length=1)
     momenta: tuple[float, ...] | None = None
     """Each group's momentum at that step (β1 of Adam-family optimizers, ``momentum`` of SGD)
     when the schedule sets it (OneCycleLR and CyclicLR cycle it against the lr); None: the
@@ -138,9 +138,10 @@ class RecipeSummary(BaseModel):
     optimizer_groups: tuple[dict[str, Any], ...]
     """Each group's hyper-parameters (lr, betas, eps, weight_decay, ...), parameters left out."""
     scheduler: str | None = None
-    total_steps: int | None = None
-    grad_accumulation_steps: int = 1
-    clip_grad_norm: float | None = None
+    total_steps: int | None = Field(None, ge=1)
+    grad_accumulation_steps: int = Field(1, ge=1)
+    clip_grad_norm: float | None = Field(None, gt=0)
+    """None: no clipping; inf: the norm measured, nothing clipped (NaN is refused)."""
     loss_fn: str | None = None
     train_step: str | None = None
     lr_points: tuple[LrPoint, ...] = ()

@@ -39,6 +39,14 @@ def test_bf16_pure_is_lightnings_bf16_true() -> None:
     assert _profile(mode="bf16_pure").to_lightning() == {"precision": "bf16-true"}
 
 
+def test_bf16_pure_proven_with_accumulation_is_not_bf16_true() -> None:
+    """bf16-true sums micro-batches in bf16 .grad; autoprec's bf16_pure sums them in fp32."""
+    recipe = TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p), grad_accumulation_steps=2)
+    profile = profile_for(ModeSpec(mode="bf16_pure"), recipe=recipe.summary(nn.Linear(4, 2)))
+    with pytest.raises(ExportError, match=r"proven with 2 micro-batches.*AutoprecPrecision"):
+        profile.to_lightning()
+
+
 @pytest.mark.parametrize(
     ("spec", "export", "message"),
     [

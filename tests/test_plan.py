@@ -286,9 +286,10 @@ def test_a_refused_prepare_leaves_the_model_as_it_was(
     assert plan.step(loss)
 
 
-@pytest.mark.parametrize("clip", [0, -1.0])
+@pytest.mark.parametrize("clip", [0, -1.0, float("nan")])
 def test_a_step_refuses_a_clip_norm_that_is_not_positive(clip: float) -> None:
-    """plan.step(clip_grad_norm=0) froze the model (and returned True); -1 stepped uphill."""
+    """plan.step(clip_grad_norm=0) froze the model (and returned True); -1 stepped uphill; NaN
+    made every weight NaN."""
     model = _model()
     plan = autoprec.prepare(
         ModeSpec(mode="fp32"), model, torch.optim.SGD(model.parameters(), lr=0.1)

@@ -2,12 +2,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
+from torch import nn
 
 import autoprec
 from autoprec.display import print_profile
@@ -28,6 +31,7 @@ from autoprec.profile import (
     load_profile,
     profile_for,
 )
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from examples import tiny_gpt
 from tests.conftest import make_hardware
@@ -116,6 +120,32 @@ def test_hand_edited_invalid_field_names_the_field(tmp_path: Path) -> None:
     assert "spec.mode: Input should be 'fp32'" in message and "(got 'fp64')" in message
     assert "spec.optimizer_bits: Input should be 32 or 8" in message
     assert "\n" not in message  # one short paragraph, not a pydantic wall
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("lr_points", [{"role": "constant", "lrs": []}], "recipe.lr_points.0.lrs: Tuple should"),
+        ("grad_accumulation_steps", 0, "recipe.grad_accumulation_steps: Input should be greater"),
+        ("clip_grad_norm", -1.0, "recipe.clip_grad_norm: Input should be greater than 0"),
+    ],
+)
+def test_a_hand_edited_recipe_is_refused_on_load_naming_the_field(
+    tmp_path: Path, field: str, value: object, said: str
+) -> None:
+    """An empty lr list crashed `show` and apply() with IndexError; accumulation 0 or a
+    negative clip loaded, and failed only at apply() naming neither the file nor the field."""
+    model = nn.Linear(4, 2)
+    recipe = TrainingRecipe(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    data = json.loads(
+        profile_for(ModeSpec(mode="fp32"), recipe=recipe.summary(model)).model_dump_json()
+    )
+    data["recipe"][field] = value
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=re.escape(said)) as caught:
+        load_profile(path)
+    assert str(path) in str(caught.value)
 
 
 def test_missing_field_and_missing_file(tmp_path: Path) -> None:
