@@ -365,6 +365,37 @@ def test_the_plugin_trains_any_profile_under_automatic_optimization(
 
 
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+def test_a_skipped_training_step_under_amp_fp16_leaves_the_next_step_unscaled_by_it() -> None:
+    """training_step returning None (Lightning's skip) unscaled the fp16 gradients with no step
+    after it: the next step was never unscaled and failed in GradScaler (AssertionError; with
+    accumulation, the stale unscale let every later step run on scaled gradients)."""
+    from autoprec.profile import profile_for
+
+    module = _Regression(form="optimizer")
+    steps = module.training_step
+    module.training_step = lambda batch, batch_idx: (
+        None if batch_idx == 1 else steps(batch, batch_idx)
+    )
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)
+    start = [p.detach().clone() for p in module.parameters()]
+    plugin = AutoprecPrecision(profile_for(ModeSpec(mode="amp_fp16")))  # no recipe to compare
+    trainer = lightning.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[plugin],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`training_step` returned `None`", UserWarning)
+        trainer.fit(module, _loader())
+    assert trainer.global_step == 6
+    assert plugin.plan is not None and plugin.plan.mode.steps == 5  # the skipped batch: none
+    assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), start, strict=True))
+
+
 def test_an_fp32_lightning_checkpoint_resumes_under_a_kahan_profile(
     lightning_tuned: Any, tmp_path: Path
 ) -> None:

@@ -237,10 +237,13 @@ class AutoprecPrecision(Precision):
         closure_result = closure()  # training_step and backward
         mode = self.plan.mode
         mode.gradients_ready()
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            # training_step returned None: Lightning skips the step. Not unscaled: an unscale
+            # with no step after it would leave the fp16 scaler unscaled for the next step
+            self._after_closure(model, optimizer)
+            return None
         mode.unscale_gradients(self.plan.optimizer)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, clipping
-        if closure_result is None and getattr(model, "automatic_optimization", True):
-            return None  # training_step returned None: Lightning skips the step
         mode.optimizer_step(self.plan.optimizer)
         return closure_result
 
