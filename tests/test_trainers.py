@@ -139,6 +139,28 @@ def test_apply_profile_trains_with_the_trainer(
         assert type(trainer.model.lm_head).__name__ == "Float8Linear"
 
 
+@pytest.mark.parametrize("mode", ["fp32", "amp_fp16", "bf16_pure"])
+def test_the_trainer_logs_the_plans_gradient_norm(mode: str, tmp_path: Path) -> None:
+    """The Trainer measured grad_norm from .grad before the plan's step: loss-scaled under
+    amp_fp16 (logged inf), not yet written back under pure bf16 with accumulation (logged 0).
+    fp32 logs what a plain Trainer logs."""
+    from autoprec.profile import profile_for
+
+    logged = {"logging_steps": 1}
+    plain = _gpt2_trainer(tmp_path / "plain", **logged)
+    plain.train()
+    trainer = _gpt2_trainer(tmp_path / "plan", **logged)
+    plan = apply_profile(trainer, profile_for(ModeSpec(mode=mode)))
+    trainer.train()
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(norms) == 6 and float(plan.last_grad_norm) == pytest.approx(norms[-1], rel=1e-6)
+    if mode == "fp32":
+        expected = [h["grad_norm"] for h in plain.state.log_history if "grad_norm" in h]
+        assert norms == pytest.approx(expected, rel=1e-5)
+    else:  # finite where the step was taken (fp16 skips its first steps on overflow)
+        assert all(0 < norm < 1e3 for norm in norms[-2:]), norms
+
+
 def test_an_fp32_trainer_checkpoint_resumes_under_a_kahan_profile(
     hf_tuned: Any, tmp_path: Path
 ) -> None:
@@ -364,7 +386,6 @@ def test_the_plugin_trains_any_profile_under_automatic_optimization(
     assert plugin.plan.optimizer is trainer.optimizers[0]
 
 
-@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
 def test_a_skipped_training_step_under_amp_fp16_leaves_the_next_step_unscaled_by_it() -> None:
     """training_step returning None (Lightning's skip) unscaled the fp16 gradients with no step
     after it: the next step was never unscaled and failed in GradScaler (AssertionError; with
@@ -396,6 +417,7 @@ def test_a_skipped_training_step_under_amp_fp16_leaves_the_next_step_unscaled_by
     assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), start, strict=True))
 
 
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
 def test_an_fp32_lightning_checkpoint_resumes_under_a_kahan_profile(
     lightning_tuned: Any, tmp_path: Path
 ) -> None:

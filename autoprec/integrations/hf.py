@@ -146,6 +146,17 @@ class PlanOptimizer(torch.optim.Optimizer):
         self.plan = plan
         self.param_groups = inner.param_groups  # the same dicts: the scheduler sets their lr
         self.state = inner.state
+        self._reported_norm: torch.Tensor | None = None
+
+    def grad_norm_to_report(self, _model: Any = None, grad_norm: Any = None) -> torch.Tensor:
+        """The Trainer's ``_get_grad_norm``: it reads ``.grad`` before ``step()``, where the
+        gradients are still loss-scaled (fp16) or not yet written back (pure bf16 with
+        accumulation), and logged nan, inf or 0. This returns a 0-d tensor that ``step()``
+        fills with the norm the plan measures after unscaling; the Trainer reads it when it
+        logs, after the step (no host sync here)."""
+        device = next(iter(self.plan.model.parameters()), torch.empty(0)).device
+        self._reported_norm = torch.full((), math.nan, device=device)
+        return self._reported_norm
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -155,10 +166,13 @@ class PlanOptimizer(torch.optim.Optimizer):
                 loss = closure()
         plan, mode = self.plan, self.plan.mode
         mode.gradients_ready()
-        if plan.clip_grad_norm is not None:
-            mode.unscale_gradients(plan.optimizer)
-            parameters = [p for group in plan.optimizer.param_groups for p in group["params"]]
-            plan.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, plan.clip_grad_norm)
+        mode.unscale_gradients(plan.optimizer)
+        parameters = [p for group in plan.optimizer.param_groups for p in group["params"]]
+        clip = plan.clip_grad_norm if plan.clip_grad_norm is not None else math.inf
+        plan.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip)  # inf: measured
+        if self._reported_norm is not None:
+            self._reported_norm.copy_(plan.last_grad_norm)
+            self._reported_norm = None
         mode.optimizer_step(plan.optimizer)
         return loss
 
@@ -227,6 +241,7 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     trainer.optimizer = PlanOptimizer(plan)
     trainer.lr_scheduler = plan.scheduler
     args.max_grad_norm = 0.0  # the plan clips, after unscaling
+    trainer._get_grad_norm = trainer.optimizer.grad_norm_to_report  # the plan's, after the step
     _with_autocast(trainer, plan)
     trainer.accelerator.backward = lambda loss, **_: plan.mode.backward(loss)
     return plan
