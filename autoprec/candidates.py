@@ -65,7 +65,7 @@ def _fp8_skip(report: ProbeReport) -> tuple[str, ...]:
     layers = report.layers
     if layers is None:
         return ()
-    return tuple(k.fqn for k in layers.keep_fp32 if k.reason.startswith(FP8_SKIP_REASONS))
+    return layers.kept_for(FP8_SKIP_REASONS)
 
 
 def no_fp8_layer(spec: ModeSpec, report: ProbeReport) -> str | None:
@@ -123,8 +123,7 @@ def _keep_fp32(mode: ModeName, report: ProbeReport) -> tuple[str, ...]:
     if layers is None or mode.startswith("fp8"):  # FP8 keeps layers out of FP8 instead
         return ()
     if mode.startswith("bf16"):
-        kept = (k.fqn for k in layers.keep_fp32 if k.reason.startswith(PURE_BF16_KEEP_REASONS))
-        return tuple(dict.fromkeys(kept))
+        return layers.kept_for(PURE_BF16_KEEP_REASONS)
     return ()
 
 

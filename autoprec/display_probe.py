@@ -108,8 +108,7 @@ def _kept_by_default(layers: LayerMix) -> Text:
     """Which modules each family of modes keeps out of low precision, and where they run."""
 
     def named(reasons: tuple[str, ...]) -> str:
-        kept = (keep.fqn for keep in layers.keep_fp32 if keep.reason.startswith(reasons))
-        return ", ".join(dict.fromkeys(kept)) or "none"
+        return ", ".join(layers.kept_for(reasons)) or "none"
 
     return Text(
         f"pure bf16 keeps in fp32: {named(PURE_BF16_KEEP_REASONS)}\n"

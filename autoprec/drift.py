@@ -309,18 +309,24 @@ def judge(
         accepted=not reasons,
         reasons=tuple(reasons),
         metrics=DriftMetrics(**metrics),
-        notes=(*_checks_not_run(trial, reference), *movement_notes, *decay_note(trial)),
+        notes=(
+            *_checks_not_run(trial, reference, metrics["output_error"] is not None),
+            *movement_notes,
+            *decay_note(trial),
+        ),
     )
 
 
-def _checks_not_run(trial: TrialResult, reference: TrialResult) -> tuple[str, ...]:
+def _checks_not_run(
+    trial: TrialResult, reference: TrialResult, outputs_compared: bool
+) -> tuple[str, ...]:
     if not reference.record.heldout_losses:
         return (
             "no held-out batches: held-out loss and outputs not compared (the late training "
             "loss stands in)",
         )
     notes = []
-    if _relative_error(trial.heldout_outputs, reference.heldout_outputs)[0] is None:
+    if not outputs_compared:
         notes.append(
             "held-out outputs not compared: no prediction tensor reached autoprec (the model "
             "returns only a loss, or train_step called it more than once a batch); losses, "

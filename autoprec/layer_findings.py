@@ -104,7 +104,7 @@ def _running_state_findings(mix: LayerMix) -> list[str]:
             f"a training-mode forward failed ({mix.running_buffers_error}): which buffers "
             "training updates is unknown, so pure bf16 keeps only norms and embeddings in fp32"
         ]
-    kept = [keep.fqn for keep in mix.keep_fp32 if keep.reason.startswith(RUNNING_STATE_REASON)]
+    kept = mix.kept_for(RUNNING_STATE_REASON)
     own = [fqn for fqn in mix.running_buffers if "." not in fqn]
     findings: list[str] = []
     if kept:

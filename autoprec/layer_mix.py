@@ -86,6 +86,10 @@ class LayerMix(BaseModel):
     running_buffers_error: str | None = None
     """Why the training-mode forward that finds ``running_buffers`` failed, if it did."""
 
+    def kept_for(self, reasons: str | tuple[str, ...]) -> tuple[str, ...]:
+        """The modules of ``keep_fp32`` kept for a reason starting with ``reasons``, once each."""
+        return tuple(dict.fromkeys(k.fqn for k in self.keep_fp32 if k.reason.startswith(reasons)))
+
     def kind(self, kind: LayerKind) -> KindShare:
         """The share of one layer kind."""
         return next(share for share in self.by_kind if share.kind == kind)

@@ -111,12 +111,18 @@ class PrecisionPlan:
             return False
         clip = clip_grad_norm if clip_grad_norm is not None else self.clip_grad_norm
         if clip is not None:
-            self.mode.unscale_gradients(self.optimizer)
-            parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip)
+            self.clip_gradients(clip)
         stepped = self.mode.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Unscale the gradients (fp16) and clip them to ``max_norm`` (inf: measure only);
+        the norm before clipping, also kept as ``last_grad_norm`` (a device tensor)."""
+        self.mode.unscale_gradients(self.optimizer)
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return self.last_grad_norm
 
     def state_dict(self) -> dict[str, Any]:
         """Mode state (loss scaler, step counters) for checkpoints; save it next to the model's

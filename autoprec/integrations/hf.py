@@ -166,12 +166,10 @@ class PlanOptimizer(torch.optim.Optimizer):
                 loss = closure()
         plan, mode = self.plan, self.plan.mode
         mode.gradients_ready()
-        mode.unscale_gradients(plan.optimizer)
-        parameters = [p for group in plan.optimizer.param_groups for p in group["params"]]
         clip = plan.clip_grad_norm if plan.clip_grad_norm is not None else math.inf
-        plan.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip)  # inf: measured
+        norm = plan.clip_gradients(clip)  # inf: measured for the Trainer's log, nothing clipped
         if self._reported_norm is not None:
-            self._reported_norm.copy_(plan.last_grad_norm)
+            self._reported_norm.copy_(norm)
             self._reported_norm = None
         mode.optimizer_step(plan.optimizer)
         return loss
