@@ -98,18 +98,27 @@ def _group_differences(
 def _schedule_differences(
     recipe: RecipeSummary, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> list[str]:
-    """Step a copy of the scheduler (and its optimizer, parameters shared) through the run and
-    compare the lr points it reaches with the proven ones."""
+    """Step a copy of the scheduler (and its optimizer, parameters shared) through the rest of
+    the run and compare the lr points it reaches with the proven ones still ahead of it."""
     proven = recipe.lr_points
     shown = "; ".join(point.describe() for point in proven)
     if recipe.scheduler is None or recipe.total_steps is None:
         return [f"schedule: proven without one ({shown}), applied with {type(scheduler).__name__}"]
+    position = _schedule_position(scheduler)
+    if position >= recipe.total_steps:
+        return [
+            f"schedule: the applied {type(scheduler).__name__} is at step {position}, past the "
+            f"proven run's {recipe.total_steps} steps"
+        ]
     parameters = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     try:
         optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, scheduler), parameters)
-        lrs, momenta = step_schedule(optimizer_copy, scheduler_copy, recipe.total_steps)
-        varying = momenta if any(m != momenta[0] for m in momenta) else None
-        applied = schedule_points(lrs, varying, recipe.total_steps)  # type: ignore[arg-type]
+        lrs, momenta = step_schedule(optimizer_copy, scheduler_copy, recipe.total_steps - position)
+        if position == 0:
+            varying = momenta if any(m != momenta[0] for m in momenta) else None
+            applied = schedule_points(lrs, varying, recipe.total_steps)  # type: ignore[arg-type]
+        else:  # a run resumed or switched mid-way: the points it has passed are history
+            proven, applied = _points_ahead(proven, position, lrs, momenta)
     except Exception as error:  # noqa: BLE001 - a scheduler that cannot be read apart
         return [
             f"learning rates: proven at {shown}; the applied {type(scheduler).__name__} could "
@@ -120,6 +129,32 @@ def _schedule_differences(
         return []
     reached = "; ".join(point.describe() for point in applied)
     return [f"learning rates: proven at {shown}; the applied schedule reaches {reached}"]
+
+
+def _schedule_position(scheduler: Any) -> int:
+    """How many steps ``scheduler`` has already taken (an LRScheduler's ``last_epoch``; 0 for
+    one that does not say)."""
+    position = getattr(scheduler, "last_epoch", 0)
+    return position if isinstance(position, int) and position > 0 else 0
+
+
+def _points_ahead(
+    proven: tuple[LrPoint, ...],
+    position: int,
+    lrs: list[tuple[float, ...]],
+    momenta: list[tuple[float, ...] | None],
+) -> tuple[tuple[LrPoint, ...], tuple[LrPoint, ...]]:
+    """The proven points at or after ``position``, and what the applied schedule (stepped from
+    ``position`` into ``lrs``/``momenta``) sets at each of their steps."""
+    ahead, applied = [], []
+    for point in proven:
+        if point.schedule_step is None or point.schedule_step < position:
+            continue
+        index = point.schedule_step - position
+        momentum = None if point.momenta is None else momenta[index]
+        ahead.append(point)
+        applied.append(point.model_copy(update={"lrs": lrs[index], "momenta": momentum}))
+    return tuple(ahead), tuple(applied)
 
 
 def _same_points(proven: tuple[LrPoint, ...], applied: tuple[LrPoint, ...]) -> bool:

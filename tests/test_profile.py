@@ -351,6 +351,46 @@ def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reache
         constant.apply(model, optimizer, LambdaLR(optimizer, lambda step: 0.5**step))
 
 
+def test_a_scheduler_applied_mid_run_is_compared_from_where_it_stands() -> None:
+    import torch
+    from torch.optim.lr_scheduler import CosineAnnealingLR
+
+    cosine = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=lambda optimizer: CosineAnnealingLR(optimizer, T_max=2000),
+        total_steps=2000,
+    )
+    floor = cosine.recipe.lr_points[-1] if cosine.recipe is not None else None
+    assert floor is not None and floor.role == "floor" and floor.schedule_step is not None
+
+    def stepped(
+        t_max: int, steps: int
+    ) -> tuple[nn.Module, torch.optim.Optimizer, CosineAnnealingLR]:
+        model, _ = tiny_gpt.make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = CosineAnnealingLR(optimizer, T_max=t_max)
+        for _ in range(steps):  # the run so far, in fp32, before switching to the profile
+            optimizer.step()
+            scheduler.step()
+        return model, optimizer, scheduler
+
+    # the proven schedule, switched to half-way (and past its floor): no warning, strict passes
+    for steps in (1000, floor.schedule_step + 1):
+        model, optimizer, scheduler = stepped(2000, steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cosine.apply(model, optimizer, scheduler, strict=True)
+    # another schedule half-way: its floor is not the proven one
+    model, optimizer, scheduler = stepped(4000, 1000)
+    with pytest.warns(RecipeMismatchWarning, match="the applied schedule reaches lr 0.000") as w:
+        cosine.apply(model, optimizer, scheduler)
+    assert f"at step {floor.schedule_step} of 2000" in str(w[0].message)
+    # a run already past the proven length
+    model, optimizer, scheduler = stepped(2000, 2500)
+    with pytest.warns(RecipeMismatchWarning, match="at step 2500, past the proven run's 2000"):
+        cosine.apply(model, optimizer, scheduler)
+
+
 def test_applying_under_another_recipe_warns_and_strict_refuses() -> None:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
