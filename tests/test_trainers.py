@@ -196,13 +196,47 @@ def test_a_kahan_trainer_checkpoint_resumes_under_an_amp_profile(
     checkpoint = tmp_path / "out" / "checkpoint-4"
     trainer = _gpt2_trainer(tmp_path)
     plan = apply_profile(trainer, _profile_for(ModeSpec(mode="amp_bf16"), hf_tuned[1].profile))
-    trainer.train(resume_from_checkpoint=str(checkpoint))
+    with pytest.warns(PrecisionSwitchWarning, match="written by a plan for bf16_kahan"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.state.global_step == 6
     assert type(plan.optimizer) is torch.optim.AdamW
     weight = trainer.model.transformer.h[0].mlp.c_fc.weight
     state = plan.optimizer.state[weight]
     assert int(state["step"]) == 6  # 4 loaded, 2 resumed
     assert state["exp_avg_sq"].dtype == torch.float32 and bool(state["exp_avg_sq"].any())
+
+
+def test_a_trainer_checkpoint_carries_the_fp16_loss_scale(tmp_path: Path) -> None:
+    """optimizer.pt held only the inner optimizer's state: an amp_fp16 run resumed with its
+    scale back at 65536 and skipped steps again. It now carries the plan's state too, and a
+    plain torch AdamW still loads it."""
+    from autoprec.integrations.hf import PLAN_STATE_KEY
+    from autoprec.profile import profile_for
+
+    def settled(plan: Any) -> Any:  # a scale settled below the start, as on real models
+        state = plan.mode.state_dict()
+        plan.mode.load_state_dict({**state, "scaler": {**state["scaler"], "scale": 1024.0}})
+        return plan
+
+    profile = profile_for(ModeSpec(mode="amp_fp16"))  # no recipe to compare
+    whole = _gpt2_trainer(tmp_path / "whole")
+    whole_plan = settled(apply_profile(whole, profile))
+    whole.train()
+    first = _gpt2_trainer(tmp_path / "first", save_strategy="steps", save_steps=4)
+    settled(apply_profile(first, profile))
+    first.train()
+    checkpoint = tmp_path / "first" / "out" / "checkpoint-4"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert saved[PLAN_STATE_KEY]["mode"]["scaler"]["scale"] == 1024.0
+    trainer = _gpt2_trainer(tmp_path / "resumed")
+    plan = apply_profile(trainer, profile)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 6
+    assert plan.mode.steps == whole_plan.mode.steps == 6  # 4 loaded, 2 resumed
+    assert plan.mode.state_dict()["scaler"] == whole_plan.mode.state_dict()["scaler"]
+    plain = _gpt2_trainer(tmp_path / "plain").create_optimizer()  # a Trainer's own AdamW
+    plain.load_state_dict(saved)
+    assert int(next(iter(plain.state.values()))["step"]) == 4
 
 
 def test_a_trainer_that_clips_otherwise_than_the_profile_was_tuned_is_named(

@@ -135,6 +135,10 @@ def tune_trainer(trainer: Any, budget_minutes: float = 30.0, **options: Any) -> 
     return tune(trainer.model, loader, budget_minutes=budget_minutes, **recipe)
 
 
+PLAN_STATE_KEY = "autoprec_plan"
+"""Where a Trainer checkpoint's ``optimizer.pt`` holds the plan's state (``plan.state_dict()``)."""
+
+
 class PlanOptimizer(torch.optim.Optimizer):
     """The plan's optimizer as the Trainer sees it: ``step()`` runs the plan's end of a step
     (accumulated gradients written back, unscale, clip, the mode's optimizer step with the loss
@@ -178,10 +182,20 @@ class PlanOptimizer(torch.optim.Optimizer):
         self.plan.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.plan.optimizer.state_dict()
+        """The plan optimizer's state, with the plan's own (the fp16 loss scale, step counters)
+        under ``PLAN_STATE_KEY``: the Trainer saves this one dict as ``optimizer.pt``. A plain
+        torch optimizer's load ignores the extra key."""
+        return {**self.plan.optimizer.state_dict(), PLAN_STATE_KEY: self.plan.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint's ``optimizer.pt``: the optimizer's state into the plan's
+        optimizer (any mode's, translated), and the plan's own when it was saved (a checkpoint
+        of a plain Trainer has none: the plan's state stays fresh)."""
+        state_dict = dict(state_dict)
+        plan_state = state_dict.pop(PLAN_STATE_KEY, None)
         self.plan.optimizer.load_state_dict(state_dict)
+        if plan_state is not None:
+            self.plan.load_state_dict(plan_state)
 
 
 def _with_autocast(trainer: Any, plan: PrecisionPlan) -> None:
