@@ -253,6 +253,24 @@ def test_a_trainer_that_clips_otherwise_than_the_profile_was_tuned_is_named(
     assert plan.clip_grad_norm is None  # the Trainer's setting, not the profile's
 
 
+def test_apply_profile_leaves_the_callers_arguments_and_refuses_a_second_call(
+    hf_tuned: Any, tmp_path: Path
+) -> None:
+    """The plan clips, so the Trainer's max_grad_norm goes to 0: that was set on the caller's
+    own TrainingArguments, and a second Trainer built on them trained unclipped. A second
+    apply_profile converted the converted model again and named a scheduler the first built."""
+    trainer = _gpt2_trainer(tmp_path)
+    args = trainer.args
+    plan = apply_profile(trainer, _profile_for(SPECS[0], hf_tuned[1].profile))
+    assert args.max_grad_norm == 1.0 and trainer.args.max_grad_norm == 0.0
+    assert plan.clip_grad_norm == 1.0
+    with pytest.raises(ValueError, match=r"already called on this Trainer .*amp_bf16"):
+        apply_profile(trainer, _profile_for(SPECS[1], hf_tuned[1].profile))
+    assert trainer.optimizer.plan is plan  # left as the first call made it
+    trainer.train()
+    assert trainer.state.global_step == 6
+
+
 def test_apply_profile_refuses_the_trainers_own_mixed_precision(
     hf_tuned: Any, tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ mode's autocast around every forward pass (``compute_loss_context_manager``) and
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import types
 from collections.abc import Callable
@@ -210,13 +211,21 @@ def _with_autocast(trainer: Any, plan: PrecisionPlan) -> None:
 
 
 def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
-    """Set the Trainer up to train in ``profile`` (a Profile or its path); call before
+    """Set the Trainer up to train in ``profile`` (a Profile or its path); call once, before
     ``trainer.train()``. The Trainer's optimizer and scheduler (the ones it was given or would
     create) go through ``profile.apply``; the plan then does the clipping (after unscaling),
-    so ``args.max_grad_norm`` is set to 0. Returns the plan."""
+    so ``trainer.args`` becomes a copy with ``max_grad_norm`` 0 (the caller's object is left
+    as it was). Returns the plan."""
     from autoprec.profile import Profile, load_profile
 
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
+    if isinstance(trainer.optimizer, PlanOptimizer):
+        raise ValueError(
+            "apply_profile() was already called on this Trainer (its model is converted for "
+            f"{trainer.optimizer.plan.spec.label}); a second profile would convert it again "
+            "and rebind a scheduler the first call built. Build a new Trainer over a fresh "
+            "model, or resume its checkpoint under the new profile (resume_from_checkpoint)."
+        )
     args = trainer.args
     if args.bf16 or args.fp16:
         raise ValueError(
@@ -252,7 +261,10 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     trainer.model = trainer.model_wrapped = plan.model
     trainer.optimizer = PlanOptimizer(plan)
     trainer.lr_scheduler = plan.scheduler
-    args.max_grad_norm = 0.0  # the plan clips, after unscaling
+    # the plan clips, after unscaling; a copy, so the caller's TrainingArguments keep their
+    # max_grad_norm (another Trainer built on them still clips)
+    trainer.args = copy.copy(args)
+    trainer.args.max_grad_norm = 0.0
     trainer._get_grad_norm = trainer.optimizer.grad_norm_to_report  # the plan's, after the step
     _with_autocast(trainer, plan)
     trainer.accelerator.backward = lambda loss, **_: plan.mode.backward(loss)
