@@ -172,26 +172,36 @@ def load_references(path: Path | None, fingerprint: StudyFingerprint) -> Fp32Run
     return Fp32Runs(*(_unpack(run) for run in data["runs"]))
 
 
-def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None:
-    """Record ``fingerprint`` in a new study; refuse a study that holds another run's outcomes.
+def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> bool:
+    """Record ``fingerprint`` in a study that holds no outcomes (a new one, or one left by a run
+    that stopped before its first trial: a failed fp32 reference, Ctrl-C); refuse a study that
+    holds another run's outcomes.
 
     Args:
         where: how to name the study in the message (its name and storage).
+
+    Returns:
+        True when the fingerprint was recorded now: what the study holds besides it (trial
+        length, stored references) is not this run's.
     """
     raw = study.user_attrs.get("fingerprint")
-    if raw is None:
-        if study.get_trials(deepcopy=False):
-            raise ValueError(
-                f"The study {where} holds trials without a fingerprint (an older autoprec made "
-                "it): they cannot be shown to match this run. Use another study name "
-                "(--study NAME / study_name=) or delete the storage."
-            )
-        study.set_user_attr("fingerprint", fingerprint.model_dump(mode="json"))
-        return
-    differences = fingerprint.differences(StudyFingerprint.model_validate(raw))
-    if differences:
+    has_trials = bool(study.get_trials(deepcopy=False))
+    if raw is None and has_trials:
+        raise ValueError(
+            f"The study {where} holds trials without a fingerprint (an older autoprec made "
+            "it): they cannot be shown to match this run. Use another study name "
+            "(--study NAME / study_name=) or delete the storage."
+        )
+    differences = (
+        None if raw is None else fingerprint.differences(StudyFingerprint.model_validate(raw))
+    )
+    if differences and has_trials:
         raise ValueError(
             f"The study {where} holds outcomes of another run ({'; '.join(differences)} "
             "differ): they would be reused for this one. Use another study name "
             "(--study NAME / study_name=) to keep both in the same storage, or delete it."
         )
+    if differences == []:
+        return False  # the same run resumes
+    study.set_user_attr("fingerprint", fingerprint.model_dump(mode="json"))
+    return True

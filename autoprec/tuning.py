@@ -211,9 +211,9 @@ def _measured_references(
     measured under the same fingerprint, else measured now with the ``planned`` (trial steps,
     fp32 step seconds)."""
     fingerprint = _fingerprint(setup, objective, budget_minutes)
-    check_study(study, fingerprint, f"{study.study_name!r} in {storage}")
+    new_run = check_study(study, fingerprint, f"{study.study_name!r} in {storage}")
     cache = references_path(storage, study.study_name)
-    attrs = study.user_attrs
+    attrs = {} if new_run else study.user_attrs  # a stopped run's attributes are not this run's
     stored = load_references(cache, fingerprint) if "fp32_step_seconds" in attrs else None
     if stored is not None:  # a resumed run: the same fp32 runs, measured before
         logger.info("reusing the fp32 reference runs stored in %s", cache)

@@ -73,10 +73,14 @@ def test_differences_name_what_changed() -> None:
 
 def test_check_study_records_then_refuses_another_run() -> None:
     study = optuna.create_study(directions=["maximize", "minimize"])
-    check_study(study, _fingerprint(), "'s' in memory")
+    assert check_study(study, _fingerprint(), "'s' in memory")
     assert study.user_attrs["fingerprint"]["objective"] == "speed"
-    check_study(study, _fingerprint(), "'s' in memory")  # the same run resumes
-    with pytest.raises(ValueError, match=r"budget_minutes \(1.0 -> 2.0\).*--study NAME"):
+    assert not check_study(study, _fingerprint(), "'s' in memory")  # the same run resumes
+    # no outcome yet (its reference failed): another run takes the study over
+    assert check_study(study, _fingerprint(budget_minutes=3.0), "'s' in memory")
+    assert study.user_attrs["fingerprint"]["budget_minutes"] == 3.0
+    study.tell(study.ask(), [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"budget_minutes \(3.0 -> 2.0\).*--study NAME"):
         check_study(study, _fingerprint(budget_minutes=2.0), "'s' in memory")
 
 

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -383,6 +384,25 @@ def _regression_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(output, target)
+
+
+def test_a_study_whose_reference_failed_takes_the_fixed_rerun(tmp_path: Path) -> None:
+    """The fingerprint was recorded before the fp32 reference ran: when it failed (a diverging
+    lr), the study held no outcome, yet the re-run with the lr fixed was refused as another
+    run's, and only a new --out or study name went on."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    common = {"budget_minutes": 0.2, "storage": storage, "study_name": "s", "loss_fn": _mse}
+    big = [(10 * x, 10 * y) for x, y in _regression_batches()]
+
+    def sgd(lr: float) -> Callable[..., torch.optim.Optimizer]:
+        return lambda params: torch.optim.SGD(params, lr=lr)
+
+    with pytest.raises(ValueError, match="The fp32 reference failed"):
+        tune(_Regressor(), big, modes=["amp_bf16"], optimizer=sgd(10.0), **common)
+    result = tune(_Regressor(), big, modes=["amp_bf16"], optimizer=sgd(1e-3), **common)
+    assert not result.budget.reference_reused
+    with pytest.raises(ValueError, match="holds outcomes of another run"):  # now it holds some
+        tune(_Regressor(), big, modes=["amp_bf16"], optimizer=sgd(1e-2), **common)
 
 
 def test_a_loss_without_gradient_is_named_as_such() -> None:
