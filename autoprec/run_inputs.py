@@ -33,11 +33,18 @@ def collect_batches(loader: Iterable[Any]) -> list[Any]:
             f"loader must be an iterable of batches (a DataLoader, a list), not "
             f"{type(loader).__name__}."
         ) from None
-    batches = []
-    for batch in iterator:
-        batches.append(batch)
-        if len(batches) >= MAX_BATCHES:
-            break
+    batches: list[Any] = []
+    try:
+        for batch in iterator:
+            batches.append(batch)
+            if len(batches) >= MAX_BATCHES:
+                break
+    except Exception as error:  # the user's loader: named, with its cause
+        raise ValueError(
+            f"Reading batch {len(batches)} from the loader raised {type(error).__name__}: "
+            f"{error}. autoprec reads up to {MAX_BATCHES} batches before training; fix the "
+            "loader (its traceback follows this error; the CLI shows it with --debug)."
+        ) from error
     if not batches:
         raise ValueError(
             "The loader yielded no batches: every run trains on them, so at least one is "

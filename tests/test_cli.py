@@ -522,6 +522,17 @@ def test_a_data_factory_that_raises_is_one_line(
     line = _one_line_error(capsys)
     assert "--data: calling" in line and "OSError: dataset shard 3 is missing" in line
     assert not (tmp_path / "new").exists()
+    # a generator factory raises only when read: that was a traceback and exit 1
+    data.write_text(
+        "import torch\n"
+        "def batches():\n"
+        "    yield torch.zeros(2, 4), torch.zeros(2, 4)\n"
+        "    raise RuntimeError('shard 2 is corrupt')\n"
+    )
+    assert main(command) == 2
+    line = _one_line_error(capsys)
+    assert "Reading batch 1 from the loader raised RuntimeError: shard 2 is corrupt" in line
+    assert not (tmp_path / "new").exists()
 
 
 def _meta_factory(folder: Path) -> str:
