@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -96,8 +97,11 @@ def _optimizer_factory(reference: str | None, lr: float | None) -> Any:
 
 
 def _check_tune_numbers(args: argparse.Namespace) -> None:
-    if not args.budget > 0:
-        raise ValueError(f"--budget must be a positive number of minutes, not {args.budget:g}.")
+    if not args.budget > 0 or not math.isfinite(args.budget):
+        raise ValueError(
+            f"--budget must be a positive, finite number of minutes, not {args.budget:g} "
+            "(`autoprec check` screens every mode without a budget)."
+        )
     if args.total_steps is not None and args.total_steps < 1:
         raise ValueError(f"--total-steps must be >= 1, not {args.total_steps}.")
     if args.grad_accum < 1:

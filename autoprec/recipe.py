@@ -266,6 +266,12 @@ class TrainingRecipe:
             )
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive but got {self.clip_grad_norm!r}.")
+        for name, value, form in (
+            ("loss_fn", self.loss_fn, "loss_fn(output, target) -> loss"),
+            ("train_step", self.train_step, "train_step(plan, batch) -> loss"),
+        ):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be a function {form}, not {type(value).__name__}.")
         if self.loss_fn is not None and self.train_step is not None:
             raise ValueError("Pass loss_fn or train_step, not both: train_step computes the loss.")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import random
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -133,8 +134,15 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
 
 
 def check_budget(budget_minutes: Any, objective: Any) -> None:
-    if not isinstance(budget_minutes, int | float) or budget_minutes <= 0:
-        raise ValueError(f"budget_minutes must be positive but got {budget_minutes!r}.")
+    if (
+        not isinstance(budget_minutes, int | float)
+        or not budget_minutes > 0
+        or not math.isfinite(budget_minutes)
+    ):
+        raise ValueError(
+            f"budget_minutes must be a positive, finite number but got {budget_minutes!r} "
+            "(autoprec.check screens every mode without a budget)."
+        )
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
 

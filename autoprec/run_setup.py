@@ -264,6 +264,11 @@ def setup_run(
 ) -> RunSetup:
     """Read the batches, probe the model where it trains, choose the candidates with
     ``select`` (default: tune's, by eligibility and promise; ``modes`` exactly)."""
+    eval_fn = shared.get("eval_fn")
+    if eval_fn is not None and not callable(eval_fn):
+        raise TypeError(
+            f"eval_fn must be a function eval_fn(model) -> float, not {type(eval_fn).__name__}."
+        )
     batches = collect_batches(loader)
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])

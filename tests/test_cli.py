@@ -277,7 +277,7 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         )
         == 2
     )
-    assert "--budget must be a positive number of minutes" in capsys.readouterr().err
+    assert "--budget must be a positive, finite number of minutes" in capsys.readouterr().err
     assert (
         main(
             [
@@ -471,7 +471,8 @@ def test_show_prints_the_recipe_a_profile_was_tuned_under(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--budget", "0"], "--budget must be a positive number of minutes, not 0"),
+        (["--budget", "0"], "--budget must be a positive, finite number of minutes, not 0"),
+        (["--budget", "inf"], "finite number of minutes, not inf (`autoprec check` screens"),
         (["--budget", "1", "--grad-accum", "0"], "--grad-accum must be >= 1, not 0"),
         (["--budget", "1", "--total-steps", "0"], "--total-steps must be >= 1, not 0"),
         (["--budget", "1", "--clip", "-1"], "--clip must be a positive norm, not -1"),

@@ -129,6 +129,8 @@ def test_a_schedule_that_never_moves_is_refused() -> None:
         ({"loss_fn": lambda o, t: o, "train_step": lambda p, b: b}, "not both"),
         ({"optimizer": {"optimizer": None}}, "Lightning-style dict"),
         ({"scheduler": object()}, "factory optimizer -> LRScheduler"),
+        ({"loss_fn": 42}, r"loss_fn must be a function loss_fn\(output, target\) -> loss, not int"),
+        ({"train_step": "step"}, r"train_step must be a function .* not str"),
     ],
 )
 def test_bad_recipes(kwargs: dict, message: str) -> None:

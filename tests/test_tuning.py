@@ -160,9 +160,19 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
         (
             lambda m, b: tune(m, b, budget_minutes=0),
             ValueError,
-            "budget_minutes must be positive but got 0",
+            "budget_minutes must be a positive, finite number but got 0",
         ),
-        (lambda m, b: tune(m, b, budget_minutes=-2), ValueError, "must be positive"),
+        (lambda m, b: tune(m, b, budget_minutes=-2), ValueError, "must be a positive"),
+        (  # it crashed converting infinity to an int
+            lambda m, b: tune(m, b, budget_minutes=math.inf),
+            ValueError,
+            "finite number but got inf",
+        ),
+        (  # it failed inside autoprec after the 300-step reference, "please report it"
+            lambda m, b: tune(m, b, budget_minutes=1, eval_fn=42),
+            TypeError,
+            r"eval_fn must be a function eval_fn\(model\) -> float, not int",
+        ),
         (
             lambda m, b: tune(torch.nn.ReLU(), b, budget_minutes=1),
             ValueError,
