@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -220,17 +221,21 @@ def _tune(args: argparse.Namespace) -> int:
     from autoprec._files import check_writable, write_text_atomically
     from autoprec.display import print_profile, tune_table
     from autoprec.progress import TuneProgress
+    from autoprec.search import sqlite_url
     from autoprec.tuning import tune
 
     _check_tune_numbers(args)
     inputs = _training_inputs(args)
     out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a folder; give the profile's file name.")
+    if out.is_dir() or args.out.endswith(("/", os.sep)):
+        raise ValueError(
+            f"--out {args.out!r} names a folder; give the profile's file name (e.g. "
+            f"{str(out / 'profile.json')!r})."
+        )
     check_writable(out)  # /dev/null, a pipe, /proc/p.json: refused before any trial, not after
     # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
     # the first fp32 steps have checked the inputs.
-    storage = args.storage or f"sqlite:///{out.with_suffix('.study.db')}"
+    storage = args.storage or sqlite_url(out.with_suffix(".study.db"))
     with TuneProgress() as progress:
         result = tune(
             budget_minutes=args.budget,

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from torch.utils._pytree import tree_flatten
 
 from autoprec.drift import Fp32Runs
+from autoprec.search import SQLITE_PREFIX, sqlite_file
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
 from autoprec.weight_dtypes import as_real
 
@@ -94,8 +95,8 @@ def storage_file(storage: str | None) -> Path | None:
     """The file behind a SQLite URL or a journal path; None for servers and in-memory."""
     if storage is None:
         return None
-    if storage.startswith("sqlite:///"):
-        return Path(storage.removeprefix("sqlite:///"))
+    if storage.startswith(SQLITE_PREFIX):
+        return sqlite_file(storage)
     if "://" not in storage:
         return Path(storage)
     return None

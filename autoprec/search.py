@@ -198,6 +198,25 @@ def ask_for(study: Any, label: str, choices: Sequence[str]) -> Any:
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
+SQLITE_PREFIX = "sqlite:///"
+
+
+def sqlite_url(path: str | Path) -> str:
+    """The SQLAlchemy URL of an SQLite file, its path percent-quoted (a ``?`` or ``#`` in a
+    file name would start the URL's query or fragment)."""
+    from urllib.parse import quote
+
+    return SQLITE_PREFIX + quote(str(path), safe="/")
+
+
+def sqlite_file(storage: str) -> Path | None:
+    """The file an ``sqlite:///PATH`` URL names (unquoted, its query left out), or None for
+    another URL."""
+    if not storage.startswith(SQLITE_PREFIX):
+        return None
+    from urllib.parse import unquote
+
+    return Path(unquote(storage.removeprefix(SQLITE_PREFIX).split("?", 1)[0]))
 
 
 def optuna_storage(storage: str | None) -> Any:
@@ -210,7 +229,7 @@ def optuna_storage(storage: str | None) -> Any:
     if path.is_file():
         with path.open("rb") as file:
             if file.read(len(SQLITE_HEADER)) == SQLITE_HEADER:
-                return f"sqlite:///{path}"
+                return sqlite_url(path)
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
@@ -226,8 +245,9 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        if storage is not None and storage.startswith("sqlite:///"):
-            Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        file = None if storage is None else sqlite_file(storage)
+        if file is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
         return optuna.create_study(
             storage=optuna_storage(storage),
             study_name=study_name,

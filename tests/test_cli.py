@@ -468,6 +468,17 @@ def test_show_prints_the_recipe_a_profile_was_tuned_under(
     assert "schedule cosine_schedule over 5000 steps" in shown and "clip 1" in shown
 
 
+def test_an_out_path_naming_a_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out new/` wrote the profile as a file named `new`."""
+    command = _tune_command(tmp_path / "new")
+    command[-1] += "/"
+    assert main(command) == 2
+    assert "names a folder; give the profile's file name" in _one_line_error(capsys)
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -13,7 +13,14 @@ from autoprec.choice import choose, dominates, pareto_front
 from autoprec.outcomes import TrialOutcome
 from autoprec.probing import probe
 from autoprec.retiming import CONFIRM_WITHIN
-from autoprec.search import create_study, make_stop_check, optuna_storage, search
+from autoprec.search import (
+    create_study,
+    make_stop_check,
+    optuna_storage,
+    search,
+    sqlite_file,
+    sqlite_url,
+)
 from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow, TrialProgress
@@ -138,6 +145,23 @@ def test_stop_check() -> None:
     memory_stop = make_stop_check(best, "memory", deadline=100, clock=FakeClock())
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000)).startswith("larger than")
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=900)) is None
+
+
+def test_an_sqlite_file_whose_name_holds_url_characters_is_that_file(tmp_path: Path) -> None:
+    """`autoprec tune --out 'q?x.json'` put its study in a file named `q` (the `?` began the
+    URL's query) and its references at the `?` name; `%20` was read as a space."""
+    from autoprec.fingerprint import references_path
+
+    for name in ("q?x.study.db", "a#b.study.db", "c%20d.study.db", "sub dir/e.study.db"):
+        file = tmp_path / name
+        url = sqlite_url(file)
+        assert sqlite_file(url) == file
+        create_study(url, "s").set_user_attr("k", 1)
+        assert file.is_file() and sorted(p.name for p in file.parent.iterdir()) == [file.name]
+        reference = references_path(url, "s")
+        assert reference is not None and reference.parent == file.parent
+        file.unlink()
+    assert sqlite_file("postgresql://host/db") is None
 
 
 def test_interrupted_study_resumes_from_sqlite(tmp_path: Path) -> None:
