@@ -95,6 +95,9 @@ def probe(
     chosen = hardware.resolve_device(device)
     if backends is None:
         backends = tuple(backend_status(name, try_import=import_backends) for name in BACKENDS)
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
+        model = original  # torch.compile's wrapper: scanned by the names tune and keep_fp32 use
     layers = scan_model(model, example_input) if model is not None else None
     situation = Situation(hardware=hardware, device=chosen, layers=layers, backends=backends)
     modes = tuple(

@@ -36,6 +36,21 @@ def test_probe_with_model_on_injected_h100() -> None:
     assert report.optimizer_8bit.eligible
 
 
+def test_a_compiled_model_is_probed_by_the_names_tune_uses() -> None:
+    """probe named torch.compile's wrapper (OptimizedModule) and listed `_orig_mod.` names
+    that tune and check then refused as keep_fp32 patterns."""
+    import torch
+
+    model, example = tiny_gpt.make_model()
+    plain = autoprec.probe(model, example, backends=make_backends("none"))
+    report = autoprec.probe(torch.compile(model), example, backends=make_backends("none"))
+    assert report.layers is not None and report.layers.model_class == "TinyGPT"
+    assert report.layers == plain.layers
+    assert report.layers.keep_fp32 and not any(
+        "_orig_mod" in k.fqn for k in report.layers.keep_fp32
+    )
+
+
 def test_report_round_trips_through_json() -> None:
     report = autoprec.probe(
         *tiny_gpt.make_model(),
