@@ -61,6 +61,8 @@ def test_bf16_pure_proven_with_accumulation_is_not_bf16_true() -> None:
         ({"mode": "bf16_pure"}, "to_hf_training_args", "adamw_anyprecision"),
         ({"mode": "fp8_torchao"}, "to_hf_training_args", "has no FP8 flag"),
         ({"mode": "amp_fp16"}, "to_fsdp2", "ShardedGradScaler"),
+        ({"mode": "amp_bf16"}, "to_fsdp2", r"norms, softmax and the loss .*torch\.autocast"),
+        ({"mode": "fp32", "compile": True}, "to_fsdp2", "proven compiled"),
         ({"mode": "amp_bf16", "optimizer_bits": 8}, "to_lightning", "configure_optimizers"),
         (
             {"mode": "amp_bf16", "keep_fp32": ("lm_head",)},
@@ -118,9 +120,8 @@ def test_8bit_exports_name_the_class_the_recipe_was_proven_with() -> None:
 def test_fsdp2_policy_is_accepted_by_torch() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(**_profile(mode="amp_bf16").to_fsdp2())
-    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert MixedPrecisionPolicy(**_profile(mode="fp32").to_fsdp2()).param_dtype == torch.float32
+    policy = MixedPrecisionPolicy(**_profile(mode="fp32").to_fsdp2())
+    assert policy.param_dtype == torch.float32 and policy.reduce_dtype == torch.float32
 
 
 def test_accelerate_fp8_te_without_transformer_engine() -> None:
@@ -238,33 +239,50 @@ def test_hf_trainer_trains_with_the_export(tmp_path) -> None:
     assert args.bf16 is True
 
 
-def test_fsdp2_policy_on_cpu_with_gloo() -> None:
+def test_fsdp2_under_autocast_is_amp_bf16_and_its_bf16_policy_is_not() -> None:
+    """The route amp_bf16's refusal gives (an fp32 policy under autocast) computes what the
+    trials measured; the bf16 policy the export used to return computes the loss in bf16."""
     import socket
 
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 50))
+
+    inputs, target = torch.randn(8, 16), torch.randint(0, 50, (8,))
+
+    def loss_of(net: nn.Module) -> torch.Tensor:
+        return nn.functional.cross_entropy(net(inputs), target)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = loss_of(model())
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         port = probe_socket.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        )
-        policy = MixedPrecisionPolicy(**_profile(mode="amp_bf16").to_fsdp2())
-        fully_shard(model[0], mp_policy=policy)
-        fully_shard(model[2], mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        seen: list[torch.dtype] = []
-        model[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-        model(torch.randn(8, 16)).float().sum().backward()
-        assert seen == [torch.bfloat16]  # computed in bf16
-        assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master shards
-        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+        losses = []
+        for policy, under_autocast in (
+            (MixedPrecisionPolicy(**_profile(mode="fp32").to_fsdp2()), True),
+            (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), False),
+        ):
+            sharded = model()
+            fully_shard(sharded, mp_policy=policy)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+                loss = loss_of(sharded)
+            loss.backward()
+            assert all(
+                p.grad is not None and p.grad.dtype == torch.float32 for p in sharded.parameters()
+            )
+            losses.append(loss)
     finally:
         dist.destroy_process_group()
+    exact, bf16_policy = losses
+    assert exact.dtype == torch.float32 and torch.equal(exact.detach(), autocast.detach())
+    assert bf16_policy.dtype == torch.bfloat16  # the loss itself computed in bf16
+    assert not torch.equal(bf16_policy.detach().float(), autocast.detach())
 
 
 def test_exports_carry_compile_and_the_profiles_fp8_layers() -> None:

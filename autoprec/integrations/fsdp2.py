@@ -17,15 +17,30 @@ def fsdp2_policy_args(
 ) -> dict[str, Any]:
     """``MixedPrecisionPolicy(**fsdp2_policy_args(spec))`` keyword arguments.
 
-    FSDP2 casts the sharded fp32 parameters to ``param_dtype`` for forward/backward and reduces
-    gradients in ``reduce_dtype``: the FSDP counterpart of autocast with fp32 master weights.
+    FSDP2 casts the sharded fp32 parameters to ``param_dtype`` for forward and backward and
+    reduces gradients in ``reduce_dtype``. That is not autocast: with ``param_dtype=bfloat16``
+    every op runs in bf16, norms, softmax and the loss included, which autocast (what amp_bf16
+    trials measure) keeps in fp32. So amp_bf16 is refused with the exact route: an fp32 policy
+    under ``torch.autocast``.
     """
     refuse_keep_fp32(spec, "MixedPrecisionPolicy", ignore_keep_fp32)
     refuse_8bit_optimizer(spec, "FSDP2", "build {cls} over the sharded parameters.", recipe)
+    if spec.compile:
+        raise ExportError(
+            "MixedPrecisionPolicy has no compile setting, and this profile was proven compiled: "
+            "compile the model yourself (torch.compile after fully_shard) and export a profile "
+            "of the same mode without compile=True, or tune with your compiled model."
+        )
     if spec.mode == "fp32":
         return {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
     if spec.mode == "amp_bf16":
-        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        raise ExportError(
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16) runs every op in bf16 (norms, "
+            "softmax and the loss included), which amp_bf16's autocast keeps in fp32: not what "
+            "this profile proved. Use MixedPrecisionPolicy(param_dtype=torch.float32, "
+            "reduce_dtype=torch.float32) and run forward and loss under torch.autocast(device, "
+            "dtype=torch.bfloat16), as the trials did."
+        )
     if spec.mode == "amp_fp16":
         raise ExportError(
             "MixedPrecisionPolicy has no loss scaling, which fp16 needs: use "
