@@ -22,6 +22,8 @@ ModeName = Literal[
 """Canonical, stable mode names used in profiles, reports and on the command line."""
 
 MODE_NAMES: tuple[ModeName, ...] = get_args(ModeName)
+OWN_OPTIMIZER_MODES: tuple[ModeName, ...] = ("bf16_sr", "bf16_kahan", "bf16_sr_kahan")
+"""Modes that rebuild the optimizer as their own (SR, Kahan): 8-bit states cannot join them."""
 
 MODE_DESCRIPTIONS: dict[ModeName, str] = {
     "fp32": "full fp32, TF32 off (the reference)",
@@ -122,6 +124,12 @@ class ModeSpec(BaseModel):
                     f"fp8_recipe {self.fp8_recipe!r} belongs to mode 'fp8_{family}', "
                     f"not {self.mode!r}."
                 )
+        if self.optimizer_bits == 8 and self.mode in OWN_OPTIMIZER_MODES:
+            raise ValueError(
+                f"optimizer_bits=8 does not compose with {self.mode!r}: it brings its own "
+                "optimizer implementation (stochastic rounding or Kahan summation of bf16 "
+                "states). Use bf16_pure or an AMP mode with optimizer_bits=8."
+            )
         if self.emulate and self.mode != "fp8_torchao":
             raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")
         if self.keep_fp32 and self.mode == "tf32":

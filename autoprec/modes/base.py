@@ -56,7 +56,6 @@ class PrecisionMode:
     name: ClassVar[ModeName] = "fp32"
     optimizer_target: ClassVar[OptimizerTarget | None] = None
     """Which optimizer implementation the mode needs; None keeps the user's."""
-    allows_8bit_optimizer: ClassVar[bool] = True
     state_rounding: ClassVar[Literal["nearest", "stochastic"]] = "nearest"
     """How the optimizer writes states kept in a low-precision dtype (bf16 parameters make
     torch's and torch-optimi's Adam keep their moments in bf16, rounded to nearest)."""
@@ -72,12 +71,7 @@ class PrecisionMode:
     def requirements(self, situation: Situation) -> list[str]:
         """Every reason this mode (with its knobs) cannot run in ``situation``; empty if it can."""
         reasons = list(mode_eligibility(self.name, situation).reasons)
-        if self.spec.optimizer_bits == 8:
-            if not self.allows_8bit_optimizer:
-                reasons.append(
-                    f"optimizer_bits=8 does not compose with {self.name} (found: {self.name} "
-                    "brings its own optimizer implementation)"
-                )
+        if self.spec.optimizer_bits == 8:  # with a mode of its own optimizer: ModeSpec refuses
             reasons.extend(optimizer_8bit_eligibility(situation).reasons)
         return reasons
 

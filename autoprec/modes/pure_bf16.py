@@ -123,7 +123,6 @@ class Bf16SrMode(Bf16PureMode):
     name = "bf16_sr"
     optimizer_target = "stochastic"
     state_rounding = "stochastic"
-    allows_8bit_optimizer = False
 
 
 class Bf16KahanMode(Bf16PureMode):
@@ -131,7 +130,6 @@ class Bf16KahanMode(Bf16PureMode):
 
     name = "bf16_kahan"
     optimizer_target = "optimi_kahan"
-    allows_8bit_optimizer = False
 
     @override
     def requirements(self, situation: Situation) -> list[str]:
@@ -163,4 +161,3 @@ class Bf16SrKahanMode(Bf16PureMode):
     name = "bf16_sr_kahan"
     optimizer_target = "stochastic_kahan"
     state_rounding = "stochastic"
-    allows_8bit_optimizer = False
