@@ -106,6 +106,9 @@ class ModelFingerprint(BaseModel):
     parameters: int
     layer_mix_digest: str
     """sha256 (first 16 hex digits) of the parameter counts by kind and the Linear shapes."""
+    complex_parameters: tuple[str, ...] = ()
+    """Trainable complex parameters: pure bf16 keeps them complex; an export whose cast would
+    drop their imaginary part is refused."""
 
     @classmethod
     def from_layers(cls, layers: LayerMix) -> ModelFingerprint:
@@ -119,6 +122,7 @@ class ModelFingerprint(BaseModel):
             model_class=layers.model_class,
             parameters=layers.parameters,
             layer_mix_digest=hashlib.sha256(payload.encode()).hexdigest()[:16],
+            complex_parameters=layers.complex_parameters,
         )
 
     def differences(self, other: ModelFingerprint) -> list[str]:
@@ -291,7 +295,12 @@ class Profile(BaseModel):
 
     def to_lightning(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Trainer(**profile.to_lightning())`` or ``Fabric(**...)`` arguments."""
-        return lightning_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
+        return lightning_settings(
+            self.spec,
+            ignore_keep_fp32=ignore_keep_fp32,
+            recipe=self.recipe,
+            complex_parameters=() if self.model is None else self.model.complex_parameters,
+        )
 
     def to_accelerate(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Accelerator(**profile.to_accelerate())`` arguments."""

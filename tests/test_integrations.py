@@ -39,6 +39,29 @@ def test_bf16_pure_is_lightnings_bf16_true() -> None:
     assert _profile(mode="bf16_pure").to_lightning() == {"precision": "bf16-true"}
 
 
+def test_bf16_pure_of_a_model_with_complex_weights_is_not_bf16_true() -> None:
+    """bf16-true's module.to(bfloat16) drops a complex weight's imaginary part (torch only
+    warns); autoprec's bf16_pure keeps it complex."""
+    from autoprec.layers import scan_model
+
+    class Spectral(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.modes = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+            self.out = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out((x.to(torch.complex64) @ self.modes).real)
+
+    model = Spectral()
+    profile = profile_for(ModeSpec(mode="bf16_pure"), model_layers=scan_model(model))
+    loaded = Profile.model_validate_json(profile.model_dump_json())
+    with pytest.raises(ExportError, match=r"imaginary part .*found: modes.*AutoprecPrecision"):
+        loaded.to_lightning()
+    plain = profile_for(ModeSpec(mode="bf16_pure"), model_layers=scan_model(nn.Linear(4, 4)))
+    assert plain.to_lightning() == {"precision": "bf16-true"}
+
+
 def test_bf16_pure_proven_with_accumulation_is_not_bf16_true() -> None:
     """bf16-true sums micro-batches in bf16 .grad; autoprec's bf16_pure sums them in fp32."""
     recipe = TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p), grad_accumulation_steps=2)

@@ -19,9 +19,14 @@ _PRECISION = {
 
 
 def lightning_settings(
-    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+    spec: ModeSpec,
+    *,
+    ignore_keep_fp32: bool = False,
+    recipe: RecipeSummary | None = None,
+    complex_parameters: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """``Trainer(**lightning_settings(spec))`` / ``Fabric(**...)`` keyword arguments."""
+    """``Trainer(**lightning_settings(spec))`` / ``Fabric(**...)`` keyword arguments
+    (``complex_parameters``: the proven model's, which ``bf16-true`` would cast to real)."""
     refuse_keep_fp32(spec, "Lightning's precision flag", ignore_keep_fp32)
     refuse_8bit_optimizer(
         spec,
@@ -42,6 +47,13 @@ def lightning_settings(
             "precision='bf16-true' sums them in bf16 .grad, rounding at every micro-batch "
             "(3.1e-3 relative error over 8 micro-batches against 1.7e-3 on a TinyGPT). Use "
             "Trainer(plugins=[autoprec.integrations.lightning.AutoprecPrecision(profile)])."
+        )
+    if spec.mode == "bf16_pure" and complex_parameters:
+        raise ExportError(
+            "Lightning's precision='bf16-true' casts the whole module to bfloat16, which drops "
+            "the imaginary part of complex parameters (found: "
+            f"{', '.join(complex_parameters[:3])}); autoprec's bf16_pure keeps them complex. "
+            "Use Trainer(plugins=[autoprec.integrations.lightning.AutoprecPrecision(profile)])."
         )
     if spec.mode in _PRECISION:
         return {"precision": _PRECISION[spec.mode]}
