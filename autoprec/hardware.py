@@ -115,7 +115,7 @@ class HardwareInfo(BaseModel):
         if device is None:
             return "cuda:0" if any(gpu.usable_by_torch for gpu in self.gpus) else "cpu"
         text = str(device).strip().lower()
-        if text == "cpu":
+        if text in ("cpu", "cpu:0"):  # torch names the one CPU device either way
             return "cpu"
         if text == "cuda":
             text = "cuda:0"

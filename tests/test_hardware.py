@@ -171,7 +171,14 @@ def test_cpu_autocast_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize(
     ("device", "expected"),
-    [(None, "cuda:0"), ("cpu", "cpu"), ("cuda", "cuda:0"), (1, "cuda:1"), ("CUDA:1", "cuda:1")],
+    [
+        (None, "cuda:0"),
+        ("cpu", "cpu"),
+        ("cpu:0", "cpu"),  # refused by probe while tune and check took it
+        ("cuda", "cuda:0"),
+        (1, "cuda:1"),
+        ("CUDA:1", "cuda:1"),
+    ],
 )
 def test_resolve_device(device: object, expected: str) -> None:
     assert make_hardware("H100", "A100").resolve_device(device) == expected  # type: ignore[arg-type]
@@ -179,7 +186,11 @@ def test_resolve_device(device: object, expected: str) -> None:
 
 @pytest.mark.parametrize(
     ("device", "message"),
-    [("cuda:2", "not available: this machine has 2 CUDA device"), ("gpu0", "must be 'cpu'")],
+    [
+        ("cuda:2", "not available: this machine has 2 CUDA device"),
+        ("gpu0", "must be 'cpu'"),
+        ("cpu:1", "must be 'cpu'"),
+    ],
 )
 def test_resolve_device_rejects(device: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
