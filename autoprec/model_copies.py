@@ -59,6 +59,13 @@ def _compiled_forward(module: nn.Module) -> bool:
     return isinstance(forward, CompiledForward) or hasattr(forward, "_torchdynamo_orig_callable")
 
 
+def inside_compile_wrapper(model: Any) -> nn.Module | None:
+    """The model inside ``torch.compile(model)``'s wrapper (its ``_orig_mod``); None when
+    ``model`` is no such wrapper."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(model, nn.Module) and isinstance(original, nn.Module) else None
+
+
 def compiled_in_place(model: nn.Module) -> bool:
     """Is any module compiled in place (``nn.Module.compile()`` or a compiled ``forward``)?"""
     return any(

@@ -19,6 +19,7 @@ from autoprec.eligibility import (
 )
 from autoprec.hardware import HardwareInfo, detect_hardware
 from autoprec.layers import LayerMix, scan_model
+from autoprec.model_copies import inside_compile_wrapper
 from autoprec.specs import MODE_DESCRIPTIONS, MODE_NAMES, ModeName
 
 
@@ -95,9 +96,9 @@ def probe(
     chosen = hardware.resolve_device(device)
     if backends is None:
         backends = tuple(backend_status(name, try_import=import_backends) for name in BACKENDS)
-    original = getattr(model, "_orig_mod", None)
-    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
-        model = original  # torch.compile's wrapper: scanned by the names tune and keep_fp32 use
+    # inside torch.compile's wrapper: scanned by the names tune and keep_fp32 use
+    inner = inside_compile_wrapper(model)
+    model = model if inner is None else inner
     layers = scan_model(model, example_input) if model is not None else None
     situation = Situation(hardware=hardware, device=chosen, layers=layers, backends=backends)
     modes = tuple(

@@ -17,7 +17,7 @@ from torch import nn
 
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
-from autoprec.model_copies import compiled_in_place
+from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
 from autoprec.outcomes import OBJECTIVES
 from autoprec.specs import matches_keep_fp32
 from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
@@ -151,8 +151,8 @@ def uncompiled_model(model: Any) -> tuple[Any, bool]:
     """(the module to tune, whether the user compiled it): ``torch.compile(model)`` returns a
     wrapper whose ``_orig_mod`` is the model; ``model.compile()`` and a compiled ``forward``
     mark the model itself (trials drop that from their copies)."""
-    original = getattr(model, "_orig_mod", None)
-    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
+    original = inside_compile_wrapper(model)
+    if original is not None:
         return original, True
     if not isinstance(model, nn.Module):
         return model, False
