@@ -133,6 +133,20 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(patterns))
 
 
+SEED_RANGE = (-(2**63), 2**64 - 2)
+"""The seeds torch's generators take (a signed or unsigned 64-bit integer), less one at the top:
+the noise runs seed with ``seed + 1``."""
+
+
+def check_seed(seed: Any) -> None:
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ValueError(
+            f"seed must be an integer from {low} to {high} (torch's 64-bit generator seeds; the "
+            f"noise runs use seed + 1), not {seed!r}."
+        )
+
+
 def check_budget(budget_minutes: Any, objective: Any) -> None:
     if (
         not isinstance(budget_minutes, int | float)

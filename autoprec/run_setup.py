@@ -31,7 +31,7 @@ from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import LrPoint, TrainingRecipe
-from autoprec.run_inputs import collect_batches
+from autoprec.run_inputs import check_seed, collect_batches
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -269,6 +269,7 @@ def setup_run(
         raise TypeError(
             f"eval_fn must be a function eval_fn(model) -> float, not {type(eval_fn).__name__}."
         )
+    check_seed(shared.get("seed", 0))
     batches = collect_batches(loader)
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])

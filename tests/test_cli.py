@@ -487,6 +487,10 @@ def test_an_out_path_naming_a_folder_is_refused(
         (["--budget", "1", "--grad-accum", "0"], "--grad-accum must be >= 1, not 0"),
         (["--budget", "1", "--total-steps", "0"], "--total-steps must be >= 1, not 0"),
         (["--budget", "1", "--clip", "-1"], "--clip must be a positive norm, not -1"),
+        (  # torch's bare "Overflow when unpacking long long" after the probe
+            ["--budget", "1", "--seed", str(2**64)],
+            "seed must be an integer from -9223372036854775808 to 18446744073709551614",
+        ),
     ],
 )
 def test_bad_numbers_are_refused_before_anything_is_created(

@@ -168,6 +168,12 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
             ValueError,
             "finite number but got inf",
         ),
+        (  # torch's bare "Overflow when unpacking long long"; a float seed reached the profile
+            lambda m, b: tune(m, b, budget_minutes=1, seed=2**64 - 1),
+            ValueError,
+            r"seed must be an integer .* the noise runs use seed \+ 1\), not 18446744073709551615",
+        ),
+        (lambda m, b: tune(m, b, budget_minutes=1, seed=1.5), ValueError, "not 1.5"),
         (  # it failed inside autoprec after the 300-step reference, "please report it"
             lambda m, b: tune(m, b, budget_minutes=1, eval_fn=42),
             TypeError,
