@@ -117,8 +117,11 @@ def translate_group(
                     "SGD without momentum keeps no optimizer state: 8-bit states have nothing to "
                     "save. Use optimizer_bits=32."
                 )
-            keys = ("lr", "momentum", "weight_decay")
-            return getattr(bnb.optim, BNB_8BIT[kind]), {key: options[key] for key in keys}
+            # SGD8bit reads a group's momentum from ``betas[0]`` (its constructor writes
+            # ``betas=(momentum, dampening)``); ``momentum`` stays for the schedulers that cycle it
+            translated = {key: options[key] for key in ("lr", "momentum", "weight_decay")}
+            translated["betas"] = (options["momentum"], 0.0)
+            return getattr(bnb.optim, BNB_8BIT[kind]), translated
         if kind == "adam" and options["weight_decay"]:
             raise ValueError(
                 "torch.optim.Adam applies weight_decay as an L2 gradient term, but bitsandbytes' "
@@ -222,7 +225,8 @@ def rebuild_optimizer(
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
-    defaults = {k: v for k, v in first.items() if k not in ("beta1", "beta2")}
+    accepted = inspect.signature(constructor.__init__).parameters
+    defaults = {k: v for k, v in first.items() if k in accepted}  # SGD8bit takes no betas
     if "beta1" in first:  # torch-optimi: constructor takes betas, groups hold beta1/beta2
         defaults["betas"] = (first["beta1"], first["beta2"])
     new_groups = [
@@ -236,7 +240,23 @@ def rebuild_optimizer(
     rebuilt = constructor(new_groups, **defaults)
     if "beta1" in first:
         _expose_betas(rebuilt)
+    if target == "bnb_8bit" and kind == "sgd":
+        _momentum_into_betas(rebuilt)
     return rebuilt
+
+
+def _momentum_into_betas(optimizer: torch.optim.Optimizer) -> None:
+    """bitsandbytes' SGD8bit steps with ``betas[0]`` as each group's momentum; schedulers that
+    cycle SGD's momentum (OneCycleLR, CyclicLR) write ``momentum``. Copy it over before each
+    step (before, every group stepped with the first group's momentum, and a cycled one never
+    reached the optimizer)."""
+
+    def sync(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            if "momentum" in group:
+                group["betas"] = (group["momentum"], *tuple(group["betas"])[1:])
+
+    optimizer.register_step_pre_hook(sync)
 
 
 def _expose_betas(optimizer: torch.optim.Optimizer) -> None:

@@ -383,6 +383,37 @@ def test_a_schedule_that_cycles_the_momentum_drives_every_rebuilt_optimizer(
     assert used[mode] == pytest.approx(used["fp32"]) and len(set(used[mode])) >= 5
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_eight_bit_sgd_steps_each_groups_own_and_scheduled_momentum(resumed: bool) -> None:
+    # bitsandbytes' SGD8bit reads betas[0]: every group stepped with the first group's
+    # momentum, and OneCycleLR's cycled momentum never reached it (nor a resumed torch state's)
+    weights = {}
+    for bits in (32, 8):
+        model = _model()
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        others = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+        optimizer = torch.optim.SGD(
+            [{"params": others, "momentum": 0.9}, {"params": biases, "momentum": 0.3}], lr=0.05
+        )
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=20)
+        spec = ModeSpec(mode="fp32", optimizer_bits=bits)
+        if resumed:  # a run switched to 8-bit states after 2 fp32 steps
+            for _ in range(2):
+                model(torch.randn(4, 16)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+        plan = autoprec.prepare(spec, model, optimizer, scheduler)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(6):
+            plan.step(plan.model(torch.randn(4, 16, generator=generator)).pow(2).mean())
+            plan.scheduler.step()
+        weights[bits] = [p.detach().clone() for p in plan.model.parameters()]
+    # every tensor is under bitsandbytes' min_8bit_size: its states stay fp32, as torch's
+    for ours, torchs in zip(weights[8], weights[32], strict=True):
+        torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-6)
+
+
 def test_a_kahan_optimizer_loads_a_checkpoint_whose_groups_lack_betas() -> None:
     # checkpoints written before bf16_kahan's optimizer exposed torch's betas key
     model = _model()
