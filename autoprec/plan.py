@@ -21,7 +21,7 @@ from torch import nn
 
 from autoprec.eligibility import Situation, situation_for_model
 from autoprec.errors import OptimizerRebuiltWarning, PrecisionSwitchWarning, UnsupportedModeError
-from autoprec.model_copies import CompiledForward
+from autoprec.model_copies import CompiledForward, inside_compile_wrapper
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
@@ -183,8 +183,11 @@ def build_plan(
     grad_accumulation_steps: int = 1,
     clip_grad_norm: float | None = None,
     situation: Situation | None = None,
+    compiled_by_user: bool = False,
 ) -> PrecisionPlan:
-    """:func:`prepare` without a scheduler to rebind and without warnings (trials use it)."""
+    """:func:`prepare` without a scheduler to rebind and without warnings (trials use it);
+    ``compiled_by_user``: ``model`` runs inside the user's ``torch.compile`` wrapper, which a
+    compiled spec does not compile again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -211,7 +214,7 @@ def build_plan(
     groups = named_groups(optimizer, model)
     model = mode.convert_module(model)
     optimizer = mode.convert_optimizer(optimizer, model, groups)
-    if spec.compile:
+    if spec.compile and not compiled_by_user:
         compile_model(model)
     return PrecisionPlan(
         mode,
@@ -277,7 +280,9 @@ def prepare(
     ``scheduler`` built on it is rebound to ``plan.optimizer`` (``plan.scheduler``), so its lr
     follows the schedule in every mode. Call it before training starts (and before loading
     optimizer checkpoints), or mid-run: an optimizer that has stepped keeps its state in
-    ``plan.optimizer`` (``PrecisionMode.convert_optimizer``).
+    ``plan.optimizer`` (``PrecisionMode.convert_optimizer``). A ``torch.compile(model)``
+    wrapper: the model inside it is converted (``keep_fp32`` names as tune saw them), and
+    ``plan.model`` is the wrapper, never compiled a second time.
 
     Raises:
         UnsupportedModeError: the mode cannot run here; the message lists every reason. No
@@ -305,14 +310,18 @@ def prepare(
                     f"The scheduler ({type(inner).__name__}) does not drive the optimizer passed "
                     "to apply(): build it on that optimizer, or pass scheduler=None."
                 )
+    inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
     plan = build_plan(
         spec,
-        model,
+        model if inner is None else inner,
         optimizer,
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
         situation=situation,
+        compiled_by_user=inner is not None,
     )
+    if inner is not None:
+        plan.model = model  # the wrapper, which runs the converted model compiled
     if scheduler is not None:
         if plan.optimizer is not optimizer:
             _rebind_scheduler(scheduler, optimizer, plan.optimizer)

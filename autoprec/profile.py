@@ -35,6 +35,7 @@ from autoprec.integrations.fsdp2 import fsdp2_policy_args
 from autoprec.integrations.hf_trainer import hf_training_args
 from autoprec.integrations.lightning import lightning_settings
 from autoprec.layers import LayerMix, scan_model
+from autoprec.model_copies import inside_compile_wrapper
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.recipe import RecipeSummary
 from autoprec.recipe_match import recipe_differences
@@ -215,7 +216,9 @@ class Profile(BaseModel):
 
     def check_model(self, model: nn.Module, *, strict: bool) -> None:
         """Warn (or with ``strict``, refuse) when ``model`` is not the one the profile was
-        proven for: another class or size, or ``keep_fp32`` patterns that match no module."""
+        proven for: another class or size, or ``keep_fp32`` patterns that match no module.
+        A ``torch.compile(model)`` wrapper is checked by the model inside it, as tune saw it."""
+        model = inside_compile_wrapper(model) or model
         differences = []
         if self.model is not None:
             differences = self.model.differences(ModelFingerprint.from_layers(scan_model(model)))

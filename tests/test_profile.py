@@ -266,6 +266,32 @@ def test_applying_to_another_model_warns_and_strict_refuses() -> None:
         profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4), strict=True)
 
 
+# dynamo reads .grad of the non-leaf tensors a graph break hands to the resumed frame
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_compiled_wrapper_is_converted_inside_and_stays_the_model_to_call() -> None:
+    # apply() matched keep_fp32 against "_orig_mod.*" names: kept LayerNorms were cast to bf16,
+    # with a ModelMismatchWarning that the profile was proven on another model
+    profile = _tuned_for_tiny_gpt()
+    model, tokens = tiny_gpt.make_model()
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=3e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = profile.apply(compiled, optimizer, strict=True)
+    assert plan.model is compiled
+    assert model.ln_f.weight.dtype == model.blocks[0].ln_1.weight.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    loss = plan.model(tokens[:, :-1], tokens[:, 1:])
+    plan.step(loss.float())
+    assert torch.isfinite(loss) and model.ln_f.weight.dtype == torch.float32
+    # a profile proven compiled does not compile the user's compiled model a second time
+    model, _ = tiny_gpt.make_model()
+    compiled = torch.compile(model, backend="eager")
+    spec = ModeSpec(mode="amp_bf16", compile=True)
+    plan = profile_for(spec).apply(compiled, torch.optim.AdamW(compiled.parameters()))
+    assert plan.model is compiled and "forward" not in vars(model)
+
+
 def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
     import torch
 
