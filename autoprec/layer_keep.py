@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from autoprec.layer_kinds import FP8_DIM_MULTIPLE, fp8_linear_fits, is_bnb_4bit, module_kind
+from autoprec.layer_kinds import (
+    FP8_DIM_MULTIPLE,
+    computes_weight,
+    fp8_linear_fits,
+    is_bnb_4bit,
+    module_kind,
+)
 from autoprec.layer_mix import KeepFp32
 
 RUNNING_STATE_REASON = "running statistics"
@@ -68,7 +74,13 @@ def default_keep_fp32(
         keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
         keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
     for fqn, module in model.named_modules():
-        if (
+        if isinstance(module, nn.Linear) and computes_weight(module):
+            keep.setdefault(
+                fqn,
+                "Linear with a computed weight (weight_norm, spectral_norm or another "
+                "parametrization): FP8 module swaps cannot take it",
+            )
+        elif (
             isinstance(module, nn.Linear)
             and not is_bnb_4bit(module)
             and not fp8_linear_fits(module)

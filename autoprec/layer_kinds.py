@@ -80,13 +80,22 @@ def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwis
     return not (in_features <= 4096 and out_features <= 1024)
 
 
+def computes_weight(module: nn.Module) -> bool:
+    """Is the module's ``weight`` computed at each call rather than a Parameter of its own (a
+    torch parametrization such as ``weight_norm`` or ``spectral_norm``, or their hook-based
+    forms in ``torch.nn.utils``)?"""
+    return not isinstance(getattr(module, "weight", None), nn.Parameter)
+
+
 def fp8_linear_fits(module: nn.Module) -> bool:
     """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
     module swaps convert nn.Linear only; nor is a bitsandbytes 4-bit Linear, whose packed
-    uint8 weight a Float8Linear would multiply as it is)."""
+    uint8 weight a Float8Linear would multiply as it is; nor a Linear whose weight is computed,
+    which a swap cannot take: torchao raised TypeError with the model half converted)."""
     return (
         isinstance(module, nn.Linear)
         and not is_bnb_4bit(module)
+        and not computes_weight(module)
         and module.in_features % FP8_DIM_MULTIPLE == 0
         and module.out_features % FP8_DIM_MULTIPLE == 0
     )

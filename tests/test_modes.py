@@ -15,6 +15,8 @@ from torch import nn
 
 import autoprec
 from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.layer_keep import FP8_SKIP_REASONS
+from autoprec.layers import scan_model
 from autoprec.modes.amp import AmpFp16Mode
 from autoprec.plan import build_plan, prepare
 from autoprec.specs import ModeSpec
@@ -184,6 +186,33 @@ def test_fp8_torchao_rowwise_emulated(tmp_path: Path) -> None:
     linear = plan.model.blocks[0].mlp[0]
     assert type(linear).__name__ == "Float8Linear"
     assert "rowwise" in str(linear.config).lower() or "AXISWISE" in str(linear.config)
+
+
+def test_fp8_leaves_a_linear_whose_weight_is_computed_out_of_fp8() -> None:
+    """torchao's swap raised a bare TypeError on a weight_norm / spectral_norm Linear, with the
+    Linears before it already Float8Linear: the user's model was left half converted."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 32),
+        parametrizations.weight_norm(nn.Linear(32, 32)),
+        parametrizations.spectral_norm(nn.Linear(32, 32)),
+        nn.Linear(32, 32),
+    )
+    layers = scan_model(model)  # the probe and the FP8 candidates' skip list agree
+    assert [linear.fp8_compatible for linear in layers.linears] == [True, False, False, True]
+    reasons = {keep.fqn: keep.reason for keep in layers.keep_fp32}
+    assert reasons["1"].startswith("Linear with a computed weight (weight_norm")
+    assert {"1", "2"} <= set(layers.kept_for(FP8_SKIP_REASONS))
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    kinds = [type(module).__name__ for module in plan.model]
+    assert kinds == ["Float8Linear", "ParametrizedLinear", "ParametrizedLinear", "Float8Linear"]
+    with plan.autocast():
+        loss = plan.model(torch.randn(4, 32)).float().pow(2).mean()
+    plan.step(loss)
+    assert torch.isfinite(loss)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_pure"])
