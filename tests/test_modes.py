@@ -463,6 +463,29 @@ def test_pure_bf16_islands_train_under_torch_compile() -> None:
     assert losses[True][-1] < losses[True][0]
 
 
+@pytest.mark.parametrize(("mode", "kept"), [("bf16_pure", "head"), ("amp_bf16", "embed")])
+def test_an_error_inside_an_island_leaves_autocast_as_it_was(mode: str, kept: str) -> None:
+    """An island's autocast was entered in a pre-hook and left in a forward hook, which torch
+    skips when the forward raises: after a caught error (a token id out of range) bf16 autocast
+    stayed on for the whole process (the embedding tied to a kept head), or off inside the
+    user's own autocast (a kept embedding under amp_bf16)."""
+    torch.manual_seed(0)
+    model = _TiedHead()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(
+            ModeSpec(mode=mode, keep_fp32=(kept,)), model, torch.optim.AdamW(model.parameters())
+        )
+    with plan.autocast():
+        enabled = torch.is_autocast_enabled("cpu")
+        with pytest.raises(IndexError):
+            plan.model(torch.tensor([[3, 99]]))  # 99: beyond the embedding's 16 rows
+        assert torch.is_autocast_enabled("cpu") is enabled
+        assert plan.model(torch.tensor([[3, 5]])).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+    assert nn.Linear(8, 8)(torch.randn(2, 8)).dtype == torch.float32
+
+
 class _Standardised(nn.Module):
     """A running standardiser handed the model's input directly, and one handed a slice of it."""
 

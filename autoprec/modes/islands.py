@@ -122,7 +122,7 @@ def install_fp32_islands(
         island = Fp32Island(device_type, output_dtype, original, narrow)
         module = model.get_submodule(fqn)
         module.register_forward_pre_hook(EagerHook(island.enter), with_kwargs=True)
-        module.register_forward_hook(EagerHook(island.leave))
+        module.register_forward_hook(EagerHook(island.leave), always_call=True)
 
 
 def install_autocast_islands(
@@ -139,4 +139,4 @@ def install_autocast_islands(
         island = AutocastIsland(device_type, dtype, active)
         module = model.get_submodule(fqn)
         module.register_forward_pre_hook(EagerHook(island.enter))
-        module.register_forward_hook(EagerHook(island.leave))
+        module.register_forward_hook(EagerHook(island.leave), always_call=True)
