@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import warnings
 import weakref
 from typing import Any
@@ -31,14 +32,42 @@ PLAN_STATE_KEYS = frozenset({"spec", "mode", "micro_step"})
 """What :meth:`PrecisionPlan.state_dict` holds."""
 
 
-def check_step_settings(grad_accumulation_steps: int, clip_grad_norm: float | None) -> None:
+def check_step_settings(grad_accumulation_steps: Any, clip_grad_norm: Any) -> None:
     """Refuse step settings that would silently change training (a clip of 0 freezes the
-    model, a negative one steps uphill)."""
+    model, a negative one steps uphill; 2.5 accumulation steps stepped every 5 micro-batches
+    with each loss divided by 2.5)."""
+    if isinstance(grad_accumulation_steps, bool) or not isinstance(
+        grad_accumulation_steps, numbers.Integral
+    ):
+        raise TypeError(
+            "grad_accumulation_steps must be a whole number of micro-batches per optimizer "
+            f"step but got {grad_accumulation_steps!r}."
+        )
     if grad_accumulation_steps < 1:
         raise ValueError(f"grad_accumulation_steps must be >= 1 but got {grad_accumulation_steps}.")
-    if clip_grad_norm is not None and not 0 < clip_grad_norm <= math.inf:  # NaN: every weight NaN
+    if clip_grad_norm is None:
+        return
+    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real):
+        raise TypeError(
+            f"clip_grad_norm must be a number, None for no clipping (or, in apply(), "
+            f'"recipe" for the tuned recipe\'s) but got {clip_grad_norm!r}.'
+        )
+    if not 0 < clip_grad_norm <= math.inf:  # NaN: every weight NaN
         raise ValueError(
             f"clip_grad_norm must be positive but got {clip_grad_norm}; pass None for no clipping."
+        )
+
+
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """Refuse anything but a module and a torch optimizer, before anything is converted."""
+    if not isinstance(model, nn.Module):
+        swapped = (
+            " (the arguments are swapped?)" if isinstance(model, torch.optim.Optimizer) else ""
+        )
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}{swapped}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."
         )
 
 
@@ -188,12 +217,7 @@ def build_plan(
     """:func:`prepare` without a scheduler to rebind and without warnings (trials use it);
     ``compiled_by_user``: ``model`` runs inside the user's ``torch.compile`` wrapper, which a
     compiled spec does not compile again."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."
-        )
+    check_model_and_optimizer(model, optimizer)
     if not isinstance(spec, ModeSpec):
         raise TypeError(
             f"spec must be an autoprec.ModeSpec, e.g. ModeSpec(mode='amp_bf16'), but got "

@@ -36,7 +36,12 @@ from autoprec.integrations.hf_trainer import hf_training_args
 from autoprec.integrations.lightning import lightning_settings
 from autoprec.layers import LayerMix, scan_model
 from autoprec.model_copies import inside_compile_wrapper
-from autoprec.plan import PrecisionPlan, prepare
+from autoprec.plan import (
+    PrecisionPlan,
+    check_model_and_optimizer,
+    check_step_settings,
+    prepare,
+)
 from autoprec.recipe import RecipeSummary
 from autoprec.recipe_match import recipe_differences
 from autoprec.specs import ModeSpec, matches_keep_fp32
@@ -263,12 +268,14 @@ class Profile(BaseModel):
                 hyper-parameters (lr, betas, ...), accumulation or clipping than the recipe it
                 was tuned under (``RecipeMismatchWarning``), instead of warning.
         """
-        self.check_model(model, strict=strict)
+        check_model_and_optimizer(model, optimizer)
         recipe = self.recipe
         if grad_accumulation_steps is None:
             grad_accumulation_steps = recipe.grad_accumulation_steps if recipe else 1
         if clip_grad_norm == "recipe":
             clip_grad_norm = recipe.clip_grad_norm if recipe is not None else None
+        check_step_settings(grad_accumulation_steps, clip_grad_norm)
+        self.check_model(model, strict=strict)
         if recipe is not None:
             differences = recipe_differences(
                 recipe,

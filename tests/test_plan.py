@@ -259,8 +259,28 @@ def test_a_mode_name_instead_of_a_spec_is_a_type_error() -> None:
             {"grad_accumulation_steps": 0},
             "grad_accumulation_steps must be >= 1",
         ),
+        (  # accepted: stepped every 5 micro-batches, each loss divided by 2.5
+            ModeSpec(mode="bf16_pure", keep_fp32=("0",)),
+            lambda p: torch.optim.AdamW(p),
+            {"grad_accumulation_steps": 2.5},
+            "grad_accumulation_steps must be a whole number of micro-batches .* got 2.5",
+        ),
+        (
+            ModeSpec(mode="bf16_sr"),
+            lambda p: torch.optim.AdamW(p),
+            {"clip_grad_norm": "1.0"},
+            "clip_grad_norm must be a number, None for no clipping .* got '1.0'",
+        ),
     ],
-    ids=["amsgrad", "rmsprop", "8bit-amsgrad", "clip-0", "accumulation-0"],
+    ids=[
+        "amsgrad",
+        "rmsprop",
+        "8bit-amsgrad",
+        "clip-0",
+        "accumulation-0",
+        "accumulation-2.5",
+        "clip-text",
+    ],
 )
 def test_a_refused_prepare_leaves_the_model_as_it_was(
     spec: ModeSpec, make_optimizer: object, kwargs: dict, message: str

@@ -292,6 +292,46 @@ def test_a_compiled_wrapper_is_converted_inside_and_stays_the_model_to_call() ->
     assert plan.model is compiled and "forward" not in vars(model)
 
 
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (  # AttributeError: 'AdamW' object has no attribute 'named_modules'
+            lambda profile, model, optimizer: profile.apply(optimizer, model),
+            TypeError,
+            r"model must be a torch\.nn\.Module but got AdamW \(the arguments are swapped\?\)",
+        ),
+        (
+            lambda profile, model, optimizer: profile.apply(model, None),
+            TypeError,
+            r"optimizer must be a torch\.optim\.Optimizer but got NoneType",
+        ),
+        (  # TypeError: '<' not supported between instances of 'int' and 'str'
+            lambda profile, model, optimizer: profile.apply(
+                model, optimizer, clip_grad_norm="Recipe"
+            ),
+            TypeError,
+            r'in apply\(\), "recipe" for the tuned recipe\'s\) but got \'Recipe\'',
+        ),
+        (
+            lambda profile, model, optimizer: profile.apply(
+                model, optimizer, grad_accumulation_steps="4"
+            ),
+            TypeError,
+            "grad_accumulation_steps must be a whole number",
+        ),
+    ],
+)
+def test_apply_refuses_arguments_of_the_wrong_kind_before_converting(
+    call, error: type, message: str
+) -> None:
+    profile = _tuned_for_tiny_gpt()
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    with pytest.raises(error, match=message):
+        call(profile, model, optimizer)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
     import torch
 
