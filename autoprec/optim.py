@@ -221,7 +221,9 @@ def rebuild_optimizer(
             {**group.options, "params": [parameters[name] for name in group.names]}
             for group in groups
         ]
-        return type(optimizer)(new_groups, **_constructor_defaults(optimizer))
+        return _with_step_hooks_of(
+            optimizer, type(optimizer)(new_groups, **_constructor_defaults(optimizer))
+        )
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
@@ -237,11 +239,23 @@ def rebuild_optimizer(
         }
         for group, (_, translated) in zip(groups, translations, strict=True)
     ]
-    rebuilt = constructor(new_groups, **defaults)
+    rebuilt = _with_step_hooks_of(optimizer, constructor(new_groups, **defaults))
     if "beta1" in first:
         _expose_betas(rebuilt)
     if target == "bnb_8bit" and kind == "sgd":
         _momentum_into_betas(rebuilt)
+    return rebuilt
+
+
+def _with_step_hooks_of(
+    optimizer: torch.optim.Optimizer, rebuilt: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    """``rebuilt`` running the step hooks registered on ``optimizer`` (an EMA update, logging):
+    the same hook tables, so a handle the user holds still removes its hook. Before, a rebuilt
+    optimizer ran none of them, without a word. The hooks autoprec adds to ``rebuilt`` land in
+    the shared tables too; each leaves an optimizer alone that does not keep its keys."""
+    rebuilt._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+    rebuilt._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
     return rebuilt
 
 
@@ -252,8 +266,8 @@ def _momentum_into_betas(optimizer: torch.optim.Optimizer) -> None:
     reached the optimizer)."""
 
     def sync(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in optimizer.param_groups:
-            if "momentum" in group:
+        for group in optimizer.param_groups:  # inert on others sharing the hooks: no betas
+            if "momentum" in group and "betas" in group:
                 group["betas"] = (group["momentum"], *tuple(group["betas"])[1:])
 
     optimizer.register_step_pre_hook(sync)
@@ -274,6 +288,8 @@ def _expose_betas(optimizer: torch.optim.Optimizer) -> None:
 
     def sync(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group in optimizer.param_groups:
+            if "beta1" not in group:  # another optimizer sharing the hooks
+                continue
             if "betas" not in group:  # groups loaded from a checkpoint written without it
                 group["betas"] = (group["beta1"], group["beta2"])
             group["beta1"], group["beta2"] = group["betas"]

@@ -434,6 +434,45 @@ def test_eight_bit_sgd_steps_each_groups_own_and_scheduled_momentum(resumed: boo
         torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModeSpec(mode="bf16_sr"),
+        ModeSpec(mode="bf16_kahan"),
+        ModeSpec(mode="amp_bf16", optimizer_bits=8),
+    ],
+    ids=lambda spec: spec.label,
+)
+def test_a_rebuilt_optimizer_runs_the_step_hooks_registered_on_yours(spec: ModeSpec) -> None:
+    # an EMA update in a step post-hook ran under amp_bf16 and silently never under the modes
+    # that rebuild the optimizer
+    if spec.optimizer_bits == 8:
+        pytest.importorskip("bitsandbytes")
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99))
+    calls: list[tuple[str, object]] = []
+    optimizer.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o)))
+    handle = optimizer.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = autoprec.prepare(spec, model, optimizer)
+    assert plan.optimizer is not optimizer
+
+    def step() -> None:
+        with plan.autocast():
+            loss = plan.model(torch.randn(4, 16).to(plan.model[0].weight.dtype))
+        plan.step(loss.float().pow(2).mean())
+
+    for _ in range(2):
+        step()
+    assert calls == [("pre", plan.optimizer), ("post", plan.optimizer)] * 2
+    handle.remove()  # the handle you hold still removes it
+    step()
+    assert [kind for kind, _ in calls[4:]] == ["pre"]
+    group = plan.optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.8, 0.99) and "momentum" not in group
+
+
 def test_a_kahan_optimizer_loads_a_checkpoint_whose_groups_lack_betas() -> None:
     # checkpoints written before bf16_kahan's optimizer exposed torch's betas key
     model = _model()
