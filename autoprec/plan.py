@@ -32,6 +32,17 @@ PLAN_STATE_KEYS = frozenset({"spec", "mode", "micro_step"})
 """What :meth:`PrecisionPlan.state_dict` holds."""
 
 
+CONVERTED_MARK = "_autoprec_converted_for"
+"""The attribute naming the mode a model was converted for (a second conversion is refused
+with that name, not with advice to cast it back to fp32)."""
+
+
+def _converted_for(model: Any) -> str | None:
+    if not isinstance(model, nn.Module):
+        return None
+    return vars(inside_compile_wrapper(model) or model).get(CONVERTED_MARK)
+
+
 def check_step_settings(grad_accumulation_steps: Any, clip_grad_norm: Any) -> None:
     """Refuse step settings that would silently change training (a clip of 0 freezes the
     model, a negative one steps uphill; 2.5 accumulation steps stepped every 5 micro-batches
@@ -240,6 +251,7 @@ def build_plan(
     optimizer = mode.convert_optimizer(optimizer, model, groups)
     if spec.compile and not compiled_by_user:
         compile_model(model)
+    model.__dict__[CONVERTED_MARK] = spec.label
     return PrecisionPlan(
         mode,
         model,
@@ -319,6 +331,16 @@ def prepare(
             scheduler built on your optimizer would keep driving the old one.
     """
     found = non_fp32_weights(model) if isinstance(model, nn.Module) else None
+    converted = _converted_for(model)
+    if found is not None and converted is not None:
+        raise ValueError(
+            f"This model was already converted by autoprec for {converted} (apply() or "
+            f"prepare() ran on it; found {found}), and a converted model is not converted "
+            "again: model.float() would keep the first mode's hooks. Keep training with the plan "
+            "you have; to change mode, load your fp32 weights (or the converted model's "
+            "state_dict(), cast with .float()) into a freshly built model and apply the other "
+            "profile to that."
+        )
     if found is not None:
         raise ValueError(
             f"{spec.label} needs the model's weights in fp32: every mode starts from fp32 "

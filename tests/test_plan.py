@@ -305,6 +305,22 @@ def test_a_refused_prepare_leaves_the_model_as_it_was(
     assert plan.step(loss)
 
 
+def test_a_second_conversion_names_the_first_not_a_cast_to_fp32() -> None:
+    # the advice was "Pass it in fp32: model.float()", which stacks a second set of hooks
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = autoprec.prepare(
+            ModeSpec(mode="bf16_sr"), model, torch.optim.AdamW(model.parameters())
+        )
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    with pytest.raises(ValueError, match="already converted by autoprec for bf16_sr") as refused:
+        autoprec.prepare(ModeSpec(mode="bf16_pure"), model, torch.optim.AdamW(model.parameters()))
+    assert "model.float()" not in str(refused.value).split("would keep")[1]
+    assert hooks == sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    assert plan.model is model and model[0].weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("clip", [0, -1.0, float("nan")])
 def test_a_step_refuses_a_clip_norm_that_is_not_positive(clip: float) -> None:
     """plan.step(clip_grad_norm=0) froze the model (and returned True); -1 stepped uphill; NaN
