@@ -53,9 +53,15 @@ def named_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Nam
     for index, group in enumerate(optimizer.param_groups):
         missing = [p for p in group["params"] if id(p) not in names]
         if missing:
+            shapes = ", ".join(str(tuple(p.shape)) for p in missing[:3])
             raise ValueError(
                 f"Optimizer group {index} holds {len(missing)} parameter(s) that are not in the "
-                "model; build the optimizer from model.parameters() (or named groups of them)."
+                f"model (shapes {shapes}{', ...' if len(missing) > 3 else ''}); build the "
+                "optimizer from model.parameters() (or named groups of them). A parameter "
+                "trained beside the model (a loss's learnable temperature or task weights) must "
+                "be part of it, so that every mode and every trial's copy has it: register it on "
+                "the model, or pass one module holding both (nn.ModuleDict({'model': model, "
+                "'loss': loss_module}))."
             )
         options = {key: value for key, value in group.items() if key != "params"}
         groups.append(NamedGroup(tuple(names[id(p)] for p in group["params"]), options))
