@@ -6,8 +6,9 @@ meets bf16 weights). A kept module handed such an input directly (an observation
 first in the model) would then compute in fp32 from bf16-rounded values: at a mean of 20 the
 rounding step is 0.125, at 2020 it is 8. The root's cast records each original here, by the
 bf16 tensor it made, for the length of the forward call; a kept module's fp32 island looks its
-inputs up and takes the originals. Anything computed from an input (a view, a sum) is a new
-tensor, not found, and cast up from bf16 as before.
+inputs up and takes the originals, or the same view of one (a slice, a column, a reshape).
+Anything computed from an input (a sum, a product) is a new tensor, not found, and cast up from
+bf16 as before.
 
 Every cast first asks whether the model still holds bf16 weights (:func:`holds_bf16`, by one
 parameter the mode cast, its ``witness``): a copy made fp32 again, as an fp32 weight average
@@ -101,14 +102,29 @@ class RootCast:
 
 
 def original_input(value: Any) -> Any:
-    """The fp32 original of a model input the root cast to bf16; anything else as it is."""
+    """The fp32 original of a model input the root cast to bf16, or the same view of it (a
+    slice, a column, a reshape of the input); anything else as it is."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.bfloat16:
         return value
+    base = value._base
     for call in reversed(_stack()):
         entry = call.originals.get(id(value))
         if entry is not None and entry[0] is value:
             return entry[1]
+        entry = None if base is None else call.originals.get(id(base))
+        if entry is not None and entry[0] is base:
+            return _same_view(value, *entry)
     return value
+
+
+def _same_view(view: torch.Tensor, low: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """``view`` of the bf16 cast ``low``, taken of the fp32 ``original`` instead: the same
+    elements when the cast kept the original's layout (``.to`` keeps a dense one); else the
+    bf16 view as it is."""
+    if low.shape != original.shape or low.stride() != original.stride():
+        return view
+    offset = original.storage_offset() + view.storage_offset() - low.storage_offset()
+    return original.as_strided(view.shape, view.stride(), offset)
 
 
 def in_narrow_call() -> bool:
