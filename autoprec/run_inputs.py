@@ -76,6 +76,33 @@ def preserved_rng() -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
+@contextlib.contextmanager
+def callers_blocks_lifted() -> Iterator[None]:
+    """Run tune/check as at the top level of a script, whatever block the caller is in: autocast
+    off and gradients on inside (restored after). Called inside ``torch.autocast`` the fp32
+    reference ran bf16 forwards and every mode was compared with bf16; under
+    ``torch.no_grad()`` the loss had no gradient (and amp_fp16 was called unsupported here).
+    ``torch.inference_mode()`` cannot be lifted (its tensors never take gradients): refused."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "autoprec trains the model, and it was called inside torch.inference_mode(), whose "
+            "tensors can never take gradients. Call tune()/check() outside that block."
+        )
+    blocked = [kind for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    cache = torch.is_autocast_cache_enabled()
+    with contextlib.ExitStack() as stack:
+        for device_type in blocked:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        if blocked:
+            # autocast clears its cache of weight casts only when the outermost block ends: under
+            # the caller's, an amp trial's forwards reused the weights' first casts every step
+            # (forward cost 4.1% where the same check at the top level reads 0.008%)
+            torch.set_autocast_cache_enabled(False)
+            stack.callback(torch.set_autocast_cache_enabled, cache)
+        stack.enter_context(torch.enable_grad())
+        yield
+
+
 def checked_model(model: Any, device: str | None, compile: bool | str) -> tuple[nn.Module, bool]:
     """(the module to run, whether every run trains compiled): the user's model unwrapped from
     ``torch.compile`` and checked, the device checked, ``compile`` resolved against it."""

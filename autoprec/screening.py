@@ -31,6 +31,7 @@ from autoprec.recipe import (
     default_optimizer,
 )
 from autoprec.run_inputs import (
+    callers_blocks_lifted,
     checked_keep_fp32,
     checked_model,
     preserved_rng,
@@ -282,7 +283,11 @@ def check(
         train_step=train_step,
     )
     start = clock()
-    with preserved_rng(), progress_callback(progress, on_event) as callback:
+    with (
+        preserved_rng(),
+        callers_blocks_lifted(),
+        progress_callback(progress, on_event) as callback,
+    ):
         events = EventSink(callback, started=start, budget_seconds=0.0, clock=clock)
         setup = screen_setup(
             model,

@@ -36,6 +36,7 @@ from autoprec.recipe import (
 )
 from autoprec.retiming import CONFIRM_STEPS, confirm_speed
 from autoprec.run_inputs import (
+    callers_blocks_lifted,
     check_budget,
     checked_keep_fp32,
     checked_model,
@@ -179,7 +180,11 @@ def tune(
     )
     start = clock()
     budget_seconds = float(budget_minutes) * 60
-    with preserved_rng(), progress_callback(progress, on_event) as callback:
+    with (
+        preserved_rng(),
+        callers_blocks_lifted(),
+        progress_callback(progress, on_event) as callback,
+    ):
         setup = setup_run(
             model,
             loader,

@@ -197,6 +197,26 @@ def test_tf32_is_switched_on_only_inside_the_plan() -> None:
         assert matmul.fp32_precision == "ieee"  # the reference really is fp32
 
 
+def test_the_fp32_reference_is_fp32_on_the_cpu_under_medium_matmul_precision() -> None:
+    # set_float32_matmul_precision("medium") (common in Lightning scripts) sets oneDNN's fp32
+    # matmuls to bf16 on CPUs with bf16 units: the "fp32" reference ran bf16 matmuls there
+    model = _model()
+    plan = autoprec.prepare(ModeSpec(mode="fp32"), model, torch.optim.AdamW(model.parameters()))
+    cpu = (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+    backends = (*cpu, torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends)
+    before = [backend.fp32_precision for backend in backends]
+    torch.set_float32_matmul_precision("medium")
+    try:
+        settings = tuple(backend.fp32_precision for backend in cpu)
+        assert settings[0] == "bf16"
+        with plan.autocast():
+            assert all(backend.fp32_precision == "ieee" for backend in cpu)
+        assert tuple(backend.fp32_precision for backend in cpu) == settings
+    finally:  # exactly as before ("none" reads the global default, "ieee" does not)
+        for backend, value in zip(backends, before, strict=True):
+            backend.fp32_precision = value
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -72,6 +72,27 @@ def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     assert f"bf16_sr{' ' * 35} safe (forward cost {cost:+.2%})" in report.summary()
 
 
+@pytest.mark.parametrize("block", ["autocast", "no_grad"])
+def test_check_inside_a_callers_block_runs_as_at_the_top_level(block: str) -> None:
+    """Inside the caller's bf16 autocast the fp32 reference ran bf16 forwards (the verdict
+    compared bf16 with bf16); under no_grad amp_fp16 was "unsupported here" and the loss had no
+    gradient."""
+    task = tasks.regression(lr=1e-3)
+    options = {"loss_fn": task.mse, "steps": 8, "modes": ["amp_bf16", "amp_fp16"]}
+    plain = autoprec.check(task.model, task.batches + task.heldout, **options)
+    blocked = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if block == "autocast" else torch.no_grad()
+    )
+    with blocked:
+        inside = autoprec.check(task.model, task.batches + task.heldout, **options)
+        assert torch.is_autocast_enabled("cpu") is (block == "autocast")
+        assert torch.is_grad_enabled() is (block != "no_grad")
+    for label in ("amp_bf16", "amp_fp16"):
+        assert inside.verdict(label).drift == plain.verdict(label).drift
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"inside torch\.inference_mode"):
+        autoprec.check(task.model, task.batches + task.heldout, **options)
+
+
 def test_check_by_default_lists_what_it_cannot_run_here() -> None:
     task = tasks.regression(lr=1e-3)
     report = autoprec.check(

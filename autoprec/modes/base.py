@@ -32,15 +32,24 @@ __all__ = ["PrecisionMode", "override"]
 
 @contextlib.contextmanager
 def float32_matmul_precision(tf32: bool) -> Iterator[None]:
-    """Allow (or forbid) TF32 for fp32 matmuls and convolutions inside the block only."""
+    """Allow (or forbid) TF32 for fp32 matmuls and convolutions inside the block only; on the
+    CPU (oneDNN) fp32 stays fp32 either way. ``torch.set_float32_matmul_precision("medium")``
+    sets oneDNN's fp32 matmuls to bf16 where the CPU has bf16 units (AMX, avx512_bf16): left
+    alone, the fp32 reference ran bf16 matmuls (0.166 off exact fp32 on a 64x256 @ 256x256)."""
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        cpu = (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
         saved = (matmul.fp32_precision, conv.fp32_precision)
+        saved_cpu = tuple(backend.fp32_precision for backend in cpu)
         matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
+        for backend in cpu:
+            backend.fp32_precision = "ieee"
         try:
             yield
         finally:
             matmul.fp32_precision, conv.fp32_precision = saved
+            for backend, value in zip(cpu, saved_cpu, strict=True):
+                backend.fp32_precision = value
     else:  # pragma: no cover - older torch
         saved = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
