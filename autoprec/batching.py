@@ -165,12 +165,14 @@ def count_tokens(batch: Any) -> int | None:
 
 
 def _loss_from_output(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
+    """The loss the model returned: itself when one number, its ``.loss`` or ``["loss"]``
+    (refused, with its shape, when not one number)."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
         return output
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
-    return loss if isinstance(loss, torch.Tensor) else None
+    return _scalar(loss, "the model's output .loss") if isinstance(loss, torch.Tensor) else None
 
 
 def prediction(output: Any) -> torch.Tensor | None:

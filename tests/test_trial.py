@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import traceback
+import types
 
 import pytest
 import torch
@@ -928,3 +930,45 @@ def test_a_loss_that_is_not_one_number_is_the_users_not_autoprecs() -> None:
     with pytest.raises(ValueError, match="not a scalar loss"):  # still a ValueError
         _scalar(3, "loss_fn(output, batch)")
     assert issubclass(LossError, autoprec.AutoprecError)
+
+
+@pytest.mark.parametrize(
+    ("returned", "found"),
+    [
+        ({"loss": torch.ones(4)}, "shape (4,)"),
+        (types.SimpleNamespace(loss=torch.ones(2, 2)), "shape (2, 2)"),
+    ],
+)
+def test_a_loss_the_model_returns_that_is_not_one_number_is_refused(
+    returned: object, found: str
+) -> None:
+    """A model returning {"loss": per-sample losses} failed inside autoprec ("shape '[]' is
+    invalid for input of size 4 ... please report it"); a loss of shape (1,) returned by the
+    model was refused while loss_fn's was taken."""
+    from autoprec.batching import forward_and_loss
+    from autoprec.errors import LossError
+
+    class Returns(nn.Module):
+        def __init__(self, output: object) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(1))
+            self.output = output
+
+        def forward(self, *inputs: torch.Tensor) -> object:
+            return self.output
+
+    plan = autoprec.prepare(
+        ModeSpec(mode="fp32"),
+        (model := Returns(returned)),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    with pytest.raises(
+        LossError, match=rf"the model's output \.loss returned a tensor of {re.escape(found)}"
+    ):
+        forward_and_loss(plan, (torch.ones(4, 2), torch.ones(4)), None)
+    single = Returns(torch.ones(1) * 2)
+    plan = autoprec.prepare(
+        ModeSpec(mode="fp32"), single, torch.optim.SGD(single.parameters(), lr=0.1)
+    )
+    loss, _ = forward_and_loss(plan, (torch.ones(4, 2), torch.ones(4)), None)
+    assert float(loss) == 2.0
