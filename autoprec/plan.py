@@ -40,7 +40,8 @@ with that name, not with advice to cast it back to fp32)."""
 def _converted_for(model: Any) -> str | None:
     if not isinstance(model, nn.Module):
         return None
-    return vars(inside_compile_wrapper(model) or model).get(CONVERTED_MARK)
+    inner = inside_compile_wrapper(model)  # explicit: an empty nn.Sequential is falsy
+    return vars(model if inner is None else inner).get(CONVERTED_MARK)
 
 
 def check_step_settings(grad_accumulation_steps: Any, clip_grad_norm: Any) -> None:

@@ -223,7 +223,8 @@ class Profile(BaseModel):
         """Warn (or with ``strict``, refuse) when ``model`` is not the one the profile was
         proven for: another class or size, or ``keep_fp32`` patterns that match no module.
         A ``torch.compile(model)`` wrapper is checked by the model inside it, as tune saw it."""
-        model = inside_compile_wrapper(model) or model
+        inner = inside_compile_wrapper(model)  # explicit: an empty nn.Sequential is falsy
+        model = model if inner is None else inner
         differences = []
         if self.model is not None:
             differences = self.model.differences(ModelFingerprint.from_layers(scan_model(model)))
