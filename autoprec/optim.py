@@ -189,12 +189,13 @@ def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarge
     return None
 
 
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults that its constructor accepts (some defaults are internal)."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
+def _accepted_by(constructor: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` that ``constructor`` takes as keywords (some defaults are internal; a
+    group's options may name what only groups hold, as bitsandbytes SGD's ``betas``)."""
+    accepted = inspect.signature(constructor).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+        return {k: v for k, v in options.items() if k != "params"}
+    return {k: v for k, v in options.items() if k in accepted and k != "params"}
 
 
 def rebuild_optimizer(
@@ -228,13 +229,13 @@ def rebuild_optimizer(
             for group in groups
         ]
         return _with_step_hooks_of(
-            optimizer, type(optimizer)(new_groups, **_constructor_defaults(optimizer))
+            optimizer,
+            type(optimizer)(new_groups, **_accepted_by(type(optimizer), optimizer.defaults)),
         )
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
-    accepted = inspect.signature(constructor.__init__).parameters
-    defaults = {k: v for k, v in first.items() if k in accepted}  # SGD8bit takes no betas
+    defaults = _accepted_by(constructor, first)  # SGD8bit takes no betas, optimi no beta1
     if "beta1" in first:  # torch-optimi: constructor takes betas, groups hold beta1/beta2
         defaults["betas"] = (first["beta1"], first["beta2"])
     new_groups = [
