@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
-import random
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -19,6 +18,7 @@ from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
 from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
 from autoprec.outcomes import OBJECTIVES
+from autoprec.random_streams import kept_streams
 from autoprec.specs import matches_keep_fp32
 from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
 
@@ -58,22 +58,9 @@ def collect_batches(loader: Iterable[Any]) -> list[Any]:
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
     """Leave the global RNGs (torch CPU and CUDA, Python's random, NumPy's) as they were."""
-    python_state = random.getstate()
-    numpy_state = None
-    try:
-        import numpy
-
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy ships with torch
-        numpy = None  # type: ignore[assignment]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)
+    with kept_streams(cuda):
+        yield
 
 
 @contextlib.contextmanager

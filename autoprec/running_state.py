@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from autoprec.layer_flops import call_model
+from autoprec.random_streams import kept_streams
 from autoprec.weight_dtypes import is_floating, same_values
 
 
@@ -105,7 +106,7 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     try:
         # the probe's own pass: what it warns of is not the user's training (a checkpointed
         # layer run without gradients warns that none of its inputs requires grad)
-        with torch.random.fork_rng(devices=cuda), torch.no_grad(), warnings.catch_warnings():
+        with kept_streams(cuda), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.train()
             call_model(model, example_input)

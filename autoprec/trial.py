@@ -21,6 +21,7 @@ from torch import nn
 from autoprec.eligibility import Situation, model_device
 from autoprec.model_copies import deep_copy
 from autoprec.plan import PrecisionPlan, build_plan
+from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial_failures import failure_of, is_oom
@@ -42,8 +43,6 @@ from autoprec.trial_measures import (
     memory_peak,
     outside_state,
     parameter_group_indices,
-    replayed_rng,
-    rng_states,
     sample_indices,
     sampled_weights,
     state_bytes,
@@ -169,15 +168,14 @@ def _train_legs(
     result.parameter_groups = parameter_group_indices(plan)
     result.leg_weights.append(sampled_weights(plan, result.sample_indices))
     result.outside_state.append(outside_state(plan.model))
-    before = rng_states(device)
+    before = stream_states(device)
     run.failure, run.stopped = train_in_windows(
         loop, result, run.points, inputs.legs, inputs.warmup_steps, inputs.window_steps, inputs.stop
     )
     result.outside_state.append(outside_state(plan.model))
     if inputs.spec.compile:  # the held-out pass (eval mode, no grad) compiles graphs of its own
         loop.figures["graphs_after_training"] = compiled_graph_count()
-    after = rng_states(device)
-    run.draws_random = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    run.draws_random = drew_between(before, stream_states(device))
     # the peak before the held-out pass and eval_fn, which are not the mode's
     loop.figures["peak"] = memory_peak(device, baseline, loop.figures["rss"])
     if run.failure is None and not all(
@@ -206,9 +204,9 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         settle(loop, inputs.device)
         _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
-            drawn = rng_states(inputs.device)  # a loss that draws noise draws it alike twice
+            drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
-            with replayed_rng(inputs.device, drawn):
+            with replayed_streams(inputs.device, drawn):
                 loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, plan)
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
@@ -294,9 +292,7 @@ def run_trial(
     if spec.compile:
         torch.compiler.reset()  # compile from scratch, as a fresh training process does
         graphs_before = compiled_graph_count()
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), autocast_state_kept(device):
-        torch.manual_seed(seed)
+    with seeded_streams(device, seed), autocast_state_kept(device):
         run = _train_copy(inputs, result, baseline)
     if "peak" not in run.figures:  # failed or stopped before the end: the peak so far
         run.figures["peak"] = memory_peak(device, baseline, run.figures.get("rss", []))

@@ -22,6 +22,7 @@ from autoprec.batching import (
     to_device,
 )
 from autoprec.plan import PrecisionPlan
+from autoprec.random_streams import cuda_devices_of, kept_streams
 from autoprec.recipe import LrPoint, TrainingRecipe, set_group_momentum
 from autoprec.trial_failures import EvalFnError, first_line
 from autoprec.trial_measures import (
@@ -279,7 +280,7 @@ def settle(loop: TrainingLoop, device: torch.device) -> None:
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
         return loss / recipe.grad_accumulation_steps
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with kept_streams(cuda_devices_of(device)):
         plan.mode.settle(compute_loss, plan.model)
 
 

@@ -265,26 +265,6 @@ def autocast_state_kept(device: torch.device) -> Iterator[None]:
         torch.set_autocast_dtype(kind, dtype)
 
 
-def rng_states(device: torch.device) -> list[torch.Tensor]:
-    """The global random streams a model's forward pass draws from on ``device``."""
-    states = [torch.random.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-@contextlib.contextmanager
-def replayed_rng(device: torch.device, states: list[torch.Tensor]) -> Iterator[None]:
-    """Run a block from the random streams ``states`` (as :func:`rng_states` took them), the
-    streams outside it left as they were: a second pass draws what the first drew."""
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.random.set_rng_state(states[0])
-        if cuda:
-            torch.cuda.set_rng_state(states[1], device)
-        yield
-
-
 class WindowClock:
     """Times a window of steps. On a GPU: CUDA events recorded on the device's current stream,
     waited for once, at the window's end. On a CPU, where ops run as they are called: the host

@@ -6,6 +6,7 @@ import re
 import traceback
 import types
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -830,6 +831,39 @@ class _Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.weight
+
+
+@pytest.mark.parametrize("stream", ["numpy", "python"])
+def test_a_train_step_drawing_from_numpy_or_python_draws_alike_in_every_trial(stream: str) -> None:
+    # a train_step that draws its noise or augmentation from NumPy's or Python's global stream
+    # must draw what the reference drew; whatever the caller drew between runs changes nothing
+    task = tasks.regression(lr=1e-2)
+    draw = {"numpy": lambda: float(numpy.random.rand()), "python": random.random}[stream]
+    draws: list[list[float]] = []
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        draws[-1].append(draw())
+        return task.mse(plan.model(batch[0]) * (1 + 0.1 * draws[-1][-1]), batch[1])
+
+    records = []
+    for _ in range(2):
+        draws.append([])
+        draw()  # the caller's own draws between tune() calls move the global stream
+        numpy_before, python_before = numpy.random.get_state(), random.getstate()
+        records.append(
+            run_trial(
+                ModeSpec(mode="fp32"),
+                task.model,
+                task.batches,
+                recipe=TrainingRecipe(optimizer=task.optimizer, train_step=step),
+                steps=6,
+            ).record
+        )
+        assert numpy.array_equal(numpy.random.get_state()[1], numpy_before[1])
+        assert random.getstate() == python_before  # the caller's streams are kept
+    assert draws[0] == draws[1] and len(draws[0]) == 6
+    assert records[0].losses == records[1].losses
+    assert records[0].draws_random
 
 
 def test_the_fp32_read_draws_the_noise_the_modes_held_out_pass_drew() -> None:
