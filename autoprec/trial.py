@@ -24,7 +24,7 @@ from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
-from autoprec.trial_failures import failure_of, is_oom
+from autoprec.trial_failures import StopCheckRaised, failure_of, is_oom
 from autoprec.trial_loop import (
     TrainingLoop,
     heldout_pass,
@@ -210,6 +210,8 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
                 loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, plan)
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
+    except StopCheckRaised as raised:  # the caller's own callback failed: it stops the run
+        raise raised.error from None
     except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
         run.failure = failure_of(error, loop.current_step if loop is not None else None)
     finally:
@@ -256,7 +258,8 @@ def run_trial(
         window_steps: steps per timed window (default: :func:`window_steps_for`). Speed
             figures are medians over windows; nothing is read back to the host inside one.
         shuffle_seed: train on the batches in a seeded random order (the noise reference).
-        stop: called after every step; a returned reason ends the trial early (not judged).
+        stop: called after every step; a returned reason ends the trial early (not judged)
+            What it raises propagates as it is (the caller's code, not the mode's failure).
     """
     if not batches:
         raise ValueError("batches is empty: a trial needs at least one batch.")

@@ -17,6 +17,16 @@ class EvalFnError(Exception):
     """The user's ``eval_fn`` raised on a trained copy (the message names its error)."""
 
 
+class StopCheckRaised(Exception):
+    """The trial's stop check raised ``error``: the caller's own code (a progress callback,
+    ``tune(on_event=...)``) failed, not the trial. The trial re-raises ``error`` as it is,
+    never records it as the mode's failure."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def is_oom(error: BaseException) -> bool:
     """Out of memory: CUDA's allocator, the host's, or a RuntimeError that says so."""
     if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):

@@ -24,7 +24,7 @@ from autoprec.batching import (
 from autoprec.plan import PrecisionPlan
 from autoprec.random_streams import cuda_devices_of, kept_streams
 from autoprec.recipe import LrPoint, TrainingRecipe, set_group_momentum
-from autoprec.trial_failures import EvalFnError, first_line
+from autoprec.trial_failures import EvalFnError, StopCheckRaised, first_line
 from autoprec.trial_measures import (
     SavedForBackward,
     WindowClock,
@@ -346,7 +346,10 @@ def train_in_windows(
             if failure is not None:
                 return failure, None
             if stop is not None:
-                reason = stop(loop.progress(step - 1, total))
+                try:
+                    reason = stop(loop.progress(step - 1, total))
+                except Exception as error:  # the caller's callback: not the mode's failure
+                    raise StopCheckRaised(error) from error
                 if reason is not None:
                     return None, reason
         result.leg_weights.append(sampled_weights(loop.plan, result.sample_indices))

@@ -687,3 +687,27 @@ def test_the_budget_a_too_small_budget_asks_for_is_enough(monkeypatch: pytest.Mo
     overhead = calibration - run_setup.CALIBRATION_STEPS * step
     left = (asked * 60 - calibration - 4 * overhead) * (1 - run_setup.BUDGET_RESERVE)
     assert left >= 4 * run_setup.MIN_TRIAL_STEPS * step * 1.5  # the old advice left 26 s of 60
+
+
+class _CallbackStop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("run", ["tune", "check"])
+@pytest.mark.parametrize("phase", ["reference", "trial"])
+def test_an_on_event_error_in_a_step_event_stops_the_run(run: str, phase: str) -> None:
+    # an exception raised by on_event on a "step" event (a progress callback's own bug, or a
+    # deliberate stop) was swallowed as a failed fp32 reference or a failed trial
+    task = tasks.regression(lr=1e-2)
+
+    def on_event(event: SearchEvent) -> None:
+        in_trial = event.in_search
+        if event.kind == "step" and in_trial == (phase == "trial"):
+            raise _CallbackStop(f"{event.label} at step {event.step}")
+
+    kwargs = {"loss_fn": task.mse, "optimizer": task.optimizer, "on_event": on_event}
+    with pytest.raises(_CallbackStop):
+        if run == "tune":
+            tune(task.model, _loader(task), budget_minutes=0.3, modes=["amp_bf16"], **kwargs)
+        else:
+            autoprec.check(task.model, _loader(task), steps=20, modes=["amp_bf16"], **kwargs)
