@@ -237,10 +237,34 @@ def optuna_storage(storage: str | None) -> Any:
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+DEFAULT_STUDY_NAME = "autoprec"
+"""The study a storage given without a study name holds (when it holds no other)."""
+
+
+class StudyNameNeeded(ValueError):
+    """A storage holds several studies and no name says which one to resume."""
+
+
+def _default_study_name(names: list[str], storage: str) -> str:
+    """The study to resume in ``storage`` (holding the studies ``names``) when no name was
+    given: its only study, else :data:`DEFAULT_STUDY_NAME`. Optuna would name a new study at
+    random on every call, so a run given only a storage could never resume."""
+    if len(names) == 1:
+        return names[0]
+    if not names or DEFAULT_STUDY_NAME in names:
+        return DEFAULT_STUDY_NAME
+    raise StudyNameNeeded(
+        f"The study storage {storage!r} holds {len(names)} studies ({', '.join(names)}) and no "
+        "study name was given: pass study_name= (CLI: --study NAME) to say which to resume, "
+        "or a new name to start another."
+    )
+
+
 def create_study(storage: str | None, study_name: str | None) -> Any:
     """A two-objective study (samples/s up, memory down), new or resumed, in ``storage`` (see
     :func:`optuna_storage`). The folder of an ``sqlite:///PATH`` or journal file is created
-    when missing."""
+    when missing. Without ``study_name`` a storage's study is found by
+    :func:`_default_study_name`, so the same call resumes it."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -248,8 +272,12 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
         file = None if storage is None else sqlite_file(storage)
         if file is not None:
             file.parent.mkdir(parents=True, exist_ok=True)
+        opened = optuna_storage(storage)
+        if storage is not None and study_name is None:
+            names = optuna.get_all_study_names(storage=opened)
+            study_name = _default_study_name(names, storage)
         return optuna.create_study(
-            storage=optuna_storage(storage),
+            storage=opened,
             study_name=study_name,
             load_if_exists=storage is not None,
             directions=["maximize", "minimize"],
@@ -257,6 +285,8 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
             # plain one, because BruteForceSampler calls study.stop(), which ask/tell forbids.
             sampler=optuna.samplers.RandomSampler(seed=0),
         )
+    except StudyNameNeeded:
+        raise
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(

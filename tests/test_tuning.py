@@ -711,3 +711,48 @@ def test_an_on_event_error_in_a_step_event_stops_the_run(run: str, phase: str) -
             tune(task.model, _loader(task), budget_minutes=0.3, modes=["amp_bf16"], **kwargs)
         else:
             autoprec.check(task.model, _loader(task), steps=20, modes=["amp_bf16"], **kwargs)
+
+
+def test_a_storage_without_a_study_name_resumes_its_study(tmp_path: Path) -> None:
+    # Optuna names a study at random when no name is given: a run given only a storage
+    # started a new study on every call and never resumed
+    model, _ = tiny_gpt.make_small_model()
+    batches = tiny_gpt.make_small_batches()
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    done: list[str] = []
+
+    def interrupt_after_one(event: SearchEvent) -> None:
+        if event.kind == "done":
+            done.append(event.label)
+            raise KeyboardInterrupt
+
+    modes = ["amp_bf16", "bf16_sr"]
+    with pytest.raises(KeyboardInterrupt):
+        tune(
+            model,
+            batches,
+            budget_minutes=1,
+            storage=storage,
+            modes=modes,
+            on_event=interrupt_after_one,
+        )
+    events: list[SearchEvent] = []
+    result = tune(
+        model, batches, budget_minutes=1, storage=storage, modes=modes, on_event=events.append
+    )
+    assert result.budget.reference_reused
+    assert {e.label: e.kind for e in events if e.kind != "start"}[done[0]] == "skip"
+    import optuna
+
+    assert optuna.get_all_study_names(storage=storage) == ["autoprec"]
+
+
+def test_a_storage_of_several_studies_asks_which_to_resume(tmp_path: Path) -> None:
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    for name in ("run-a", "run-b"):
+        optuna.create_study(storage=storage, study_name=name)
+    task = tasks.regression(lr=1e-2)
+    with pytest.raises(ValueError, match=r"holds 2 studies \(run-a, run-b\).*study_name="):
+        tune(task.model, _loader(task), budget_minutes=0.3, loss_fn=task.mse, storage=storage)
