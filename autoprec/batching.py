@@ -1,21 +1,24 @@
 """Batches in, loss and outputs out: the conventions a trial uses to run any model.
 
 Batches may be tensors, tuples/lists, dicts or other mappings (a Hugging Face collator's
-``BatchEncoding``); nested structures are moved to the device as a whole. The loss comes from,
+``BatchEncoding``), and dataclass instances (for a ``train_step``); nested structures are moved
+to the device as a whole. The loss comes from,
 in order: a custom ``train_step(plan, batch) -> loss``; a ``loss_fn``; or the model's own
 output when it is a scalar, has ``.loss`` or a ``"loss"`` key.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autoprec.errors import LossError
-from autoprec.layer_flops import call_model
+from autoprec.errors import BatchError, LossError
+from autoprec.layer_flops import ModelCall, call_model
 from autoprec.plan import PrecisionPlan
 from autoprec.weight_dtypes import same_values
 
@@ -32,6 +35,27 @@ def _foreign_mapping(value: Any) -> bool:
     return isinstance(value, Mapping) and not isinstance(value, dict)
 
 
+def _dataclass_instance(value: Any) -> bool:
+    """A dataclass instance (a batch a ``train_step`` reads as ``batch.x``): pytree would
+    leave it one opaque leaf."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _opaque(value: Any) -> bool:
+    return _foreign_mapping(value) or _dataclass_instance(value)
+
+
+def _rebuilt_dataclass(original: Any, values: dict[str, Any], keep_types: bool) -> Any:
+    """A shallow copy of the dataclass ``original`` holding ``values`` in its fields (frozen
+    ones too), or the plain dict of them (``keep_types=False``)."""
+    if not keep_types:
+        return values
+    rebuilt = copy.copy(original)
+    for name, value in values.items():
+        object.__setattr__(rebuilt, name, value)
+    return rebuilt
+
+
 def _rebuilt(original: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
     """``values`` in the mapping type of ``original`` where its class takes a dict
     (``BatchEncoding``, ``UserDict``), else a plain dict."""
@@ -45,8 +69,9 @@ def map_tensors(
     function: Callable[[torch.Tensor], Any], batch: Any, *, keep_types: bool = True
 ) -> Any:
     """``batch`` with ``function`` applied to every tensor in it, through tuples, lists,
-    dicts and any other mapping (a Hugging Face collator's ``BatchEncoding``), each kept in
-    its own type (``keep_types=False``: such mappings become dicts)."""
+    dicts, any other mapping (a Hugging Face collator's ``BatchEncoding``) and dataclass
+    instances, each kept in its own type (``keep_types=False``: such mappings and dataclasses
+    become dicts)."""
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -57,9 +82,15 @@ def map_tensors(
                 for key, item in value.items()
             }
             return _rebuilt(value, mapped) if keep_types else mapped
+        if _dataclass_instance(value):
+            fields = {
+                field.name: map_tensors(function, getattr(value, field.name), keep_types=keep_types)
+                for field in dataclasses.fields(value)
+            }
+            return _rebuilt_dataclass(value, fields, keep_types)
         return value
 
-    return tree_map(visit, batch, is_leaf=_foreign_mapping)
+    return tree_map(visit, batch, is_leaf=_opaque)
 
 
 def as_plain(batch: Any) -> Any:
@@ -149,9 +180,11 @@ def count_samples(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor."""
     tensors = [t for t in _tensors(batch) if t.dim() > 0]
     if not tensors:
-        raise ValueError(
-            f"A batch must contain at least one tensor with a batch dimension; got "
-            f"{type(batch).__name__}."
+        raise BatchError(
+            f"A batch must contain at least one tensor with a batch dimension, inside "
+            f"tuples, lists, mappings or dataclasses (samples/s is counted from the first); "
+            f"found none in a {type(batch).__name__}. Make the loader yield one of those, "
+            "e.g. a dict of tensors (a train_step reads it as batch['x'])."
         )
     return int(tensors[0].shape[0])
 
@@ -241,3 +274,31 @@ def forward_and_loss(
             '["loss"].'
         )
     return loss, output
+
+
+class _CallCaught(Exception):
+    """Stops a ``train_step`` at its first call of the model (see :func:`first_model_call`)."""
+
+
+def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> ModelCall | None:
+    """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with, caught before
+    the forward runs (nothing is computed or trained): how the model is called, for the probe's
+    scan. None when it raises first or never calls ``plan.model`` itself (then the scan runs
+    without a forward, and the fp32 calibration reports the error)."""
+    calls: list[ModelCall] = []
+
+    def catch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.append(ModelCall(tuple(args), dict(kwargs)))
+        raise _CallCaught
+
+    handle = plan.model.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            train_step(plan, batch)
+    except _CallCaught:
+        pass
+    except Exception:  # noqa: BLE001 - the calibration's fp32 steps report train_step's errors
+        return None
+    finally:
+        handle.remove()
+    return calls[0] if calls else None

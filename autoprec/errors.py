@@ -38,6 +38,10 @@ class LossError(AutoprecError, ValueError):
     that is not one number (a tensor of shape (8, 4), a tuple, an int)."""
 
 
+class BatchError(AutoprecError, ValueError):
+    """A batch autoprec cannot read (no tensor with a batch dimension in it)."""
+
+
 class ProfileError(AutoprecError):
     """A profile file is unreadable, invalid, or from a newer schema version."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,8 +112,20 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None  # tensor subclasses without storage
 
 
+@dataclass(frozen=True)
+class ModelCall:
+    """The positional and keyword arguments of one call of a model (what a ``train_step``
+    passed it), for a scan's forward to call it the same way."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def call_model(model: nn.Module, example_input: Any) -> Any:
-    """``model(**mapping)``, ``model(*sequence)`` or ``model(tensor)``."""
+    """``model(**mapping)``, ``model(*sequence)``, ``model(tensor)``, or a :class:`ModelCall`'s
+    ``model(*args, **kwargs)``."""
+    if isinstance(example_input, ModelCall):
+        return model(*example_input.args, **example_input.kwargs)
     if isinstance(example_input, Mapping):
         return model(**example_input)
     if isinstance(example_input, tuple | list):

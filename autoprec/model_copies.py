@@ -103,3 +103,34 @@ def deep_copy(model: nn.Module) -> nn.Module:
             "locks, files, open connections and loggers out of the model's attributes (create "
             "them outside it, or define __deepcopy__)."
         ) from error
+
+
+class GradientWatch:
+    """The ``.grad`` of every parameter of the user's model, kept to tell afterwards whether
+    a run that trains a copy put gradients on the original (a ``train_step`` or ``loss_fn``
+    calling the model it closes over instead of ``plan.model``), and to put them back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.grads = {
+            name: (p.grad, None if p.grad is None else p.grad.detach().clone())
+            for name, p in model.named_parameters()
+        }
+
+    def changed(self) -> list[str]:
+        """Names of the parameters whose gradient is not what it was."""
+        names = []
+        for name, p in self.model.named_parameters():
+            grad, values = self.grads.get(name, (None, None))
+            if p.grad is not grad or (values is not None and not torch.equal(p.grad, values)):
+                names.append(name)
+        return names
+
+    def restore(self) -> None:
+        for name, p in self.model.named_parameters():
+            grad, values = self.grads.get(name, (None, None))
+            if values is not None:
+                assert grad is not None
+                with torch.no_grad():
+                    grad.copy_(values)
+            p.grad = grad

@@ -65,6 +65,25 @@ def qualified_name(value: Any) -> str | None:
     return f"{module}:{qualname}"
 
 
+def refuse_wrong_arity(name: str, function: Callable[..., Any], form: str, arguments: int) -> None:
+    """Refuse ``function`` (the user's ``name``, called as ``form``) when it cannot be called
+    with ``arguments`` positional arguments: found here, with its signature, rather than as a
+    TypeError inside the first training step. Callables without a readable signature (C
+    functions) pass."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*([None] * arguments))
+    except TypeError as error:
+        shown = qualified_name(function) or type(function).__name__
+        raise TypeError(
+            f"{name} is called as {form}, but {shown}{signature} cannot take that "
+            f"({error}). Change its parameters to fit."
+        ) from None
+
+
 def group_momenta(optimizer: torch.optim.Optimizer) -> tuple[float, ...] | None:
     """Each group's momentum: β1 (``betas[0]``, or torch-optimi's ``beta1``) or SGD's
     ``momentum``; None when a group has neither."""
@@ -272,6 +291,8 @@ class TrainingRecipe:
         ):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be a function {form}, not {type(value).__name__}.")
+            if value is not None:
+                refuse_wrong_arity(name, value, form, 2)
         if self.loss_fn is not None and self.train_step is not None:
             raise ValueError("Pass loss_fn or train_step, not both: train_step computes the loss.")
 

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.batching import FreshBatches, LossFn, WatchedBatches, fresh_copy, to_device
+from autoprec.batching import (
+    FreshBatches,
+    LossFn,
+    WatchedBatches,
+    first_model_call,
+    fresh_copy,
+    to_device,
+)
 from autoprec.candidates import (
     EIGHT_BIT_SUFFIX,
     CandidateList,
@@ -26,11 +33,12 @@ from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
-from autoprec.model_copies import deep_copy
+from autoprec.model_copies import GradientWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
+from autoprec.plan import build_plan
 from autoprec.probing import ProbeReport, probe
-from autoprec.recipe import LrPoint, TrainingRecipe
+from autoprec.recipe import LrPoint, TrainingRecipe, refuse_wrong_arity
 from autoprec.run_inputs import check_seed, collect_batches
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
@@ -50,10 +58,29 @@ BUDGET_RESERVE = 0.08
 
 
 def _example_input(batch: Any, loss_fn: LossFn | None) -> Any:
+    """What training calls the model with (``forward_and_loss``): with ``loss_fn``, a tuple
+    batch's inputs before its target as positional arguments (``((a, b), y)`` calls
+    ``model((a, b))``), else the batch as it is."""
     if loss_fn is not None and isinstance(batch, tuple | list) and len(batch) >= 2:
-        inputs = tuple(batch[:-1])
-        return inputs[0] if len(inputs) == 1 else inputs
+        return tuple(batch[:-1])
     return batch
+
+
+def _scanned_copy(
+    trial_model: nn.Module, batch: Any, recipe: TrainingRecipe
+) -> tuple[nn.Module, Any]:
+    """(a copy of the model for the probe's scan, the input training calls the model with:
+    None when unknown). The scan's forward never runs on the model the trials copy (your own
+    where no device is given): a forward's side effects (a counter, a cache, a lazy module's
+    first shapes) stay out of it. Under ``train_step`` the input is what it passes
+    ``plan.model`` (caught before the forward runs)."""
+    scanned = deep_copy(trial_model)
+    batch = to_device(fresh_copy(batch), model_device(trial_model))  # the scan may change it
+    if recipe.train_step is None:
+        return scanned, _example_input(batch, recipe.loss_fn)
+    never_stepped = torch.optim.SGD(scanned.parameters(), lr=0.0)
+    plan = build_plan(ModeSpec(mode="fp32"), scanned, never_stepped)
+    return scanned, first_model_call(recipe.train_step, plan, batch)
 
 
 def _reference_hint(message: str, setup: RunSetup) -> str:
@@ -139,6 +166,18 @@ def _reference_still(result: TrialResult) -> ValueError:
         f"The fp32 reference did not change any weight in {result.record.steps_run} steps "
         f"({lrs}): the loss does not reach the trainable parameters (no gradients), or the "
         "optimizer does not move them. Nothing can be judged against a run that does not train."
+    )
+
+
+def _trained_the_users_model(names: list[str], setup: RunSetup) -> ValueError:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    source = "train_step" if setup.recipe.train_step is not None else "loss_fn"
+    use = "plan.model" if source == "train_step" else "the output it is given"
+    return ValueError(
+        f"Training the fp32 reference put gradients on your own model's parameters ({shown}): "
+        f"your {source} calls the model it closes over, not the copy each run trains, so "
+        f"no run would measure its mode. Use {use} in {source}. Your model's gradients were "
+        "put back as they were."
     )
 
 
@@ -269,17 +308,15 @@ def setup_run(
         raise TypeError(
             f"eval_fn must be a function eval_fn(model) -> float, not {type(eval_fn).__name__}."
         )
+    if eval_fn is not None:
+        refuse_wrong_arity("eval_fn", eval_fn, "eval_fn(model) -> float", 1)
     check_seed(shared.get("seed", 0))
     batches = collect_batches(loader)
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
     lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
     trial_model = model if device is None else deep_copy(model).to(device)
-    example = None
-    if recipe.train_step is None:
-        example = _example_input(fresh_copy(train[0]), recipe.loss_fn)  # the scan may change it
-        example = to_device(example, model_device(trial_model))
-    report = probe(trial_model, example)
+    report = probe(*_scanned_copy(trial_model, train[0], recipe))
     situation = Situation(
         hardware=report.hardware,
         device=report.device,
@@ -309,19 +346,26 @@ def setup_run(
 
 def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     """A few fp32 steps on copies of the batches: they check the inputs (the batches fit, the
-    loss has gradients, whether training changes its batches in place: then
-    ``setup.fresh_batches``) and time a step. Returns (fp32 seconds per optimizer step,
+    loss has gradients, ``eval_fn`` runs on the trained copy, whether training changes its
+    batches in place: then ``setup.fresh_batches``) and time a step (``eval_fn``'s time counts
+    in the overhead every run pays). Returns (fp32 seconds per optimizer step,
     seconds taken, whether training drew random numbers: then a paired noise run is
     needed)."""
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
     watched = WatchedBatches(setup.train)  # copies: the user's batches stay as they are
+    gradients = GradientWatch(setup.user_model)
     calibration = setup.run(
         setup.reference_spec,
         CALIBRATION_STEPS,
         batches=watched,
+        eval_fn=setup.eval_fn,  # a broken eval_fn is found now, not after the fp32 reference
         stop=setup.events.watch(None, "calibration (fp32)"),
     )
+    touched = gradients.changed()
+    if touched:
+        gradients.restore()
+        raise _trained_the_users_model(touched, setup)
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)
     setup.fresh_batches = watched.changed()

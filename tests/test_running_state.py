@@ -3,6 +3,7 @@ the gate's check of state outside the optimizer that a trial holds in bf16."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from types import SimpleNamespace
 
@@ -322,3 +323,106 @@ def test_trials_record_outside_state_and_the_reference_cache_keeps_it(tmp_path) 
     save_references(path, _fingerprint(), Fp32Runs(*runs))
     loaded = load_references(path, _fingerprint())
     assert loaded is not None and loaded.reference.outside_state == runs[0].outside_state
+
+
+def test_check_under_a_train_step_keeps_the_running_statistics_fp32_too() -> None:
+    # under train_step the probe's scan ran no forward, so the standardiser it keeps in fp32
+    # under loss_fn was held in bf16 and the mode rejected for it; the scan now calls the
+    # model with what train_step passes plan.model
+    model, _ = running_stats.make_model()
+    before = copy.deepcopy(model.state_dict())
+
+    def train_step(plan, batch):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return running_stats.loss_fn(plan.model(input=x), y)  # called by keyword
+
+    report = autoprec.check(
+        _KeywordInput(model),
+        running_stats.make_batches(count=24),
+        train_step=train_step,
+        steps=20,
+        modes=["bf16_sr"],
+    )
+    verdict = report.verdict("bf16_sr")
+    assert verdict.spec.keep_fp32 == ("net.0",)
+    assert not any(reason.startswith("state outside") for reason in verdict.reasons)
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+class _KeywordInput(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.net(input)
+
+
+class _PairModel(torch.nn.Module):
+    """Takes one argument, a pair of tensors; counts its calls in a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = running_stats.RunningStandardizer(8)
+        self.head = torch.nn.Linear(16, 1)
+        self.calls = 0
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.calls += 1
+        return self.head(torch.cat([self.norm(pair[0]), pair[1]], dim=1))
+
+
+def _pair_batches() -> list:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(16):
+        a, b = (
+            torch.randn(32, 8, generator=generator) * 3 + 2,
+            torch.randn(32, 8, generator=generator),
+        )
+        batches.append(((a, b), a.sum(1, keepdim=True) + b[:, :1]))
+    return batches
+
+
+def test_the_scan_calls_a_one_argument_tuple_input_as_training_does_and_never_the_users_model() -> (
+    None
+):
+    # ((a, b), y) with a loss_fn trains model((a, b)); the scan called model(a, b), failed,
+    # and found no running statistics to keep; and without a device it ran its forwards on the
+    # user's own model (here: its call counter moved)
+    model = _PairModel()
+    report = autoprec.check(
+        model,
+        _pair_batches(),
+        loss_fn=lambda output, target: torch.nn.functional.mse_loss(output.float(), target),
+        steps=20,
+        modes=["bf16_sr"],
+    )
+    assert report.verdict("bf16_sr").spec.keep_fp32 == ("norm",)
+    assert model.calls == 0
+
+
+class _CountingModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_the_scan_leaves_a_forward_with_side_effects_off_the_users_model() -> None:
+    model = _CountingModel()
+    batches = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(12)]
+    autoprec.check(
+        model,
+        batches,
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=20,
+        modes=["amp_bf16"],
+    )
+    assert model.calls == 0

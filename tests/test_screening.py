@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import re
@@ -839,3 +840,89 @@ def test_tune_trials_fp8_on_small_linears_and_skips_it_where_none_converts(
     none = candidates(*raw_param_mlp.make_model())
     assert [s.mode for s in none.specs] == ["fp32"]  # type: ignore[attr-defined]
     assert all("would run no layer in FP8" in s.reasons[0] for s in none.skipped)  # type: ignore[attr-defined]
+
+
+def test_a_train_step_training_the_users_own_model_is_named_and_its_grads_put_back() -> None:
+    # a train_step closing over the user's model trained it instead of each run's copy: the
+    # error blamed a reference that "did not change any weight" and left .grad on the model
+    task = tasks.regression(lr=1e-2)
+
+    def closure_step(plan, batch):  # type: ignore[no-untyped-def]
+        return task.mse(task.model(batch[0]), batch[1])
+
+    with pytest.raises(ValueError, match=r"gradients on your own model's.*Use plan\.model"):
+        autoprec.check(task.model, task.batches + task.heldout, train_step=closure_step, steps=20)
+    assert all(p.grad is None for p in task.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("argument", "function", "found"),
+    [
+        ("loss_fn", lambda output: output.mean(), r"loss_fn\(output, target\).*\(output\)"),
+        ("loss_fn", lambda o, t, w: o.mean(), r"missing a required argument: 'w'"),
+        ("train_step", lambda batch: batch[0].sum(), r"train_step\(plan, batch\).*\(batch\)"),
+        ("eval_fn", lambda model, data: 0.0, r"eval_fn\(model\).*\(model, data\)"),
+    ],
+)
+def test_a_function_of_the_wrong_arity_is_refused_up_front(
+    argument: str, function: object, found: str
+) -> None:
+    # it failed inside the first step, blamed on autoprec ("please report it")
+    task = tasks.regression(lr=1e-2)
+    extra = {} if argument != "eval_fn" else {"loss_fn": task.mse}
+    with pytest.raises(TypeError, match=found):
+        autoprec.check(
+            task.model, task.batches + task.heldout, steps=20, **extra, **{argument: function}
+        )
+
+
+def test_dataclass_batches_train_under_a_train_step() -> None:
+    # "A batch must contain at least one tensor with a batch dimension; got Batch", reported
+    # as autoprec's own bug
+    task = tasks.regression(lr=1e-2)
+
+    @dataclasses.dataclass(frozen=True)
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    report = autoprec.check(
+        task.model,
+        [Batch(x, y) for x, y in task.batches + task.heldout],
+        train_step=lambda plan, b: task.mse(plan.model(b.x), b.y),
+        optimizer=task.optimizer,
+        steps=20,
+        modes=["amp_bf16"],
+    )
+    assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_a_batch_without_a_tensor_is_the_users_to_fix_not_autoprecs() -> None:
+    task = tasks.regression(lr=1e-2)
+    batches = [{"rows": x.tolist(), "y": y.tolist()} for x, y in task.batches + task.heldout]
+
+    def step(plan, batch):  # type: ignore[no-untyped-def]
+        return task.mse(plan.model(torch.tensor(batch["rows"])), torch.tensor(batch["y"]))
+
+    with pytest.raises(ValueError, match=r"found none in a dict\. Make the loader") as raised:
+        autoprec.check(task.model, batches, train_step=step, steps=20, modes=["amp_bf16"])
+    assert "please report" not in str(raised.value)
+
+
+def test_a_broken_eval_fn_is_found_before_the_fp32_reference() -> None:
+    task = tasks.regression(lr=1e-2)
+    phases: list[str] = []
+
+    def broken(model: torch.nn.Module) -> float:
+        raise KeyError("metric")
+
+    with pytest.raises(ValueError, match=r"eval_fn\(model\) raised KeyError"):
+        autoprec.check(
+            task.model,
+            task.batches + task.heldout,
+            loss_fn=task.mse,
+            eval_fn=broken,
+            steps=20,
+            on_event=lambda event: phases.append(event.label) if event.kind == "phase" else None,
+        )
+    assert phases == ["calibration (fp32)"]
