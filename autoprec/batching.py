@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
@@ -171,14 +172,16 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     return map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in ``batch`` (or a module's output), through the containers
+    :func:`map_tensors` opens."""
     leaves = tree_flatten(as_plain(batch))[0]
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def count_samples(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor."""
-    tensors = [t for t in _tensors(batch) if t.dim() > 0]
+    tensors = [t for t in tensors_in(batch) if t.dim() > 0]
     if not tensors:
         raise BatchError(
             f"A batch must contain at least one tensor with a batch dimension, inside "
@@ -191,7 +194,7 @@ def count_samples(batch: Any) -> int:
 
 def count_tokens(batch: Any) -> int | None:
     """Tokens in a batch: the size of its first integer tensor of shape (batch, sequence)."""
-    for tensor in _tensors(batch):
+    for tensor in tensors_in(batch):
         if tensor.dim() == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
             return int(tensor.numel())
     return None
@@ -205,28 +208,49 @@ def _loss_from_output(output: Any) -> torch.Tensor | None:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
-    return _scalar(loss, "the model's output .loss") if isinstance(loss, torch.Tensor) else None
+    return None if loss is None else _scalar(loss, "the model's output .loss")
+
+
+def _predicted(value: Any) -> bool:
+    """A real-valued tensor with a batch dimension: what output agreement can compare (a
+    bool mask, class indices or a complex spectrum has no relative error or argmax)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point()
 
 
 def prediction(output: Any) -> torch.Tensor | None:
-    """The model's prediction for output agreement: a non-scalar tensor, ``.logits``, a
-    ``"logits"`` key, or the first non-scalar tensor of a tuple; None when it only gave a loss."""
+    """The model's prediction for output agreement: a floating non-scalar tensor (the output
+    itself, its ``.logits`` / ``"logits"``, else the first one among a tuple's items, a
+    mapping's values or a dataclass's fields other than ``loss``); None when there is none
+    (the model gave only a loss, or only integer, bool or complex tensors)."""
     if isinstance(output, torch.Tensor):
-        return output if output.dim() > 0 else None
+        return output if _predicted(output) else None
     logits = getattr(output, "logits", None)
     if logits is None and isinstance(output, Mapping):
         logits = output.get("logits")
-    if isinstance(logits, torch.Tensor):
+    if _predicted(logits):
         return logits
-    if isinstance(output, tuple | list):
-        return next((t for t in output if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    return None
+    if isinstance(output, Mapping):
+        items: Any = (value for key, value in output.items() if key != "loss")
+    elif _dataclass_instance(output):
+        fields = dataclasses.fields(output)
+        items = (getattr(output, f.name) for f in fields if f.name != "loss")
+    elif isinstance(output, tuple | list):
+        items = output
+    else:
+        return None
+    return next((item for item in items if _predicted(item)), None)
 
 
 def _scalar(loss: Any, source: str) -> torch.Tensor:
     """``loss`` when it is one number; else a LossError saying what ``source`` returned."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
+    if isinstance(loss, numbers.Number):
+        raise LossError(
+            f"{source} returned a Python {type(loss).__name__} ({loss!r}), not a loss tensor: "
+            "no gradient flows through a number. Return the tensor itself (not loss.item() "
+            "or float(loss))."
+        )
     if isinstance(loss, tuple | list):
         raise LossError(
             f"{source} returned a {type(loss).__name__} of {len(loss)}, not a scalar loss: "

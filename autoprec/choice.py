@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoprec.outcomes import Objective, TrialOutcome
+from autoprec.outcomes import Objective, TrialOutcome, balanced_gain
 
 
 def _key(outcome: TrialOutcome) -> tuple[float, float]:
@@ -52,6 +52,7 @@ def choose(
     speed: highest samples/s (less memory breaks ties) — but among the modes within
     ``speed_margin`` (the measured timing noise, a fraction) of the fastest, the one closest to
     fp32 (``FIDELITY_ORDER``): a difference inside the noise is no reason to leave fp32 further;
+    when modes were re-timed (``TrialOutcome.retimed``), among those only;
     memory: least memory (more speed breaks ties); balanced: largest product of speed-up and
     memory saving against the reference.
     """
@@ -59,17 +60,11 @@ def choose(
     if not pool:
         return reference
     if objective == "speed":
+        if any(o.retimed for o in pool):  # like with like: the rest lost to each in trials
+            pool = [o for o in pool if o.retimed]
         fastest = max(o.samples_per_second or 0.0 for o in pool)
         close = [o for o in pool if (o.samples_per_second or 0.0) >= fastest * (1 - speed_margin)]
         return min(close, key=lambda o: (fidelity_rank(o), -(o.samples_per_second or 0.0)))
     if objective == "memory":
         return min(pool, key=lambda o: (o.memory_bytes or 0, -(o.samples_per_second or 0.0)))
-    reference_speed = reference.samples_per_second or 1.0
-    reference_memory = reference.memory_bytes or 1
-
-    def gain(o: TrialOutcome) -> float:
-        speedup = (o.samples_per_second or 0.0) / reference_speed
-        saving = reference_memory / max(o.memory_bytes or reference_memory, 1)
-        return speedup * saving
-
-    return max(pool, key=gain)
+    return max(pool, key=lambda o: balanced_gain(o, reference))

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from autoprec._imports import demote_import_chatter
@@ -214,7 +215,6 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from rich.console import Console
 
@@ -277,9 +277,16 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _report(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _written_by_tune(path: Path) -> bool:
+    """A trials file renamed (``T.JSON``, ``copy.txt``): ``autoprec tune`` writes it indented,
+    its first line a lone ``{``; an Optuna journal's every line is a whole JSON object."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as file:
+        return file.readline().strip() == b"{"
 
+
+def _report(args: argparse.Namespace) -> int:
     from autoprec.report import (
         outcomes_from_result,
         outcomes_from_study,
@@ -288,14 +295,14 @@ def _report(args: argparse.Namespace) -> int:
     )
 
     source = args.source
-    if source.endswith(".json"):
+    given = "give a tune run's *.trials.json, its *.study.db, a journal file or a storage URL"
+    if "://" not in source and not Path(source).exists():
+        raise FileNotFoundError(f"{source!r} does not exist; {given}.")
+    if "://" not in source and Path(source).is_dir():
+        raise ValueError(f"{source!r} is a folder; {given}.")
+    if source.endswith(".json") or _written_by_tune(Path(source)):
         outcomes, chosen, noise_runs = outcomes_from_result(source)
     else:
-        if "://" not in source and not Path(source).exists():
-            raise FileNotFoundError(
-                f"{source!r} does not exist; give a tune run's *.trials.json, its *.study.db, "
-                "a journal file or a storage URL."
-            )
         outcomes, chosen, noise_runs = outcomes_from_study(source, args.study)
     written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
     count = trials_run(outcomes, noise_runs)

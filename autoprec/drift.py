@@ -25,6 +25,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from autoprec.drift_fp16 import fp16_risks
@@ -54,7 +55,7 @@ class Fp32Runs:
 
 
 class DriftMetrics(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     noise_floor: float | None = None
     heldout_loss_gap: float | None = None
@@ -87,7 +88,7 @@ class DriftMetrics(BaseModel):
 
 
 class DriftVerdict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     accepted: bool
     reasons: tuple[str, ...]
@@ -121,6 +122,19 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     return max(floor, spread)
 
 
+def _sampled_error(values: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error of ``values`` against ``expected`` over the positions finite in both.
+    A non-finite value where fp32's is the same (masked logits at -inf, NaN padding) is not a
+    difference; one where fp32's differs (an overflow fp32 does not have) is infinite error."""
+    finite = torch.isfinite(values) & torch.isfinite(expected)
+    same = (values == expected) | (torch.isnan(values) & torch.isnan(expected))
+    if bool((~finite & ~same).any()):
+        return math.inf
+    expected, values = expected[finite], values[finite]
+    denominator = float(expected.norm()) or 1.0
+    return float((values - expected).norm()) / denominator
+
+
 def _relative_error(
     outputs: list[OutputSummary | None], reference: list[OutputSummary | None]
 ) -> tuple[float | None, float | None]:
@@ -129,8 +143,7 @@ def _relative_error(
     for output, expected in zip(outputs, reference, strict=False):
         if output is None or expected is None or output.shape != expected.shape:
             continue
-        denominator = float(expected.values.norm()) or 1.0
-        errors.append(float((output.values - expected.values).norm()) / denominator)
+        errors.append(_sampled_error(output.values, expected.values))
         if output.top1 is not None and expected.top1 is not None:
             agreements.append(float((output.top1 == expected.top1).float().mean()))
     error = statistics.fmean(errors) if errors else None
@@ -156,7 +169,9 @@ def _loss_checks(
             b - a for a, b in zip(expected.heldout_losses, record.heldout_losses, strict=True)
         )
         metrics["heldout_loss_gap"] = gap
-        if gap > allowed:
+        if not math.isfinite(gap):  # the reference's are finite (checked when it ran)
+            reasons.append(f"held-out loss is not finite ({gap}) where fp32's is")
+        elif gap > allowed:
             reasons.append(
                 f"held-out loss {gap:+.4g} worse than fp32, beyond {allowed:.3g} "
                 f"({limits.max_loss_gap_units:g} x noise floor {floor:.3g})"
@@ -166,7 +181,9 @@ def _loss_checks(
         pairs = zip(expected.losses[-late:], record.losses[-late:], strict=True)
         late_gap = statistics.fmean(b - a for a, b in pairs)
         metrics["late_loss_gap"] = late_gap
-        if late_gap > allowed:
+        if not math.isfinite(late_gap):
+            reasons.append(f"training loss over the last {late} steps is not finite ({late_gap})")
+        elif late_gap > allowed:
             reasons.append(
                 f"training loss over the last {late} steps {late_gap:+.4g} worse than "
                 f"fp32 on the same batches, beyond {allowed:.3g}"
@@ -216,6 +233,11 @@ def _forward_cost_check(
     allowed = max(limits.max_forward_cost * abs(read_mean), limits.loss_floor_absolute)
     if difference <= allowed:
         return []
+    if not math.isfinite(difference):
+        return [
+            f"held-out loss read by the mode's forward ({own_mean:.5g}) or by fp32 from the same "
+            f"trained weights ({read_mean:.5g}) is not finite"
+        ]
     return [
         f"the mode's forward pass alone costs {cost} held-out loss ({own_mean:.5g} vs "
         f"{read_mean:.5g} for the same trained weights read in fp32), beyond {allowed:.3g} "
@@ -243,6 +265,8 @@ def _output_check(
     allowed = max(limits.output_error_floor, limits.max_output_error_units * noise_error)
     if error <= allowed:
         return []
+    if math.isinf(error):
+        return ["held-out outputs are not finite where fp32's are (or differ in sign of infinity)"]
     return [f"held-out outputs differ from fp32 by {error:.1%} (relative L2), beyond {allowed:.1%}"]
 
 
@@ -328,9 +352,11 @@ def _checks_not_run(
     notes = []
     if not outputs_compared:
         notes.append(
-            "held-out outputs not compared: no prediction tensor reached autoprec (the model "
-            "returns only a loss, or train_step called it more than once a batch); losses, "
-            "movement and eval_fn are judged"
+            "held-out outputs not compared: no prediction reached autoprec (a floating "
+            "tensor with a batch dimension: the output, its .logits, or the first among its "
+            "items besides the loss; the model returns only a loss or integer, bool or complex "
+            "tensors, or train_step called it more than once a batch); losses, movement and "
+            "eval_fn are judged"
         )
     record = trial.record
     if record.spec.mode != "fp32" and record.heldout_losses and not record.heldout_losses_fp32_read:

@@ -14,6 +14,8 @@ reference shows training changes, not a measurement of the trial.
 
 from __future__ import annotations
 
+import math
+
 from autoprec.trial_records import StateDigest, TrialResult
 
 NARROW_DTYPES = ("torch.bfloat16", "torch.float16")
@@ -24,7 +26,15 @@ def changed_state(result: TrialResult) -> list[str]:
     if len(result.outside_state) < 2:
         return []
     start, end = result.outside_state[0], result.outside_state[-1]
-    return [name for name, digest in start.items() if end.get(name, digest) != digest]
+    return [name for name, digest in start.items() if not _same(end.get(name, digest), digest)]
+
+
+def _same(first: StateDigest, second: StateDigest) -> bool:
+    """Equal digests, a NaN equal to a NaN (a constant table holding NaN never changes)."""
+    return first.dtype == second.dtype and all(
+        a == b or (math.isnan(a) and math.isnan(b))
+        for a, b in ((first.total, second.total), (first.norm, second.norm))
+    )
 
 
 def _narrowed(trial: TrialResult, reference: TrialResult) -> dict[str, list[str]]:

@@ -1,7 +1,8 @@
 """What a study's outcomes were measured under, so a resumed run never reuses them for another.
 
-A study records a :class:`StudyFingerprint`: digests of the model (its parameters and buffers)
-and of the batches read, the recipe, objective, drift thresholds, candidate set, budget,
+A study records a :class:`StudyFingerprint`: digests of the model (its parameters and buffers,
+and its modules' ``repr``) and of the batches read, the recipe (and of what its loss and
+``eval_fn`` compute with), objective, drift thresholds, candidate set, budget,
 hardware, seed and autoprec version. A run whose fingerprint differs refuses, in one line naming
 what differs. The fp32 reference and noise runs of a matching study are kept in a file next to
 a file storage (SQLite, journal) and reused: :func:`save_references` / :func:`load_references`.
@@ -9,8 +10,10 @@ a file storage (SQLite, journal) and reused: :func:`save_references` / :func:`lo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +51,70 @@ def tensor_digest(tree: Any) -> str:
     return digest.hexdigest()[:16]
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _stable_repr(value: Any) -> str:
+    """``repr(value)`` the same in every process: tensors (and modules) by digest, memory
+    addresses (``<object at 0x7f...>``) left out."""
+    if isinstance(value, torch.Tensor | torch.nn.Module):
+        shown = repr(value) if isinstance(value, torch.nn.Module) else type(value).__name__
+        return f"{shown}:{tensor_digest(value)}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def _empty_cell(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty closure cell raises
+    except ValueError:
+        return True
+    return False
+
+
+def callable_digest(function: Any) -> str | None:
+    """sha256 (16 hex digits) of what a ``loss_fn`` / ``train_step`` / ``eval_fn`` computes
+    with, beyond its name: a partial's arguments, a function's code, defaults and closure
+    values, a callable object's (an ``nn.HuberLoss``'s) attributes and tensors. Two losses of
+    one name but other settings (``HuberLoss(delta=1e-4)`` and ``(delta=100)``) differ."""
+    if function is None:
+        return None
+    parts = [type(function).__qualname__]
+    target = function
+    if isinstance(function, functools.partial):
+        parts += [_stable_repr(a) for a in function.args]
+        parts += [f"{k}={_stable_repr(v)}" for k, v in sorted(function.keywords.items())]
+        target = function.func
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        parts += [
+            getattr(target, "__qualname__", ""),
+            code.co_code.hex(),
+            _stable_repr(code.co_consts),
+        ]
+        parts += [_stable_repr(d) for d in getattr(target, "__defaults__", None) or ()]
+        cells = getattr(target, "__closure__", None) or ()
+        parts += [_stable_repr(c.cell_contents) for c in cells if not _empty_cell(c)]
+    else:
+        if isinstance(target, torch.nn.Module):
+            parts.append(_stable_repr(target))
+        attributes = getattr(target, "__dict__", {})
+        parts += [
+            f"{k}={_stable_repr(v)}"
+            for k, v in sorted(attributes.items())
+            if not k.startswith("_") and k != "training"
+        ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 class StudyFingerprint(BaseModel):
     """Everything a study's outcomes depend on; two runs may share outcomes only when equal."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
+    architecture: str = ""
+    """Digest of the model's ``repr``: its modules and their settings (a GELU swapped for a
+    ReLU, a Dropout added) change no weight."""
     batches: str
     recipe: dict[str, Any]
     objective: str
@@ -65,6 +126,9 @@ class StudyFingerprint(BaseModel):
     hardware: str
     seed: int
     eval_fn: str | None
+    functions: dict[str, str | None] = {}
+    """:func:`callable_digest` of ``loss_fn``, ``train_step`` and ``eval_fn``: the recipe and
+    ``eval_fn`` above name them only."""
     autoprec_version: str
 
     def differences(self, stored: StudyFingerprint) -> list[str]:
@@ -76,6 +140,11 @@ class StudyFingerprint(BaseModel):
                 continue
             if name in ("model", "batches"):
                 found.append(f"{name} (other weights or data)")
+            elif name == "architecture":
+                found.append("architecture (other modules or module settings)")
+            elif name == "functions":
+                keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
+                found.append(f"what {', '.join(keys)} computes with")
             elif name == "recipe":
                 keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
                 found.append(f"recipe ({', '.join(keys)})")
@@ -103,11 +172,16 @@ def storage_file(storage: str | None) -> Path | None:
 
 
 def references_path(storage: str | None, study_name: str | None) -> Path | None:
-    """Where the fp32 reference runs of a study are kept: next to its storage file."""
+    """Where the fp32 reference runs of a study are kept: next to its storage file, the study
+    name percent-quoted (a ``/`` in ``exp/1`` would name a folder; ``%`` is quoted too, so two
+    names never share a file)."""
+    from urllib.parse import quote
+
     file = storage_file(storage)
     if file is None:
         return None
-    return file.with_name(f"{file.name}.{study_name or 'study'}.references.pt")
+    name = quote(study_name or "study", safe=" -_.,+=@()[]")
+    return file.with_name(f"{file.name}.{name}.references.pt")
 
 
 def _pack(result: TrialResult) -> dict[str, Any]:

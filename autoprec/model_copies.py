@@ -134,3 +134,37 @@ class GradientWatch:
                 with torch.no_grad():
                     grad.copy_(values)
             p.grad = grad
+
+
+def _carried_attribute(value: Any, current: Any) -> Any:
+    """``value`` (a trained module's plain attribute) for the fp32 reader: tensors in the
+    reader's own dtype, other values copied."""
+    if isinstance(value, torch.Tensor):
+        dtype = current.dtype if isinstance(current, torch.Tensor) else value.dtype
+        return value.detach().to(dtype=dtype, copy=True)
+    return copy.deepcopy(value)
+
+
+def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
+    """Give ``reader`` (a fresh copy of the user's model holding ``trained``'s
+    ``state_dict()``) what a state dict leaves out but a forward may read: non-persistent
+    buffers, and the plain attributes training changed (a step counter an annealed
+    temperature follows), module by module where names and classes match. Modules a mode
+    swapped (FP8 Linears) and attributes a mode added are left alone."""
+    sources = dict(trained.named_modules())
+    for name, module in reader.named_modules():
+        source = sources.get(name)
+        if source is None or type(source) is not type(module):
+            continue
+        for buffer in module._non_persistent_buffers_set:
+            value, mine = source._buffers.get(buffer), module._buffers.get(buffer)
+            if value is not None and mine is not None and value.shape == mine.shape:
+                with torch.no_grad():
+                    mine.copy_(value)
+        own = vars(module)
+        for key, value in vars(source).items():
+            if key.startswith("_") or key == "training" or key not in own:
+                continue
+            if isinstance(value, nn.Module) or value is own[key]:
+                continue
+            own[key] = _carried_attribute(value, own[key])

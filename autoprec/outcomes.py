@@ -22,7 +22,7 @@ CPU_MEMORY_KINDS = ("state_bytes", "state_and_activations")
 class TrialOutcome(BaseModel):
     """One candidate's result, as the study stores it (JSON in ``user_attrs``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     spec: ModeSpec
     status: TrialStatus
@@ -46,6 +46,9 @@ class TrialOutcome(BaseModel):
     """The trial's timed windows of steps (warm-up included), in order: trials train on the
     same batches in the same order, so the window over steps i..j of two trials is the same
     work (paired pruning)."""
+    retimed: bool = False
+    """Its speed figures are the means of side-by-side re-timings (``retiming``), not its
+    trial's: only re-timed modes compete on speed once any was re-timed."""
 
     @property
     def label(self) -> str:
@@ -67,3 +70,11 @@ class TrialOutcome(BaseModel):
         if self.memory_kind not in CPU_MEMORY_KINDS or self.memory_bytes is None:
             return None
         return self.memory_bytes - (self.activation_bytes or 0)
+
+
+def balanced_gain(outcome: TrialOutcome, reference: TrialOutcome) -> float:
+    """The balanced objective's score: speed-up times memory saving against ``reference``."""
+    speedup = (outcome.samples_per_second or 0.0) / (reference.samples_per_second or 1.0)
+    reference_memory = reference.memory_bytes or 1
+    saving = reference_memory / max(outcome.memory_bytes or reference_memory, 1)
+    return speedup * saving

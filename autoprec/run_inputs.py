@@ -108,12 +108,20 @@ def resolve_thresholds(thresholds: Any) -> DriftThresholds | None:
             f"thresholds must be a DriftThresholds or a dict of its fields, not "
             f"{type(thresholds).__name__}."
         )
+    fields = ", ".join(DriftThresholds.model_fields)
+    keys = [key for key in thresholds if not isinstance(key, str)]
+    flags = [key for key, value in thresholds.items() if isinstance(value, bool)]
+    if keys or flags:
+        found = (
+            f"keys that are not field names: {keys!r}"
+            if keys
+            else f"True/False for {', '.join(map(str, flags))}, which take numbers"
+        )
+        raise ValueError(f"thresholds: {found}. Fields: {fields}.")
     try:
         return DriftThresholds(**thresholds)
     except ValidationError as error:
-        raise ValueError(
-            f"thresholds: {field_errors(error)}. Fields: {', '.join(DriftThresholds.model_fields)}."
-        ) from None
+        raise ValueError(f"thresholds: {field_errors(error)}. Fields: {fields}.") from None
 
 
 def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from autoprec.outcomes import Objective
 from autoprec.plan import build_plan
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import LrPoint, TrainingRecipe, refuse_wrong_arity
-from autoprec.run_inputs import check_seed, collect_batches
+from autoprec.run_inputs import MAX_BATCHES, check_seed, collect_batches
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -178,6 +178,26 @@ def _trained_the_users_model(names: list[str], setup: RunSetup) -> ValueError:
         f"your {source} calls the model it closes over, not the copy each run trains, so "
         f"no run would measure its mode. Use {use} in {source}. Your model's gradients were "
         "put back as they were."
+    )
+
+
+def _refuse_unscored_heldout(result: TrialResult, setup: RunSetup, label: str) -> None:
+    """An fp32 run's held-out loss that is not finite: nothing can be compared on it."""
+    losses = result.record.heldout_losses
+    bad = [index for index, loss in enumerate(losses) if not math.isfinite(loss)]
+    if not bad:
+        return
+    found = ", ".join(
+        f"batch {len(setup.train) + index} of the loader's {len(setup.train) + len(losses)}: "
+        f"{losses[index]}"
+        for index in bad
+    )
+    raise ValueError(
+        f"The {label}'s held-out loss is not finite ({found}; the last {len(losses)} batches "
+        "read are held out, counted from 0). A batch the loss cannot score (every target "
+        "ignored, all padding) or one that overflows in fp32 leaves nothing to compare a mode "
+        "with. Drop such batches from the loader you pass (autoprec reads its first "
+        f"{MAX_BATCHES}), or make the loss finite on them."
     )
 
 
@@ -429,11 +449,12 @@ def reference_runs(
             raise reference_failed(result, setup)
         if result.record.stopped is not None:
             raise ValueError(
-                f"budget_minutes={budget_minutes} is too small for the fp32 "
-                f"reference ({result.record.stopped})."
+                f"budget_minutes={budget_minutes} is too small for the {label} "
+                f"({result.record.stopped})."
             )
         if not result.moved():
             raise _reference_still(result)
+        _refuse_unscored_heldout(result, setup, label)
         score = result.record.eval_score
         if score is not None and not math.isfinite(score):
             raise ValueError(

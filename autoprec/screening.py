@@ -59,7 +59,7 @@ ScreenStatus = Literal["safe", "unsafe", "failed"]
 class ScreenVerdict(BaseModel):
     """One mode's quality verdict: safe (passed the gate), unsafe (rejected), failed (crashed)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     spec: ModeSpec
     status: ScreenStatus
@@ -82,7 +82,7 @@ class ScreenVerdict(BaseModel):
 class QualityReport(BaseModel):
     """What check() found: a verdict per mode, and the modes it could not run here."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     verdicts: tuple[ScreenVerdict, ...]
     not_checked: tuple[Skipped, ...]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome
+from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome, balanced_gain
 from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow, StopCheck, TrialProgress, measured_windows
@@ -44,14 +44,22 @@ Runner = Callable[[ModeSpec, StopCheck], TrialOutcome]
 """Runs one candidate; the stop check says when to give up (budget, cannot beat the best)."""
 
 
-def better(a: TrialOutcome, b: TrialOutcome | None, objective: Objective) -> bool:
-    """Is accepted outcome ``a`` better than ``b`` for pruning purposes?"""
+def better(
+    a: TrialOutcome,
+    b: TrialOutcome | None,
+    objective: Objective,
+    reference: TrialOutcome | None = None,
+) -> bool:
+    """Is accepted outcome ``a`` better than ``b`` for ``objective`` (the best so far, which
+    pruning and the progress display use)? ``balanced`` scores against ``reference``."""
     if b is None:
         return True
     speed_a, speed_b = a.samples_per_second or 0.0, b.samples_per_second or 0.0
     memory_a, memory_b = a.memory_bytes or 0, b.memory_bytes or 0
     if objective == "memory":
         return (memory_a, -speed_a) < (memory_b, -speed_b)
+    if objective == "balanced" and reference is not None:
+        return balanced_gain(a, reference) > balanced_gain(b, reference)
     return (speed_a, -memory_a) > (speed_b, -memory_b)
 
 
@@ -329,8 +337,9 @@ def search(
     previous = finished_outcomes(study)
     outcomes: list[TrialOutcome] = []
     best: TrialOutcome | None = None
+    reference = accepted[0] if accepted else None
     for outcome in [*accepted, *previous.values()]:
-        if outcome.status == "accepted" and better(outcome, best, objective):
+        if outcome.status == "accepted" and better(outcome, best, objective, reference):
             best = outcome
 
     for index, spec in enumerate(candidates):
@@ -344,8 +353,8 @@ def search(
             continue
         if deadline - clock() < 0.5 * expected_trial_seconds:
             reason = (
-                f"budget: {max(deadline - clock(), 0):.0f} s left, a trial takes about "
-                f"{expected_trial_seconds:.0f} s"
+                f"budget: {max(deadline - clock(), 0):.3g} s left, a trial takes about "
+                f"{expected_trial_seconds:.3g} s"
             )
             outcome = TrialOutcome(spec=spec, status="pruned", reasons=(reason,))
             outcomes.append(outcome)
@@ -362,7 +371,7 @@ def search(
             raise
         record_outcome(study, trial, outcome)
         logger.info("%s: %s %s", label, outcome.status, "; ".join(outcome.reasons))
-        if outcome.status == "accepted" and better(outcome, best, objective):
+        if outcome.status == "accepted" and better(outcome, best, objective, reference):
             best = outcome
         outcomes.append(outcome)
         sink.emit("done", label, outcome=outcome, **{**where, "best": best and best.label})

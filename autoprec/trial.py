@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.eligibility import Situation, model_device
-from autoprec.model_copies import deep_copy
+from autoprec.model_copies import carry_unsaved_state, deep_copy
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe
@@ -137,6 +137,7 @@ def _heldout_read_in_fp32(inputs: _TrialInputs, plan: PrecisionPlan) -> list[flo
             return None
         if missing:
             return None
+        carry_unsaved_state(plan.model, reader)
         fp32 = build_plan(
             ModeSpec(mode="fp32"),
             reader,

@@ -19,6 +19,7 @@ from autoprec.batching import (
     count_tokens,
     forward_and_loss,
     prediction,
+    tensors_in,
     to_device,
 )
 from autoprec.plan import PrecisionPlan
@@ -75,8 +76,9 @@ def heldout_pass(
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
-            maxima.append(output.detach().abs().max().float())
+        for tensor in tensors_in(output):  # a leaf may return (y, aux) or a dict
+            if tensor.is_floating_point() and tensor.numel():
+                maxima.append(tensor.detach().abs().max().float())
 
     leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
         module
@@ -316,6 +318,8 @@ def _eval_score(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> floa
         ) from error
     if isinstance(score, torch.Tensor) and score.numel() == 1:
         return float(score.detach().float().item())
+    if type(score).__module__ == "numpy" and getattr(score, "size", None) == 1:
+        score = score.item()  # a 0-d or one-element array: its number (a bool stays refused)
     if isinstance(score, bool) or not isinstance(score, numbers.Real):
         shape = f" of shape {tuple(score.shape)}" if isinstance(score, torch.Tensor) else ""
         raise EvalFnError(f"eval_fn(model) returned {type(score).__name__}{shape}, not one number")
@@ -332,7 +336,8 @@ def train_in_windows(
     stop: StopCheck | None,
 ) -> tuple[TrialFailure | None, str | None]:
     """Train every leg at its learning rates, in windows of steps (the warm-up steps form
-    their own window; no window crosses a leg); (failure, stop reason). ``loop.current_step``
+    their own window, and so does the first step after them; no window crosses a leg);
+    (failure, stop reason). ``loop.current_step``
     is the last step run."""
     step, total = 0, sum(legs)
     for point, leg in zip(points, legs, strict=True):
@@ -340,7 +345,11 @@ def train_in_windows(
         leg_end = step + leg
         while step < leg_end:
             warmup = step < warmup_steps
-            end = min(leg_end, warmup_steps if warmup else step + window_steps)
+            # the first step after warm-up is a window of its own: the stop check's first step
+            # time, so a mode far slower than fp32 is stopped for the budget after one step
+            # rather than a whole window (a 3.5 s fp16 step on a CPU: 10 steps past a 30 s wall)
+            length = 1 if step == warmup_steps else window_steps
+            end = min(leg_end, warmup_steps if warmup else step + length)
             failure = loop.run_window(step, end - step, warmup)
             step = end
             if failure is not None:

@@ -54,7 +54,7 @@ def nearest_rounded_decay(plan: PrecisionPlan) -> float | None:
         float(group["lr"]) * float(group["weight_decay"])
         for group in optimizer.param_groups
         if group.get("weight_decay") and group.get("decoupled_weight_decay")
-        and any(p.dtype == torch.bfloat16 for p in group["params"])
+        and any(p.dtype == torch.bfloat16 and p.requires_grad for p in group["params"])
     ]  # fmt: skip
     return max(decays) if decays else None
 
@@ -96,7 +96,7 @@ def outside_state(model: nn.Module) -> dict[str, StateDigest]:
         if not is_floating(tensor) or tensor.is_meta:
             continue
         values = as_real(tensor.detach())
-        total = float(values.sum(dtype=torch.float64))
+        total = float(torch.nansum(values, dtype=torch.float64))  # a NaN fill value stays put
         norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
         digests[name] = StateDigest(str(tensor.dtype), total, norm)
     return digests

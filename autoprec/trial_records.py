@@ -30,7 +30,7 @@ class StepWindow(BaseModel):
     on the device), one clock read at each end (CUDA events on a GPU) and one host read of the
     window's figures after it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     first_step: int
     steps: int
@@ -68,7 +68,7 @@ StopCheck = Callable[[TrialProgress], "str | None"]
 
 
 class TrialFailure(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     kind: FailureKind
     step: int | None
@@ -95,7 +95,7 @@ class TrialFailure(BaseModel):
 class StateBytes(BaseModel):
     """Exact bytes of parameters, gradients and optimizer state (Kahan buffers, 8-bit states)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     parameters: int
     gradients: int
@@ -109,7 +109,7 @@ class StateBytes(BaseModel):
 class LowPrecisionMoment(BaseModel):
     """An Adam second moment (``exp_avg_sq``) the optimizer keeps in bf16."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     dtype: str
     rounding: Literal["nearest", "stochastic"]
@@ -121,7 +121,7 @@ class LowPrecisionMoment(BaseModel):
 class TrialRecord(BaseModel):
     """The figures of one trial: what crosses into the drift gate, the study and the profile."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     spec: ModeSpec
     seed: int

@@ -22,7 +22,7 @@ from autoprec.trial_records import TrialResult
 
 
 class BudgetReport(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     budget_seconds: float
     used_seconds: float
@@ -79,7 +79,7 @@ def budget_report(
 class TuneResult(BaseModel):
     """What tune() found: the profile, every trial with its verdict, and how time was spent."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     profile: Profile
     objective: Objective

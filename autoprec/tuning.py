@@ -7,6 +7,7 @@ cannot finish. The user's model is never touched: every trial trains a deep copy
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,6 +21,7 @@ from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.fingerprint import (
     StudyFingerprint,
+    callable_digest,
     check_study,
     load_references,
     references_path,
@@ -76,6 +78,7 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
     report = setup.report
     return StudyFingerprint(
         model=tensor_digest(setup.user_model),
+        architecture=hashlib.sha256(repr(setup.user_model).encode()).hexdigest()[:16],
         batches=tensor_digest(as_plain([*setup.train, *setup.heldout])),
         recipe=setup.recipe.summary(setup.user_model).model_dump(mode="json"),
         objective=objective,
@@ -87,6 +90,11 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
         f"{report.hardware.torch_version}",
         seed=setup.seed,
         eval_fn=qualified_name(setup.eval_fn),
+        functions={
+            "loss_fn": callable_digest(setup.recipe.loss_fn),
+            "train_step": callable_digest(setup.recipe.train_step),
+            "eval_fn": callable_digest(setup.eval_fn),
+        },
         autoprec_version=__version__,
     )
 

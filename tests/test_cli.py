@@ -614,6 +614,15 @@ def test_report_and_show_on_the_wrong_file_say_which_file_to_use(
     assert main(["report", str(tmp_path / "nothing.db"), "--out", str(tmp_path / "r.png")]) == 2
     assert "does not exist" in _one_line_error(capsys)
     assert not (tmp_path / "r.png").exists()
+    # a folder was opened as an Optuna journal: a traceback and exit code 1
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r.png")]) == 2
+    assert "is a folder; give a tune run's *.trials.json" in _one_line_error(capsys)
+    # a trials file renamed is read as one (it was read as a journal: "Expecting property
+    # name enclosed in double quotes")
+    renamed = tmp_path / "copy.txt"
+    renamed.write_text(json.dumps({"profile": {}, "trials": [], "reference": {}}, indent=2))
+    assert main(["report", str(renamed), "--out", str(tmp_path / "r.png")]) == 2
+    assert "is not a tune run's trials file" in _one_line_error(capsys)
 
 
 def test_report_names_a_missing_study_an_unknown_format_and_an_empty_run(

@@ -132,3 +132,56 @@ def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) 
     assert load_references(path, _fingerprint(seed=1)) is None
     path.write_bytes(b"not a torch file")
     assert load_references(path, _fingerprint()) is None
+
+
+def test_a_loss_of_one_name_with_other_settings_has_another_digest() -> None:
+    import functools
+
+    from autoprec.fingerprint import callable_digest
+
+    def huber_of(delta: float):  # type: ignore[no-untyped-def]
+        return lambda output, target: torch.nn.functional.huber_loss(output, target, delta=delta)
+
+    assert callable_digest(torch.nn.HuberLoss(delta=1e-4)) != callable_digest(
+        torch.nn.HuberLoss(delta=100)
+    )
+    huber = torch.nn.functional.huber_loss
+    assert callable_digest(functools.partial(huber, delta=1.0)) != callable_digest(
+        functools.partial(huber, delta=2.0)
+    )
+    assert callable_digest(huber_of(1.0)) != callable_digest(huber_of(2.0))
+    # the same settings digest alike (no memory address, no object identity in it)
+    assert callable_digest(huber_of(1.0)) == callable_digest(huber_of(1.0))
+    assert callable_digest(torch.nn.HuberLoss(delta=1.0)) == callable_digest(
+        torch.nn.HuberLoss(delta=1.0)
+    )
+    assert callable_digest(None) is None
+
+
+def test_a_study_refuses_a_resume_with_other_modules_or_another_loss_setting(
+    tmp_path: Path,
+) -> None:
+    # a GELU swapped for a ReLU changes no weight, and HuberLoss(delta) only its attribute:
+    # both resumed the study and reused the other run's figures
+    import autoprec
+
+    def model(activation: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), activation, torch.nn.Linear(16, 1))
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))
+        for _ in range(12)
+    ]
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    common = {"budget_minutes": 0.2, "modes": ["amp_bf16"], "storage": storage, "study_name": "s"}
+    autoprec.tune(model(torch.nn.GELU()), batches, loss_fn=torch.nn.HuberLoss(delta=1.0), **common)
+    with pytest.raises(ValueError, match=r"architecture \(other modules or module settings\)"):
+        autoprec.tune(
+            model(torch.nn.ReLU()), batches, loss_fn=torch.nn.HuberLoss(delta=1.0), **common
+        )
+    with pytest.raises(ValueError, match=r"what loss_fn computes with"):
+        autoprec.tune(
+            model(torch.nn.GELU()), batches, loss_fn=torch.nn.HuberLoss(delta=100.0), **common
+        )

@@ -132,3 +132,37 @@ def test_no_second_round_without_the_time_for_it_or_when_it_is_cut_short() -> No
     assert len(calls) == 6  # the second round ran, and its second re-timing did not complete
     assert noise == pytest.approx(40 / 620)  # the first round's figures and noise stand
     assert (outcomes[0].samples_per_second, new_reference.samples_per_second) == (620.0, 600.0)
+
+
+def test_every_contender_is_retimed_and_only_retimed_figures_compete() -> None:
+    # with three contenders re-timed (all 7% below their trials, as on our CPU) the fourth kept
+    # its trial figure and won: the slowest mode in the trials, and the farthest from fp32
+    from autoprec.choice import choose
+
+    reference = _outcome("fp32", 50.0)
+    trials = [
+        _outcome("amp_bf16", 100.0),
+        _outcome("bf16_kahan", 99.0),
+        _outcome("amp_fp16", 98.0),
+        _outcome("bf16_pure", 97.0),
+    ]
+    timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.93] * 4 for o in trials})
+    outcomes, reference, noise = confirm_speed(trials, reference, 1e9, lambda: 0.0, timer)
+    assert sorted(set(timer.asked)) == sorted(o.spec.mode for o in trials)
+    assert all(o.retimed for o in outcomes) and not reference.retimed
+    assert choose(outcomes, reference, "speed", noise or 0.0).spec.mode == "amp_bf16"
+
+
+def test_the_budget_trims_contenders_from_the_slowest_and_the_choice_keeps_to_the_retimed() -> None:
+    from autoprec.choice import choose
+
+    reference = _outcome("fp32", 50.0)
+    trials = [_outcome("amp_bf16", 100.0), _outcome("amp_fp16", 99.0), _outcome("bf16_pure", 98.0)]
+    timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in trials})
+    # time for two contenders' re-timings (2.5 x 30 steps each at ~0.01 s), not three
+    budget = 2.5 * 30 * (1 / 100.0 + 1 / 99.0) + 0.1
+    outcomes, reference, noise = confirm_speed(trials, reference, budget, lambda: 0.0, timer)
+    assert sorted(set(timer.asked)) == ["amp_bf16", "amp_fp16"]
+    by_mode = {o.spec.mode: o for o in outcomes}
+    assert not by_mode["bf16_pure"].retimed and by_mode["bf16_pure"].samples_per_second == 98.0
+    assert choose(outcomes, reference, "speed", noise or 0.0).spec.mode == "amp_bf16"

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -926,3 +927,306 @@ def test_a_broken_eval_fn_is_found_before_the_fp32_reference() -> None:
             on_event=lambda event: phases.append(event.label) if event.kind == "phase" else None,
         )
     assert phases == ["calibration (fp32)"]
+
+
+def _xy_batches(outputs: int, target_scale: float = 1.0) -> list:
+    """Ten batches of 16 rows: 8 inputs, ``outputs`` targets (seeded)."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(16, 8, generator=generator),
+            target_scale * torch.randn(16, outputs, generator=generator),
+        )
+        for _ in range(10)
+    ]
+
+
+class _MaskedLogits(torch.nn.Module):
+    """Classes 4 and 5 are never valid: their logits are -inf (action masking)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).masked_fill(torch.arange(6) >= 4, float("-inf"))
+
+
+def _class_batches(classes: int, count: int = 10) -> list:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(16, 8, generator=generator),
+            torch.randint(0, classes, (16,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def test_logits_masked_to_minus_infinity_are_compared_where_finite(tmp_path: Path) -> None:
+    # -inf - -inf is NaN: every mode was rejected ("differ from fp32 by nan%") and tune()
+    # crashed reading its NaN metric back from the study (NaN is stored as JSON null)
+    batches = _class_batches(4)
+    report = autoprec.check(
+        _MaskedLogits(),
+        batches,
+        steps=20,
+        modes=["amp_bf16"],
+        loss_fn=torch.nn.functional.cross_entropy,
+    )
+    assert report.verdict("amp_bf16").status == "safe"
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    result = autoprec.tune(
+        _MaskedLogits(),
+        batches,
+        budget_minutes=0.3,
+        modes=["amp_bf16"],
+        loss_fn=torch.nn.functional.cross_entropy,
+        storage=storage,
+    )
+    assert {t.label: t.status for t in result.trials}["amp_bf16"] == "accepted"
+
+
+def test_an_output_not_finite_where_fp32s_is_rejects_the_mode() -> None:
+    from autoprec.drift import _sampled_error
+
+    expected = torch.tensor([1.0, float("-inf"), float("nan"), 2.0])
+    assert _sampled_error(expected.clone(), expected) == 0.0
+    assert (
+        _sampled_error(torch.tensor([1.0, float("-inf"), float("nan"), float("inf")]), expected)
+        == math.inf
+    )
+    assert _sampled_error(
+        torch.tensor([1.5, float("-inf"), float("nan"), 2.0]), expected
+    ) == pytest.approx(0.5 / math.sqrt(5))
+
+
+def test_a_nan_metric_survives_the_studys_json() -> None:
+    from autoprec.outcomes import TrialOutcome
+
+    outcome = TrialOutcome(
+        spec=ModeSpec(mode="amp_bf16"),
+        status="rejected",
+        drift={"output_error": math.nan, "x": math.inf},
+    )
+    again = TrialOutcome.model_validate_json(outcome.model_dump_json())
+    assert math.isnan(again.drift["output_error"]) and again.drift["x"] == math.inf
+
+
+def test_a_heldout_batch_fp32_cannot_score_is_named_up_front() -> None:
+    # all targets ignored: fp32's cross-entropy is NaN there; check() raised AttributeError
+    # ('float' object has no attribute 'numerator') or rejected every mode for "+nan%"
+    batches = _class_batches(5)
+    batches[-1] = (batches[-1][0], torch.full((16,), -100))
+    for count in (10, 5):
+        with pytest.raises(
+            ValueError,
+            match=rf"held-out loss is not finite \(batch {count - 1} of the loader's {count}: nan",
+        ):
+            autoprec.check(
+                torch.nn.Linear(8, 5),
+                batches[-count:],
+                steps=20,
+                modes=["amp_bf16"],
+                loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o, t, ignore_index=-100),
+            )
+
+
+class _Annealed(torch.nn.Module):
+    """A temperature annealed by a plain step counter, and a non-persistent running mean:
+    state a forward reads that ``state_dict()`` leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.steps = 0
+        self.register_buffer("center", torch.zeros(4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.training:
+            self.steps += 1
+            with torch.no_grad():
+                self.center.lerp_(y.mean(0).float(), 0.5)
+        return (y - self.center) / max(0.5, 1.0 - 0.05 * self.steps)
+
+
+def test_the_forward_cost_reads_the_trained_model_with_its_unsaved_state() -> None:
+    # the fp32 read was a copy of the untrained model given only the trained state_dict: its
+    # step counter and non-persistent buffer were at step 0, and amp_bf16 "cost +76%"
+    batches = _xy_batches(4)
+    model = torch.nn.Sequential(_Annealed())
+    report = autoprec.check(
+        model, batches, steps=20, modes=["amp_bf16"], loss_fn=torch.nn.functional.mse_loss
+    )
+    verdict = report.verdict("amp_bf16")
+    assert verdict.status == "safe", verdict.reasons
+    assert abs(verdict.drift["forward_cost"]) < 0.01
+    assert model[0].steps == 0  # the user's model is untouched
+
+
+@pytest.mark.parametrize("first", ["mask", "indices", "spectrum"])
+def test_a_bool_integer_or_complex_first_output_is_not_the_prediction(first: str) -> None:
+    # argmax() of a bool or complex output failed the fp32 reference, blamed on autoprec;
+    # class indices were compared by relative L2
+    head = torch.nn.Linear(8, 4)
+
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.head(x)
+            extra = {"mask": y > 0, "indices": y.argmax(-1), "spectrum": torch.fft.fft(y.detach())}[
+                first
+            ]
+            return extra, y
+
+    batches = _xy_batches(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "Casting complex values to real"
+        report = autoprec.check(
+            TwoOutputs(),
+            batches,
+            steps=20,
+            modes=["amp_bf16"],
+            loss_fn=lambda o, t: torch.nn.functional.mse_loss(o[1], t),
+        )
+    verdict = report.verdict("amp_bf16")
+    assert verdict.status == "safe" and verdict.drift["top1_agreement"] is not None
+
+
+def test_the_fp16_range_check_reads_a_leaf_module_returning_a_tuple() -> None:
+    class Raw(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(0)) * 2e3
+            )
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return x @ self.w, None
+
+    batches = _xy_batches(4, target_scale=5e3)
+    report = autoprec.check(
+        Raw(),
+        batches,
+        steps=20,
+        modes=["amp_fp16"],
+        loss_fn=lambda o, t: (o[0].float() - t).pow(2).mean() / 1e8,
+    )
+    assert any("fp16 overflow risk" in reason for reason in report.verdict("amp_fp16").reasons)
+
+
+def test_a_constant_buffer_holding_nan_is_not_changed_by_training() -> None:
+    class Filled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+            self.sub = torch.nn.Module()
+            self.sub.register_buffer("fill", torch.tensor([0.0, 1.0, float("nan"), 0, 0, 0, 0, 0]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(torch.where(torch.isnan(x), self.sub.fill, x))
+
+    batches = _xy_batches(4)
+    report = autoprec.check(
+        Filled(),
+        batches,
+        steps=20,
+        modes=["bf16_sr"],
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, betas=(0.9, 0.99)),
+    )
+    assert not any(r.startswith("state outside") for r in report.verdict("bf16_sr").reasons)
+
+
+class _DictModel(torch.nn.Module):
+    """``{"loss": ..., key: prediction}``, the loss a tensor or (``float_loss``) a number."""
+
+    def __init__(self, net: torch.nn.Module, key: str, float_loss: bool = False) -> None:
+        super().__init__()
+        self.net, self.key, self.float_loss = net, key, float_loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        out = self.net(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        return {"loss": float(loss.detach()) if self.float_loss else loss, self.key: out}
+
+
+@pytest.mark.parametrize("source", ["train_step", "model"])
+def test_a_loss_returned_as_a_python_number_says_so(source: str) -> None:
+    task = tasks.regression(lr=1e-2)
+    batches = [{"x": x, "y": y} for x, y in task.batches + task.heldout]
+
+    def step(plan, b):  # type: ignore[no-untyped-def]
+        return task.mse(plan.model.net(b["x"]), b["y"]).detach().item()
+
+    model = _DictModel(task.model, "logits", float_loss=True)
+    extra = {} if source == "model" else {"train_step": step}
+    with pytest.raises(ValueError, match=r"returned a Python float .*not loss\.item\(\)"):
+        autoprec.check(model, batches, steps=20, modes=["amp_bf16"], **extra)
+
+
+def test_a_dict_output_without_logits_is_compared_by_its_first_prediction() -> None:
+    task = tasks.regression(lr=1e-2)
+    batches = [{"x": x, "y": y} for x, y in task.batches + task.heldout]
+    model = _DictModel(task.model, "preds")
+    report = autoprec.check(model, batches, steps=20, modes=["amp_bf16"], optimizer=task.optimizer)
+    assert report.verdict("amp_bf16").drift.get("output_error") is not None
+
+
+def test_no_weight_decay_note_for_frozen_bf16_weights() -> None:
+    # the only decayed parameters that train are kept fp32; the frozen bf16 Linear is never
+    # stepped, so nothing of the decay is lost
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    model[0].requires_grad_(False)
+    batches = _xy_batches(8)
+    report = autoprec.check(
+        model,
+        batches,
+        steps=20,
+        modes=["bf16_pure"],
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=1e-3, betas=(0.9, 0.99)),
+    )
+    assert not any(
+        "weight decay never applies" in note for note in report.verdict("bf16_pure").notes
+    )
+
+
+def test_an_eval_fn_returning_a_numpy_scalar_array_is_one_number() -> None:
+    import numpy
+
+    task = tasks.regression(lr=1e-2)
+    report = autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        steps=20,
+        modes=["amp_bf16"],
+        loss_fn=task.mse,
+        eval_fn=lambda model: numpy.array(float(model(task.heldout[0][0]).float().pow(2).mean())),
+    )
+    assert report.verdict("amp_bf16").status == "safe"
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "found"),
+    [
+        ({"min_update_fraction": True}, r"True/False for min_update_fraction"),
+        ({1: 2.0}, r"not field names: \[1\]"),
+    ],
+)
+def test_thresholds_of_the_wrong_kind_are_refused_with_the_fields(
+    thresholds: dict, found: str
+) -> None:
+    task = tasks.regression(lr=1e-2)
+    with pytest.raises(ValueError, match=found + r".*Fields: max_loss_gap_units"):
+        autoprec.check(
+            task.model,
+            task.batches + task.heldout,
+            steps=20,
+            loss_fn=task.mse,
+            thresholds=thresholds,
+        )
