@@ -63,6 +63,17 @@ def _stable_repr(value: Any) -> str:
     return _ADDRESS.sub("", repr(value))
 
 
+def _code_repr(code: Any) -> str:
+    """A code object by what it computes: its bytecode and constants, nested functions' code
+    included, without its file, line numbers or address (moving a function in its file
+    changes nothing)."""
+    consts = [
+        _code_repr(const) if hasattr(const, "co_code") else _stable_repr(const)
+        for const in code.co_consts
+    ]
+    return f"{code.co_code.hex()}({', '.join(consts)}){code.co_names}"
+
+
 def _empty_cell(cell: Any) -> bool:
     try:
         cell.cell_contents  # noqa: B018 - an empty closure cell raises
@@ -86,11 +97,7 @@ def callable_digest(function: Any) -> str | None:
         target = function.func
     code = getattr(target, "__code__", None)
     if code is not None:
-        parts += [
-            getattr(target, "__qualname__", ""),
-            code.co_code.hex(),
-            _stable_repr(code.co_consts),
-        ]
+        parts += [getattr(target, "__qualname__", ""), _code_repr(code)]
         parts += [_stable_repr(d) for d in getattr(target, "__defaults__", None) or ()]
         cells = getattr(target, "__closure__", None) or ()
         parts += [_stable_repr(c.cell_contents) for c in cells if not _empty_cell(c)]

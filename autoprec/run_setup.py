@@ -78,8 +78,12 @@ def _scanned_copy(
     batch = to_device(fresh_copy(batch), model_device(trial_model))  # the scan may change it
     if recipe.train_step is None:
         return scanned, _example_input(batch, recipe.loss_fn)
-    never_stepped = torch.optim.SGD(scanned.parameters(), lr=0.0)
-    plan = build_plan(ModeSpec(mode="fp32"), scanned, never_stepped)
+    try:
+        never_stepped = torch.optim.SGD(scanned.parameters(), lr=0.0)
+        plan = build_plan(ModeSpec(mode="fp32"), scanned, never_stepped)
+    except Exception:  # the scan runs without a forward; the calibration reports the error
+        logger.debug("no fp32 plan for the scan's train_step call", exc_info=True)
+        return scanned, None
     return scanned, first_model_call(recipe.train_step, plan, batch)
 
 

@@ -156,6 +156,14 @@ def test_a_loss_of_one_name_with_other_settings_has_another_digest() -> None:
         torch.nn.HuberLoss(delta=1.0)
     )
     assert callable_digest(None) is None
+    # a function moved within its file (another line, a nested lambda's too) computes the same
+    source = (
+        "def loss(o, t):\n    scale = lambda x: x * 2\n    return (scale(o) - t).pow(2).mean()\n"
+    )
+    moved = [{}, {}]
+    exec(compile(source, "train.py", "exec"), moved[0])
+    exec(compile("\n" * 30 + source, "train.py", "exec"), moved[1])
+    assert callable_digest(moved[0]["loss"]) == callable_digest(moved[1]["loss"])
 
 
 def test_a_study_refuses_a_resume_with_other_modules_or_another_loss_setting(
