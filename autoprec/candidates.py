@@ -76,22 +76,33 @@ def no_fp8_layer(spec: ModeSpec, report: ProbeReport) -> str | None:
     if layers is None or not spec.mode.startswith("fp8") or not layers.fp8_compatible_linears:
         return None
     fitting = layers.fp8_compatible_linears
+    # a Linear the scan's forward never called (nn.MultiheadAttention passes out_proj's
+    # weight to its own function): swapped for an FP8 Linear, it would never run as one
+    uncalled = [linear.fqn for linear in fitting if linear.flops == 0]
     left_out = [
         linear.fqn
         for linear in fitting
-        if matches_keep_fp32(linear.fqn, spec.fp8_skip + spec.keep_fp32)
+        if linear.fqn not in uncalled
+        and matches_keep_fp32(linear.fqn, spec.fp8_skip + spec.keep_fp32)
     ]
     recipe = (spec.fp8_recipe or "torchao_tensorwise").removeprefix("torchao_")
     small = [
         linear.fqn
         for linear in fitting
         if linear.fqn not in left_out
+        and linear.fqn not in uncalled
         and spec.fp8_layers == "worthwhile"
         and not fp8_worthwhile(linear.in_features, linear.out_features, recipe)
     ]
-    if len(left_out) + len(small) < len(fitting):
+    if len(uncalled) + len(left_out) + len(small) < len(fitting):
         return None
     parts = []
+    if uncalled:
+        parts.append(
+            f"{', '.join(uncalled[:4])}{', ...' if len(uncalled) > 4 else ''} never called as "
+            "a module in the scan's forward (their weight is read by another module's "
+            "function, as nn.MultiheadAttention reads out_proj's)"
+        )
     if left_out:
         parts.append(
             f"{', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''} kept out of FP8 "

@@ -133,6 +133,24 @@ def call_model(model: nn.Module, example_input: Any) -> Any:
     return model(example_input)
 
 
+@contextmanager
+def renormed_weights_kept(model: nn.Module) -> Iterator[None]:
+    """Put back the weights a forward pass rewrites in place: an ``nn.Embedding(max_norm=...)``
+    renormalises the rows it looks up, in eval mode and without gradients too."""
+    renormed = [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.max_norm is not None
+    ]
+    kept = [module.weight.detach().clone() for module in renormed]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, weight in zip(renormed, kept, strict=True):
+                module.weight.copy_(weight)
+
+
 def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> None:
     modes = {module: module.training for module in model.modules()}
     model.eval()  # no BatchNorm statistic updates, no dropout randomness
@@ -148,7 +166,8 @@ def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttributi
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with torch.no_grad(), attribution.tracking(model), attribution:
+        tracked = attribution.tracking(model)
+        with torch.no_grad(), renormed_weights_kept(model), tracked, attribution:
             call_model(model, example_input)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 LayerKind = Literal["linear", "conv", "embedding", "norm", "raw_param", "other"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "conv", "embedding", "norm", "raw_param", "other")
@@ -57,11 +58,20 @@ def module_kind(module: nn.Module) -> LayerKind | None:
         return "embedding"
     if isinstance(module, _NORM_TYPES):
         return "norm"
-    if type(module).__name__.endswith("Norm") and next(module.children(), None) is None:
+    if (
+        type(module).__name__.endswith("Norm")
+        and next(module.children(), None) is None
+        and type(module).__module__ != _PARAMETRIZATIONS
+    ):
         # Custom norms (LlamaRMSNorm, T5LayerNorm, ...) are recognised by name; a wrapper such
-        # as ``PreNorm(dim, fn)`` has children and is not a norm itself.
+        # as ``PreNorm(dim, fn)`` has children and is not a norm itself; torch's
+        # parametrizations (_WeightNorm, _SpectralNorm) reparametrize a weight, normalising
+        # no activation: no statistics to keep in fp32.
         return "norm"
     return None
+
+
+_PARAMETRIZATIONS = "torch.nn.utils.parametrizations"
 
 
 def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwise") -> bool:
@@ -99,3 +109,15 @@ def fp8_linear_fits(module: nn.Module) -> bool:
         and module.in_features % FP8_DIM_MULTIPLE == 0
         and module.out_features % FP8_DIM_MULTIPLE == 0
     )
+
+
+def refuse_lazy(model: nn.Module) -> None:
+    """Refuse a model whose lazy modules have not run yet: their parameters have no shape
+    (``nn.LazyLinear``), and a forward would set them on the user's own model."""
+    lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"The model has lazy parameters without a shape yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): run one forward pass on a batch first "
+            "(model(example)), as PyTorch asks before building an optimizer."
+        )

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from autoprec.layer_findings import findings as scan_findings
 from autoprec.layer_findings import fraction
@@ -34,6 +35,7 @@ from autoprec.layer_kinds import (
     is_hf_conv1d,
     linear_dims,
     module_kind,
+    refuse_lazy,
 )
 from autoprec.layer_mix import KindShare, LayerMix, LinearInfo
 from autoprec.running_state import running_buffers
@@ -46,8 +48,12 @@ def _parameter_kinds(model: nn.Module) -> dict[str, tuple[LayerKind, int]]:
     """fqn -> (kind of the owning module, element count), each shared parameter once."""
     seen: set[int] = set()
     result: dict[str, tuple[LayerKind, int]] = {}
-    for module_fqn, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for module_fqn, module in modules.items():
         kind = module_kind(module) or "raw_param"
+        if isinstance(module, ParametrizationList):  # a parametrized weight's: its owner's
+            owner = modules.get(module_fqn.rsplit(".parametrizations.", 1)[0])
+            kind = (module_kind(owner) if owner is not None else None) or "raw_param"
         for name, parameter in module.named_parameters(recurse=False):
             if id(parameter) in seen:
                 continue
@@ -137,6 +143,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"scan_model needs a torch.nn.Module but got {type(model).__name__}.")
+    refuse_lazy(model)
     parameter_kinds = _parameter_kinds(model)
     named_parameters = dict(model.named_parameters())
     storages = {

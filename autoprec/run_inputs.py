@@ -16,6 +16,7 @@ from torch import nn
 
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
+from autoprec.layer_kinds import refuse_lazy
 from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
 from autoprec.outcomes import OBJECTIVES
 from autoprec.random_streams import kept_streams
@@ -216,6 +217,7 @@ def check_model(model: Any) -> None:
             "The model has no trainable parameters (requires_grad=False everywhere): the fp32 "
             "reference would never move. Unfreeze the parameters your run trains."
         )
+    refuse_lazy(model)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
             "The model's parameters are on the meta device (shapes without values): nothing "

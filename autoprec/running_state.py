@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autoprec.layer_flops import call_model
+from autoprec.layer_flops import call_model, renormed_weights_kept
 from autoprec.random_streams import kept_streams
 from autoprec.weight_dtypes import is_floating, same_values
 
@@ -106,7 +106,12 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     try:
         # the probe's own pass: what it warns of is not the user's training (a checkpointed
         # layer run without gradients warns that none of its inputs requires grad)
-        with kept_streams(cuda), torch.no_grad(), warnings.catch_warnings():
+        with (
+            kept_streams(cuda),
+            torch.no_grad(),
+            warnings.catch_warnings(),
+            renormed_weights_kept(model),
+        ):
             warnings.simplefilter("ignore")
             model.train()
             call_model(model, example_input)

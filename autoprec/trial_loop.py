@@ -77,8 +77,10 @@ def heldout_pass(
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
         for tensor in tensors_in(output):  # a leaf may return (y, aux) or a dict
-            if tensor.is_floating_point() and tensor.numel():
-                maxima.append(tensor.detach().abs().max().float())
+            parts = tensor.unbind() if tensor.is_nested else (tensor,)
+            for part in parts:
+                if part.is_floating_point() and part.numel():
+                    maxima.append(_largest_finite(part.detach()))
 
     leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
         module
@@ -96,6 +98,11 @@ def heldout_pass(
     was_training = plan.model.training
     plan.model.eval()
     losses, outputs = [], []
+    # nn.MultiheadAttention / TransformerEncoder take a fused fast path in eval mode without
+    # grad in fp32 only (autocast turns it off): padded rows come out 0 in fp32 and not in the
+    # mode, and its nested tensors have no max. Training never takes it; neither does this pass.
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         with torch.no_grad(), plan.autocast():
             for batch in heldout:
@@ -107,11 +114,20 @@ def heldout_pass(
                 predicted = prediction(output)
                 outputs.append(None if predicted is None else summarize_output(predicted))
     finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
         plan.model.train(was_training)
         for handle in handles:
             handle.remove()
     largest = float(torch.stack(maxima).max()) if maxima else 0.0
     return losses, outputs, largest
+
+
+def _largest_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest finite |value| (on the device): -inf in masked logits is there on purpose,
+    in fp32 too, and no overflow; an fp16 overflow shows as fp32's large finite value and as
+    outputs or losses no longer finite."""
+    magnitudes = tensor.abs()
+    return torch.where(torch.isfinite(magnitudes), magnitudes, 0).max().float()
 
 
 def leg_steps(steps: int, points: Sequence[LrPoint]) -> list[int]:

@@ -302,3 +302,30 @@ def test_an_only_matmul_layer_is_first_and_last_and_the_probe_says_who_keeps_wha
     shown = console.export_text()
     assert "pure bf16 keeps in fp32: 0, 1\n" in shown
     assert "FP8 keeps out of FP8 (bf16 autocast): 2\n" in shown
+
+
+def test_the_scan_leaves_max_norm_embeddings_and_parametrizations_as_they_are() -> None:
+    # an Embedding(max_norm) renormalised the user's rows in the scan's forward; torch's
+    # weight_norm / spectral_norm parametrizations were "normalisation" kept in fp32
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 16, max_norm=1.0)
+            self.a = weight_norm(nn.Linear(16, 32))
+            self.s = spectral_norm(nn.Linear(32, 32))
+            self.out = nn.Linear(32, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.s(self.a(self.emb(x).mean(1))))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.emb.weight.mul_(5.0)  # rows beyond max_norm: a lookup would renormalise them
+    before = model.emb.weight.detach().clone()
+    layers = scan_model(model, torch.randint(0, 20, (4, 5)))
+    assert torch.equal(model.emb.weight, before)
+    assert not any("parametrizations" in keep.fqn for keep in layers.keep_fp32)
+    assert layers.kind("raw_param").parameters == 0  # a parametrized Linear's are a Linear's

@@ -1230,3 +1230,110 @@ def test_thresholds_of_the_wrong_kind_are_refused_with_the_fields(
             loss_fn=task.mse,
             thresholds=thresholds,
         )
+
+
+class _PaddedEncoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1)  # enable_nested_tensor=True
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x, src_key_padding_mask=padding).mean(1))
+
+
+def test_a_transformer_encoder_with_a_padding_mask_is_judged() -> None:
+    # the held-out pass took torch's eval fast path: nested tensors had no max ("please report
+    # it"), and fp32's padded rows were 0 where the mode's were not
+    generator = torch.Generator().manual_seed(0)
+    padding = torch.zeros(8, 6, dtype=torch.bool)
+    padding[:, 4:] = True
+    batches = [
+        (
+            torch.randn(8, 6, 16, generator=generator),
+            padding,
+            torch.randint(0, 3, (8,), generator=generator),
+        )
+        for _ in range(12)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's nested-tensor prototype warning
+        report = autoprec.check(
+            _PaddedEncoder(),
+            batches,
+            loss_fn=torch.nn.functional.cross_entropy,
+            steps=8,
+            modes=["amp_bf16"],
+        )
+    assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_fp8_is_not_checked_when_its_only_linear_is_never_called_as_a_module() -> None:
+    # MultiheadAttention reads out_proj's weight itself: swapped for an FP8 Linear, it never
+    # ran, and the trial was bf16 autocast reported "safe" under an FP8 label
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(16, 32)
+            self.att = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+            self.out = torch.nn.Linear(32, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.out(self.att(h, h, h, need_weights=False)[0].mean(1))
+
+    batches = [(torch.randn(8, 10, 16), torch.randint(0, 3, (8,))) for _ in range(12)]
+    report = autoprec.check(
+        Attention(), batches, loss_fn=torch.nn.functional.cross_entropy, steps=4, modes=None
+    )
+    assert not any(v.spec.mode == "fp8_torchao" for v in report.verdicts)
+    fp8 = [s for s in report.not_checked if s.spec.mode == "fp8_torchao"]
+    assert fp8 and "att.out_proj never called as a module" in " ".join(fp8[0].reasons)
+
+
+def test_logits_masked_to_minus_infinity_inside_a_leaf_are_no_fp16_overflow() -> None:
+    class MaskLogits(torch.nn.Module):  # a leaf: its output is read by the fp16 range check
+        def forward(self, logits: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+            return logits.masked_fill(~legal, float("-inf"))
+
+    class Policy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.mask = (
+                torch.nn.Linear(16, 32),
+                torch.nn.Linear(32, 8),
+                MaskLogits(),
+            )
+
+        def forward(self, x: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+            return self.mask(self.b(torch.relu(self.a(x))), legal)
+
+    generator = torch.Generator().manual_seed(1)
+
+    def batch() -> tuple:
+        legal = torch.rand(16, 8, generator=generator) > 0.3
+        legal[:, 0] = True
+        action = torch.multinomial(legal.float(), 1, generator=generator).squeeze(1)
+        return torch.randn(16, 16, generator=generator), legal, action
+
+    report = autoprec.check(
+        Policy(),
+        [batch() for _ in range(24)],
+        loss_fn=torch.nn.functional.cross_entropy,
+        steps=12,
+        modes=["amp_fp16"],
+    )
+    assert not any("overflow" in r for r in report.verdict("amp_fp16").reasons)
+
+
+def test_lazy_parameters_are_refused_with_what_to_do() -> None:
+    model = torch.nn.Sequential(torch.nn.LazyLinear(32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(24)]
+    with pytest.raises(
+        ValueError,
+        match=r"lazy parameters without a shape yet \(0\.weight, 0\.bias\): run one forward",
+    ):
+        autoprec.check(
+            model, batches, loss_fn=torch.nn.functional.cross_entropy, steps=8, modes=["amp_bf16"]
+        )
