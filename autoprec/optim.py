@@ -270,12 +270,22 @@ def _momentum_into_betas(optimizer: torch.optim.Optimizer) -> None:
     """bitsandbytes' SGD8bit steps with ``betas[0]`` as each group's momentum; schedulers that
     cycle SGD's momentum (OneCycleLR, CyclicLR) write ``momentum``. Copy it over before each
     step (before, every group stepped with the first group's momentum, and a cycled one never
-    reached the optimizer)."""
+    reached the optimizer). A scheduler built on the rebuilt optimizer sees ``betas`` in its
+    defaults and cycles ``betas[0]`` instead: whichever of the two changed since the last step
+    wins (before, the constant ``momentum`` overwrote the cycled ``betas[0]`` every step)."""
+    synced = {  # group index -> the momentum both held when last synced
+        index: group["momentum"] for index, group in enumerate(optimizer.param_groups)
+    }
 
     def sync(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in optimizer.param_groups:  # inert on others sharing the hooks: no betas
-            if "momentum" in group and "betas" in group:
-                group["betas"] = (group["momentum"], *tuple(group["betas"])[1:])
+        for index, group in enumerate(optimizer.param_groups):
+            if "momentum" not in group or "betas" not in group:  # others sharing the hooks
+                continue
+            beta, last = next(iter(group["betas"])), synced.get(index)
+            value = beta if last is not None and beta != last else group["momentum"]
+            group["momentum"] = value
+            group["betas"] = (value, *tuple(group["betas"])[1:])
+            synced[index] = value
 
     optimizer.register_step_pre_hook(sync)
 
@@ -292,6 +302,8 @@ def _expose_betas(optimizer: torch.optim.Optimizer) -> None:
     constant betas (0.003, 0.004)."""
     for group in optimizer.param_groups:
         group["betas"] = (group["beta1"], group["beta2"])
+    if "beta1" in optimizer.defaults:  # a scheduler built later checks the defaults for betas
+        optimizer.defaults["betas"] = (optimizer.defaults["beta1"], optimizer.defaults["beta2"])
 
     def sync(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group in optimizer.param_groups:

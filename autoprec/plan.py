@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import numbers
+import types
 import warnings
 import weakref
 from typing import Any
@@ -66,7 +67,9 @@ def check_step_settings(grad_accumulation_steps: Any, clip_grad_norm: Any) -> No
         )
     if not 0 < clip_grad_norm <= math.inf:  # NaN: every weight NaN
         raise ValueError(
-            f"clip_grad_norm must be positive but got {clip_grad_norm}; pass None for no clipping."
+            f"clip_grad_norm must be positive but got {clip_grad_norm}; for no clipping pass "
+            "None to prepare()/apply(), or math.inf to plan.step() (where None means the "
+            "plan's own clip)."
         )
 
 
@@ -81,6 +84,38 @@ def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."
         )
+
+
+def _zero_grad_discards_sums(optimizer: torch.optim.Optimizer, mode: Any) -> None:
+    """``optimizer.zero_grad()`` also drops the gradient sums the mode keeps beside ``.grad``
+    (pure bf16 sums micro-batches in fp32, ``.grad`` empty between them): a ``zero_grad``
+    within a step's micro-batches discarded nothing, and the sums came back at the step."""
+    zero_grad = type(optimizer).zero_grad
+
+    def discarding(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        mode.discard_accumulated()
+        zero_grad(self, set_to_none)
+
+    optimizer.zero_grad = types.MethodType(discarding, optimizer)  # type: ignore[method-assign]
+
+
+def _resumed_micro_step(state: dict[str, Any], accumulation: int) -> int:
+    """The micro-batch count to resume at. Under another ``grad_accumulation_steps`` than the
+    checkpoint's, the count is taken in whole optimizer steps, so the next step accumulates
+    ``accumulation`` new micro-batches (the raw count made it a partial one: 4 saved under 4,
+    resumed under 3, stepped after 2). A checkpoint saved within a step's micro-batches cannot
+    resume under another count: refused."""
+    micro_step = int(state["micro_step"])
+    saved = int(state.get("grad_accumulation_steps", accumulation))
+    if saved == accumulation:
+        return micro_step
+    if micro_step % saved:
+        raise ValueError(
+            f"This plan state was saved after micro-batch {micro_step % saved} of a step of "
+            f"{saved}; it cannot resume under grad_accumulation_steps={accumulation}. Save "
+            "the checkpoint after plan.step() returned True (at a step boundary)."
+        )
+    return micro_step // saved * accumulation
 
 
 class PrecisionPlan:
@@ -109,6 +144,8 @@ class PrecisionPlan:
         self.grad_accumulation_steps = grad_accumulation_steps
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
+        if grad_accumulation_steps > 1:
+            _zero_grad_discards_sums(optimizer, mode)
         self.last_grad_norm: torch.Tensor | None = None
         """The total gradient norm before the last clipping, on the device (reading it is a
         host synchronization: do it when you log, not every step)."""
@@ -137,8 +174,9 @@ class PrecisionPlan:
         self, loss: torch.Tensor | None = None, *, clip_grad_norm: float | None = None
     ) -> bool:
         """Finish a micro-batch: backward (if ``loss`` is given), then every
-        ``grad_accumulation_steps`` micro-batches unscale, clip, step, update the scaler and
-        zero the gradients.
+        ``grad_accumulation_steps`` micro-batches unscale, clip (``clip_grad_norm``, None: the
+        plan's own; ``math.inf``: measure only), step, update the scaler and zero the
+        gradients.
 
         Returns:
             True when the optimizer stepped; False on accumulation micro-batches and when the
@@ -152,14 +190,31 @@ class PrecisionPlan:
             return False
         clip = clip_grad_norm if clip_grad_norm is not None else self.clip_grad_norm
         if clip is not None:
-            self.clip_gradients(clip)
+            self.clip_step_gradients(clip)
         stepped = self.mode.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Unscale the gradients (fp16) and clip them to ``max_norm`` (inf: measure only);
-        the norm before clipping, also kept as ``last_grad_norm`` (a device tensor)."""
+        the norm before clipping, also kept as ``last_grad_norm`` (a device tensor). Call it
+        after the backward of a step's last micro-batch (with accumulation, the gradients
+        before it are partial sums: loss-scaled under amp_fp16, held apart in fp32 under pure
+        bf16), as torch's GradScaler allows one unscale per step."""
+        if (self.micro_step + 1) % self.grad_accumulation_steps:
+            position = self.micro_step % self.grad_accumulation_steps + 1
+            raise RuntimeError(
+                f"clip_gradients was called after micro-batch {position} of "
+                f"{self.grad_accumulation_steps}: the gradients are partial until the step's "
+                "last backward (and unscaling them now would leave the rest of the step "
+                "loss-scaled under amp_fp16). Call it after the last micro-batch's backward, "
+                "or pass clip_grad_norm to prepare()/apply() and let plan.step clip."
+            )
+        return self.clip_step_gradients(max_norm)
+
+    def clip_step_gradients(self, max_norm: float) -> torch.Tensor:
+        """:meth:`clip_gradients` without its accumulation check, for a trainer that counts
+        micro-batches itself and calls this only at a step's end (the HF Trainer's)."""
         self.mode.unscale_gradients(self.optimizer)
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
@@ -172,6 +227,7 @@ class PrecisionPlan:
             "spec": self.spec.model_dump(mode="json"),
             "mode": self.mode.state_dict(),
             "micro_step": self.micro_step,
+            "grad_accumulation_steps": self.grad_accumulation_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -200,7 +256,7 @@ class PrecisionPlan:
                 PrecisionSwitchWarning,
                 stacklevel=2,
             )
-        self.micro_step = int(state["micro_step"])
+        self.micro_step = _resumed_micro_step(state, self.grad_accumulation_steps)
 
     def __repr__(self) -> str:
         return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"

@@ -172,7 +172,7 @@ class PlanOptimizer(torch.optim.Optimizer):
         plan, mode = self.plan, self.plan.mode
         mode.gradients_ready()
         clip = plan.clip_grad_norm if plan.clip_grad_norm is not None else math.inf
-        norm = plan.clip_gradients(clip)  # inf: measured for the Trainer's log, nothing clipped
+        norm = plan.clip_step_gradients(clip)  # inf: measured for the Trainer's log only
         if self._reported_norm is not None:
             self._reported_norm.copy_(norm)
             self._reported_norm = None

@@ -208,6 +208,10 @@ class PrecisionMode:
         """The last micro-batch's backward is done: make ``.grad`` hold the whole step's
         gradients (a mode that accumulates elsewhere writes them back here)."""
 
+    def discard_accumulated(self) -> None:
+        """Drop gradient sums kept beside ``.grad`` (the optimizer's ``zero_grad`` was called
+        within a step's micro-batches). No-op for modes that accumulate in ``.grad``."""
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``.grad`` hold true gradients (before clipping). No-op without loss scaling."""
 

@@ -83,6 +83,10 @@ class Bf16PureMode(PrecisionMode):
         self._sums = {}
 
     @override
+    def discard_accumulated(self) -> None:
+        self._sums = {}
+
+    @override
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         kept = self.kept_roots(model)
