@@ -24,6 +24,23 @@ _BNB_4BIT_MATMULS = frozenset({"bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4b
 runs an aten matmul, which torch's formulas count)."""
 
 
+_FUSED_RNNS = (torch.ops.aten.mkldnn_rnn_layer, torch.ops.aten._cudnn_rnn)
+"""An nn.LSTM's (and on CUDA, GRU's and RNN's) whole forward as one op, which torch's formulas
+do not know: a 2-layer LSTM counted 0 FLOPs, and a Linear beside it 100% of the model's."""
+
+
+def _fused_rnn_flops(args: Any) -> int:
+    """Gate matmuls of a fused RNN op: 2 FLOPs per weight element per token (input and
+    hidden weights; every layer and direction for cuDNN's whole-stack op, one for oneDNN's
+    per-layer op). Elementwise gate math is left out, as for Linears."""
+    source = args[0]
+    tokens = source.numel() // max(int(source.shape[-1]), 1)
+    weights = args[1] if isinstance(args[1], list | tuple) else args[1:3]  # cuDNN: every layer's
+    return (
+        2 * tokens * sum(w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2)
+    )
+
+
 class FlopAttribution(TorchDispatchMode):
     """Credits each FLOP-counted aten op to a layer kind, using a module stack kept by hooks."""
 
@@ -62,6 +79,8 @@ class FlopAttribution(TorchDispatchMode):
         if func.name() in _BNB_4BIT_MATMULS:
             # bitsandbytes' 4-bit Linear on CPU: out (..., N) = A (..., K) @ W(shapeB = (N, K)).T
             return 2 * out.numel() * int(args[2][1])
+        if packet in _FUSED_RNNS:
+            return _fused_rnn_flops(args)
         return 0
 
     def _credit(self, flops: int, args: Any) -> None:

@@ -329,3 +329,14 @@ def test_the_scan_leaves_max_norm_embeddings_and_parametrizations_as_they_are() 
     assert torch.equal(model.emb.weight, before)
     assert not any("parametrizations" in keep.fqn for keep in layers.keep_fp32)
     assert layers.kind("raw_param").parameters == 0  # a parametrized Linear's are a Linear's
+
+
+def test_an_lstms_fused_forward_is_counted() -> None:
+    # one oneDNN op on a CPU (cuDNN's on a GPU), unknown to torch's formulas: an LSTM counted 0
+    # FLOPs and the Linears beside it 100%, so FP8 looked like it reached the whole model
+    lstm = nn.LSTM(64, 128, num_layers=2, bidirectional=True)
+    layers = scan_model(lstm, torch.randn(10, 4, 64))
+    tokens, gates = 10 * 4, 4 * 128
+    first, second = gates * 64 + gates * 128, gates * 256 + gates * 128  # input + hidden weights
+    assert layers.forward_flops == 2 * tokens * (first + second) * 2  # both directions
+    assert "ran no matmuls" not in " ".join(layers.findings)
