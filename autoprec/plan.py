@@ -144,7 +144,7 @@ class PrecisionPlan:
         self.grad_accumulation_steps = grad_accumulation_steps
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
-        if grad_accumulation_steps > 1:
+        if grad_accumulation_steps > 1 and mode.keeps_sums_apart():
             _zero_grad_discards_sums(optimizer, mode)
         self.last_grad_norm: torch.Tensor | None = None
         """The total gradient norm before the last clipping, on the device (reading it is a

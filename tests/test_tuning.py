@@ -102,6 +102,19 @@ def test_budget_is_a_hard_wall() -> None:
     assert result.budget.trial_steps >= 20
 
 
+def _interrupt_after(count: int, done: list[str]) -> Callable[[SearchEvent], None]:
+    """An on_event that records finished candidates in ``done`` and stops the run (Ctrl-C)
+    after ``count`` of them."""
+
+    def interrupt(event: SearchEvent) -> None:
+        if event.kind == "done":
+            done.append(event.label)
+            if len(done) == count:
+                raise KeyboardInterrupt
+
+    return interrupt
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
     # a file path is an Optuna journal file (for many workers on one node); it was passed to
@@ -112,12 +125,7 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
         f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "j" / "s.log")
     )
     done: list[str] = []
-
-    def interrupt_after_two(event: SearchEvent) -> None:
-        if event.kind == "done":
-            done.append(event.label)
-            if len(done) == 2:
-                raise KeyboardInterrupt
+    interrupt_after_two = _interrupt_after(2, done)
 
     with pytest.raises(KeyboardInterrupt):
         tune(
@@ -719,11 +727,7 @@ def test_a_storage_without_a_study_name_resumes_its_study(tmp_path: Path) -> Non
     batches = tiny_gpt.make_small_batches()
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     done: list[str] = []
-
-    def interrupt_after_one(event: SearchEvent) -> None:
-        if event.kind == "done":
-            done.append(event.label)
-            raise KeyboardInterrupt
+    interrupt_after_one = _interrupt_after(1, done)
 
     modes = ["amp_bf16", "bf16_sr"]
     with pytest.raises(KeyboardInterrupt):

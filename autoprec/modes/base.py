@@ -208,6 +208,10 @@ class PrecisionMode:
         """The last micro-batch's backward is done: make ``.grad`` hold the whole step's
         gradients (a mode that accumulates elsewhere writes them back here)."""
 
+    def keeps_sums_apart(self) -> bool:
+        """Whether the mode sums micro-batches beside ``.grad`` (see discard_accumulated)."""
+        return type(self).discard_accumulated is not PrecisionMode.discard_accumulated
+
     def discard_accumulated(self) -> None:
         """Drop gradient sums kept beside ``.grad`` (the optimizer's ``zero_grad`` was called
         within a step's micro-batches). No-op for modes that accumulate in ``.grad``."""
