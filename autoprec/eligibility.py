@@ -169,6 +169,12 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
             f"{raw * 100:.0f}% of FLOPs are matmuls on raw nn.Parameter tensors, which FP8 "
             "module swapping cannot reach"
         )
+    recurrent = layers.kind("recurrent").flop_share
+    if recurrent:
+        verdict.notes.append(
+            f"{recurrent * 100:.0f}% of FLOPs are in recurrent layers (LSTM, GRU, RNN), which FP8 "
+            "module swapping cannot reach"
+        )
 
 
 def _quantized(layers: LayerMix) -> str:

@@ -49,6 +49,12 @@ def findings(mix: LayerMix) -> list[str]:
             f"{', ...' if len(mix.raw_param_matmuls) > 3 else ''}): FP8 module swapping cannot "
             "reach them"
         )
+    recurrent = mix.kind("recurrent")
+    if (recurrent.flop_share or 0) >= 0.05:
+        findings.append(
+            f"{_percent(recurrent.flop_share or 0)} of FLOPs are in recurrent layers (nn.LSTM, "
+            "nn.GRU, nn.RNN): FP8 module swapping converts nn.Linear only and cannot reach them"
+        )
     if (other.flop_share or 0) >= 0.2:
         findings.append(
             f"{_percent(other.flop_share or 0)} of FLOPs are matmuls between activations "

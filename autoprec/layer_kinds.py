@@ -7,8 +7,16 @@ from typing import Literal
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-LayerKind = Literal["linear", "conv", "embedding", "norm", "raw_param", "other"]
-LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "conv", "embedding", "norm", "raw_param", "other")
+LayerKind = Literal["linear", "conv", "embedding", "norm", "recurrent", "raw_param", "other"]
+LAYER_KINDS: tuple[LayerKind, ...] = (
+    "linear",
+    "conv",
+    "embedding",
+    "norm",
+    "recurrent",
+    "raw_param",
+    "other",
+)
 
 FP8_DIM_MULTIPLE = 16
 """FP8 GEMM kernels (torch._scaled_mm, Transformer Engine) need both Linear dims divisible by 16."""
@@ -58,6 +66,10 @@ def module_kind(module: nn.Module) -> LayerKind | None:
         return "embedding"
     if isinstance(module, _NORM_TYPES):
         return "norm"
+    if isinstance(module, nn.RNNBase | nn.RNNCellBase):
+        # nn.LSTM/GRU/RNN and their cells: their weights are module parameters used by
+        # fused RNN ops (or addmm on a CPU), not raw parameters a custom module multiplies.
+        return "recurrent"
     if (
         type(module).__name__.endswith("Norm")
         and next(module.children(), None) is None

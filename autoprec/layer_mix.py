@@ -91,8 +91,19 @@ class LayerMix(BaseModel):
         return tuple(dict.fromkeys(k.fqn for k in self.keep_fp32 if k.reason.startswith(reasons)))
 
     def kind(self, kind: LayerKind) -> KindShare:
-        """The share of one layer kind."""
-        return next(share for share in self.by_kind if share.kind == kind)
+        """The share of one layer kind; none in a scan saved before the kind existed (such a
+        scan counted nn.LSTM/GRU/RNN layers as ``raw_param``)."""
+        found = next((share for share in self.by_kind if share.kind == kind), None)
+        if found is not None:
+            return found
+        flops = None if self.forward_flops is None else 0
+        return KindShare(
+            kind=kind,
+            parameters=0,
+            parameter_share=0.0,
+            flops=flops,
+            flop_share=None if flops is None else 0.0,
+        )
 
     @property
     def fp8_compatible_linears(self) -> tuple[LinearInfo, ...]:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from autoprec.layer_kinds import LAYER_KINDS, fp8_worthwhile, module_kind
+from autoprec.layer_mix import LayerMix
 from autoprec.layers import scan_model
 from examples import raw_param_mlp, small_convnet, tiny_gpt
 
@@ -340,3 +341,27 @@ def test_an_lstms_fused_forward_is_counted() -> None:
     first, second = gates * 64 + gates * 128, gates * 256 + gates * 128  # input + hidden weights
     assert layers.forward_flops == 2 * tokens * (first + second) * 2  # both directions
     assert "ran no matmuls" not in " ".join(layers.findings)
+
+
+@pytest.mark.parametrize(
+    "recurrent", [nn.GRU(8, 16, batch_first=True), nn.LSTM(8, 16, batch_first=True)]
+)
+def test_recurrent_layers_are_their_own_kind_not_raw_parameters(recurrent: nn.Module) -> None:
+    # a GRU's weights are an nn.GRU's parameters, not `x @ self.W` in a custom module: the probe
+    # listed them as "matmuls on raw nn.Parameter tensors (g.weight_ih_l0, ...)"
+    model = nn.Sequential()
+    model.add_module("rnn", recurrent)
+    layers = scan_model(model, torch.randn(4, 5, 8))
+    assert layers.raw_param_matmuls == ()
+    assert layers.kind("raw_param").flops == 0
+    assert layers.kind("recurrent").parameters == sum(p.numel() for p in recurrent.parameters())
+    assert layers.kind("recurrent").flop_share == pytest.approx(1.0)
+    assert any(f.startswith("100% of FLOPs are in recurrent layers") for f in layers.findings)
+    assert not any("raw nn.Parameter" in f for f in layers.findings)
+
+
+def test_a_scan_saved_before_the_recurrent_kind_reads_none_of_it() -> None:
+    saved = scan_model(*raw_param_mlp.make_model()).model_dump()
+    saved["by_kind"] = [share for share in saved["by_kind"] if share["kind"] != "recurrent"]
+    old = LayerMix.model_validate(saved)
+    assert old.kind("recurrent").parameters == 0 and old.kind("recurrent").flop_share == 0.0
