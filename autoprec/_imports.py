@@ -175,7 +175,7 @@ def require(name: str) -> ModuleType:
 class BackendStatus(BaseModel):
     """Whether a backend is installed (and, when checked, importable)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     name: str
     installed: bool

@@ -39,14 +39,14 @@ EIGHT_BIT_MODES: tuple[ModeName, ...] = (
 class Skipped(BaseModel):
     """A requested mode that cannot run here, and why."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     spec: ModeSpec
     reasons: tuple[str, ...]
 
 
 class CandidateList(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     specs: tuple[ModeSpec, ...]
     """The reference (fp32) first, then the rest in search order."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 class AutocastCheck(BaseModel):
     """Result of a tiny autocast matmul (forward and backward) on the CPU."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     dtype: Literal["bfloat16", "float16"]
     works: bool
@@ -23,7 +23,7 @@ class AutocastCheck(BaseModel):
 
 
 class CpuInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     model_name: str
     logical_cores: int

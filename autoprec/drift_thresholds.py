@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class DriftThresholds(BaseModel):
     """Every threshold of the gate, with its default and why."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, ser_json_inf_nan="strings"
+    )
 
     max_loss_gap_units: float = Field(3.0, gt=0)
     """Reject when the held-out or late training loss is worse than the reference by more than

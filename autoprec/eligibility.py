@@ -36,7 +36,7 @@ BYTES_SAVED_PER_8BIT_PARAMETER = 6
 class Eligibility(BaseModel):
     """Whether a mode (or knob) can run here, and whether it is worth a trial."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     reasons: tuple[str, ...]
     """Why it cannot run here; empty when it can."""

@@ -116,7 +116,7 @@ def callable_digest(function: Any) -> str | None:
 class StudyFingerprint(BaseModel):
     """Everything a study's outcomes depend on; two runs may share outcomes only when equal."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     model: str
     architecture: str = ""

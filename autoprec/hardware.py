@@ -37,7 +37,7 @@ FORMAT_MIN_CAPABILITY: dict[FormatName, tuple[int, int]] = {
 class FormatSupport(BaseModel):
     """Whether one number format runs on tensor cores of a GPU."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     format: FormatName
     supported: bool
@@ -47,7 +47,7 @@ class FormatSupport(BaseModel):
 class GpuInfo(BaseModel):
     """One CUDA device."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     index: int
     name: str
@@ -79,7 +79,7 @@ class GpuInfo(BaseModel):
 class HardwareInfo(BaseModel):
     """Everything autoprec needs to know about the machine."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     torch_version: str
     torch_cuda_runtime: str | None

@@ -205,12 +205,16 @@ def rebuild_optimizer(
     target: OptimizerTarget,
     *,
     require_fresh: bool = True,
+    share_hooks: bool = True,
 ) -> torch.optim.Optimizer:
     """A new optimizer over ``model``'s parameters (found by name) for ``target``.
 
     Group-level extras that are not hyper-parameters (``initial_lr`` set by LR schedulers, a
     group's ``name``) are carried over unchanged. The new optimizer starts without state;
     ``require_fresh`` refuses a source that has already stepped (its state would be lost).
+    ``share_hooks``: the new optimizer runs ``optimizer``'s step hooks (``apply()``: the
+    user's run goes on with it); a trial's clone runs none, so the user's EMA or logging hook
+    is not fed trial weights and autoprec's own hooks stay off the user's optimizer.
     """
     if require_fresh and optimizer.state:
         raise ValueError(
@@ -228,10 +232,8 @@ def rebuild_optimizer(
             {**group.options, "params": [parameters[name] for name in group.names]}
             for group in groups
         ]
-        return _with_step_hooks_of(
-            optimizer,
-            type(optimizer)(new_groups, **_accepted_by(type(optimizer), optimizer.defaults)),
-        )
+        same = type(optimizer)(new_groups, **_accepted_by(type(optimizer), optimizer.defaults))
+        return _with_step_hooks_of(optimizer, same) if share_hooks else same
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
@@ -246,7 +248,9 @@ def rebuild_optimizer(
         }
         for group, (_, translated) in zip(groups, translations, strict=True)
     ]
-    rebuilt = _with_step_hooks_of(optimizer, constructor(new_groups, **defaults))
+    rebuilt = constructor(new_groups, **defaults)
+    if share_hooks:
+        rebuilt = _with_step_hooks_of(optimizer, rebuilt)
     if "beta1" in first:
         _expose_betas(rebuilt)
     if target == "bnb_8bit" and kind == "sgd":

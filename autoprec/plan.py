@@ -389,14 +389,17 @@ def prepare(
     """
     found = non_fp32_weights(model) if isinstance(model, nn.Module) else None
     converted = _converted_for(model)
-    if found is not None and converted is not None:
+    if converted is not None:
+        # fp32-weight modes too: a second amp conversion stacked a second fp32 island on each
+        # keep_fp32 module, whose exit left autocast off for the rest of the forward
+        weights = f"found {found}" if found is not None else "its weights are still fp32"
         raise ValueError(
             f"This model was already converted by autoprec for {converted} (apply() or "
-            f"prepare() ran on it; found {found}), and a converted model is not converted "
-            "again: model.float() would keep the first mode's hooks. Keep training with the plan "
-            "you have; to change mode, load your fp32 weights (or the converted model's "
-            "state_dict(), cast with .float()) into a freshly built model and apply the other "
-            "profile to that."
+            f"prepare() ran on it; {weights}), and a converted model is not converted again: "
+            "its first mode's hooks, module swaps and casts stay (model.float() would keep "
+            "them). Keep training with the plan you have; to change mode or start another "
+            "run, load your fp32 weights (or the converted model's state_dict(), cast with "
+            ".float()) into a freshly built model and apply the profile to that."
         )
     if found is not None:
         raise ValueError(

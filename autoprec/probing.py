@@ -26,7 +26,7 @@ from autoprec.specs import MODE_DESCRIPTIONS, MODE_NAMES, ModeName
 class ModeVerdict(BaseModel):
     """Whether one mode (or knob) can run here, is worth a trial, and why."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     name: str
     description: str
@@ -39,7 +39,7 @@ class ModeVerdict(BaseModel):
 class ProbeReport(BaseModel):
     """What ``autoprec probe`` found: the first stage of the pipeline."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     autoprec_version: str
     created_at: datetime

@@ -50,7 +50,9 @@ SCHEMA_VERSION = 4
 """Bump on any change that an older autoprec could not read correctly. 2: ``recipe``;
 3: ``evidence.blind_spots``; 4: ``recipe.lr_points[].momenta``."""
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_FROZEN = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+"""inf and NaN written as "Infinity" and "NaN": JSON has neither, and pydantic wrote null,
+which read back as "no clipping" (clip_grad_norm=inf) or failed to load (an inf drift figure)."""
 
 
 def _refuse_or_warn(message: str, category: type[Warning], *, strict: bool) -> None:

@@ -118,7 +118,7 @@ def set_group_momentum(group: dict[str, Any], value: float) -> None:
 class LrPoint(BaseModel):
     """The learning rates of one trial leg (one per parameter group) and where they come from."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     role: Literal["constant", "peak", "floor", "replay"]
     """constant: no schedule; peak / floor: the legs tune() trains; replay: benchmarks only."""
@@ -150,7 +150,7 @@ class LrPoint(BaseModel):
 class RecipeSummary(BaseModel):
     """The recipe as data: what a profile records and a study fingerprints."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     optimizer: str
     """Class of the optimizer trials train with, e.g. ``torch.optim.adamw:AdamW``."""
@@ -308,7 +308,9 @@ class TrainingRecipe:
         Without (reading the schedule, the summary), no state is copied."""
         if isinstance(self.optimizer, torch.optim.Optimizer):
             groups = named_groups(self.optimizer, user_model)
-            clone = rebuild_optimizer(self.optimizer, groups, model, "same", require_fresh=False)
+            clone = rebuild_optimizer(
+                self.optimizer, groups, model, "same", require_fresh=False, share_hooks=False
+            )
             if with_state and self.optimizer.state:  # copied: trials never touch the user's
                 clone.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
             return clone

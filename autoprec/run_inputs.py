@@ -27,7 +27,35 @@ MAX_BATCHES = 64
 """Batches read from the loader; trials cycle over them."""
 
 
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The torch generators a loader draws its order from: a DataLoader's ``generator``
+    (its worker seeds, and its RandomSampler's shuffle) and its samplers' own."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    )
+    found = [getattr(holder, "generator", None) for holder in holders if holder is not None]
+    unique = {id(g): g for g in found if isinstance(g, torch.Generator)}
+    return list(unique.values())
+
+
 def collect_batches(loader: Iterable[Any]) -> list[Any]:
+    """Up to ``MAX_BATCHES`` batches of ``loader``. A seeded DataLoader's generator is put back
+    as it was: reading it drew the user's first epoch's order (the global RNGs are kept by
+    ``preserved_rng``)."""
+    generators = _loader_generators(loader)
+    states = [generator.get_state() for generator in generators]
+    try:
+        return _read_batches(loader)
+    finally:
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
+
+
+def _read_batches(loader: Iterable[Any]) -> list[Any]:
     try:
         iterator = iter(loader)
     except TypeError:

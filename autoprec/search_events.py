@@ -34,7 +34,7 @@ class SearchEvent(BaseModel):
     Times count from the start of ``tune()``, so ``remaining_seconds`` is the whole budget's.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
     kind: EventKind
     index: int

@@ -341,6 +341,22 @@ def test_a_second_conversion_names_the_first_not_a_cast_to_fp32() -> None:
     assert plan.model is model and model[0].weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("mode", ["amp_bf16", "fp32"])
+def test_a_second_conversion_of_fp32_weights_is_refused_too(mode: str) -> None:
+    # amp_bf16 with keep_fp32 applied twice stacked a second fp32 island on the kept module,
+    # whose exit left autocast off: every layer after it ran in fp32, silently
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+    spec = ModeSpec(mode=mode, keep_fp32=("1",) if mode == "amp_bf16" else ())
+    plan = autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    with pytest.raises(ValueError, match=f"already converted by autoprec for {mode}.*still fp32"):
+        autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert hooks == sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    with plan.autocast():
+        out = plan.model(torch.randn(4, 16))
+    assert out.dtype == (torch.bfloat16 if mode == "amp_bf16" else torch.float32)
+
+
 @pytest.mark.parametrize("clip", [0, -1.0, float("nan")])
 def test_a_step_refuses_a_clip_norm_that_is_not_positive(clip: float) -> None:
     """plan.step(clip_grad_norm=0) froze the model (and returned True); -1 stepped uphill; NaN

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -67,6 +68,27 @@ def test_round_trip_with_evidence(tmp_path: Path) -> None:
     print_profile(load_profile(path), console=console)
     shown = console.export_text()
     assert "not seen by a short trial" in shown and "fp16's range was checked" in shown
+
+
+def test_infinite_figures_survive_the_file(tmp_path: Path) -> None:
+    # written as null: clip_grad_norm=inf ("measure the norm, clip nothing") read back as None
+    # (no clipping: strict apply with inf refused), an inf drift figure made the file unloadable
+    model = nn.Linear(4, 4)
+    recipe = TrainingRecipe(
+        optimizer=torch.optim.AdamW(model.parameters()), clip_grad_norm=math.inf
+    ).summary(model)
+    evidence = Evidence(
+        trial_steps=10,
+        trial_count=2,
+        reference=TrialFigures(final_loss=1.0),
+        chosen=TrialFigures(final_loss=1.0),
+        drift={"loss_ratio": math.inf},
+    )
+    profile = profile_for(ModeSpec(mode="amp_bf16"), recipe=recipe, evidence=evidence)
+    assert profile.recipe is not None and profile.recipe.clip_grad_norm == math.inf
+    loaded = load_profile(profile.save(tmp_path / "p.json"))
+    assert loaded == profile
+    assert loaded.recipe is not None and loaded.recipe.clip_grad_norm == math.inf
 
 
 def test_profiles_of_an_earlier_schema_still_load(tmp_path: Path) -> None:

@@ -1337,3 +1337,46 @@ def test_lazy_parameters_are_refused_with_what_to_do() -> None:
         autoprec.check(
             model, batches, loss_fn=torch.nn.functional.cross_entropy, steps=8, modes=["amp_bf16"]
         )
+
+
+def test_trials_run_none_of_the_users_optimizer_hooks_and_leave_none_on_it() -> None:
+    # trial clones shared the user's hook tables: an EMA post-hook was fed every trial's
+    # weights (628 calls in a tune), and autoprec's beta-sync pre-hook stayed on the user's
+    task = tasks.regression(lr=1e-4)
+    calls: list[int] = []
+    task.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(1))
+    pre = dict(task.optimizer._optimizer_step_pre_hooks)
+    post = dict(task.optimizer._optimizer_step_post_hooks)
+    autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        steps=4,
+        modes=["bf16_kahan", "amp_bf16"],
+    )
+    assert calls == []
+    assert dict(task.optimizer._optimizer_step_pre_hooks) == pre
+    assert dict(task.optimizer._optimizer_step_post_hooks) == post
+
+
+def test_a_seeded_loaders_order_is_left_as_it_was() -> None:
+    # reading the batches drew the loader's own generator: the user's first epoch came out
+    # in another order than without autoprec
+    task = tasks.regression(lr=1e-4)
+    inputs = torch.cat([x for x, _ in task.batches])
+    targets = torch.cat([y for _, y in task.batches])
+    dataset = torch.utils.data.TensorDataset(inputs, targets)
+
+    def loader() -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(1234)
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=16, shuffle=True, generator=generator
+        )
+
+    untouched, used = loader(), loader()
+    autoprec.check(
+        task.model, used, loss_fn=task.mse, optimizer=task.optimizer, steps=4, modes=["amp_bf16"]
+    )
+    assert torch.equal(used.generator.get_state(), untouched.generator.get_state())
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(used, untouched, strict=True))
