@@ -10,6 +10,7 @@ torch's. An option the target cannot honour is an error, never dropped.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,11 +229,14 @@ def rebuild_optimizer(
     if missing:
         raise RuntimeError(f"After conversion the model lacks parameters {missing[:5]}.")
     if target == "same":
+        # copied: a tensor lr is written in place by schedulers (``fill_``), and one shared
+        # with the user's optimizer left it at a trial schedule's floor
         new_groups = [
-            {**group.options, "params": [parameters[name] for name in group.names]}
+            {**copy.deepcopy(group.options), "params": [parameters[name] for name in group.names]}
             for group in groups
         ]
-        same = type(optimizer)(new_groups, **_accepted_by(type(optimizer), optimizer.defaults))
+        defaults = copy.deepcopy(_accepted_by(type(optimizer), optimizer.defaults))
+        same = type(optimizer)(new_groups, **defaults)
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]

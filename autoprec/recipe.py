@@ -204,15 +204,26 @@ def schedule_points(
     floor_quantile: float = FLOOR_QUANTILE,
 ) -> tuple[LrPoint, ...]:
     """The peak and, when it is below ``SEPARATE_FLOOR_BELOW`` of the peak, the floor
-    (``floor_quantile`` of the steps with lr > 0) of a schedule read step by step."""
-    moving = [step for step, values in enumerate(lrs) if values[0] > 0]
+    (``floor_quantile`` of the steps with lr > 0) of a schedule read step by step.
+
+    Every parameter group counts, each against its own peak: a head warmed up and decayed
+    beside a constant backbone is judged at the head's peak and floor (before, group 0 alone
+    was read, and the head trained at its warm-up's lr 0 in every trial)."""
+    peaks = [max(values[group] for values in lrs) for group in range(len(lrs[0]))]
+    groups = [group for group, peak in enumerate(peaks) if peak > 0]
+    moving = [step for step in range(len(lrs)) if any(lrs[step][g] > 0 for g in groups)]
     if not moving:
         raise ValueError(
             f"The schedule keeps the learning rate at 0 for all {total_steps} steps: "
             "the run would never move, so there is nothing to judge a precision by."
         )
-    peak = max(moving, key=lambda step: (lrs[step][0], -step))
-    ranked = sorted(moving, key=lambda step: (lrs[step][0], -step))
+
+    def relative(step: int) -> list[float]:  # each moving group's lr against its own peak
+        return [lrs[step][g] / peaks[g] for g in groups if lrs[step][g] > 0]
+
+    lowest = {step: min(relative(step)) for step in moving}
+    peak = max(moving, key=lambda step: (sum(relative(step)), -step))  # all groups highest
+    ranked = sorted(moving, key=lambda step: (lowest[step], -step))
     floor = ranked[min(len(ranked) - 1, math.floor(floor_quantile * len(ranked)))]
 
     def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
@@ -225,9 +236,13 @@ def schedule_points(
         )
 
     points = [point("peak", peak)]
-    if lrs[floor][0] < SEPARATE_FLOOR_BELOW * lrs[peak][0]:
+    if lowest[floor] < SEPARATE_FLOOR_BELOW * lowest[peak]:
         points.append(point("floor", floor))
     return tuple(points)
+
+
+_PINNED_GROUPS = ("optimizer_groups", 0)
+"""The ``TrainingRecipe._cache`` key of the optimizer's groups named by ``name_groups_after``."""
 
 
 @dataclass(frozen=True)
@@ -298,6 +313,14 @@ class TrainingRecipe:
 
     # -- optimizers ---------------------------------------------------------------------------
 
+    def name_groups_after(self, user_model: nn.Module) -> None:
+        """Name the optimizer's groups after ``user_model``'s parameters, once: trials on a copy
+        moved to another device (``tune(device=...)``) hold none of the optimizer's own
+        parameters, and find theirs by these names (before, every such run failed in its fp32
+        reference with "parameters that are not in the model")."""
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            self._cache[_PINNED_GROUPS] = named_groups(self.optimizer, user_model)
+
     def make_optimizer(
         self, user_model: nn.Module, model: nn.Module, *, with_state: bool = False
     ) -> torch.optim.Optimizer:
@@ -307,7 +330,8 @@ class TrainingRecipe:
         fresh Adam's first steps are about ``lr`` per weight whatever the gradient's size.
         Without (reading the schedule, the summary), no state is copied."""
         if isinstance(self.optimizer, torch.optim.Optimizer):
-            groups = named_groups(self.optimizer, user_model)
+            pinned = self._cache.get(_PINNED_GROUPS)
+            groups = pinned if pinned is not None else named_groups(self.optimizer, user_model)
             clone = rebuild_optimizer(
                 self.optimizer, groups, model, "same", require_fresh=False, share_hooks=False
             )

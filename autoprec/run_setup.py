@@ -339,6 +339,7 @@ def setup_run(
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
     lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
+    recipe.name_groups_after(model)  # the trial model may be a copy on another device
     trial_model = model if device is None else deep_copy(model).to(device)
     report = probe(*_scanned_copy(trial_model, train[0], recipe))
     situation = Situation(

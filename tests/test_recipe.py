@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -35,6 +36,58 @@ def test_without_a_schedule_trials_train_at_the_optimizers_lrs() -> None:
     (point,) = TrainingRecipe(optimizer=optimizer).lr_points(model)
     assert point.role == "constant" and point.lrs == (1e-3, 2e-3)
     assert not optimizer.state  # the user's optimizer is never stepped
+
+
+def test_reading_the_schedule_leaves_a_tensor_lr_alone() -> None:
+    # schedulers write a tensor lr in place; the clone shared the user's tensor, which ended
+    # at the schedule's floor (2.5e-9) and made the next tune() judge every mode at lr ~0
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    recipe = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=3000)
+    first = recipe.lr_points(model)
+    assert optimizer.param_groups[0]["lr"].item() == pytest.approx(1e-3)
+    assert optimizer.defaults["lr"].item() == pytest.approx(1e-3)
+    assert recipe.lr_points(model) == first and first[0].lr == pytest.approx(1e-3)
+
+
+def _backbone_and_head(model: nn.Module, backbone_lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": backbone_lr},
+            {"params": model[2].parameters(), "lr": 1e-2},
+        ]
+    )
+
+
+def _head_warmup_then_cosine(optimizer: torch.optim.Optimizer, total_steps: int) -> object:
+    def head(step: int) -> float:
+        decay = (step - 100) / (total_steps - 100)
+        return step / 100 if step < 100 else 0.5 * (1 + math.cos(math.pi * decay))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda step: 1.0, head])
+
+
+def test_every_groups_schedule_sets_the_legs_not_the_first_groups_alone() -> None:
+    # group 0 alone was read: a constant backbone beside a warmed-up, decayed head gave one
+    # leg at step 0, where the head's lr is 0 (it never trained in any trial), and no floor
+    model = _model()
+    optimizer = _backbone_and_head(model, 1e-4)
+    recipe = TrainingRecipe(
+        optimizer=optimizer, scheduler=_head_warmup_then_cosine, total_steps=1000
+    )
+    peak, floor = recipe.lr_points(model)
+    assert peak.schedule_step == 100 and peak.lrs == pytest.approx((1e-4, 1e-2))
+    assert floor.lrs[0] == 1e-4 and floor.lrs[1] < 0.05 * peak.lrs[1]
+
+
+def test_a_first_group_at_lr_0_beside_a_scheduled_one_is_not_a_run_that_never_moves() -> None:
+    model = _model()
+    optimizer = _backbone_and_head(model, 0.0)
+    recipe = TrainingRecipe(
+        optimizer=optimizer, scheduler=_head_warmup_then_cosine, total_steps=1000
+    )
+    peak, floor = recipe.lr_points(model)
+    assert peak.lrs == pytest.approx((0.0, 1e-2)) and floor.lrs[0] == 0.0 and floor.lrs[1] < 1e-3
 
 
 def test_a_decaying_schedule_adds_a_floor_leg_at_its_tail() -> None:

@@ -1380,3 +1380,19 @@ def test_a_seeded_loaders_order_is_left_as_it_was() -> None:
     )
     assert torch.equal(used.generator.get_state(), untouched.generator.get_state())
     assert all(torch.equal(a[0], b[0]) for a, b in zip(used, untouched, strict=True))
+
+
+def test_an_optimizer_instance_trains_on_a_copy_moved_to_the_device_named() -> None:
+    # the trial model is a copy on `device`, which holds none of the optimizer's parameters:
+    # every such run failed in its fp32 reference ("parameters that are not in the model")
+    task = tasks.regression(lr=1e-4)
+    report = autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        steps=4,
+        modes=["amp_bf16"],
+        device="cpu",
+    )
+    assert report.verdict("amp_bf16").status == "safe"
