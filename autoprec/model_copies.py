@@ -105,17 +105,23 @@ def deep_copy(model: nn.Module) -> nn.Module:
         ) from error
 
 
-class GradientWatch:
-    """The ``.grad`` of every parameter of the user's model, kept to tell afterwards whether
-    a run that trains a copy put gradients on the original (a ``train_step`` or ``loss_fn``
-    calling the model it closes over instead of ``plan.model``), and to put them back."""
+class UserModelWatch:
+    """The user's model (and optimizer) as they were before a run that trains a copy, to tell
+    afterwards whether the run trained the original instead (a ``train_step`` or ``loss_fn``
+    calling the model it closes over, not ``plan.model``) and to put everything back: each
+    ``.grad`` as it was, and a host copy of the weights, buffers and optimizer state (a
+    closure that also steps its own optimizer changed them, and only the gradients came back).
+    Kept for the calibration run only."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.grads = {
             name: (p.grad, None if p.grad is None else p.grad.detach().clone())
             for name, p in model.named_parameters()
         }
+        self.tensors = {name: _host_copy(t) for name, t in _weights_and_buffers(model)}
+        self.optimizer_state = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
 
     def changed(self) -> list[str]:
         """Names of the parameters whose gradient is not what it was."""
@@ -126,7 +132,9 @@ class GradientWatch:
                 names.append(name)
         return names
 
-    def restore(self) -> None:
+    def restore(self) -> list[str]:
+        """Put gradients, weights, buffers and the optimizer's state back; returns the names of
+        the weights and buffers that had changed."""
         for name, p in self.model.named_parameters():
             grad, values = self.grads.get(name, (None, None))
             if values is not None:
@@ -134,6 +142,24 @@ class GradientWatch:
                 with torch.no_grad():
                     grad.copy_(values)
             p.grad = grad
+        changed = []
+        with torch.no_grad():
+            for name, tensor in _weights_and_buffers(self.model):
+                saved = self.tensors.get(name)
+                if saved is not None and not torch.equal(tensor.detach().cpu(), saved):
+                    tensor.copy_(saved)
+                    changed.append(name)
+        if self.optimizer is not None and self.optimizer_state is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
+        return changed
+
+
+def _weights_and_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _carried_attribute(value: Any, current: Any) -> Any:

@@ -199,6 +199,30 @@ def _accepted_by(constructor: Callable[..., Any], options: dict[str, Any]) -> di
     return {k: v for k, v in options.items() if k in accepted and k != "params"}
 
 
+def _constructor_extras(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Constructor keywords an optimizer keeps outside ``defaults``, read back from where it
+    keeps them: an attribute of the same name (torchao's ``block_size``,
+    ``bf16_stochastic_round``; bitsandbytes' ``is_paged``) or bitsandbytes' ``args``
+    (``optim_bits``, ``min_8bit_size``). Rebuilt from ``defaults`` alone, a user's 8-bit
+    bitsandbytes AdamW came back with 32-bit states, and torchao's stochastic rounding off."""
+    parameters = inspect.signature(type(optimizer)).parameters
+    extras: dict[str, Any] = {}
+    for name, parameter in parameters.items():
+        if name in ("params", "args") or name in optimizer.defaults:
+            continue
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        for holder in (optimizer, getattr(optimizer, "args", None)):
+            value = getattr(holder, name, _MISSING) if holder is not None else _MISSING
+            if value is not _MISSING and not callable(value):
+                extras[name] = copy.deepcopy(value)
+                break
+    return extras
+
+
+_MISSING = object()
+
+
 def rebuild_optimizer(
     optimizer: torch.optim.Optimizer,
     groups: list[NamedGroup],
@@ -236,7 +260,7 @@ def rebuild_optimizer(
             for group in groups
         ]
         defaults = copy.deepcopy(_accepted_by(type(optimizer), optimizer.defaults))
-        same = type(optimizer)(new_groups, **defaults)
+        same = type(optimizer)(new_groups, **defaults, **_constructor_extras(optimizer))
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]

@@ -33,7 +33,7 @@ from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
 from autoprec.errors import UnsupportedModeError
-from autoprec.model_copies import GradientWatch, deep_copy
+from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
 from autoprec.plan import build_plan
@@ -173,15 +173,25 @@ def _reference_still(result: TrialResult) -> ValueError:
     )
 
 
-def _trained_the_users_model(names: list[str], setup: RunSetup) -> ValueError:
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _trained_the_users_model(names: list[str], stepped: list[str], setup: RunSetup) -> ValueError:
     source = "train_step" if setup.recipe.train_step is not None else "loss_fn"
     use = "plan.model" if source == "train_step" else "the output it is given"
+    aftermath = (
+        f"It also changed {len(stepped)} of the model's weights and buffers "
+        f"({_names(stepped)}): they were put back as they were, with the gradients and the "
+        "state of the optimizer passed to autoprec; an optimizer of your own that it stepped "
+        "keeps what those steps gave it."
+        if stepped
+        else "Your model's gradients were put back as they were."
+    )
     return ValueError(
-        f"Training the fp32 reference put gradients on your own model's parameters ({shown}): "
-        f"your {source} calls the model it closes over, not the copy each run trains, so "
-        f"no run would measure its mode. Use {use} in {source}. Your model's gradients were "
-        "put back as they were."
+        f"Training the fp32 reference put gradients on your own model's parameters "
+        f"({_names(names)}): your {source} calls the model it closes over, not the copy each "
+        f"run trains, so no run would measure its mode. Use {use} in {source}. {aftermath}"
     )
 
 
@@ -379,7 +389,10 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
     watched = WatchedBatches(setup.train)  # copies: the user's batches stay as they are
-    gradients = GradientWatch(setup.user_model)
+    optimizer = setup.recipe.optimizer
+    user = UserModelWatch(
+        setup.user_model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    )
     calibration = setup.run(
         setup.reference_spec,
         CALIBRATION_STEPS,
@@ -387,10 +400,10 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
         eval_fn=setup.eval_fn,  # a broken eval_fn is found now, not after the fp32 reference
         stop=setup.events.watch(None, "calibration (fp32)"),
     )
-    touched = gradients.changed()
+    touched = user.changed()
     if touched:
-        gradients.restore()
-        raise _trained_the_users_model(touched, setup)
+        raise _trained_the_users_model(touched, user.restore(), setup)
+    del user  # its host copy of the weights
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)
     setup.fresh_batches = watched.changed()

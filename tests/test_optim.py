@@ -201,3 +201,18 @@ def test_the_backends_refused_for_complex_weights_still_mistrain_them(target: st
     theirs = (model.spectral.detach() - start).imag.abs().mean()
     torch_moved = (reference.detach() - start).imag.abs().mean()
     assert not 0.5 < float(theirs / torch_moved) < 2.0, (float(theirs), float(torch_moved))
+
+
+def test_a_clone_keeps_constructor_options_held_outside_defaults() -> None:
+    # rebuilt from `defaults` alone, a bitsandbytes AdamW with 8-bit states came back with
+    # 32-bit ones (the "fp32" reference was not the user's run), torchao's AdamW8bit with its
+    # block size and stochastic rounding reset
+    bnb = pytest.importorskip("bitsandbytes")
+    torchao_optim = pytest.importorskip("torchao.optim")
+    model = _model()
+    user = bnb.optim.AdamW(model.parameters(), optim_bits=8, min_8bit_size=16)
+    clone = rebuild_optimizer(user, named_groups(user, model), model, "same")
+    assert (clone.args.optim_bits, clone.args.min_8bit_size) == (8, 16)
+    user = torchao_optim.AdamW8bit(model.parameters(), block_size=128, bf16_stochastic_round=True)
+    clone = rebuild_optimizer(user, named_groups(user, model), model, "same")
+    assert (clone.block_size, clone.bf16_stochastic_round) == (128, True)

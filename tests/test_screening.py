@@ -856,6 +856,32 @@ def test_a_train_step_training_the_users_own_model_is_named_and_its_grads_put_ba
     assert all(p.grad is None for p in task.model.parameters())
 
 
+def test_a_train_step_stepping_the_users_own_optimizer_leaves_the_model_as_it_was() -> None:
+    # only the gradients were put back: the weights kept the closure's steps, and the
+    # optimizer passed to check() its state, while the error read as if nothing else changed
+    task = tasks.regression(lr=1e-2)
+    weights = copy.deepcopy(task.model.state_dict())
+
+    def closure_step(plan, batch):  # type: ignore[no-untyped-def]
+        task.optimizer.zero_grad()
+        loss = task.mse(task.model(batch[0]), batch[1])
+        loss.backward()
+        task.optimizer.step()
+        return loss.detach().requires_grad_()
+
+    with pytest.raises(ValueError, match=r"Use plan\.model.*changed \d+ of the model's weights"):
+        autoprec.check(
+            task.model,
+            task.batches + task.heldout,
+            train_step=closure_step,
+            optimizer=task.optimizer,
+            steps=20,
+        )
+    assert all(torch.equal(p, weights[n]) for n, p in task.model.state_dict().items())
+    assert not task.optimizer.state
+    assert all(p.grad is None for p in task.model.parameters())
+
+
 @pytest.mark.parametrize(
     ("argument", "function", "found"),
     [
