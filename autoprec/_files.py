@@ -65,12 +65,26 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     return target
 
 
+def _make_folder(folder: Path, path: str | os.PathLike[str]) -> None:
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"{str(path)!r} cannot be written: {str(existing)!r} is {_kind(existing)}, not a "
+            "folder. Give a path in a folder."
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+
+
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Let ``write`` fill a temporary file next to ``path`` (with its suffix, which some writers
     read the format from), fsync it, then rename it over ``path`` (over a symbolic link's
     target, the link kept; anything but a regular file is refused: :func:`atomic_target`)."""
     target = atomic_target(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(target.parent, path)
+    # an existing file keeps its permissions (a profile made private stays private)
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask()
     handle, name = tempfile.mkstemp(
         dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix
     )
@@ -79,7 +93,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]
     try:
         write(temporary)
         with open(temporary, "rb+") as file:
-            os.chmod(file.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; honour the umask
+            os.chmod(file.fileno(), mode)  # mkstemp makes 0600
             os.fsync(file.fileno())
         os.replace(temporary, target)
     except BaseException:

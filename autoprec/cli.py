@@ -233,6 +233,7 @@ def _tune(args: argparse.Namespace) -> int:
             f"{str(out / 'profile.json')!r})."
         )
     check_writable(out)  # /dev/null, a pipe, /proc/p.json: refused before any trial, not after
+    check_writable(out.with_suffix(".trials.json"))  # written beside it, after the run
     # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
     # the first fp32 steps have checked the inputs.
     storage = args.storage or sqlite_url(out.with_suffix(".study.db"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch.utils._pytree import tree_flatten
 
+from autoprec._files import write_atomically
 from autoprec.drift import Fp32Runs
 from autoprec.search import SQLITE_PREFIX, sqlite_file
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
@@ -233,12 +233,13 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
 
 def save_references(path: Path, fingerprint: StudyFingerprint, references: Fp32Runs) -> None:
     """Write the fp32 reference and noise runs atomically (a temporary file, then a rename)."""
-    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
     runs = [references.reference, references.noise]
     if references.paired is not None:
         runs.append(references.paired)
-    torch.save({"fingerprint": fingerprint.digest(), "runs": [_pack(r) for r in runs]}, temporary)
-    os.replace(temporary, path)
+    data = {"fingerprint": fingerprint.digest(), "runs": [_pack(r) for r in runs]}
+    # write_atomically removes its temporary on any error or Ctrl-C (one named by the pid
+    # stayed behind, one more each interrupted run) and fsyncs before the rename
+    write_atomically(path, lambda temporary: torch.save(data, temporary))
 
 
 def load_references(path: Path | None, fingerprint: StudyFingerprint) -> Fp32Runs | None:

@@ -13,11 +13,12 @@ finished (a candidate two workers start at the same moment runs twice).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,19 @@ def _default_study_name(names: list[str], storage: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def optuna_quiet() -> Iterator[None]:
+    """Optuna's log at WARNING (not a line per trial) inside, the caller's level after."""
+    import optuna
+
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(before)
+
+
 def create_study(storage: str | None, study_name: str | None) -> Any:
     """A two-objective study (samples/s up, memory down), new or resumed, in ``storage`` (see
     :func:`optuna_storage`). The folder of an ``sqlite:///PATH`` or journal file is created
@@ -275,7 +289,6 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
     :func:`_default_study_name`, so the same call resumes it."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         file = None if storage is None else sqlite_file(storage)
         if file is not None:

@@ -57,6 +57,7 @@ from autoprec.search import (
     ask_for,
     create_study,
     make_stop_check,
+    optuna_quiet,
     record_outcome,
     record_result,
     search,
@@ -192,6 +193,7 @@ def tune(
     with (
         preserved_rng(),
         callers_blocks_lifted(),
+        optuna_quiet(),
         progress_callback(progress, on_event) as callback,
     ):
         setup = setup_run(

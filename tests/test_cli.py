@@ -479,6 +479,17 @@ def test_an_out_path_naming_a_folder_is_refused(
     assert not (tmp_path / "new").exists()
 
 
+def test_a_trials_path_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # only the profile's path was checked up front: the whole budget ran, the profile was
+    # written, and then p.trials.json (a folder) was refused
+    (tmp_path / "p.trials.json").mkdir()
+    assert main(_tune_command(tmp_path / "p.json")) == 2
+    assert "p.trials.json' is a folder, not a file" in _one_line_error(capsys)
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "p.study.db").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

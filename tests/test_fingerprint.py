@@ -193,3 +193,30 @@ def test_a_study_refuses_a_resume_with_other_modules_or_another_loss_setting(
         autoprec.tune(
             model(torch.nn.GELU()), batches, loss_fn=torch.nn.HuberLoss(delta=100.0), **common
         )
+
+
+def test_references_interrupted_while_written_leave_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a temporary named by the pid stayed behind, one more after each interrupted run
+    task = tasks.regression()
+    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
+    run = run_trial(
+        ModeSpec(mode="fp32"),
+        task.model,
+        task.batches,
+        recipe=recipe,
+        steps=4,
+        heldout=task.heldout,
+    )
+    path = tmp_path / "x.db.s.references.pt"
+    save = torch.save
+
+    def interrupted(data: object, file: Path) -> None:
+        save(data, file)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_references(path, _fingerprint(), Fp32Runs(run, run))
+    assert list(tmp_path.iterdir()) == []

@@ -91,6 +91,21 @@ def test_infinite_figures_survive_the_file(tmp_path: Path) -> None:
     assert loaded.recipe is not None and loaded.recipe.clip_grad_norm == math.inf
 
 
+def test_a_profile_saved_again_keeps_its_permissions(tmp_path: Path) -> None:
+    # an atomic replace made a 0600 profile 0644 (world-readable) on every save
+    path = _profile(mode="amp_bf16").save(tmp_path / "p.json")
+    path.chmod(0o600)
+    _profile(mode="bf16_sr").save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_profile(path).spec.mode == "bf16_sr"
+
+
+def test_a_profile_under_a_file_is_refused_with_what_is_wrong(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="afile' is a file, not a folder"):  # FileExistsError
+        _profile(mode="amp_bf16").save(tmp_path / "afile" / "p.json")
+
+
 def test_profiles_of_an_earlier_schema_still_load(tmp_path: Path) -> None:
     data = json.loads(_profile(mode="amp_bf16").model_dump_json())
     data["schema_version"] = 2  # before evidence.blind_spots

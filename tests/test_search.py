@@ -16,6 +16,7 @@ from autoprec.retiming import CONFIRM_WITHIN
 from autoprec.search import (
     create_study,
     make_stop_check,
+    optuna_quiet,
     optuna_storage,
     search,
     sqlite_file,
@@ -377,3 +378,10 @@ def test_a_storage_path_is_a_journal_file_unless_it_holds_sqlite(tmp_path: Path)
     database = tmp_path / "study.db"
     create_study(f"sqlite:///{database}", "s")
     assert optuna_storage(str(database)) == f"sqlite:///{database}"
+
+
+def test_optunas_log_level_is_the_callers_again_after_a_search() -> None:
+    optuna.logging.set_verbosity(optuna.logging.INFO)
+    with optuna_quiet():
+        assert optuna.logging.get_verbosity() == optuna.logging.WARNING
+    assert optuna.logging.get_verbosity() == optuna.logging.INFO

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import optuna
 import pytest
 import torch
 
@@ -331,9 +332,11 @@ def test_tune_leaves_the_global_rngs_as_it_found_them() -> None:
     torch.manual_seed(123)
     random.seed(5)
     numpy.random.seed(7)
+    optuna.logging.set_verbosity(optuna.logging.INFO)  # and the caller's optuna log level
     tune(task.model, loader, budget_minutes=0.5, loss_fn=task.mse, modes=["amp_bf16"])
     assert torch.equal(torch.rand(3), expected[0])
     assert (random.random(), numpy.random.rand()) == expected[1:]
+    assert optuna.logging.get_verbosity() == optuna.logging.INFO
 
 
 def test_a_first_tune_in_a_fresh_process_leaves_pythons_random_alone() -> None:
