@@ -45,14 +45,7 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     cannot write (``/proc/p.json``, a read-only folder, a file used as a folder) is refused
     before the run, not after it."""
     target = atomic_target(path)
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ValueError(
-            f"{str(path)!r} cannot be written: {str(folder)!r} is {_kind(folder)}, not a "
-            "folder. Give a path in a folder."
-        )
+    folder = _nearest_folder(target.parent, path)
     try:
         handle, name = tempfile.mkstemp(dir=folder, prefix=".autoprec-write-check.")
     except OSError as error:
@@ -65,7 +58,8 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     return target
 
 
-def _make_folder(folder: Path, path: str | os.PathLike[str]) -> None:
+def _nearest_folder(folder: Path, path: str | os.PathLike[str]) -> Path:
+    """``folder`` or its nearest ancestor that exists; refused when that is not a folder."""
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -74,6 +68,11 @@ def _make_folder(folder: Path, path: str | os.PathLike[str]) -> None:
             f"{str(path)!r} cannot be written: {str(existing)!r} is {_kind(existing)}, not a "
             "folder. Give a path in a folder."
         )
+    return existing
+
+
+def _make_folder(folder: Path, path: str | os.PathLike[str]) -> None:
+    _nearest_folder(folder, path)
     folder.mkdir(parents=True, exist_ok=True)
 
 

@@ -20,6 +20,7 @@ from autoprec.fingerprint import (
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
+from autoprec.trial_records import TrialResult
 from examples import tasks
 
 
@@ -92,10 +93,10 @@ def test_a_study_with_trials_but_no_fingerprint_is_refused() -> None:
         check_study(study, _fingerprint(), "'old' in memory")
 
 
-def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) -> None:
+def _fp32_runs(seeds: tuple[int, ...]) -> tuple[TrialResult, ...]:
     task = tasks.regression()
     recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
-    runs = tuple(
+    return tuple(
         run_trial(
             ModeSpec(mode="fp32"),
             task.model,
@@ -105,8 +106,12 @@ def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) 
             heldout=task.heldout,
             seed=seed,
         )
-        for seed in (0, 1, 2)
+        for seed in seeds
     )
+
+
+def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) -> None:
+    runs = _fp32_runs(seeds=(0, 1, 2))
     path = references_path(f"sqlite:///{tmp_path / 'x.db'}", "s")
     assert path == tmp_path / "x.db.s.references.pt"
     assert references_path("postgresql://host/db", "s") is None
@@ -199,16 +204,7 @@ def test_references_interrupted_while_written_leave_no_temporary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a temporary named by the pid stayed behind, one more after each interrupted run
-    task = tasks.regression()
-    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
-    run = run_trial(
-        ModeSpec(mode="fp32"),
-        task.model,
-        task.batches,
-        recipe=recipe,
-        steps=4,
-        heldout=task.heldout,
-    )
+    run = _fp32_runs(seeds=(0,))[0]
     path = tmp_path / "x.db.s.references.pt"
     save = torch.save
 
