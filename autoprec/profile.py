@@ -105,6 +105,15 @@ def _shown(value: object) -> str:
     return "none" if value is None else repr(value)
 
 
+def _digested_kinds(layers: LayerMix) -> list[tuple[str, int]]:
+    """Parameters by kind as the layer-mix digest has read them since profiles recorded it:
+    recurrent layers (a kind of their own since) counted with raw parameters, so a profile
+    proven before still matches the model it was proven for."""
+    counts = {share.kind: share.parameters for share in layers.by_kind}
+    counts["raw_param"] = counts.get("raw_param", 0) + counts.pop("recurrent", 0)
+    return [(kind, parameters) for kind, parameters in counts.items()]
+
+
 class ModelFingerprint(BaseModel):
     """Which model a profile was proven for."""
 
@@ -122,7 +131,7 @@ class ModelFingerprint(BaseModel):
     def from_layers(cls, layers: LayerMix) -> ModelFingerprint:
         payload = json.dumps(
             {
-                "kinds": [(share.kind, share.parameters) for share in layers.by_kind],
+                "kinds": _digested_kinds(layers),
                 "linears": [(lin.in_features, lin.out_features) for lin in layers.linears],
             }
         )
