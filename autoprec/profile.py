@@ -92,12 +92,26 @@ class HardwareFingerprint(BaseModel):
 
     def differences(self, other: HardwareFingerprint) -> list[str]:
         """What differs between this (the proven) and ``other`` (the current) hardware."""
+        fields = ["device_kind", "gpu_name", "capability"]
+        if self.device_kind == other.device_kind == "cpu":
+            fields.append("cpu_model")  # a CPU's bf16 speed is its own (AMX, avx512_bf16, none)
         found = []
-        for field in ("device_kind", "gpu_name", "capability"):
+        for field in fields:
             proven, current = getattr(self, field), getattr(other, field)
             if proven != current:
                 found.append(f"{field}: proven on {_shown(proven)}, running on {_shown(current)}")
+        if _minor(self.torch_version) != _minor(other.torch_version):
+            # kernels and autocast's op lists change between torch releases
+            found.append(
+                f"torch_version: proven on {self.torch_version!r}, running on "
+                f"{other.torch_version!r}"
+            )
         return found
+
+
+def _minor(version: str) -> str:
+    """A torch version's release, major.minor ("2.13.0+cpu" -> "2.13")."""
+    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def _shown(value: object) -> str:

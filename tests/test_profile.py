@@ -222,6 +222,18 @@ def test_other_hardware_warns_and_strict_refuses(tmp_path: Path) -> None:
         load_profile(here, strict=True)
 
 
+def test_a_cpu_profile_from_another_cpu_or_torch_release_warns() -> None:
+    # only the device kind, GPU and capability were compared: a CPU profile proven on a Xeon
+    # with AMX under torch 2.4 loaded here under strict=True without a word
+    here = HardwareFingerprint.from_hardware(make_hardware())
+    other = here.model_copy(update={"cpu_model": "Intel Xeon 8480+", "torch_version": "2.4.0+cpu"})
+    assert other.differences(here) == [
+        f"cpu_model: proven on 'Intel Xeon 8480+', running on {here.cpu_model!r}",
+        "torch_version: proven on '2.4.0+cpu', running on '2.13.0+cpu'",
+    ]
+    assert here.model_copy(update={"torch_version": "2.13.1+cpu"}).differences(here) == []
+
+
 def test_differences_between_gpus() -> None:
     a100 = HardwareFingerprint.from_hardware(make_hardware("A100"))
     h100 = HardwareFingerprint.from_hardware(make_hardware("H100"))
