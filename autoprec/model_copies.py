@@ -86,6 +86,12 @@ def _uncompiled(model: nn.Module) -> nn.Module:
             del module.forward
             if before is not None:
                 module.forward = before
+            inner = inside_compile_wrapper(module)
+            if inner is not None:
+                # a submodule the user wrapped (model.encoder = torch.compile(model.encoder)):
+                # the wrapper's class has no forward of its own; it calls what it wraps, and
+                # keeps its place, so parameter names stay the user's
+                module.forward = inner.__call__
     return model
 
 

@@ -1422,3 +1422,19 @@ def test_an_optimizer_instance_trains_on_a_copy_moved_to_the_device_named() -> N
         device="cpu",
     )
     assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_a_submodule_the_user_compiled_trains_in_every_copy() -> None:
+    # model[0] = torch.compile(model[0]): the copies dropped the wrapper's compiled forward,
+    # and its class has none ("missing the required forward function"), blamed on the batches
+    task = tasks.regression(lr=1e-4)
+    task.model[0] = torch.compile(task.model[0])
+    report = autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        optimizer=torch.optim.AdamW(task.model.parameters(), lr=1e-4),
+        steps=4,
+        modes=["amp_bf16"],
+    )
+    assert report.verdict("amp_bf16+compiled").status == "safe"  # compiled, as the user does
