@@ -16,6 +16,7 @@ from torch import nn
 
 from autoprec.errors import PrecisionSwitchWarning, RecipeMismatchWarning
 from autoprec.profile import Profile
+from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 
 transformers = pytest.importorskip("transformers")
@@ -101,7 +102,6 @@ def test_tune_trainer_uses_an_overridden_compute_loss(tmp_path: Path) -> None:
     recipe = trainer_recipe(custom)
     assert "train_step" in recipe
     # the logits the model returned to compute_loss are what the output check compares
-    from autoprec.recipe import TrainingRecipe
     from autoprec.trial import run_trial
 
     result = run_trial(
@@ -363,6 +363,38 @@ def test_every_configure_optimizers_form(form: str) -> None:
     recipe = module_recipe(_Regression(form), _loader(), _lightning_trainer())
     assert isinstance(recipe["optimizer"], torch.optim.AdamW)
     assert ("scheduler" in recipe) == (form != "optimizer")
+
+
+class _Stepped(_Regression):
+    def __init__(self, frequency: int) -> None:
+        super().__init__("dict")
+        self.frequency = frequency
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.99)
+        config = {"scheduler": scheduler, "interval": "step", "frequency": self.frequency}
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def test_the_schedule_is_read_as_lightning_steps_it() -> None:
+    # the scheduler's `frequency` and the Trainer's `limit_train_batches` were ignored: an
+    # ExponentialLR stepped every 10 of 1000 steps was judged at 0.99^900 (1.2e-7), where the
+    # run never goes below 0.99^99 (3.7e-4); 5 batches of 10 epochs read as 16 per epoch
+    trainer = lightning.Trainer(max_steps=1000, accelerator="cpu", logger=False)
+    module = _Stepped(frequency=10)
+    recipe = module_recipe(module, _loader(), trainer)
+    assert recipe["total_steps"] == 100
+    read = TrainingRecipe(**{k: v for k, v in recipe.items() if k != "train_step"})
+    assert read.lr_points(module)[-1].lr > 0.99**100 * 1e-3
+    limited = lightning.Trainer(
+        max_epochs=10, limit_train_batches=5, accelerator="cpu", logger=False
+    )
+    assert module_recipe(_Stepped(frequency=1), _loader(), limited)["total_steps"] == 50
+    shared = lightning.Trainer(
+        max_epochs=2, limit_train_batches=0.5, accelerator="cpu", logger=False
+    )
+    assert module_recipe(_Stepped(frequency=1), _loader(), shared)["total_steps"] == 16
 
 
 def test_two_optimizers_are_refused() -> None:

@@ -74,7 +74,8 @@ def _total_steps(trainer: Any, loader: Any, interval: str) -> int | None:
     steps, epochs = trainer.max_steps, trainer.max_epochs
     per_epoch = None
     if hasattr(loader, "__len__"):
-        per_epoch = max(-(-len(loader) // trainer.accumulate_grad_batches), 1)
+        batches = _batches_per_epoch(len(loader), trainer.limit_train_batches)
+        per_epoch = max(-(-batches // trainer.accumulate_grad_batches), 1)
     if interval == "epoch":
         if steps and steps > 0 and per_epoch is not None:
             epochs_run = -(-steps // per_epoch)
@@ -85,6 +86,24 @@ def _total_steps(trainer: Any, loader: Any, interval: str) -> int | None:
     if epochs and epochs > 0 and per_epoch is not None:
         return int(epochs) * per_epoch
     return None
+
+
+def _batches_per_epoch(length: int, limit: int | float | None) -> int:
+    """The batches of an epoch Lightning runs under ``limit_train_batches`` (an int: at most
+    that many; a float: that share of the loader, as Lightning rounds it)."""
+    if limit is None:
+        return length
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return min(length, limit)
+    return length if float(limit) == 1.0 else int(length * float(limit))
+
+
+def _scheduler_steps(total: int | None, config: Mapping[str, Any]) -> int | None:
+    """Scheduler steps of a run of ``total`` intervals: Lightning steps it every
+    ``frequency`` of them (an ExponentialLR stepped every 10 of 1000 steps ends at 0.99^100,
+    not 0.99^1000)."""
+    frequency = int(config.get("frequency", 1) or 1)
+    return None if total is None else max(total // frequency, 1)
 
 
 def _ignore(*_args: Any, **_kwargs: Any) -> None:
@@ -114,7 +133,7 @@ def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any)
     if config is not None:
         interval = config.get("interval", "epoch")
         recipe["scheduler"] = _scheduler_factory(module)
-        recipe["total_steps"] = _total_steps(trainer, loader, interval)
+        recipe["total_steps"] = _scheduler_steps(_total_steps(trainer, loader, interval), config)
         if recipe["total_steps"] is None and "total_steps" not in options:
             raise ValueError(
                 f"configure_optimizers() returns an LR scheduler (interval={interval!r}): pass "
