@@ -116,6 +116,40 @@ def test_tune_trainer_uses_an_overridden_compute_loss(tmp_path: Path) -> None:
     assert result.heldout_outputs[0].shape[-1] == plain.model.config.vocab_size
 
 
+def test_a_compute_loss_func_is_the_trials_loss(tmp_path: Path) -> None:
+    # Trainer(compute_loss_func=...) was not read: trials trained on the model's own loss
+    plain = _gpt2_trainer(tmp_path)
+    own = transformers.Trainer(
+        model=plain.model,
+        args=plain.args,
+        train_dataset=plain.train_dataset,
+        compute_loss_func=lambda outputs, labels, num_items_in_batch=None: (
+            outputs.logits.abs().mean()
+        ),
+    )
+    assert "train_step" in trainer_recipe(own)
+
+
+def test_tune_trainer_trains_with_checkpointing_and_neftune_as_train_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Trainer.train() switches both on before its first step; the model tune() trained had
+    # neither (speed and memory of another loop, numerics without NEFTune's noise)
+    trainer = _gpt2_trainer(tmp_path, neftune_noise_alpha=5.0, activation_checkpointing=True)
+    seen: dict[str, Any] = {}
+
+    def tune(model: Any, loader: Any, **options: Any) -> None:
+        seen["checkpointing"] = model.is_activation_checkpointing
+        seen["noise"] = getattr(model.get_input_embeddings(), "neftune_noise_alpha", None)
+
+    monkeypatch.setattr("autoprec.tuning.tune", tune)
+    tune_trainer(trainer, budget_minutes=0.1)
+    assert seen == {"checkpointing": True, "noise": 5.0}
+    embeddings = trainer.model.get_input_embeddings()  # and as it was afterwards
+    assert not trainer.model.is_activation_checkpointing and not embeddings._forward_hooks
+    assert not hasattr(embeddings, "neftune_noise_alpha")
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.label)
 def test_apply_profile_trains_with_the_trainer(
     spec: ModeSpec, hf_tuned: Any, tmp_path: Path

@@ -21,7 +21,7 @@ import contextlib
 import copy
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,14 +83,88 @@ def _trainer_optimizer(trainer: Any) -> torch.optim.Optimizer:
 
 
 def _uses_own_loss(trainer: Any) -> bool:
-    """The Trainer computes the loss as the model does (no compute_loss override, no label
-    smoothing): trials then call the model and compare its outputs too."""
+    """The Trainer computes the loss as the model does (no compute_loss override, no
+    ``compute_loss_func``, no label smoothing): trials then call the model and compare its
+    outputs too."""
     from transformers import Trainer
 
     return (
         type(trainer).compute_loss is Trainer.compute_loss
+        and getattr(trainer, "compute_loss_func", None) is None
         and not trainer.args.label_smoothing_factor
     )
+
+
+@contextlib.contextmanager
+def _as_the_trainer_trains(trainer: Any) -> Iterator[None]:
+    """The Trainer's model with what ``Trainer.train()`` switches on before its first step,
+    for as long as tune() runs (its copies keep it), then as it was: activation checkpointing
+    (it changes speed and memory) and NEFTune's noisy embeddings (they change the numerics)."""
+    model, args = trainer.model, trainer.args
+    undo: list[Callable[[], None]] = []
+    try:
+        if _checkpointing(args) and not _checkpointing_on(model):
+            undo.append(_checkpointing_off(model))
+            _enable_checkpointing(model, args)
+        alpha = getattr(trainer, "neftune_noise_alpha", None)
+        if alpha is not None:
+            from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+            handle = activate_neftune(model, alpha)
+            undo.append(lambda: deactivate_neftune(model, handle))
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+def _checkpointing(args: Any) -> bool:
+    """Does the Trainer checkpoint activations (``activation_checkpointing``; before
+    transformers 5, ``gradient_checkpointing``)?"""
+    return bool(
+        getattr(args, "activation_checkpointing", False)
+        or getattr(args, "gradient_checkpointing", False)
+    )
+
+
+def _checkpointing_on(model: Any) -> bool:
+    if hasattr(type(model), "is_activation_checkpointing"):  # the other name warns in 5.x
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def _enable_checkpointing(model: Any, args: Any) -> None:
+    """As ``Trainer.train()`` enables it (its kwargs, ``every_n_layers`` and ``offload``)."""
+    options = dict(
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
+    extras = {key: options.pop(key) for key in ("every_n_layers", "offload") if key in options}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=options or None, **extras
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options or None, **extras)
+
+
+def _checkpointing_off(model: Any) -> Callable[[], None]:
+    """Undo ``_enable_checkpointing`` (call before it): its input-require-grads hook too,
+    which transformers' disable leaves on a model that is not a PEFT model."""
+    disable = getattr(model, "activation_checkpointing_disable", None) or (
+        model.gradient_checkpointing_disable
+    )
+    had_input_hook = bool(getattr(model, "_require_grads_hooks", None)) or hasattr(
+        model, "_require_grads_hook"
+    )
+
+    def off() -> None:
+        disable()
+        if not had_input_hook and hasattr(model, "disable_input_require_grads"):
+            model.disable_input_require_grads()
+
+    return off
 
 
 def trainer_recipe(trainer: Any, loader: Any = None, **options: Any) -> dict[str, Any]:
@@ -133,7 +207,8 @@ def tune_trainer(trainer: Any, budget_minutes: float = 30.0, **options: Any) -> 
     loader = _train_loader(trainer)
     recipe = trainer_recipe(trainer, loader, **options)
     recipe.setdefault("compile", bool(trainer.args.torch_compile))  # trials train as it will
-    return tune(trainer.model, loader, budget_minutes=budget_minutes, **recipe)
+    with _as_the_trainer_trains(trainer):
+        return tune(trainer.model, loader, budget_minutes=budget_minutes, **recipe)
 
 
 PLAN_STATE_KEY = "autoprec_plan"
