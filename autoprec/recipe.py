@@ -452,6 +452,28 @@ class TrainingRecipe:
         return int(max(steps, default=0))
 
 
+def scheduled_lr_note(recipe: TrainingRecipe) -> str | None:
+    """A note when trials train at the lr a scheduler left on the optimizer passed, with no
+    scheduler given (its groups carry ``initial_lr`` and another ``lr``): right for a check
+    from a run's checkpoint, and a surprise mid-warm-up (trials at 1e-6 of a 1e-3 run)."""
+    if recipe.scheduler is not None or not isinstance(recipe.optimizer, torch.optim.Optimizer):
+        return None
+    moved = [
+        (float(group["initial_lr"]), float(group["lr"]))
+        for group in recipe.optimizer.param_groups
+        if "initial_lr" in group and float(group["lr"]) != float(group["initial_lr"])
+    ]
+    if not moved:
+        return None
+    initial, current = moved[0]
+    return (
+        f"Trials train at the optimizer's current lr {current:g}, which a scheduler moved from "
+        f"its initial_lr {initial:g}, and at no other: no scheduler was passed. Right for a "
+        "check from your run's checkpoint; to judge every lr your schedule reaches, pass "
+        "scheduler=FACTORY and total_steps=N (CLI: --scheduler, --total-steps)."
+    )
+
+
 def _require_readable(scheduler: Any) -> None:
     """Refuse a schedule whose learning rates depend on the run's own metrics."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):

@@ -38,7 +38,7 @@ from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
 from autoprec.plan import build_plan
 from autoprec.probing import ProbeReport, probe
-from autoprec.recipe import LrPoint, TrainingRecipe, refuse_wrong_arity
+from autoprec.recipe import LrPoint, TrainingRecipe, refuse_wrong_arity, scheduled_lr_note
 from autoprec.run_inputs import MAX_BATCHES, check_seed, collect_batches
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
@@ -349,6 +349,9 @@ def setup_run(
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
     lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
+    note = scheduled_lr_note(recipe)
+    if note is not None:
+        logger.warning(note)
     recipe.name_groups_after(model)  # the trial model may be a copy on another device
     trial_model = model if device is None else deep_copy(model).to(device)
     report = probe(*_scanned_copy(trial_model, train[0], recipe))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.recipe import FLOOR_QUANTILE, TrainingRecipe
+from autoprec.recipe import FLOOR_QUANTILE, TrainingRecipe, scheduled_lr_note
 
 
 def _model() -> nn.Module:
@@ -246,3 +246,19 @@ def test_a_stepped_optimizers_state_starts_each_trial_as_a_copy() -> None:
 
 def _fresh(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_an_optimizer_a_scheduler_moved_is_named_when_no_scheduler_is_passed() -> None:
+    # mid-warm-up at 1e-6 of a 1e-3 run, with no scheduler passed: every trial trained at 1e-6
+    # without a word (only an lr of exactly 0 was named)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _warmup(optimizer)  # LambdaLR: step 0 of 100, lr 0 ...
+    optimizer.param_groups[0]["lr"] = 1e-6  # ... or a step into it
+    note = scheduled_lr_note(TrainingRecipe(optimizer=optimizer))
+    assert note is not None and "current lr 1e-06" in note and "initial_lr 0.001" in note
+    assert (
+        scheduled_lr_note(TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters()))) is None
+    )
+    scheduled = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=100)
+    assert scheduled_lr_note(scheduled) is None
