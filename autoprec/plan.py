@@ -38,6 +38,13 @@ CONVERTED_MARK = "_autoprec_converted_for"
 with that name, not with advice to cast it back to fp32)."""
 
 
+def _changes_the_model(mode: PrecisionMode, spec: ModeSpec, compiled_by_user: bool) -> bool:
+    """Does building the plan leave anything on the model (casts, swaps, hooks, a compiled
+    forward)? fp32 and tf32 uncompiled leave nothing: those may be prepared again."""
+    converts = type(mode).convert_module is not PrecisionMode.convert_module
+    return converts or (spec.compile and not compiled_by_user)
+
+
 def _converted_for(model: Any) -> str | None:
     if not isinstance(model, nn.Module):
         return None
@@ -308,7 +315,8 @@ def build_plan(
     optimizer = mode.convert_optimizer(optimizer, model, groups)
     if spec.compile and not compiled_by_user:
         compile_model(model)
-    model.__dict__[CONVERTED_MARK] = spec.label
+    if _changes_the_model(mode, spec, compiled_by_user):
+        model.__dict__[CONVERTED_MARK] = spec.label
     return PrecisionPlan(
         mode,
         model,
