@@ -3,6 +3,7 @@ or anything else, as a :class:`TrialFailure` with a one-line message."""
 
 from __future__ import annotations
 
+import re
 import sysconfig
 import traceback
 from pathlib import Path
@@ -42,6 +43,19 @@ def _is_compile_error(error: BaseException) -> bool:
     return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
+_FP8_SHAPE_ERRORS = re.compile(
+    r"divisible by 16|dim_for_fp8_exec|must be divisible by (8|16)|multiple of (8|16)"
+)
+"""FP8 GEMMs' shape checks: torch._scaled_mm's ("Expected trailing dimension of mat1 to be
+divisible by 16": in torchao's backward the tokens of a batch are the inner dimension) and
+Transformer Engine's (``assert_dim_for_fp8_exec``: tokens divisible by 8)."""
+FP8_SHAPE_HINT = (
+    " (FP8 matmuls need the tokens of a batch, every dimension of a Linear's input but the "
+    "last, divisible by 16: pad sequences or batches to a multiple of 16, drop a ragged last "
+    "batch (DataLoader(drop_last=True)), or pass FP8 over)"
+)
+
+
 def failure_of(error: Exception, step: int | None) -> TrialFailure:
     """The failure ``error`` raised at ``step`` (None: before training) records."""
     if isinstance(error, UnsupportedModeError):
@@ -58,6 +72,8 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
         if inner is not None:  # the compiler's own error says what failed
             message += f" {type(inner).__name__}: {first_line(inner)}"
         message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
+    if _FP8_SHAPE_ERRORS.search(message):
+        message += FP8_SHAPE_HINT
     frames = traceback.extract_tb(error.__traceback__)
     return TrialFailure(
         kind=kind,

@@ -197,6 +197,24 @@ def test_tf32_is_switched_on_only_inside_the_plan() -> None:
         assert matmul.fp32_precision == "ieee"  # the reference really is fp32
 
 
+@pytest.mark.parametrize("tf32", [True, False])
+def test_torchs_own_tf32_getters_work_inside_and_cudnn_rnns_follow(tf32: bool) -> None:
+    # only the per-backend fields were set: torch.get_float32_matmul_precision() and the
+    # legacy allow_tf32 flags raised ("a mix of the legacy and new APIs") inside the block,
+    # and cuDNN's RNNs kept their TF32 default under the fp32 reference
+    from autoprec.modes.base import float32_matmul_precision
+
+    backends = torch.backends
+    before = [b.fp32_precision for b in (backends, backends.cudnn.rnn, backends.cuda.matmul)]
+    with float32_matmul_precision(tf32):
+        assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+        assert backends.cuda.matmul.allow_tf32 is tf32 and backends.cudnn.allow_tf32 is tf32
+        assert (backends.cudnn.rnn.fp32_precision == "tf32") is tf32
+    assert [
+        b.fp32_precision for b in (backends, backends.cudnn.rnn, backends.cuda.matmul)
+    ] == before
+
+
 def test_the_fp32_reference_is_fp32_on_the_cpu_under_medium_matmul_precision() -> None:
     # set_float32_matmul_precision("medium") (common in Lightning scripts) sets oneDNN's fp32
     # matmuls to bf16 on CPUs with bf16 units: the "fp32" reference ran bf16 matmuls there

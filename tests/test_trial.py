@@ -1006,3 +1006,22 @@ def test_a_loss_the_model_returns_that_is_not_one_number_is_refused(
     )
     loss, _ = forward_and_loss(plan, (torch.ones(4, 2), torch.ones(4)), None)
     assert float(loss) == 2.0
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [  # torch._scaled_mm's check (torchao's backward), Transformer Engine's
+        "Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: (64x1016).",
+        "Input shape (8, 127, 256) is not supported by FP8: assert_dim_for_fp8_exec",
+    ],
+)
+def test_an_fp8_shape_failure_says_what_to_do(raised: str) -> None:
+    # a GPT batch of tokens[:, :-1] (8 x 127) or a ragged last batch fails every FP8 GEMM; the
+    # reason was torch's bare shape message
+    from autoprec.trial_failures import FP8_SHAPE_HINT, failure_of
+
+    failure = failure_of(RuntimeError(raised), step=0)
+    assert failure.message.endswith(FP8_SHAPE_HINT) and "drop_last=True" in failure.message
+    assert not failure_of(RuntimeError("CUDA error: an illegal memory access"), 0).message.endswith(
+        FP8_SHAPE_HINT
+    )

@@ -32,31 +32,42 @@ __all__ = ["PrecisionMode", "override"]
 
 @contextlib.contextmanager
 def float32_matmul_precision(tf32: bool) -> Iterator[None]:
-    """Allow (or forbid) TF32 for fp32 matmuls and convolutions inside the block only; on the
-    CPU (oneDNN) fp32 stays fp32 either way. ``torch.set_float32_matmul_precision("medium")``
-    sets oneDNN's fp32 matmuls to bf16 where the CPU has bf16 units (AMX, avx512_bf16): left
-    alone, the fp32 reference ran bf16 matmuls (0.166 off exact fp32 on a 64x256 @ 256x256)."""
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
-        cpu = (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
-        saved = (matmul.fp32_precision, conv.fp32_precision)
-        saved_cpu = tuple(backend.fp32_precision for backend in cpu)
-        matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
-        for backend in cpu:
-            backend.fp32_precision = "ieee"
+    """Allow (or forbid) TF32 for fp32 matmuls, convolutions and cuDNN RNNs inside the block
+    only; on the CPU (oneDNN) fp32 stays fp32 either way. ``torch.set_float32_matmul_precision
+    ("medium")`` sets oneDNN's fp32 matmuls to bf16 where the CPU has bf16 units (AMX,
+    avx512_bf16): left alone, the fp32 reference ran bf16 matmuls (0.166 off exact fp32 on a
+    64x256 @ 256x256). Set through the calls that keep torch's legacy and per-backend flags
+    consistent: setting the per-backend fields alone made torch's own getters raise ("a mix of
+    the legacy and new APIs") inside the block (inductor's max-autotune reads them), and left
+    cuDNN's RNNs at their TF32 default under the fp32 reference."""
+    backends = torch.backends
+    if not hasattr(backends.cuda.matmul, "fp32_precision"):  # pragma: no cover - torch < 2.9
+        saved_legacy = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32)
+        backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = tf32
         try:
             yield
         finally:
-            matmul.fp32_precision, conv.fp32_precision = saved
-            for backend, value in zip(cpu, saved_cpu, strict=True):
-                backend.fp32_precision = value
-    else:  # pragma: no cover - older torch
-        saved = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-        try:
-            yield
-        finally:
-            matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved_legacy
+        return
+    fields = [
+        backends,
+        backends.cuda.matmul,
+        backends.cudnn,
+        backends.cudnn.conv,
+        backends.cudnn.rnn,
+        backends.mkldnn,
+        backends.mkldnn.matmul,
+        backends.mkldnn.conv,
+    ]
+    saved = [field.fp32_precision for field in fields]
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    backends.cudnn.allow_tf32 = tf32  # convolutions and RNNs
+    backends.mkldnn.matmul.fp32_precision = backends.mkldnn.conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for field, value in reversed(list(zip(fields, saved, strict=True))):
+            field.fp32_precision = value
 
 
 class PrecisionMode:
