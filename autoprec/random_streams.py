@@ -34,6 +34,16 @@ def cuda_devices_of(device: torch.device) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
+def seed_torch(seed: int, cuda_devices: Sequence[torch.device | int]) -> None:
+    """Seed torch's CPU stream and those of ``cuda_devices`` only: ``torch.manual_seed``
+    reseeds every CUDA device, and a block that puts back only the ones it draws from left the
+    other GPUs of a multi-GPU machine reseeded."""
+    torch.random.default_generator.manual_seed(seed)
+    for device in cuda_devices:
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+
+
 def stream_states(device: torch.device) -> StreamStates:
     """The global streams a run on ``device`` draws from, as they stand now."""
     torch_states = [torch.random.get_rng_state()]
@@ -78,8 +88,9 @@ def kept_streams(cuda_devices: Sequence[torch.device | int]) -> Iterator[None]:
 def seeded_streams(device: torch.device, seed: int) -> Iterator[None]:
     """Run a block with every global stream seeded from ``seed`` (the caller's are kept): two
     runs with one seed draw the same numbers from each."""
-    with kept_streams(cuda_devices_of(device)):
-        torch.manual_seed(seed)  # the CPU's and every CUDA device's
+    cuda = cuda_devices_of(device)
+    with kept_streams(cuda):
+        seed_torch(seed, cuda)
         random.seed(seed)
         numpy.random.seed(seed % NUMPY_SEED_RANGE)
         yield

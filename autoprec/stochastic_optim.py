@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from autoprec._imports import require
+from autoprec.random_streams import seed_torch
 from autoprec.weight_dtypes import as_real
 
 
@@ -112,7 +113,8 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         devices = self._cuda_devices
         with torch.random.fork_rng(devices=devices):
             if not self._rng_states:
-                torch.manual_seed(self._seed)
+                seed_torch(self._seed, devices)  # the parameters' devices only: fork_rng
+                # puts back just those, and torch.manual_seed reseeded every GPU
             else:
                 torch.set_rng_state(self._rng_states["cpu"])
                 for index in devices:
@@ -120,7 +122,8 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
                     if saved is not None:
                         torch.cuda.set_rng_state(saved, index)
                     else:  # a checkpoint written on other devices: a fresh stream here
-                        torch.cuda.manual_seed(self._seed + index)
+                        with torch.cuda.device(index):
+                            torch.cuda.manual_seed(self._seed + index)
             yield
             self._rng_states = {"cpu": torch.get_rng_state()}
             for index in devices:

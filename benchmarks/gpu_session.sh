@@ -21,13 +21,21 @@ case "$stage" in
 esac
 out=${OUT:-runs/gpu_session}
 mkdir -p "$out"
-if command -v nvidia-smi >/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+python=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null; then
+  if ! compgen -G ".whl/*.whl" >/dev/null; then
+    # the wheels reach the device only when the run names .whl in carry (it is gitignored):
+    # without them every stage fails later on a bare import error
+    echo "no wheels in .whl/: run ../shared/tools/offline-wheels.sh here and carry .whl" >&2
+    exit 3
+  fi
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD"
+  "$python" -c "import transformer_engine" 2>/dev/null \
+    || echo "transformer_engine is not installed here: every fp8_te check is skipped, untested"
 fi
 export PYTHONUNBUFFERED=1
-python=${PYTHON:-python3}
 log="$out/$stage.txt"
 case "$stage" in
   tests)

@@ -217,3 +217,14 @@ def test_sgd_invalid_arguments() -> None:
         StochasticSGD([weight], nesterov=True)
     with pytest.raises(ValueError, match="must be >= 0"):
         StochasticSGD([weight], lr=-1.0)
+
+
+def test_seeding_a_run_draws_on_the_cpu_as_torch_manual_seed_does() -> None:
+    # seed_torch replaces torch.manual_seed (which reseeded every GPU of a multi-GPU machine
+    # while only the run's own was put back); on the CPU its numbers are the same
+    from autoprec.random_streams import seed_torch
+
+    seed_torch(123, [])
+    ours = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(ours, torch.rand(4))

@@ -18,6 +18,7 @@ from autoprec._imports import require
 from autoprec.layer_kinds import fp8_linear_fits
 from autoprec.modes.base import PrecisionMode, override
 from autoprec.modes.islands import install_fp32_islands
+from autoprec.random_streams import cuda_devices_of, kept_streams
 from autoprec.specs import TeDelayedScaling
 
 
@@ -57,13 +58,16 @@ class Fp8TeMode(PrecisionMode):
                 continue
             parent_name, _, child_name = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            replacement = te.Linear(
-                module.in_features,
-                module.out_features,
-                bias=module.bias is not None,
-                params_dtype=module.weight.dtype,
-                device=module.weight.device,
-            )
+            # te.Linear initialises weights it is about to lose (normal_ on the CUDA stream):
+            # drawn outside the trial's seeded streams, or dropout would not match fp32's
+            with kept_streams(cuda_devices_of(module.weight.device)):
+                replacement = te.Linear(
+                    module.in_features,
+                    module.out_features,
+                    bias=module.bias is not None,
+                    params_dtype=module.weight.dtype,
+                    device=module.weight.device,
+                )
             # the same Parameter objects, not copies: a tied weight stays tied and the
             # optimizer already holds them (te.Linear reads self.weight / self.bias per call)
             replacement.weight = module.weight
