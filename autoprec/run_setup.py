@@ -440,7 +440,8 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float
 
 
 PAIRED_RUN = (1, None, "fp32 paired noise run")
-"""(seed offset, shuffle seed, label) of the run with other random draws on the same batches."""
+"""(seed offset, shuffle seed offset or None: the loader's order, label) of the run with other
+random draws on the same batches."""
 
 
 def reference_runs(
@@ -459,7 +460,7 @@ def reference_runs(
             setup.reference_spec,
             steps,
             seed=setup.seed + seed_offset,
-            shuffle_seed=shuffle,
+            shuffle_seed=None if shuffle is None else setup.seed + shuffle,
             heldout=setup.heldout if watched is None else watched,
             eval_fn=setup.eval_fn,
             stop=setup.events.watch(budget_only, label),

@@ -34,10 +34,12 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
     saved in its state dict."""
 
     def __init__(
-        self, params: Iterable[Any], defaults: dict[str, Any], *, kahan: bool, seed: int
+        self, params: Iterable[Any], defaults: dict[str, Any], *, kahan: bool, seed: int | None
     ) -> None:
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
-        self._seed = seed
+        # None: torch's seed (torch.manual_seed's, a trial's run seed), read without a draw;
+        # a fixed 0 made every seed of `tune --seed` round with the same noise
+        self._seed = (torch.initial_seed() if seed is None else seed) % 2**63
         self._rng_states: dict[str, torch.Tensor] = {}
         self._cuda_devices: list[int] = []
         super().__init__(params, {**defaults, "kahan": kahan})
@@ -152,7 +154,8 @@ class StochasticAdamW(_StochasticOptimizer):
         decoupled_weight_decay: True for AdamW (decay the weight by ``lr * weight_decay``),
             False for Adam (add ``weight_decay * weight`` to the gradient).
         kahan: keep a bf16 compensation buffer per bf16 parameter.
-        seed: seed of the optimizer's own random stream for the rounding noise.
+        seed: seed of the optimizer's own random stream for the rounding noise (None: torch's
+            seed, ``torch.initial_seed()``, as ``torch.manual_seed`` set it).
     """
 
     def __init__(
@@ -165,7 +168,7 @@ class StochasticAdamW(_StochasticOptimizer):
         *,
         decoupled_weight_decay: bool = True,
         kahan: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(
@@ -224,7 +227,8 @@ class StochasticSGD(_StochasticOptimizer):
         params: parameters or parameter groups, as for any torch optimizer.
         lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
         kahan: keep a bf16 compensation buffer per bf16 parameter.
-        seed: seed of the optimizer's own random stream for the rounding noise.
+        seed: seed of the optimizer's own random stream for the rounding noise (None: torch's
+            seed, ``torch.initial_seed()``, as ``torch.manual_seed`` set it).
     """
 
     def __init__(
@@ -237,7 +241,7 @@ class StochasticSGD(_StochasticOptimizer):
         nesterov: bool = False,
         *,
         kahan: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(

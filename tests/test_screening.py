@@ -1438,3 +1438,25 @@ def test_a_submodule_the_user_compiled_trains_in_every_copy() -> None:
         modes=["amp_bf16"],
     )
     assert report.verdict("amp_bf16+compiled").status == "safe"  # compiled, as the user does
+
+
+def test_the_seed_reaches_the_noise_runs_order_and_the_rounding_noise() -> None:
+    # the noise run always shuffled with seed 1 and stochastic rounding always drew from seed
+    # 0: on a model without random draws, `--seed 0`, `1` and `12345` were bit-identical
+    task = tasks.regression(lr=1e-4)
+    drifts = [
+        autoprec.check(
+            task.model,
+            task.batches + task.heldout,
+            loss_fn=task.mse,
+            optimizer=task.optimizer,
+            steps=8,
+            modes=["bf16_sr"],
+            seed=seed,
+        )
+        .verdict("bf16_sr")
+        .drift
+        for seed in (0, 1, 0)
+    ]
+    assert drifts[0] == drifts[2]  # a seed is a seed
+    assert drifts[0]["update_fraction"] != drifts[1]["update_fraction"]  # the rounding noise

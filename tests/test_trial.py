@@ -1025,3 +1025,19 @@ def test_an_fp8_shape_failure_says_what_to_do(raised: str) -> None:
     assert not failure_of(RuntimeError("CUDA error: an illegal memory access"), 0).message.endswith(
         FP8_SHAPE_HINT
     )
+
+
+def test_stochastic_rounding_draws_from_the_seed_torch_was_given() -> None:
+    # its own stream was always seeded 0: every run seed rounded with the same noise
+    from autoprec.stochastic_optim import StochasticAdamW
+
+    pytest.importorskip("torchastic")
+    rounded = []
+    for seed in (5, 6, 5):
+        torch.manual_seed(seed)
+        weight = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+        optimizer = StochasticAdamW([weight], lr=1e-3)
+        weight.grad = torch.full_like(weight, 0.1)
+        optimizer.step()
+        rounded.append(weight.detach().clone())
+    assert torch.equal(rounded[0], rounded[2]) and not torch.equal(rounded[0], rounded[1])
