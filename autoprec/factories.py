@@ -6,6 +6,7 @@ wrong, so the CLI can print it without a traceback.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -36,11 +37,19 @@ def _import_file(path_text: str, option: str) -> ModuleType:
     path = Path(path_text)
     if not path.is_file():
         raise ModelLoadError(f"{option}: file {path_text!r} does not exist.")
-    name = f"_autoprec_user_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    resolved = path.resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    name = f"_autoprec_user_{path.stem}_{digest}"
+    loaded = sys.modules.get(name)
+    if loaded is not None:  # --model, --data, --loss from one file: one module, run once
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, resolved)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{option}: cannot load {path_text!r} as a Python module.")
     module = importlib.util.module_from_spec(spec)
+    folder = str(resolved.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # as `python file.py` does: modules next to the file
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from autoprec.cli import main
+from autoprec.factories import load_object
 
 REPO = Path(__file__).parents[1]
 MODES = {"fp32", "amp_bf16", "bf16_kahan"}
@@ -47,6 +48,26 @@ def test_factory_returning_a_bare_module(
     assert main(["probe", "--json", "--model", f"{factory}:model"]) == 0
     layers = json.loads(capsys.readouterr().out)["layers"]
     assert layers["parameters"] == 32 * 32 + 32 and layers["forward_flops"] is None
+
+
+def test_a_file_is_run_once_for_every_option_and_imports_its_neighbours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each option ran the file again as a new module (a dataclass batch failed isinstance:
+    # "expected Batch, got _autoprec_user_dc.Batch"), and `from helper import net` failed
+    (tmp_path / "helper_for_autoprec.py").write_text("import torch\nnet = torch.nn.Linear(4, 4)\n")
+    script = tmp_path / "train_for_autoprec.py"
+    script.write_text(
+        "import dataclasses\nfrom helper_for_autoprec import net\nRUNS = []\nRUNS.append(1)\n"
+        "@dataclasses.dataclass\nclass Batch:\n    x: object\n"
+        "def build():\n    return net\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    build = load_object(f"{script}:build")
+    batch = load_object(f"{script}:Batch", option="--data")
+    assert isinstance(build(), torch.nn.Linear) and load_object(f"{script}:RUNS") == [1]
+    assert batch is load_object(f"{script}:Batch", option="--train-step")
 
 
 @pytest.mark.parametrize(
