@@ -288,6 +288,7 @@ def _written_by_tune(path: Path) -> bool:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from autoprec._files import check_writable
     from autoprec.report import (
         outcomes_from_result,
         outcomes_from_study,
@@ -301,6 +302,7 @@ def _report(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{source!r} does not exist; {given}.")
     if "://" not in source and Path(source).is_dir():
         raise ValueError(f"{source!r} is a folder; {given}.")
+    check_writable(args.out)  # a folder, /dev/null: refused before anything is read
     if source.endswith(".json") or _written_by_tune(Path(source)):
         outcomes, chosen, noise_runs = outcomes_from_result(source)
     else:

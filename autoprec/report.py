@@ -8,11 +8,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from autoprec._files import read_json, write_atomically
+from autoprec._files import check_writable, read_json, write_atomically
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.outcomes import TrialOutcome
-from autoprec.search import optuna_storage
+from autoprec.search import optuna_storage, sqlite_file
 from autoprec.tune_result import TuneResult
 
 _STYLE = {
@@ -98,6 +98,7 @@ def plot_outcomes(
 def _image_path(path: Path, formats: dict[str, str]) -> Path:
     """``path``, ``.png`` added when it has no suffix (as matplotlib would add it unseen); a
     suffix matplotlib cannot write is an error naming those it can."""
+    check_writable(path)  # a folder, a device, /proc: refused as named, not renamed .png
     if not path.suffix:
         return path.with_suffix(".png")
     if path.suffix.lower().lstrip(".") not in formats:
@@ -147,8 +148,18 @@ def outcomes_from_study(
     fp32 noise runs."""
     import optuna
 
-    opened = optuna_storage(storage)
-    names = optuna.get_all_study_names(storage=opened)
+    file = sqlite_file(storage)
+    if file is not None and not file.is_file():  # opening it would create an empty database
+        raise FileNotFoundError(f"{storage}: no such SQLite file ({str(file)!r}).")
+    try:
+        opened = optuna_storage(storage)
+        names = optuna.get_all_study_names(storage=opened)
+    except Exception as error:  # a bad URL, a missing driver, a server that does not answer
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"Cannot read the study storage {storage!r} ({type(error).__name__}: "
+            f"{first_line}); check the URL, its driver and that the database answers."
+        ) from error
     if not names:
         raise ValueError(f"{storage} holds no study: nothing was tuned with it.")
     if study_name is None:

@@ -757,3 +757,25 @@ def test_tune_refuses_an_out_that_is_not_a_file_before_any_trial(
         assert "cannot be written" in err and said in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "p.json"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_report_refuses_bad_storage_urls_and_outputs_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # bad URLs gave tracebacks (exit 1), a mistyped SQLite path created a database, and
+    # --out naming a folder or /dev/null wrote `folder.png` / `/dev/null.png` beside it
+    out = str(tmp_path / "r.png")
+    assert main(["report", "bogus://x", "--out", out]) == 2
+    assert "Cannot read the study storage 'bogus://x'" in _one_line_error(capsys)
+    typo = tmp_path / "typo.db"
+    assert main(["report", f"sqlite:///{typo}", "--out", out]) == 2
+    assert "no such SQLite file" in _one_line_error(capsys)
+    assert not typo.exists()
+    trials = tmp_path / "p.trials.json"
+    trials.write_text(json.dumps({"profile": {}, "trials": [], "reference": {}}))
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    for target in (str(folder) + "/", "/dev/null"):
+        assert main(["report", str(trials), "--out", target]) == 2
+        assert "not a file" in _one_line_error(capsys)
+    assert not (tmp_path / "plots.png").exists()
