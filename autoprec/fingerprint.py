@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -56,10 +58,18 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 def _stable_repr(value: Any) -> str:
     """``repr(value)`` the same in every process: tensors (and modules) by digest, memory
-    addresses (``<object at 0x7f...>``) left out."""
+    addresses (``<object at 0x7f...>``) left out, sets sorted (the order of a set of strings
+    follows the process's hash seed: the same run was refused as another one)."""
     if isinstance(value, torch.Tensor | torch.nn.Module):
         shown = repr(value) if isinstance(value, torch.nn.Module) else type(value).__name__
         return f"{shown}:{tensor_digest(value)}"
+    if isinstance(value, set | frozenset):
+        return f"{type(value).__name__}({sorted(_stable_repr(v) for v in value)})"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__}[{', '.join(_stable_repr(v) for v in value)}]"
+    if isinstance(value, dict):
+        items = sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())
+        return f"{{{', '.join(items)}}}"
     return _ADDRESS.sub("", repr(value))
 
 
@@ -95,22 +105,31 @@ def callable_digest(function: Any) -> str | None:
         parts += [_stable_repr(a) for a in function.args]
         parts += [f"{k}={_stable_repr(v)}" for k, v in sorted(function.keywords.items())]
         target = function.func
+    if inspect.ismethod(target):  # a bound method computes with its object's attributes
+        parts += _attributes(target.__self__)
+        target = target.__func__
     code = getattr(target, "__code__", None)
     if code is not None:
         parts += [getattr(target, "__qualname__", ""), _code_repr(code)]
         parts += [_stable_repr(d) for d in getattr(target, "__defaults__", None) or ()]
+        keyword_defaults = getattr(target, "__kwdefaults__", None) or {}
+        parts += [f"{k}={_stable_repr(v)}" for k, v in sorted(keyword_defaults.items())]
         cells = getattr(target, "__closure__", None) or ()
         parts += [_stable_repr(c.cell_contents) for c in cells if not _empty_cell(c)]
     else:
-        if isinstance(target, torch.nn.Module):
-            parts.append(_stable_repr(target))
-        attributes = getattr(target, "__dict__", {})
-        parts += [
-            f"{k}={_stable_repr(v)}"
-            for k, v in sorted(attributes.items())
-            if not k.startswith("_") and k != "training"
-        ]
+        parts += _attributes(target)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _attributes(target: Any) -> list[str]:
+    """A callable object's (an ``nn.HuberLoss``'s) settings and tensors, as text."""
+    parts = [_stable_repr(target)] if isinstance(target, torch.nn.Module) else []
+    attributes = getattr(target, "__dict__", {})
+    return parts + [
+        f"{k}={_stable_repr(v)}"
+        for k, v in sorted(attributes.items())
+        if not k.startswith("_") and k != "training"
+    ]
 
 
 class StudyFingerprint(BaseModel):
@@ -123,6 +142,10 @@ class StudyFingerprint(BaseModel):
     """Digest of the model's ``repr``: its modules and their settings (a GELU swapped for a
     ReLU, a Dropout added) change no weight."""
     batches: str
+    trainable: str = ""
+    """Digest of which parameters train (``requires_grad``) and which optimizer group holds
+    each: a frozen layer, or tensors moved between groups of equal settings, change neither
+    the weights nor the recipe's group settings."""
     recipe: dict[str, Any]
     objective: str
     thresholds: dict[str, Any]
@@ -149,6 +172,8 @@ class StudyFingerprint(BaseModel):
                 found.append(f"{name} (other weights or data)")
             elif name == "architecture":
                 found.append("architecture (other modules or module settings)")
+            elif name == "trainable":
+                found.append("trainable parameters or their optimizer groups")
             elif name == "functions":
                 keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
                 found.append(f"what {', '.join(keys)} computes with")
@@ -167,12 +192,21 @@ class StudyFingerprint(BaseModel):
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
 
+def trainable_digest(model: torch.nn.Module, groups: list[list[str]]) -> str:
+    """sha256 (16 hex digits) of the names of ``model``'s trainable parameters and of the
+    parameter names in each optimizer group."""
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    return hashlib.sha256(json.dumps([trainable, groups]).encode()).hexdigest()[:16]
+
+
 def storage_file(storage: str | None) -> Path | None:
     """The file behind a SQLite URL or a journal path; None for servers and in-memory."""
     if storage is None:
         return None
     if storage.startswith(SQLITE_PREFIX):
-        return sqlite_file(storage)
+        file = sqlite_file(storage)
+        # sqlite:///:memory: is no file (its references were written to ':memory:.*.pt')
+        return None if file is None or str(file) in ("", ":memory:") else file
     if "://" not in storage:
         return Path(storage)
     return None

@@ -27,7 +27,9 @@ from autoprec.fingerprint import (
     references_path,
     save_references,
     tensor_digest,
+    trainable_digest,
 )
+from autoprec.optim import named_groups
 from autoprec.outcomes import Objective, TrialOutcome
 from autoprec.recipe import (
     OptimizerSource,
@@ -75,20 +77,35 @@ def _retime(setup: RunSetup, spec: ModeSpec, steps: int, stop: Any) -> Any:
     return setup.run(spec, steps, stop=setup.events.watch(stop, label)).record
 
 
+def _group_names(setup: RunSetup) -> list[list[str]]:
+    """The parameter names in each of the recipe's optimizer groups."""
+    model = setup.user_model
+    optimizer = setup.recipe.make_optimizer(model, model)
+    return [list(group.names) for group in named_groups(optimizer, model)]
+
+
+def _hardware(setup: RunSetup) -> str:
+    """The device trials ran on; on a CPU its model too (its bf16 speed is its own: a study
+    resumed on another CPU reused the first one's speeds)."""
+    report, situation = setup.report, setup.situation
+    if situation.gpu is None:  # found_device() names torch's version already
+        return f"{report.device}: {situation.found_device()}, {report.hardware.cpu.model_name}"
+    return f"{report.device}: {situation.found_device()}, torch {report.hardware.torch_version}"
+
+
 def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -> StudyFingerprint:
-    report = setup.report
     return StudyFingerprint(
         model=tensor_digest(setup.user_model),
         architecture=hashlib.sha256(repr(setup.user_model).encode()).hexdigest()[:16],
         batches=tensor_digest(as_plain([*setup.train, *setup.heldout])),
+        trainable=trainable_digest(setup.user_model, _group_names(setup)),
         recipe=setup.recipe.summary(setup.user_model).model_dump(mode="json"),
         objective=objective,
         thresholds=(setup.thresholds or DriftThresholds()).model_dump(mode="json"),
         candidates=tuple(spec.label for spec in setup.candidates.specs),
         keep_fp32=setup.keep_fp32,
         budget_minutes=float(budget_minutes),
-        hardware=f"{report.device}: {setup.situation.found_device()}, torch "
-        f"{report.hardware.torch_version}",
+        hardware=_hardware(setup),
         seed=setup.seed,
         eval_fn=qualified_name(setup.eval_fn),
         functions={

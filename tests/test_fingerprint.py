@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import optuna
@@ -11,11 +14,14 @@ import torch
 from autoprec.drift import Fp32Runs
 from autoprec.fingerprint import (
     StudyFingerprint,
+    callable_digest,
     check_study,
     load_references,
     references_path,
     save_references,
+    storage_file,
     tensor_digest,
+    trainable_digest,
 )
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
@@ -216,3 +222,62 @@ def test_references_interrupted_while_written_leave_no_temporary(
     with pytest.raises(KeyboardInterrupt):
         save_references(path, _fingerprint(), Fp32Runs(run, run))
     assert list(tmp_path.iterdir()) == []
+
+
+def _scaled(scale: float) -> object:
+    def loss(output: torch.Tensor, target: torch.Tensor, *, weight: float = scale) -> object:
+        return weight * (output - target).abs().mean()
+
+    return loss
+
+
+class _Weighted:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> object:
+        return self.weight * (output - target).abs().mean()
+
+
+def test_what_a_function_computes_with_includes_keyword_defaults_and_its_object() -> None:
+    # a keyword-only default and a bound method's object were not read: a loss 100x larger
+    # resumed a study, and reused its fp32 reference
+    assert callable_digest(_scaled(1.0)) != callable_digest(_scaled(100.0))
+    assert callable_digest(_Weighted(1.0).loss) != callable_digest(_Weighted(100.0).loss)
+    assert callable_digest(_Weighted(1.0).loss) == callable_digest(_Weighted(1.0).loss)
+
+
+def test_a_set_in_a_closure_digests_the_same_in_every_process() -> None:
+    # the order of a set of strings follows the hash seed: the same run was refused as another
+    script = (
+        "import functools\n"
+        "from autoprec.fingerprint import callable_digest\n"
+        "def loss(o, y, *, skip=frozenset()):\n    return o\n"
+        "print(callable_digest(functools.partial(loss, skip={'pad', 'eos', 'bos', 'unk'})))\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(digests) == 1
+
+
+def test_frozen_layers_and_group_membership_are_part_of_the_fingerprint() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    groups = [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
+    before = trainable_digest(model, groups)
+    assert trainable_digest(model, [["0.weight", "1.weight"], ["0.bias", "1.bias"]]) != before
+    model[0].requires_grad_(False)
+    assert trainable_digest(model, groups) != before
+
+
+def test_an_in_memory_sqlite_url_is_no_file() -> None:
+    # its references were written to ':memory:.autoprec.references.pt' in the working folder
+    assert storage_file("sqlite:///:memory:") is None
+    assert references_path("sqlite:///:memory:", "s") is None
