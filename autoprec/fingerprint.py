@@ -322,3 +322,18 @@ def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> bool:
         return False  # the same run resumes
     study.set_user_attr("fingerprint", fingerprint.model_dump(mode="json"))
     return True
+
+
+def confirm_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None:
+    """Refuse to go on when the study no longer records ``fingerprint``: another run took it
+    over while this one measured its fp32 reference (a study without outcomes is taken over),
+    and the outcomes it holds now would be adopted as this run's."""
+    raw = study.user_attrs.get("fingerprint")
+    if raw is None or StudyFingerprint.model_validate(raw) == fingerprint:
+        return
+    differences = fingerprint.differences(StudyFingerprint.model_validate(raw))
+    raise ValueError(
+        f"Another run took over the study {where} while this one measured its fp32 reference "
+        f"(its {'; '.join(differences) or 'fingerprint'} differ): the outcomes it holds are "
+        "not this run's. Run again with another study name (--study NAME / study_name=)."
+    )

@@ -13,6 +13,7 @@ from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.outcomes import TrialOutcome
 from autoprec.search import optuna_storage, sqlite_file
+from autoprec.specs import ModeSpec
 from autoprec.tune_result import TuneResult
 
 _STYLE = {
@@ -183,7 +184,9 @@ def outcomes_from_study(
         )
     }
     outcomes = list(latest.values())
-    reference = next((o for o in outcomes if o.label == "fp32"), None)
+    reference = next(  # fp32, or fp32+compiled: the study's reference, as tune() runs it
+        (o for o in outcomes if o.spec == ModeSpec(mode="fp32", compile=o.spec.compile)), None
+    )
     if reference is None:
         return outcomes, "", noise_runs
     others = [o for o in outcomes if o is not reference]

@@ -282,30 +282,35 @@ def optuna_quiet() -> Iterator[None]:
         optuna.logging.set_verbosity(before)
 
 
+_SCHEMA_RACE = ("alembic_version", "already exists")
+"""What SQLAlchemy reports when two processes create one fresh database's tables at once."""
+
+
+def _retried(open_study: Callable[[], Any], attempts: int = 4) -> Any:
+    """``open_study()``, tried again when another process was creating the same new
+    database's tables at the same moment (two `autoprec tune` on one fresh file: one failed
+    with "table studies already exists", blamed on the URL)."""
+    for attempt in range(attempts):
+        try:
+            return open_study()
+        except Exception as error:
+            if attempt == attempts - 1 or not any(s in str(error) for s in _SCHEMA_RACE):
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def create_study(storage: str | None, study_name: str | None) -> Any:
     """A two-objective study (samples/s up, memory down), new or resumed, in ``storage`` (see
     :func:`optuna_storage`). The folder of an ``sqlite:///PATH`` or journal file is created
     when missing. Without ``study_name`` a storage's study is found by
     :func:`_default_study_name`, so the same call resumes it."""
-    import optuna
 
     try:
         file = None if storage is None else sqlite_file(storage)
         if file is not None:
             file.parent.mkdir(parents=True, exist_ok=True)
-        opened = optuna_storage(storage)
-        if storage is not None and study_name is None:
-            names = optuna.get_all_study_names(storage=opened)
-            study_name = _default_study_name(names, storage)
-        return optuna.create_study(
-            storage=opened,
-            study_name=study_name,
-            load_if_exists=storage is not None,
-            directions=["maximize", "minimize"],
-            # Every trial is enqueued with its candidate fixed, so the sampler never chooses; a
-            # plain one, because BruteForceSampler calls study.stop(), which ask/tell forbids.
-            sampler=optuna.samplers.RandomSampler(seed=0),
-        )
+        return _retried(lambda: _open_study(storage, study_name))
     except StudyNameNeeded:
         raise
     except Exception as error:
@@ -314,6 +319,24 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
             f"Cannot open the study storage {storage!r} ({type(error).__name__}: {first_line}); "
             "check the URL and that its folder exists and is writable."
         ) from error
+
+
+def _open_study(storage: str | None, study_name: str | None) -> Any:
+    import optuna
+
+    opened = optuna_storage(storage)
+    if storage is not None and study_name is None:
+        names = optuna.get_all_study_names(storage=opened)
+        study_name = _default_study_name(names, storage)
+    return optuna.create_study(
+        storage=opened,
+        study_name=study_name,
+        load_if_exists=storage is not None,
+        directions=["maximize", "minimize"],
+        # Every trial is enqueued with its candidate fixed, so the sampler never chooses; a
+        # plain one, because BruteForceSampler calls study.stop(), which ask/tell forbids.
+        sampler=optuna.samplers.RandomSampler(seed=0),
+    )
 
 
 def search(

@@ -23,6 +23,7 @@ from autoprec.fingerprint import (
     StudyFingerprint,
     callable_digest,
     check_study,
+    confirm_study,
     load_references,
     references_path,
     save_references,
@@ -260,6 +261,7 @@ def _measured_references(
     study.set_user_attr("fp32_step_seconds", step_seconds)
     study.set_user_attr("objective", objective)  # autoprec report reads it
     runs = reference_runs(setup, steps, budget_minutes, objective)
+    confirm_study(study, fingerprint, f"{study.study_name!r} in {storage}")  # still ours?
     study.set_user_attr("noise_runs", runs.noise_runs)  # autoprec report counts them
     study.set_user_attr("fresh_batches", setup.fresh_batches)  # for a resumed run
     if cache is not None:
@@ -357,6 +359,9 @@ def _search(
         setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)
     )
     fp32_runs, steps, step_seconds, reused = measured
+    # a resumed study's earlier result stops being its last word: an interrupted resume is
+    # reported from its trials (the report kept showing the earlier run's choice)
+    study.set_user_attr("result", None)
     reference_verdict = fp32_runs.judge(fp32_runs.reference, setup.thresholds)
     reference_outcome = trial_outcome(fp32_runs.reference, reference_verdict, setup.report.device)
     reference_seconds = clock() - start - calibration_seconds

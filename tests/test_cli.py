@@ -779,3 +779,28 @@ def test_report_refuses_bad_storage_urls_and_outputs_in_one_line(
         assert main(["report", str(trials), "--out", target]) == 2
         assert "not a file" in _one_line_error(capsys)
     assert not (tmp_path / "plots.png").exists()
+
+
+def test_report_of_an_interrupted_compiled_study_finds_its_reference(tmp_path: Path) -> None:
+    # the reference was looked up by the label "fp32": a compiled study's is "fp32+compiled",
+    # so an interrupted compiled run reported "chosen: none"; and a resumed study's earlier
+    # result (cleared now when a run resumes) is not read when it is None
+    import optuna
+
+    from autoprec.outcomes import TrialOutcome
+    from autoprec.report import outcomes_from_study
+    from autoprec.specs import ModeSpec
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="s", storage=url, directions=["maximize", "minimize"])
+    study.set_user_attr("result", None)
+    for spec, speed in ((ModeSpec(mode="fp32", compile=True), 10.0),
+                        (ModeSpec(mode="amp_bf16", compile=True), 30.0)):  # fmt: skip
+        trial = study.ask()
+        outcome = TrialOutcome(
+            spec=spec, status="accepted", samples_per_second=speed, memory_bytes=2**20
+        )
+        trial.set_user_attr("outcome", outcome.model_dump_json())
+        study.tell(trial, [speed, 2**20])
+    outcomes, chosen, _ = outcomes_from_study(url, "s")
+    assert len(outcomes) == 2 and chosen == "amp_bf16+compiled"

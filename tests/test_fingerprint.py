@@ -16,6 +16,7 @@ from autoprec.fingerprint import (
     StudyFingerprint,
     callable_digest,
     check_study,
+    confirm_study,
     load_references,
     references_path,
     save_references,
@@ -281,3 +282,15 @@ def test_an_in_memory_sqlite_url_is_no_file() -> None:
     # its references were written to ':memory:.autoprec.references.pt' in the working folder
     assert storage_file("sqlite:///:memory:") is None
     assert references_path("sqlite:///:memory:", "s") is None
+
+
+def test_a_study_another_run_took_over_during_the_reference_is_refused() -> None:
+    # run A recorded its fingerprint and measured its fp32 reference; run B, started on the
+    # empty study meanwhile, took it over and ran its trials; A then adopted B's outcomes
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    ours = _fingerprint()
+    assert check_study(study, ours, "s")
+    confirm_study(study, ours, "s")  # still ours: goes on
+    assert check_study(study, _fingerprint(seed=1), "s")  # B takes the empty study over
+    with pytest.raises(ValueError, match=r"Another run took over the study s.*seed \(1 -> 0\)"):
+        confirm_study(study, ours, "s")

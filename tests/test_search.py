@@ -385,3 +385,28 @@ def test_optunas_log_level_is_the_callers_again_after_a_search() -> None:
     with optuna_quiet():
         assert optuna.logging.get_verbosity() == optuna.logging.WARNING
     assert optuna.logging.get_verbosity() == optuna.logging.INFO
+
+
+def test_opening_a_fresh_database_another_process_is_creating_is_tried_again() -> None:
+    # two `autoprec tune` on one new SQLite file: one failed with "table studies already
+    # exists" (3 runs in 5), reported as a bad URL
+    from autoprec.search import _retried
+
+    calls: list[int] = []
+
+    def racing() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("(sqlite3.OperationalError) table studies already exists")
+        return "study"
+
+    assert _retried(racing) == "study" and len(calls) == 3
+
+    def broken() -> str:
+        calls.append(1)
+        raise RuntimeError("no such driver")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="no such driver"):
+        _retried(broken)
+    assert len(calls) == 1
