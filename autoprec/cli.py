@@ -49,6 +49,8 @@ def _show(args: argparse.Namespace) -> int:
     mismatch = [str(w.message) for w in caught if issubclass(w.category, HardwareMismatchWarning)]
     if args.json:
         sys.stdout.write(profile.model_dump_json(indent=2) + "\n")
+        for message in mismatch:  # the JSON stays the profile's; the warning is not dropped
+            sys.stderr.write(f"autoprec: warning: {message}\n")
     else:
         from autoprec.display import print_profile
 

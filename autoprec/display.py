@@ -263,7 +263,9 @@ def quality_table(report: QualityReport) -> Group:
     for verdict in report.verdicts:
         why = Text(verdict.label, style="bold")
         if "forward_cost" in verdict.drift:
-            why.append(f"  forward cost {verdict.drift['forward_cost']:+.2%}", style="dim")
+            cost = verdict.drift["forward_cost"]
+            shown = f"{cost:+.2%}" if round(cost, 4) else "0.00%"  # not "-0.00%"
+            why.append(f"  forward cost {shown}", style="dim")
         if verdict.spec.keep_fp32:
             why.append(f"\n◦ kept in fp32: {', '.join(verdict.spec.keep_fp32)}", style="dim")
         for reason in verdict.reasons:

@@ -84,7 +84,7 @@ def _layers(layers: LayerMix) -> Group:
     flops = (
         f"{format_count(layers.forward_flops)} FLOPs per forward"
         if layers.forward_flops
-        else ("FLOPs unknown (no forward pass)")
+        else ("no matmul FLOPs" if layers.forward_flops == 0 else "FLOPs unknown (no forward pass)")
     )
     table = Table(
         title=f"Model: {layers.model_class}, {format_count(layers.parameters)} parameters, {flops}",

@@ -317,7 +317,18 @@ def mode_eligibility(mode: ModeName, situation: Situation) -> Eligibility:
         raise ValueError(f"Unknown mode {mode!r}; modes: {', '.join(MODE_NAMES)}.")
     verdict = _Verdict()
     _RULES[mode](situation, verdict)
+    _needs_something_to_train(verdict, situation.layers)
     return verdict.done()
+
+
+def _needs_something_to_train(verdict: _Verdict, layers: LayerMix | None) -> None:
+    """A model without trainable parameters: no trial can train it (tune and check refuse
+    it), so no mode is worth one (the probe offered every mode)."""
+    if layers is not None and not layers.trainable_parameters:
+        verdict.doubt(
+            "the model has no trainable parameters: there is nothing to train, and tune / "
+            "check refuse it"
+        )
 
 
 def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
@@ -326,6 +337,7 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
     _needs_backends(verdict, "optimizer_bits=8", ("bitsandbytes",), situation)
     _needs_real_parameters(verdict, "optimizer_bits=8", "bitsandbytes", situation.layers)
     _takes_no_sparse_gradients(verdict, "optimizer_bits=8", situation.layers)
+    _needs_something_to_train(verdict, situation.layers)
     layers = situation.layers
     if layers is not None and layers.parameters:
         large = layers.parameters_in_large_tensors

@@ -22,6 +22,11 @@ def findings(mix: LayerMix) -> list[str]:
     if mix.parameters == 0:
         findings.append("the model has no parameters: there is nothing to train")
         return findings
+    if mix.trainable_parameters == 0:
+        findings.append(
+            f"none of the model's {mix.parameters:,} parameters trains (requires_grad is off "
+            "everywhere): there is nothing to train"
+        )
     if mix.forward_flops is None:
         reason = f" ({mix.forward_error})" if mix.forward_error else ""
         findings.append(

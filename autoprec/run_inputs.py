@@ -181,7 +181,27 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
                 f"(its modules: {shown or 'none below the root'}). {hint}Use names as "
                 "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
             )
+    _refuse_keeping_everything(model, patterns)
     return tuple(dict.fromkeys(patterns))
+
+
+def _refuse_keeping_everything(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Patterns that keep every trainable parameter in fp32 (``*``) leave nothing in lower
+    precision: every mode would be the fp32 reference under another name, called safe."""
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+
+    def kept(name: str) -> bool:
+        parts = name.split(".")[:-1]
+        owners = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+        return any(matches_keep_fp32(owner, patterns) for owner in owners)
+
+    if trainable and all(kept(name) for name in trainable):
+        raise ValueError(
+            f"keep_fp32 {list(patterns)} keeps every trainable parameter of "
+            f"{type(model).__name__} in fp32: no mode would lower the precision of anything, "
+            "and each would be judged as the fp32 reference under its name. Keep the modules "
+            "that need fp32 only."
+        )
 
 
 SEED_RANGE = (-(2**63), 2**64 - 2)

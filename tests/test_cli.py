@@ -179,7 +179,9 @@ def test_show_profile(capsys: pytest.CaptureFixture[str]) -> None:
 def test_show_json_and_strict(capsys: pytest.CaptureFixture[str]) -> None:
     path = str(REPO / "profiles/example-h100-fp8_torchao.json")
     assert main(["show", "--json", path]) == 0
-    assert json.loads(capsys.readouterr().out)["spec"]["mode"] == "fp8_torchao"
+    shown = capsys.readouterr()
+    assert json.loads(shown.out)["spec"]["mode"] == "fp8_torchao"
+    assert "proven on other hardware" in shown.err  # the table shows it; --json dropped it
     assert main(["show", "--strict", path]) == 2
     assert "proven on other hardware" in capsys.readouterr().err
 

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from autoprec.cpu_info import AutocastCheck
 from autoprec.eligibility import (
@@ -164,3 +167,22 @@ def test_optimizer_8bit() -> None:
 def test_unknown_mode() -> None:
     with pytest.raises(ValueError, match="Unknown mode 'fp64'"):
         mode_eligibility("fp64", situation())  # type: ignore[arg-type]
+
+
+def test_a_model_with_nothing_to_train_is_worth_no_trial() -> None:
+    # the probe offered every mode (and 8-bit states) for a frozen model that tune and check
+    # refuse, with no finding saying why
+    from autoprec.eligibility import (
+        mode_eligibility,
+        optimizer_8bit_eligibility,
+        situation_for_model,
+    )
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).requires_grad_(False)
+    layers = scan_model(model, torch.randn(2, 8))
+    assert any(f.startswith("none of the model's 88 parameters trains") for f in layers.findings)
+    situation = dataclasses.replace(situation_for_model(model), layers=layers)
+    verdict = mode_eligibility("amp_bf16", situation)
+    assert verdict.eligible and not verdict.worth_trying
+    assert any("no trainable parameters" in note for note in verdict.notes)
+    assert not optimizer_8bit_eligibility(situation).worth_trying

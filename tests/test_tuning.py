@@ -232,6 +232,11 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
             ValueError,
             "the whole model cannot be kept",
         ),
+        (  # "*" kept everything: every mode was fp32 under its name, and called safe
+            lambda m, b: tune(m, b, budget_minutes=1, keep_fp32=["*"]),
+            ValueError,
+            r"keep_fp32 \['\*'\] keeps every trainable parameter of TinyGPT in fp32",
+        ),
     ],
 )
 def test_clear_errors(call, error: type, message: str) -> None:
