@@ -38,8 +38,9 @@ def _import_file(path_text: str, option: str) -> ModuleType:
     if not path.is_file():
         raise ModelLoadError(f"{option}: file {path_text!r} does not exist.")
     resolved = path.resolve()
-    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
-    name = f"_autoprec_user_{path.stem}_{digest}"
+    stat = resolved.stat()  # the file as it is now: an edited file is run again
+    key = f"{resolved}:{stat.st_mtime_ns}:{stat.st_size}"
+    name = f"_autoprec_user_{path.stem}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
     loaded = sys.modules.get(name)
     if loaded is not None:  # --model, --data, --loss from one file: one module, run once
         return loaded
