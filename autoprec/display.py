@@ -13,7 +13,7 @@ from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport
 from autoprec.specs import MODE_DESCRIPTIONS
-from autoprec.tune_result import TuneResult
+from autoprec.tune_result import TuneResult, trial_count
 
 
 def format_bytes(count: int | None) -> str:
@@ -160,7 +160,7 @@ def _budget_caption(result: TuneResult) -> str:
         f"{budget.used_seconds:.0f} s of {budget.budget_seconds:.0f} s: calibration "
         f"{budget.calibration_seconds:.0f} s, fp32 reference + noise "
         f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
-        f"{budget.trials_run} trials of {budget.trial_steps} steps"
+        f"{trial_count(budget)}"
         + "".join(f"\nnote: {note}" for note in result.checks_not_run)
         + "".join(f"\nadvice: {advice}" for advice in result.advice)
     )

@@ -32,7 +32,10 @@ class BudgetReport(BaseModel):
     trial_steps: int
     fp32_step_seconds: float
     trials_run: int
-    """Every training run: the measured modes, the fp32 reference and its noise run(s)."""
+    """Every training run of this call: the modes measured, the fp32 reference and its noise
+    run(s) unless they came from the study."""
+    trials_from_study: int = 0
+    """Outcomes a resumed run read from its study (measured by an earlier call), not run."""
     trials_not_run: int
     reference_reused: bool = False
     """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
@@ -54,12 +57,15 @@ def budget_report(
     noise_runs: int,
     reused: bool,
     speed_noise: float | None,
+    from_study: frozenset[str] = frozenset(),
 ) -> BudgetReport:
     """Where tune()'s budget went: ``phases`` (calibration, reference seconds) of ``used``,
     the trials' ``steps`` (steps, fp32 seconds a step), the trials run (the reference and its
-    ``noise_runs`` included) and not run."""
+    ``noise_runs`` included, unless ``reused``) and not run; ``from_study``: the labels a
+    resumed run read from its study."""
     calibration_seconds, reference_seconds = phases
     run = [o for o in outcomes if o.seconds > 0]
+    earlier = [o for o in run if o.label in from_study]
     return BudgetReport(
         budget_seconds=setup.budget_seconds,
         used_seconds=used,
@@ -68,7 +74,8 @@ def budget_report(
         search_seconds=used - calibration_seconds - reference_seconds,
         trial_steps=steps[0],
         fp32_step_seconds=steps[1],
-        trials_run=len(run) + 1 + noise_runs,
+        trials_run=len(run) - len(earlier) + (0 if reused else 1 + noise_runs),
+        trials_from_study=len(earlier) + ((1 + noise_runs) if reused else 0),
         trials_not_run=len(outcomes) - len(run),
         reference_reused=reused,
         fp32_noise_runs=noise_runs,
@@ -131,9 +138,15 @@ class TuneResult(BaseModel):
         lines.append(
             f"chosen: {self.chosen.label} (objective {self.objective}); "
             f"{used.used_seconds:.0f} s of {used.budget_seconds:.0f} s, "
-            f"{used.trials_run} trials of {used.trial_steps} steps"
+            f"{trial_count(used)}"
         )
         return "\n".join(lines)
+
+
+def trial_count(budget: BudgetReport) -> str:
+    """``N trials of S steps``, and how many a resumed run read from its study."""
+    earlier = f" (+{budget.trials_from_study} from the study)" if budget.trials_from_study else ""
+    return f"{budget.trials_run} trials of {budget.trial_steps} steps{earlier}"
 
 
 def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcome:
@@ -228,7 +241,7 @@ def build_result(
         )
     evidence = Evidence(
         trial_steps=budget.trial_steps,
-        trial_count=budget.trials_run,
+        trial_count=budget.trials_run + budget.trials_from_study,  # all it rests on
         budget_seconds=budget.budget_seconds,
         budget_used_seconds=budget.used_seconds,
         reference=trial_figures(reference_outcome),

@@ -59,6 +59,7 @@ from autoprec.run_setup import (
 from autoprec.search import (
     ask_for,
     create_study,
+    finished_outcomes,
     make_stop_check,
     optuna_quiet,
     record_outcome,
@@ -366,6 +367,7 @@ def _search(
     reference_outcome = trial_outcome(fp32_runs.reference, reference_verdict, setup.report.device)
     reference_seconds = clock() - start - calibration_seconds
     _record_reference(study, reference_outcome, candidates.specs)
+    earlier = frozenset(finished_outcomes(study))  # a resumed run's, measured before
     outcomes = _search_candidates(
         setup, study, objective, fp32_runs, (steps, step_seconds), reference_outcome
     )
@@ -381,6 +383,7 @@ def _search(
         noise_runs=fp32_runs.noise_runs,
         reused=reused,
         speed_noise=speed_noise,
+        from_study=earlier,
     )
     result = build_result(
         setup,

@@ -153,6 +153,12 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
     assert kinds[done[0]] == "skip" and kinds[done[1]] == "skip"
     assert kinds["bf16_sr"] == "done"
     assert {o.label for o in result.trials} == {"amp_bf16", "bf16_kahan", "bf16_sr"}  # exactly
+    # counted as run now: bf16_sr alone (the reference, its noise run and two modes were read
+    # back; they counted as run, "5 trials" for one)
+    noise = result.budget.fp32_noise_runs
+    assert (result.budget.trials_run, result.budget.trials_from_study) == (1, 3 + noise)
+    assert result.profile.evidence is not None
+    assert result.profile.evidence.trial_count == 4 + noise
     outcomes, chosen, _ = outcomes_from_study(storage, None)  # `autoprec report` reads it
     assert chosen == result.chosen.label and len(outcomes) == 4
 
