@@ -106,6 +106,12 @@ def _check_tune_numbers(args: argparse.Namespace) -> None:
             f"--budget must be a positive, finite number of minutes, not {args.budget:g} "
             "(`autoprec check` screens every mode without a budget)."
         )
+    _check_recipe_numbers(args)
+
+
+def _check_recipe_numbers(args: argparse.Namespace) -> None:
+    """The recipe's numbers, named by their flags (the Python API's names confused a CLI user:
+    "clip_grad_norm must be positive")."""
     if args.total_steps is not None and args.total_steps < 1:
         raise ValueError(f"--total-steps must be >= 1, not {args.total_steps}.")
     if args.grad_accum < 1:
@@ -268,8 +274,7 @@ def _check(args: argparse.Namespace) -> int:
 
     if args.steps < 4:
         raise ValueError(f"--steps must be >= 4, not {args.steps}.")
-    if args.grad_accum < 1:
-        raise ValueError(f"--grad-accum must be >= 1, not {args.grad_accum}.")
+    _check_recipe_numbers(args)
     inputs = _training_inputs(args)
     with TuneProgress() as progress:
         report = check(steps=args.steps, on_event=progress, progress=False, **inputs)

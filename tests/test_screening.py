@@ -1460,3 +1460,18 @@ def test_the_seed_reaches_the_noise_runs_order_and_the_rounding_noise() -> None:
     ]
     assert drifts[0] == drifts[2]  # a seed is a seed
     assert drifts[0]["update_fraction"] != drifts[1]["update_fraction"]  # the rounding noise
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [  # the Python API's names: "clip_grad_norm must be positive", "total_steps must be ..."
+        (["--clip", "0"], "--clip must be a positive norm, not 0"),
+        (["--total-steps", "0"], "--total-steps must be >= 1, not 0"),
+        (["--grad-accum", "0"], "--grad-accum must be >= 1, not 0"),
+    ],
+)
+def test_check_names_bad_recipe_numbers_by_their_flags(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*RAW_PARAM_CHECK, *flags]) == 2
+    assert message in capsys.readouterr().err
