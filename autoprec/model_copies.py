@@ -119,15 +119,21 @@ class UserModelWatch:
     closure that also steps its own optimizer changed them, and only the gradients came back).
     Kept for the calibration run only."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy_weights: bool
+    ) -> None:
+        """``copy_weights``: keep the host copy (a ``train_step``, which can step an optimizer
+        of its own; a ``loss_fn`` only computes a loss, and the gradients alone are kept)."""
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = optimizer if copy_weights else None
         self.grads = {
             name: (p.grad, None if p.grad is None else p.grad.detach().clone())
             for name, p in model.named_parameters()
         }
-        self.tensors = {name: _host_copy(t) for name, t in _weights_and_buffers(model)}
-        self.optimizer_state = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
+        weights = _weights_and_buffers(model) if copy_weights else []
+        self.tensors = {name: _host_copy(t) for name, t in weights}
+        kept = self.optimizer
+        self.optimizer_state = None if kept is None else copy.deepcopy(kept.state_dict())
 
     def changed(self) -> list[str]:
         """Names of the parameters whose gradient is not what it was."""

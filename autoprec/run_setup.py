@@ -394,7 +394,9 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     watched = WatchedBatches(setup.train)  # copies: the user's batches stay as they are
     optimizer = setup.recipe.optimizer
     user = UserModelWatch(
-        setup.user_model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        setup.user_model,
+        optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+        copy_weights=setup.recipe.train_step is not None,
     )
     calibration = setup.run(
         setup.reference_spec,
