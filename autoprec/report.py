@@ -157,9 +157,15 @@ def outcomes_from_study(
         names = optuna.get_all_study_names(storage=opened)
     except Exception as error:  # a bad URL, a missing driver, a server that does not answer
         first_line = (str(error).strip().splitlines() or [""])[0]
+        found = f"{type(error).__name__}: {first_line}"
+        if "://" not in storage:  # a file that is no study (a references cache, a checkpoint)
+            raise ValueError(
+                f"{storage!r} is not a study: neither a tune run's *.trials.json, an SQLite "
+                f"study nor an Optuna journal file ({found})."
+            ) from error
         raise ValueError(
-            f"Cannot read the study storage {storage!r} ({type(error).__name__}: "
-            f"{first_line}); check the URL, its driver and that the database answers."
+            f"Cannot read the study storage {storage!r} ({found}); check the URL, its driver "
+            "and that the database answers."
         ) from error
     if not names:
         raise ValueError(f"{storage} holds no study: nothing was tuned with it.")

@@ -773,6 +773,10 @@ def test_report_refuses_bad_storage_urls_and_outputs_in_one_line(
     assert main(["report", f"sqlite:///{typo}", "--out", out]) == 2
     assert "no such SQLite file" in _one_line_error(capsys)
     assert not typo.exists()
+    cache = tmp_path / "s.db.s.references.pt"  # a binary file beside a study: named as such
+    cache.write_bytes(b"\xf8\x02junk\n")
+    assert main(["report", str(cache), "--out", out]) == 2
+    assert "s.references.pt' is not a study: neither" in _one_line_error(capsys)
     trials = tmp_path / "p.trials.json"
     trials.write_text(json.dumps({"profile": {}, "trials": [], "reference": {}}))
     folder = tmp_path / "plots"
