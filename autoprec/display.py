@@ -237,7 +237,7 @@ def tune_table(result: TuneResult, *, wide: bool = False) -> Table | Group:
         )
         for skipped in result.skipped
     ]
-    if any(len(reasons) > 1 for *_, reasons in rows) or result.skipped:
+    if any(reasons for *_, reasons in rows) or result.skipped:  # a long one is cut short too
         lines.append(Text("(--wide shows every reason)", style="dim"))
     return Group(table, *lines)
 

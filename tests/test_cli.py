@@ -251,6 +251,10 @@ def test_tune_end_to_end_then_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     for outcome in (*result.trials, *result.skipped):
         for reason in outcome.reasons:  # --wide: every reason in full, wrapped not cut
             assert " ".join(reason.split()) in wide, reason
+    compact = Console(width=80, record=True, file=io.StringIO())
+    compact.print(tune_table(result))  # a reason cut short says where to read it whole
+    hinted = "(--wide shows every reason)" in compact.export_text()
+    assert hinted == any(outcome.reasons for outcome in (*result.trials, *result.skipped))
 
     from_file = outcomes_from_result(out.with_suffix(".trials.json"))
     from_study = outcomes_from_study(f"sqlite:///{out.with_suffix('.study.db')}", None)
