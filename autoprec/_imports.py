@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.errors import MissingBackendError
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def require(name: str) -> ModuleType:
 class BackendStatus(BaseModel):
     """Whether a backend is installed (and, when checked, importable)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     name: str
     installed: bool

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.eligibility import Situation, mode_eligibility
 from autoprec.layer_keep import FP8_SKIP_REASONS, PURE_BF16_KEEP_REASONS
 from autoprec.layer_kinds import fp8_worthwhile
@@ -39,14 +40,14 @@ EIGHT_BIT_MODES: tuple[ModeName, ...] = (
 class Skipped(BaseModel):
     """A requested mode that cannot run here, and why."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     spec: ModeSpec
     reasons: tuple[str, ...]
 
 
 class CandidateList(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     specs: tuple[ModeSpec, ...]
     """The reference (fp32) first, then the rest in search order."""

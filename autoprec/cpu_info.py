@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
+
+from autoprec._models import FROZEN_RECORD
 
 
 class AutocastCheck(BaseModel):
     """Result of a tiny autocast matmul (forward and backward) on the CPU."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     dtype: Literal["bfloat16", "float16"]
     works: bool
@@ -23,7 +25,7 @@ class AutocastCheck(BaseModel):
 
 
 class CpuInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     model_name: str
     logical_cores: int

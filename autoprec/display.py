@@ -160,7 +160,7 @@ def _budget_caption(result: TuneResult) -> str:
         f"{budget.used_seconds:.0f} s of {budget.budget_seconds:.0f} s: calibration "
         f"{budget.calibration_seconds:.0f} s, fp32 reference + noise "
         f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
-        f"{trial_count(budget)}"
+        + trial_count(budget)
         + "".join(f"\nnote: {note}" for note in result.checks_not_run)
         + "".join(f"\nadvice: {advice}" for advice in result.advice)
     )

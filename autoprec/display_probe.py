@@ -81,11 +81,11 @@ def _backends(report: ProbeReport) -> Table:
 
 
 def _layers(layers: LayerMix) -> Group:
-    flops = (
-        f"{format_count(layers.forward_flops)} FLOPs per forward"
-        if layers.forward_flops
-        else ("no matmul FLOPs" if layers.forward_flops == 0 else "FLOPs unknown (no forward pass)")
-    )
+    flops = "FLOPs unknown (no forward pass)"
+    if layers.forward_flops is not None:
+        flops = f"{format_count(layers.forward_flops)} FLOPs per forward"
+    if layers.forward_flops == 0:
+        flops = "no matmul FLOPs"
     table = Table(
         title=f"Model: {layers.model_class}, {format_count(layers.parameters)} parameters, {flops}",
         title_justify="left",

@@ -26,8 +26,9 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.drift_fp16 import fp16_risks
 from autoprec.drift_movement import decay_note, movement_checks
 from autoprec.drift_outside_state import outside_state_reasons
@@ -55,7 +56,7 @@ class Fp32Runs:
 
 
 class DriftMetrics(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     noise_floor: float | None = None
     heldout_loss_gap: float | None = None
@@ -88,7 +89,7 @@ class DriftMetrics(BaseModel):
 
 
 class DriftVerdict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     accepted: bool
     reasons: tuple[str, ...]

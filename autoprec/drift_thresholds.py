@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from autoprec._models import FROZEN_RECORD
+
 
 class DriftThresholds(BaseModel):
     """Every threshold of the gate, with its default and why."""
 
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, ser_json_inf_nan="strings"
-    )
+    model_config = ConfigDict(**FROZEN_RECORD, use_attribute_docstrings=True)
 
     max_loss_gap_units: float = Field(3.0, gt=0)
     """Reject when the held-out or late training loss is worse than the reference by more than

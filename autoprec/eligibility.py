@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 from torch import nn
 
 from autoprec._imports import BACKENDS, BackendStatus, backend_status, install_hint
+from autoprec._models import FROZEN_RECORD
 from autoprec.hardware import (
     FORMAT_MIN_CAPABILITY,
     FormatName,
@@ -36,7 +37,7 @@ BYTES_SAVED_PER_8BIT_PARAMETER = 6
 class Eligibility(BaseModel):
     """Whether a mode (or knob) can run here, and whether it is worth a trial."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     reasons: tuple[str, ...]
     """Why it cannot run here; empty when it can."""

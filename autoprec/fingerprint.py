@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 from torch.utils._pytree import tree_flatten
 
 from autoprec._files import write_atomically
+from autoprec._models import FROZEN_RECORD
 from autoprec.drift import Fp32Runs
 from autoprec.search import SQLITE_PREFIX, sqlite_file
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
@@ -135,7 +136,7 @@ def _attributes(target: Any) -> list[str]:
 class StudyFingerprint(BaseModel):
     """Everything a study's outcomes depend on; two runs may share outcomes only when equal."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     model: str
     architecture: str = ""
@@ -329,9 +330,10 @@ def confirm_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None
     over while this one measured its fp32 reference (a study without outcomes is taken over),
     and the outcomes it holds now would be adopted as this run's."""
     raw = study.user_attrs.get("fingerprint")
-    if raw is None or StudyFingerprint.model_validate(raw) == fingerprint:
+    stored = None if raw is None else StudyFingerprint.model_validate(raw)
+    if stored is None or stored == fingerprint:
         return
-    differences = fingerprint.differences(StudyFingerprint.model_validate(raw))
+    differences = fingerprint.differences(stored)
     raise ValueError(
         f"Another run took over the study {where} while this one measured its fp32 reference "
         f"(its {'; '.join(differences) or 'fingerprint'} differ): the outcomes it holds are "

@@ -16,8 +16,9 @@ from types import ModuleType
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.cpu_info import CpuInfo, read_cpu
 
 FormatName = Literal["fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8", "mxfp8", "fp4"]
@@ -37,7 +38,7 @@ FORMAT_MIN_CAPABILITY: dict[FormatName, tuple[int, int]] = {
 class FormatSupport(BaseModel):
     """Whether one number format runs on tensor cores of a GPU."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     format: FormatName
     supported: bool
@@ -47,7 +48,7 @@ class FormatSupport(BaseModel):
 class GpuInfo(BaseModel):
     """One CUDA device."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     index: int
     name: str
@@ -79,7 +80,7 @@ class GpuInfo(BaseModel):
 class HardwareInfo(BaseModel):
     """Everything autoprec needs to know about the machine."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     torch_version: str
     torch_cuda_runtime: str | None

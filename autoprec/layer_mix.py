@@ -3,15 +3,16 @@ fit, the modules kept in fp32 and why (``autoprec.layers.scan_model`` builds it)
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.layer_kinds import LayerKind
 
 
 class KindShare(BaseModel):
     """Parameters and forward FLOPs of one layer kind."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     kind: LayerKind
     parameters: int
@@ -23,7 +24,7 @@ class KindShare(BaseModel):
 class LinearInfo(BaseModel):
     """One nn.Linear (or HF Conv1D) and its fit for FP8."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     fqn: str
     in_features: int
@@ -45,7 +46,7 @@ class LinearInfo(BaseModel):
 class KeepFp32(BaseModel):
     """A module kept in full precision by default, and why."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     fqn: str
     reason: str
@@ -54,7 +55,7 @@ class KeepFp32(BaseModel):
 class LayerMix(BaseModel):
     """What a model is made of, as far as precision choices care."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     model_class: str
     parameters: int

@@ -199,6 +199,9 @@ def _accepted_by(constructor: Callable[..., Any], options: dict[str, Any]) -> di
     return {k: v for k, v in options.items() if k in accepted and k != "params"}
 
 
+_MISSING = object()
+
+
 def _constructor_extras(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Constructor keywords an optimizer keeps outside ``defaults``, read back from where it
     keeps them: an attribute of the same name (torchao's ``block_size``,
@@ -218,9 +221,6 @@ def _constructor_extras(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
                 extras[name] = copy.deepcopy(value)
                 break
     return extras
-
-
-_MISSING = object()
 
 
 def rebuild_optimizer(

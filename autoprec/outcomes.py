@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow
 
@@ -22,7 +23,7 @@ CPU_MEMORY_KINDS = ("state_bytes", "state_and_activations")
 class TrialOutcome(BaseModel):
     """One candidate's result, as the study stores it (JSON in ``user_attrs``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     spec: ModeSpec
     status: TrialStatus

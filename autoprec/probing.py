@@ -6,10 +6,11 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 from torch import nn
 
 from autoprec._imports import BACKENDS, BackendStatus, backend_status
+from autoprec._models import FROZEN_RECORD
 from autoprec._version import __version__
 from autoprec.eligibility import (
     Eligibility,
@@ -26,7 +27,7 @@ from autoprec.specs import MODE_DESCRIPTIONS, MODE_NAMES, ModeName
 class ModeVerdict(BaseModel):
     """Whether one mode (or knob) can run here, is worth a trial, and why."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     name: str
     description: str
@@ -39,7 +40,7 @@ class ModeVerdict(BaseModel):
 class ProbeReport(BaseModel):
     """What ``autoprec probe`` found: the first stage of the pipeline."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     autoprec_version: str
     created_at: datetime

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from torch import nn
 
 from autoprec._files import read_json, write_text_atomically
+from autoprec._models import FROZEN_RECORD
 from autoprec._version import __version__
 from autoprec.errors import (
     HardwareMismatchWarning,
@@ -50,10 +51,6 @@ SCHEMA_VERSION = 4
 """Bump on any change that an older autoprec could not read correctly. 2: ``recipe``;
 3: ``evidence.blind_spots``; 4: ``recipe.lr_points[].momenta``."""
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
-"""inf and NaN written as "Infinity" and "NaN": JSON has neither, and pydantic wrote null,
-which read back as "no clipping" (clip_grad_norm=inf) or failed to load (an inf drift figure)."""
-
 
 def _refuse_or_warn(message: str, category: type[Warning], *, strict: bool) -> None:
     if strict:
@@ -64,7 +61,7 @@ def _refuse_or_warn(message: str, category: type[Warning], *, strict: bool) -> N
 class HardwareFingerprint(BaseModel):
     """Where a profile was proven."""
 
-    model_config = _FROZEN
+    model_config = FROZEN_RECORD
 
     device_kind: Literal["cpu", "cuda"]
     gpu_name: str | None = None
@@ -131,7 +128,7 @@ def _digested_kinds(layers: LayerMix) -> list[tuple[str, int]]:
 class ModelFingerprint(BaseModel):
     """Which model a profile was proven for."""
 
-    model_config = _FROZEN
+    model_config = FROZEN_RECORD
 
     model_class: str
     parameters: int
@@ -173,7 +170,7 @@ class ModelFingerprint(BaseModel):
 class TrialFigures(BaseModel):
     """What one measured trial showed."""
 
-    model_config = _FROZEN
+    model_config = FROZEN_RECORD
 
     samples_per_second: float | None = None
     median_step_seconds: float | None = None
@@ -188,7 +185,7 @@ class TrialFigures(BaseModel):
 class Evidence(BaseModel):
     """Why this mode was chosen: reference vs chosen figures and the drift measured."""
 
-    model_config = _FROZEN
+    model_config = FROZEN_RECORD
 
     trial_steps: int = Field(ge=1)
     trial_count: int = Field(ge=1)
@@ -208,7 +205,7 @@ class Evidence(BaseModel):
 class Profile(BaseModel):
     """A precision recipe, the hardware it was proven on and the evidence."""
 
-    model_config = _FROZEN
+    model_config = FROZEN_RECORD
 
     schema_version: int = SCHEMA_VERSION
     autoprec_version: str = __version__

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from torch import nn
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.batching import LossFn, TrainStep
 from autoprec.optim import named_groups, rebuild_optimizer
 
@@ -118,7 +119,7 @@ def set_group_momentum(group: dict[str, Any], value: float) -> None:
 class LrPoint(BaseModel):
     """The learning rates of one trial leg (one per parameter group) and where they come from."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     role: Literal["constant", "peak", "floor", "replay"]
     """constant: no schedule; peak / floor: the legs tune() trains; replay: benchmarks only."""
@@ -150,7 +151,7 @@ class LrPoint(BaseModel):
 class RecipeSummary(BaseModel):
     """The recipe as data: what a profile records and a study fingerprints."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     optimizer: str
     """Class of the optimizer trials train with, e.g. ``torch.optim.adamw:AdamW``."""

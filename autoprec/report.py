@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from autoprec._files import check_writable, read_json, write_atomically
+from autoprec._files import atomic_target, read_json, write_atomically
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.outcomes import TrialOutcome
@@ -99,7 +99,7 @@ def plot_outcomes(
 def _image_path(path: Path, formats: dict[str, str]) -> Path:
     """``path``, ``.png`` added when it has no suffix (as matplotlib would add it unseen); a
     suffix matplotlib cannot write is an error naming those it can."""
-    check_writable(path)  # a folder, a device, /proc: refused as named, not renamed .png
+    atomic_target(path)  # a folder or a device: refused as named, not renamed .png
     if not path.suffix:
         return path.with_suffix(".png")
     if path.suffix.lower().lstrip(".") not in formats:

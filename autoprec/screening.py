@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from torch import nn
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
 from autoprec.drift import Fp32Runs
@@ -59,7 +60,7 @@ ScreenStatus = Literal["safe", "unsafe", "failed"]
 class ScreenVerdict(BaseModel):
     """One mode's quality verdict: safe (passed the gate), unsafe (rejected), failed (crashed)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     spec: ModeSpec
     status: ScreenStatus
@@ -82,7 +83,7 @@ class ScreenVerdict(BaseModel):
 class QualityReport(BaseModel):
     """What check() found: a verdict per mode, and the modes it could not run here."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     verdicts: tuple[ScreenVerdict, ...]
     not_checked: tuple[Skipped, ...]

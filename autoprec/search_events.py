@@ -6,8 +6,9 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.outcomes import TrialOutcome
 from autoprec.trial_records import StopCheck, TrialProgress
 
@@ -34,7 +35,7 @@ class SearchEvent(BaseModel):
     Times count from the start of ``tune()``, so ``remaining_seconds`` is the whole budget's.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     kind: EventKind
     index: int

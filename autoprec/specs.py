@@ -5,7 +5,9 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from autoprec._models import FROZEN_RECORD
 
 ModeName = Literal[
     "fp32",
@@ -63,7 +65,7 @@ class TeDelayedScaling(BaseModel):
     """Transformer Engine delayed-scaling settings, stored in full (wrappers disagree on the
     defaults: TE 1024/max, Accelerate 1024/most_recent, Composer 16/max)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     amax_history_len: int = Field(default=1024, ge=1)
     amax_compute_algo: Literal["max", "most_recent"] = "max"
@@ -73,7 +75,7 @@ class TeDelayedScaling(BaseModel):
 class ModeSpec(BaseModel):
     """One complete precision setup: a mode and its knobs."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     mode: ModeName
     optimizer_bits: OptimizerBits = 32

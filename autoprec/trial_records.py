@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.recipe import LrPoint
 from autoprec.specs import ModeSpec
 
@@ -30,7 +31,7 @@ class StepWindow(BaseModel):
     on the device), one clock read at each end (CUDA events on a GPU) and one host read of the
     window's figures after it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     first_step: int
     steps: int
@@ -68,7 +69,7 @@ StopCheck = Callable[[TrialProgress], "str | None"]
 
 
 class TrialFailure(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     kind: FailureKind
     step: int | None
@@ -95,7 +96,7 @@ class TrialFailure(BaseModel):
 class StateBytes(BaseModel):
     """Exact bytes of parameters, gradients and optimizer state (Kahan buffers, 8-bit states)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     parameters: int
     gradients: int
@@ -109,7 +110,7 @@ class StateBytes(BaseModel):
 class LowPrecisionMoment(BaseModel):
     """An Adam second moment (``exp_avg_sq``) the optimizer keeps in bf16."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     dtype: str
     rounding: Literal["nearest", "stochastic"]
@@ -121,7 +122,7 @@ class LowPrecisionMoment(BaseModel):
 class TrialRecord(BaseModel):
     """The figures of one trial: what crosses into the drift gate, the study and the profile."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     spec: ModeSpec
     seed: int

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from autoprec._models import FROZEN_RECORD
 from autoprec.candidates import Skipped
 from autoprec.choice import choose, pareto_front
 from autoprec.drift_blind_spots import blind_spots
@@ -22,7 +23,7 @@ from autoprec.trial_records import TrialResult
 
 
 class BudgetReport(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     budget_seconds: float
     used_seconds: float
@@ -86,7 +87,7 @@ def budget_report(
 class TuneResult(BaseModel):
     """What tune() found: the profile, every trial with its verdict, and how time was spent."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = FROZEN_RECORD
 
     profile: Profile
     objective: Objective
@@ -137,8 +138,7 @@ class TuneResult(BaseModel):
         used = self.budget
         lines.append(
             f"chosen: {self.chosen.label} (objective {self.objective}); "
-            f"{used.used_seconds:.0f} s of {used.budget_seconds:.0f} s, "
-            f"{trial_count(used)}"
+            f"{used.used_seconds:.0f} s of {used.budget_seconds:.0f} s, " + trial_count(used)
         )
         return "\n".join(lines)
 

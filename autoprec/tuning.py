@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from torch import nn
+from torch.optim import Optimizer
 
 from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep, as_plain
@@ -81,8 +82,10 @@ def _retime(setup: RunSetup, spec: ModeSpec, steps: int, stop: Any) -> Any:
 
 def _group_names(setup: RunSetup) -> list[list[str]]:
     """The parameter names in each of the recipe's optimizer groups."""
-    model = setup.user_model
-    optimizer = setup.recipe.make_optimizer(model, model)
+    model, recipe = setup.user_model, setup.recipe
+    # the user's optimizer holds the model's own parameters: read as it is, not cloned
+    source = recipe.optimizer
+    optimizer = source if isinstance(source, Optimizer) else recipe.make_optimizer(model, model)
     return [list(group.names) for group in named_groups(optimizer, model)]
 
 

@@ -10,6 +10,7 @@ import math
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1365,6 +1366,15 @@ def test_lazy_parameters_are_refused_with_what_to_do() -> None:
         )
 
 
+def _screen(task: tasks.Task, modes: list[str], **options: Any) -> autoprec.QualityReport:
+    """The regression task through check(): its batches and held-out ones, its loss and
+    optimizer, 4 steps; ``options`` override any of them."""
+    settings: dict[str, Any] = {"loss_fn": task.mse, "optimizer": task.optimizer, "steps": 4}
+    return autoprec.check(
+        task.model, task.batches + task.heldout, modes=modes, **{**settings, **options}
+    )
+
+
 def test_trials_run_none_of_the_users_optimizer_hooks_and_leave_none_on_it() -> None:
     # trial clones shared the user's hook tables: an EMA post-hook was fed every trial's
     # weights (628 calls in a tune), and autoprec's beta-sync pre-hook stayed on the user's
@@ -1373,14 +1383,7 @@ def test_trials_run_none_of_the_users_optimizer_hooks_and_leave_none_on_it() -> 
     task.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(1))
     pre = dict(task.optimizer._optimizer_step_pre_hooks)
     post = dict(task.optimizer._optimizer_step_post_hooks)
-    autoprec.check(
-        task.model,
-        task.batches + task.heldout,
-        loss_fn=task.mse,
-        optimizer=task.optimizer,
-        steps=4,
-        modes=["bf16_kahan", "amp_bf16"],
-    )
+    _screen(task, ["bf16_kahan", "amp_bf16"])
     assert calls == []
     assert dict(task.optimizer._optimizer_step_pre_hooks) == pre
     assert dict(task.optimizer._optimizer_step_post_hooks) == post
@@ -1412,15 +1415,7 @@ def test_an_optimizer_instance_trains_on_a_copy_moved_to_the_device_named() -> N
     # the trial model is a copy on `device`, which holds none of the optimizer's parameters:
     # every such run failed in its fp32 reference ("parameters that are not in the model")
     task = tasks.regression(lr=1e-4)
-    report = autoprec.check(
-        task.model,
-        task.batches + task.heldout,
-        loss_fn=task.mse,
-        optimizer=task.optimizer,
-        steps=4,
-        modes=["amp_bf16"],
-        device="cpu",
-    )
+    report = _screen(task, ["amp_bf16"], device="cpu")
     assert report.verdict("amp_bf16").status == "safe"
 
 
@@ -1429,13 +1424,8 @@ def test_a_submodule_the_user_compiled_trains_in_every_copy() -> None:
     # and its class has none ("missing the required forward function"), blamed on the batches
     task = tasks.regression(lr=1e-4)
     task.model[0] = torch.compile(task.model[0])
-    report = autoprec.check(
-        task.model,
-        task.batches + task.heldout,
-        loss_fn=task.mse,
-        optimizer=torch.optim.AdamW(task.model.parameters(), lr=1e-4),
-        steps=4,
-        modes=["amp_bf16"],
+    report = _screen(
+        task, ["amp_bf16"], optimizer=torch.optim.AdamW(task.model.parameters(), lr=1e-4)
     )
     assert report.verdict("amp_bf16+compiled").status == "safe"  # compiled, as the user does
 
@@ -1445,17 +1435,7 @@ def test_the_seed_reaches_the_noise_runs_order_and_the_rounding_noise() -> None:
     # 0: on a model without random draws, `--seed 0`, `1` and `12345` were bit-identical
     task = tasks.regression(lr=1e-4)
     drifts = [
-        autoprec.check(
-            task.model,
-            task.batches + task.heldout,
-            loss_fn=task.mse,
-            optimizer=task.optimizer,
-            steps=8,
-            modes=["bf16_sr"],
-            seed=seed,
-        )
-        .verdict("bf16_sr")
-        .drift
+        _screen(task, ["bf16_sr"], steps=8, seed=seed).verdict("bf16_sr").drift
         for seed in (0, 1, 0)
     ]
     assert drifts[0] == drifts[2]  # a seed is a seed
