@@ -22,6 +22,7 @@ from autoprec.batching import (
     tensors_in,
     to_device,
 )
+from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
 from autoprec.plan import PrecisionPlan
 from autoprec.random_streams import cuda_devices_of, kept_streams
 from autoprec.recipe import LrPoint, TrainingRecipe, set_group_momentum
@@ -72,7 +73,38 @@ def heldout_pass(
     """(loss per batch, output summary per batch, largest |output| of any leaf module not kept
     in fp32) over ``heldout`` in eval mode, no gradients, under the plan's autocast: the range
     the fp16 check reads. Under ``train_step`` the output is what the model returned to it,
-    when it called the model once for the batch (a hook on the model; None otherwise)."""
+    when it called the model once for the batch (a hook on the model; None otherwise).
+
+    A compiled model gives its losses and outputs whole-graph, and its range in a second pass
+    run eagerly (``torch.compiler.set_stance("force_eager")``): a hook on every leaf breaks the
+    graph at each one, and dynamo compiled every leaf's forward again per instance (a 4-layer
+    TinyGPT: 14 graphs for the training's 1; on a 17-Linear model the recompile limit)."""
+    if not _runs_compiled(plan):
+        return _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
+    losses, outputs, _ = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=False)
+    with torch.compiler.set_stance("force_eager"):
+        _, _, largest = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
+    return losses, outputs, largest
+
+
+def _runs_compiled(plan: PrecisionPlan) -> bool:
+    """Does the plan's model run ``torch.compile``d (the plan's, the user's wrapper, or a
+    submodule compiled in place)?"""
+    model = plan.model
+    return (
+        plan.spec.compile or inside_compile_wrapper(model) is not None or compiled_in_place(model)
+    )
+
+
+def _evaluate(
+    plan: PrecisionPlan,
+    heldout: Sequence[Any],
+    device: torch.device,
+    loss_fn: LossFn | None,
+    train_step: TrainStep | None,
+    watch_range: bool,
+) -> tuple[list[float], list[OutputSummary | None], float]:
+    """One held-out pass (see :func:`heldout_pass`); the range is 0.0 unless ``watch_range``."""
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -85,10 +117,10 @@ def heldout_pass(
     leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
         module
         for fqn, module in plan.model.named_modules()
-        if next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
+        if watch_range and next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
     ]
-    # eager under torch.compile: traced, the growing list in its closure recompiles every call
-    # (seen on an H100: dynamo's recompile limit hit in every compiled held-out pass)
+    # eager, also where a compiled model is run eagerly: traced, the growing list in its
+    # closure recompiles every call (seen on an H100: the recompile limit hit in every pass)
     watch_eagerly = torch.compiler.disable(watch)
     handles = [leaf.register_forward_hook(watch_eagerly) for leaf in leaves]
     returned: list[Any] = []  # what the model returned to train_step, call by call

@@ -72,16 +72,17 @@ def leak_after_failed_trial(model: torch.nn.Module, batches: list, steps: int) -
     import contextlib
 
     import autoprec.trial as trial_module
+    from autoprec.modes.islands import EagerHook
 
     recipe = TrainingRecipe(optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
     common = {"recipe": recipe, "steps": steps, "heldout": batches[-4:]}
     specs = candidate_specs(probe(model, batches[0][0])).specs
     pure = next(s for s in specs if s.mode == "bf16_pure" and s.optimizer_bits == 32)
     kind = batches[0][0].device.type
-    traced = torch.compiler.disable
+    eager_call = EagerHook.__call__
     guard = trial_module.autocast_state_kept
     try:
-        torch.compiler.disable = lambda fn=None, *args, **kwargs: fn  # the hooks before the fix
+        EagerHook.__call__ = lambda self, *args: self.function(*args)  # traced: before the fix
         for guarded in (False, True):
             trial_module.autocast_state_kept = (
                 guard if guarded else (lambda device: contextlib.nullcontext())
@@ -100,7 +101,7 @@ def leak_after_failed_trial(model: torch.nn.Module, batches: list, steps: int) -
             )
             torch.set_autocast_enabled(kind, False)
     finally:
-        torch.compiler.disable = traced
+        EagerHook.__call__ = eager_call  # type: ignore[method-assign]
         trial_module.autocast_state_kept = guard
 
 

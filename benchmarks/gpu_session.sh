@@ -9,15 +9,22 @@
 #   bash benchmarks/gpu_session.sh timing       # trial_timing: trial vs loop, 200-step
 #                                               # trials, eager / compiled / 50-step windows
 #   bash benchmarks/gpu_session.sh reference    # gpu_reference_speed incl. --after-each-mode
+#   bash benchmarks/gpu_session.sh lease        # all of a 15-minute lease in one command
+#                                               # (~9.5 min): GPU tests, gpu_validation eager
+#                                               # (100 steps) and compiled (2 modes), `check`
+#                                               # with real FP8, a 1-minute `tune`
+#   bash benchmarks/gpu_session.sh recheck      # after `lease` (~3 min): GPU tests, compiled
+#                                               # bf16_sr (no recompile-limit warning), the
+#                                               # recipe tune on amp_bf16 vs tf32
 #
 # Without $OUT (a CPU dry run) the logs go to runs/gpu_session/; $PYTHON picks the interpreter
 # (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
 # runs out of its time leaves its log, and the script exits with its last command's status.
 set -uo pipefail
-stage=${1:?"usage: $0 tests|validation|timing|reference"}
+stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck"}
 case "$stage" in
-  tests|validation|timing|reference) ;;
-  *) echo "unknown stage '$stage': tests, validation, timing or reference" >&2; exit 2 ;;
+  tests|validation|timing|reference|lease|recheck) ;;
+  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease or recheck" >&2; exit 2 ;;
 esac
 out=${OUT:-runs/gpu_session}
 mkdir -p "$out"
@@ -52,6 +59,28 @@ case "$stage" in
         --compile
       timeout 160 "$python" -m benchmarks.trial_timing --modes "$modes" --rounds 3 --steps 200 \
         --window-steps 50
+    } 2>&1 | tee "$log" ;;
+  lease)
+    # each step bounded so the whole fits one 10-minute command; each step's log is kept
+    tiny=(examples.tiny_gpt:make_model --data examples.tiny_gpt:make_batches --device cuda:0)
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+      "$python" -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)"
+      timeout 90 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+      timeout 170 "$python" -m benchmarks.gpu_validation --steps 100 --eager-only --no-tune
+      timeout 110 "$python" -m benchmarks.gpu_validation --steps 100 --compiled-only --no-tune \
+        --modes amp_bf16,fp8_torchao
+      timeout 90 "$python" -m autoprec check "${tiny[@]}" --steps 100 \
+        --modes amp_bf16,amp_fp16,bf16_pure,bf16_sr,fp8_torchao
+      timeout 80 "$python" -m autoprec tune "${tiny[@]}" --budget 1 --out "$out/gpu-profile.json"
+    } 2>&1 | tee "$log" ;;
+  recheck)
+    {
+      timeout 60 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+      timeout 70 "$python" -m benchmarks.gpu_validation --steps 50 --compiled-only --no-tune \
+        --modes bf16_sr
+      timeout 110 "$python" -m benchmarks.gpu_validation --steps 100 --eager-only --budget 1.2 \
+        --modes amp_bf16,tf32
     } 2>&1 | tee "$log" ;;
   reference)
     timeout 560 "$python" -m benchmarks.gpu_reference_speed --after-each-mode 2>&1 | tee "$log" ;;

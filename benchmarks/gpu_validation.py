@@ -156,8 +156,11 @@ def main() -> None:
     )
     parser.add_argument("--budget", type=float, default=3.0, help="tune() budget in minutes")
     parser.add_argument("--profile-out", help="save the tune's profile here (proven on this GPU)")
-    parser.add_argument("--modes", help="only these canonical mode names (comma-separated)")
+    parser.add_argument(
+        "--modes", help="only these canonical mode names (comma-separated), in tables and tune"
+    )
     parser.add_argument("--compiled-only", action="store_true", help="skip the eager table")
+    parser.add_argument("--eager-only", action="store_true", help="skip the compiled table")
     parser.add_argument("--no-tune", action="store_true", help="skip the tune() run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -182,10 +185,13 @@ def main() -> None:
     optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
     common = {"recipe": TrainingRecipe(optimizer=optimizer), "steps": steps, "heldout": heldout}
     specs = list(candidate_specs(report).specs)
-    if args.modes:  # the reference first, then the modes asked for
-        wanted = args.modes.split(",")
+    wanted = args.modes.split(",") if args.modes else None
+    if wanted:  # the reference first, then the modes asked for
         specs = [specs[0], *(spec for spec in specs[1:] if spec.mode in wanted)]
-    for compiled in (True,) if args.compiled_only else (False, True):
+    if args.compiled_only and args.eager_only:
+        parser.error("--compiled-only and --eager-only leave no table to run: pass one of them")
+    tables = (True,) if args.compiled_only else (False,) if args.eager_only else (False, True)
+    for compiled in tables:
         # --quick (CPU): compile two modes only, inductor on a CPU takes its time
         chosen = specs[:2] if compiled and args.quick else specs
         if compiled:
@@ -205,6 +211,8 @@ def main() -> None:
         total_steps=5000,
         grad_accumulation_steps=2,
         clip_grad_norm=1.0,
+        modes=wanted,
+        progress=True,  # on stderr: which trial ran when, and the re-timings
     )
     print("\n" + result.summary())
     if args.profile_out:

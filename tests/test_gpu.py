@@ -51,9 +51,16 @@ def test_mode_trains_on_gpu(spec: ModeSpec) -> None:
     _assert_learns(plan)
 
 
-def _assert_learns(plan: autoprec.PrecisionPlan, keeps_cuda_stream: bool = False) -> None:
-    """60 steps of a sine regression bring the loss below 70% of its start; with
-    ``keeps_cuda_stream``, no optimizer step draws from the global CUDA stream."""
+def _assert_learns(plan: autoprec.PrecisionPlan) -> None:
+    """60 steps of a sine regression bring the loss below 70% of its start (AdamW, lr 1e-3)."""
+    losses = _sine_losses(plan)
+    assert losses[-1] < 0.7 * losses[0], losses[::10]
+
+
+def _sine_losses(plan: autoprec.PrecisionPlan, keeps_cuda_stream: bool = False) -> list[float]:
+    """The losses of 60 steps of a sine regression on seeded data; with ``keeps_cuda_stream``,
+    asserts that no optimizer step draws from the global CUDA stream."""
+    torch.manual_seed(1)
     data = torch.randn(512, 256, device="cuda")
     target = torch.sin(data)
     losses = []
@@ -66,19 +73,30 @@ def _assert_learns(plan: autoprec.PrecisionPlan, keeps_cuda_stream: bool = False
         if keeps_cuda_stream:
             assert torch.equal(torch.cuda.get_rng_state(), before)
         losses.append(loss.item())
-    assert losses[-1] < 0.7 * losses[0], losses[::10]
+    return losses
 
 
 @pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
 @pytest.mark.parametrize("mode", ["bf16_sr", "bf16_sr_kahan"])
 def test_stochastic_rounding_sgd_trains_on_gpu_and_leaves_the_cuda_stream(mode: str) -> None:
+    # against fp32 SGD on the same data, not a fixed bar: SGD at lr 0.05 brings fp32 itself
+    # only to 78% of its start in 60 steps (the first H200 run failed a 70% bar, fp32 included)
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU (found: CPU only)")
+    reference = _model().cuda()
+    fp32 = autoprec.prepare(
+        ModeSpec(mode="fp32"),
+        reference,
+        torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9),
+    )
+    expected = _sine_losses(fp32)
     model = _model().cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     plan = autoprec.prepare(ModeSpec(mode=mode), model, optimizer)
     assert type(plan.optimizer).__name__ == "StochasticSGD"
-    _assert_learns(plan, keeps_cuda_stream=True)  # the rounding draws from its own stream
+    losses = _sine_losses(plan, keeps_cuda_stream=True)  # the rounding draws its own stream
+    assert losses[-1] < 0.85 * losses[0], losses[::10]
+    assert losses[-1] < expected[-1] * 1.01, (losses[::10], expected[::10])
 
 
 def test_mapping_batches_that_are_not_dicts_move_to_the_gpu() -> None:

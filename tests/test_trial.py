@@ -719,6 +719,37 @@ def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
     assert record.compiled_graphs == 1 and record.recompiles == 1
 
 
+def test_compiled_heldout_pass_keeps_whole_graphs_and_reads_the_eager_range() -> None:
+    """A hook on every leaf broke the compiled held-out pass at each leaf: dynamo compiled
+    every Linear's forward again per instance (3 graphs here; a 17-Linear model
+    hit the recompile limit). The losses come whole-graph now, the range from an eager pass."""
+    from torch._dynamo.utils import counters
+
+    from autoprec.trial_loop import heldout_pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)))
+    heldout = [(torch.randn(8, 16) * 3, torch.randn(8, 16)) for _ in range(2)]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output - target).pow(2).mean()
+
+    def planned(spec: ModeSpec) -> autoprec.PrecisionPlan:
+        copied = copy.deepcopy(model)
+        return autoprec.prepare(spec, copied, torch.optim.SGD(copied.parameters()))
+
+    expected = heldout_pass(
+        planned(ModeSpec(mode="amp_fp16")), heldout, torch.device("cpu"), loss_fn, None
+    )
+    compiled = planned(ModeSpec(mode="amp_fp16", compile=True))
+    torch._dynamo.reset()
+    counters.clear()
+    losses, _, largest = heldout_pass(compiled, heldout, torch.device("cpu"), loss_fn, None)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert largest == pytest.approx(expected[2], rel=1e-3) and largest > 1.0  # a Linear's
+    assert losses == pytest.approx(expected[0], rel=1e-2)
+
+
 def test_trial_copies_do_not_run_the_users_compiled_forward() -> None:
     """A model compiled in place (its forward replaced on the instance) deep-copies into a
     module whose compiled forward still runs the original's weights: copies drop it."""
