@@ -17,8 +17,11 @@ from autoprec.tune_result import TuneResult, trial_count
 
 
 def format_bytes(count: int | None) -> str:
+    """GiB from 1 GiB up, else MiB (a 17 MiB peak printed "peak 0.0 GiB" on an H200)."""
     if count is None:
         return "?"
+    if abs(count) < 2**30:
+        return f"{count / 2**20:.1f} MiB"
     return f"{count / 2**30:.1f} GiB"
 
 

@@ -631,3 +631,12 @@ def test_the_layer_mix_digest_reads_as_before_the_recurrent_kind() -> None:
         scan_model(nn.GRU(8, 16, batch_first=True), torch.randn(2, 3, 8))
     )
     assert (tiny.layer_mix_digest, gru.layer_mix_digest) == ("2ef6a754246b8379", "75d417e927e4225f")
+
+
+def test_byte_counts_below_a_gibibyte_print_in_mebibytes() -> None:
+    # a 17 MiB peak printed "peak 0.0 GiB" in the profile table on an H200
+    from autoprec.display import format_bytes
+
+    assert format_bytes(int(16.93 * 2**20)) == "16.9 MiB"
+    assert format_bytes(3 * 2**30) == "3.0 GiB"
+    assert format_bytes(None) == "?"
