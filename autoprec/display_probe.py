@@ -19,8 +19,11 @@ def _hardware(hardware: HardwareInfo, device: str) -> Table:
     table = Table(title="Machine", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    cuda = hardware.torch_cuda_runtime or "none (CPU build)"
-    table.add_row("torch", f"{hardware.torch_version} (CUDA runtime: {cuda})")
+    if hardware.torch_hip_runtime is not None:
+        runtime = f"ROCm/HIP runtime: {hardware.torch_hip_runtime}"
+    else:
+        runtime = f"CUDA runtime: {hardware.torch_cuda_runtime or 'none (CPU build)'}"
+    table.add_row("torch", f"{hardware.torch_version} ({runtime})")
     table.add_row("NVIDIA driver", hardware.driver_version or "—")
     table.add_row("NVML", Text(hardware.nvml_status))
     cpu = hardware.cpu

@@ -102,6 +102,11 @@ def _needs_gpu_format(verdict: _Verdict, what: str, fmt: FormatName, situation: 
             f"{what} needs a CUDA GPU with compute capability >= {major}.{minor} "
             f"(found: {situation.found_device()})"
         )
+    elif not gpu.supports(fmt) and gpu.rocm_arch is not None:
+        verdict.reasons.append(
+            f"{what} is not supported on AMD GPUs by autoprec yet: its rule follows NVIDIA "
+            f"compute capabilities (found: {gpu.label}, a ROCm build of torch). Try amp_bf16."
+        )
     elif not gpu.supports(fmt):
         verdict.reasons.append(
             f"{what} needs compute capability >= {major}.{minor} (found: {gpu.label})"

@@ -34,6 +34,13 @@ FORMAT_MIN_CAPABILITY: dict[FormatName, tuple[int, int]] = {
 }
 """Minimum CUDA compute capability of each number format on tensor cores."""
 
+ROCM_FORMATS: tuple[FormatName, ...] = ("fp16_tensor_cores", "bf16")
+"""What autoprec claims for an AMD GPU under a ROCm build of torch: fp16 and bf16 autocast.
+torch reports a ROCm GPU's gfx name as a "capability" (gfx90a, an MI250X without FP8: 9.0;
+gfx1100: 11.0), which NVIDIA's table above would read as FP8 and FP4 hardware; torch's own FP8
+check on ROCm goes by the gfx name (gfx94x, gfx95x, gfx120x). TF32 and FP8 modes are refused
+there with that reason until they are written and tested for AMD GPUs."""
+
 
 class FormatSupport(BaseModel):
     """Whether one number format runs on tensor cores of a GPU."""
@@ -61,6 +68,10 @@ class GpuInfo(BaseModel):
     """Where the facts came from: NVML when it works, else torch."""
     usable_by_torch: bool
     """False when NVML sees the GPU but this torch build or process cannot use it."""
+    rocm_arch: str | None = None
+    """An AMD GPU under a ROCm build of torch: its gfx architecture (``gcnArchName``). Its
+    ``capability`` is then torch's reading of that name (gfx90a: 9.0), not an NVIDIA compute
+    capability, and only fp16 and bf16 are claimed for it (``ROCM_FORMATS``)."""
 
     @property
     def capability_str(self) -> str:
@@ -68,12 +79,31 @@ class GpuInfo(BaseModel):
 
     @property
     def label(self) -> str:
+        if self.rocm_arch is not None:
+            return f"{self.name}, ROCm {self.rocm_arch}"
         return f"{self.name}, {self.capability_str}"
 
     def formats(self) -> tuple[FormatSupport, ...]:
-        return capability_formats(self.capability, self.name)
+        if self.rocm_arch is None:
+            return capability_formats(self.capability, self.name)
+        return tuple(
+            FormatSupport(
+                format=format_name,
+                supported=format_name in ROCM_FORMATS,
+                reason=f"ROCm build, {self.label}: "
+                + (
+                    "autocast runs there"
+                    if format_name in ROCM_FORMATS
+                    else "autoprec's rule for it follows NVIDIA compute capabilities, not "
+                    "written for AMD GPUs"
+                ),
+            )
+            for format_name in FORMAT_MIN_CAPABILITY
+        )
 
     def supports(self, format_name: FormatName) -> bool:
+        if self.rocm_arch is not None:
+            return format_name in ROCM_FORMATS
         return self.capability >= FORMAT_MIN_CAPABILITY[format_name]
 
 
@@ -84,7 +114,9 @@ class HardwareInfo(BaseModel):
 
     torch_version: str
     torch_cuda_runtime: str | None
-    """CUDA runtime torch was built with (torch.version.cuda); None for CPU builds."""
+    """CUDA runtime torch was built with (torch.version.cuda); None for CPU and ROCm builds."""
+    torch_hip_runtime: str | None = None
+    """HIP runtime of a ROCm build of torch (torch.version.hip); None otherwise."""
     cuda_available: bool
     nvml_status: str
     """"ok" or why NVML could not be used."""
@@ -240,6 +272,7 @@ def read_torch_cuda(cuda: Any, *, free_memory: bool = True) -> tuple[list[GpuInf
                 except Exception:  # noqa: BLE001
                     free = None
             uuid = getattr(props, "uuid", None)
+            rocm_arch = getattr(props, "gcnArchName", None) if torch.version.hip else None
             gpus.append(
                 GpuInfo(
                     index=index,
@@ -251,6 +284,7 @@ def read_torch_cuda(cuda: Any, *, free_memory: bool = True) -> tuple[list[GpuInf
                     uuid=None if uuid is None else str(uuid),
                     source="torch",
                     usable_by_torch=True,
+                    rocm_arch=None if rocm_arch is None else str(rocm_arch).split(":")[0],
                 )
             )
         return gpus, "ok"
@@ -262,33 +296,56 @@ def _uuid_key(uuid: str | None) -> str | None:
     return None if uuid is None else uuid.lower().removeprefix("gpu-")
 
 
-def merge_gpus(
-    nvml_gpus: list[GpuInfo], torch_gpus: list[GpuInfo], torch_version: str
-) -> tuple[list[GpuInfo], list[str]]:
-    """Combine NVML and torch views: torch decides which GPUs are usable, NVML adds facts."""
-    notes: list[str] = []
+def merge_gpus(nvml_gpus: list[GpuInfo], torch_gpus: list[GpuInfo]) -> list[GpuInfo]:
+    """Combine NVML and torch views: torch decides which GPUs are usable, NVML adds facts
+    (with no GPU torch can use: NVML's, none usable).
+
+    A torch GPU takes the NVML GPU of its UUID. Where one side has no UUID, the NVML GPU at
+    the same index, only when both list every GPU and that one has the same name and compute
+    capability (NVML numbers GPUs in PCI bus order, CUDA fastest first). UUIDs that differ
+    never match: a MIG instance (torch: its own UUID, name and memory) is not its parent
+    GPU, which NVML lists."""
     if not torch_gpus:
-        if nvml_gpus:
-            notes.append(
-                f"NVML sees {len(nvml_gpus)} GPU(s) but torch {torch_version} cannot use them "
-                "(a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them): install a CUDA "
-                "build of torch to train on the GPU"
-            )
-        return list(nvml_gpus), notes
+        return list(nvml_gpus)
     by_uuid = {_uuid_key(gpu.uuid): gpu for gpu in nvml_gpus if gpu.uuid}
     same_view = "CUDA_VISIBLE_DEVICES" not in os.environ and len(nvml_gpus) == len(torch_gpus)
     merged = []
     for torch_gpu in torch_gpus:
         nvml_gpu = by_uuid.get(_uuid_key(torch_gpu.uuid))
         if nvml_gpu is None and same_view:
-            nvml_gpu = nvml_gpus[torch_gpu.index]
+            at_index = nvml_gpus[torch_gpu.index]
+            if (
+                (torch_gpu.uuid is None or at_index.uuid is None)
+                and at_index.name == torch_gpu.name
+                and at_index.capability == torch_gpu.capability
+            ):
+                nvml_gpu = at_index
         if nvml_gpu is None:
             merged.append(torch_gpu)
         else:
             merged.append(
                 nvml_gpu.model_copy(update={"index": torch_gpu.index, "usable_by_torch": True})
             )
-    return merged, notes
+    return merged
+
+
+def unusable_gpus_note(count: int, torch_version: str, cuda_runtime: str | None) -> str:
+    """Why torch cannot use the GPUs NVML sees, by what this torch is."""
+    if cuda_runtime is None:
+        return (
+            f"NVML sees {count} GPU(s) but torch {torch_version} is a CPU build: install a "
+            "CUDA build of torch to train on the GPU"
+        )
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return (
+            f"NVML sees {count} GPU(s) but CUDA_VISIBLE_DEVICES="
+            f"{os.environ['CUDA_VISIBLE_DEVICES']!r} hides them from torch {torch_version}"
+        )
+    return (
+        f"NVML sees {count} GPU(s) but torch {torch_version} (CUDA {cuda_runtime}) cannot "
+        "initialise CUDA: most often a driver older than that CUDA runtime needs; update the "
+        "driver, or install a torch built for an older CUDA"
+    )
 
 
 def detect_hardware(
@@ -308,12 +365,16 @@ def detect_hardware(
         nvml_gpus, driver, nvml_status = read_nvml(pynvml)
     cuda = torch.cuda if cuda is None else cuda
     torch_gpus, torch_status = read_torch_cuda(cuda, free_memory=not nvml_gpus)
-    gpus, notes = merge_gpus(nvml_gpus, torch_gpus, torch.__version__)
+    gpus = merge_gpus(nvml_gpus, torch_gpus)
+    notes = []
     if torch_status.startswith("torch CUDA query failed"):
         notes.append(torch_status)
+    elif nvml_gpus and not torch_gpus:
+        notes.append(unusable_gpus_note(len(nvml_gpus), torch.__version__, torch.version.cuda))
     return HardwareInfo(
         torch_version=torch.__version__,
         torch_cuda_runtime=torch.version.cuda,
+        torch_hip_runtime=torch.version.hip,
         cuda_available=bool(torch_gpus),
         nvml_status=nvml_status,
         driver_version=driver,

@@ -36,6 +36,8 @@ class FakeNvmlDevice:
     uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
     broken: Exception | None = None
     memory_error: Exception | None = None
+    gcn_arch: str | None = None
+    """An AMD GPU's ``gcnArchName`` as a ROCm build of torch reports it."""
 
 
 @dataclass
@@ -106,6 +108,7 @@ class FakeCuda:
             minor=device.capability[1],
             total_memory=device.total,
             uuid=device.uuid.removeprefix("GPU-"),
+            **({} if device.gcn_arch is None else {"gcnArchName": device.gcn_arch}),
         )
 
     def mem_get_info(self, index: int) -> tuple[int, int]:

@@ -121,7 +121,7 @@ def test_nvml_gpu_with_cpu_build_of_torch_warns() -> None:
     hardware = detect_hardware(pynvml=nvml, cuda=FakeCuda(), cpu=CPU)
     (gpu,) = hardware.gpus
     assert not gpu.usable_by_torch
-    assert any("torch" in w and "cannot use them" in w for w in hardware.warnings)
+    assert any("is a CPU build: install a CUDA build" in w for w in hardware.warnings)
     assert hardware.resolve_device(None) == "cpu"
     with pytest.raises(ValueError, match="no CUDA device usable by torch"):
         hardware.resolve_device("cuda:0")
@@ -139,9 +139,8 @@ def test_merge_matches_by_uuid_across_visible_devices(monkeypatch: pytest.Monkey
     second = FakeNvmlDevice("NVIDIA H100", (9, 0), uuid="GPU-bbbb")
     nvml_gpus, _, _ = read_nvml(FakeNvml(devices=[first, second]))
     torch_gpus, _ = read_torch_cuda(FakeCuda(devices=[second]))
-    merged, notes = merge_gpus(nvml_gpus, torch_gpus, "2.13.0")
+    merged = merge_gpus(nvml_gpus, torch_gpus)
     assert [(g.index, g.name, g.source) for g in merged] == [(0, "NVIDIA H100", "nvml")]
-    assert notes == []
 
 
 def test_detect_hardware_on_this_machine() -> None:
@@ -195,3 +194,58 @@ def test_resolve_device(device: object, expected: str) -> None:
 def test_resolve_device_rejects(device: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_hardware("H100", "A100").resolve_device(device)
+
+
+def test_a_mig_instance_keeps_its_own_facts_not_its_parent_gpus() -> None:
+    """NVML lists the physical A100; torch sees the 1g.10gb slice with its own UUID. Matched by
+    index (one GPU each), the slice was reported as the whole 80 GB GPU."""
+    parent = FakeNvmlDevice("NVIDIA A100-SXM4-80GB", (8, 0), total=80 * 2**30, uuid="GPU-aaaa")
+    mig = FakeNvmlDevice(
+        "NVIDIA A100-SXM4-80GB MIG 1g.10gb", (8, 0), total=9984 * 2**20, uuid="GPU-bbbb"
+    )
+    hardware = detect_hardware(
+        pynvml=FakeNvml(devices=[parent]), cuda=FakeCuda(devices=[mig]), cpu=CPU
+    )
+    (gpu,) = hardware.gpus
+    assert gpu.name.endswith("MIG 1g.10gb") and gpu.source == "torch"
+    assert gpu.memory_total_bytes == 9984 * 2**20
+
+
+def test_without_uuids_only_the_same_gpu_at_an_index_is_merged() -> None:
+    """NVML numbers GPUs in PCI bus order, CUDA fastest first: cuda:0 is the H100 where NVML's
+    index 0 is the A100. Without UUIDs the index match gave the H100 the A100's facts and FP8
+    was refused on it."""
+
+    class NoUuids(FakeNvml):
+        def nvmlDeviceGetUUID(self, handle: object) -> str:
+            raise nvml_error("NotSupported")
+
+    a100 = FakeNvmlDevice("NVIDIA A100-SXM4-80GB", (8, 0), uuid="GPU-aaaa")
+    h100 = FakeNvmlDevice("NVIDIA H100 80GB HBM3", (9, 0), uuid="GPU-bbbb")
+    hardware = detect_hardware(
+        pynvml=NoUuids(devices=[a100, h100]), cuda=FakeCuda(devices=[h100, a100]), cpu=CPU
+    )
+    assert [(g.name, g.capability) for g in hardware.gpus] == [
+        ("NVIDIA H100 80GB HBM3", (9, 0)),
+        ("NVIDIA A100-SXM4-80GB", (8, 0)),
+    ]
+    same = detect_hardware(pynvml=NoUuids(devices=[h100]), cuda=FakeCuda(devices=[h100]), cpu=CPU)
+    assert same.gpus[0].source == "nvml"  # the same GPU: NVML's facts (driver) are added
+
+
+def test_a_cuda_build_that_cannot_start_cuda_is_not_told_to_install_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch cu128 with an old driver: CUDA unavailable, and the note said "a CPU build of
+    torch ... install a CUDA build". With the query itself failing both notes printed."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = FakeNvml(devices=[FakeNvmlDevice("NVIDIA A100-SXM4-80GB", (8, 0))], driver="470.82.01")
+    (note,) = detect_hardware(pynvml=nvml, cuda=FakeCuda(), cpu=CPU).warnings
+    assert "CUDA 12.8" in note and "update the" in note and "CPU build" not in note
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (note,) = detect_hardware(pynvml=nvml, cuda=FakeCuda(), cpu=CPU).warnings
+    assert "CUDA_VISIBLE_DEVICES=''" in note
+    broken = FakeCuda(error=RuntimeError("all CUDA-capable devices are busy or unavailable"))
+    (note,) = detect_hardware(pynvml=nvml, cuda=broken, cpu=CPU).warnings
+    assert note.startswith("torch CUDA query failed")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autoprec
 from autoprec.probing import ProbeReport
@@ -80,3 +81,35 @@ def test_probe_does_not_import_gpu_backends() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_rocm_build_claims_fp16_and_bf16_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch on ROCm reports an MI250X (gfx90a, no FP8 hardware) as "capability 9.0": read as
+    NVIDIA's, FP8 (tensorwise and rowwise) and TF32 were offered, and the Machine table said
+    "CUDA runtime: none (CPU build)"."""
+    import pynvml
+    from rich.console import Console
+
+    from autoprec.candidates import candidate_specs
+    from autoprec.display_probe import print_probe_report
+    from autoprec.hardware import detect_hardware
+    from autoprec.probing import probe
+    from tests.conftest import CPU, FakeCuda, FakeNvml, FakeNvmlDevice
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    mi250 = FakeNvmlDevice("AMD Instinct MI250X/MI250", (9, 0), gcn_arch="gfx90a:sramecc+:xnack-")
+    hardware = detect_hardware(
+        pynvml=FakeNvml(init_error=pynvml.NVMLError_LibraryNotFound()),
+        cuda=FakeCuda(devices=[mi250]),
+        cpu=CPU,
+    )
+    report = probe(hardware=hardware, backends=make_backends("all"))
+    assert report.verdict("amp_bf16").eligible and report.verdict("amp_fp16").eligible
+    for mode in ("tf32", "fp8_torchao", "fp8_te"):
+        (reason,) = [r for r in report.verdict(mode).reasons if "AMD" in r]
+        assert "ROCm gfx90a" in reason and "Try amp_bf16" in reason
+    assert not any(s.mode.startswith("fp8") for s in candidate_specs(report).specs)
+    console = Console(record=True, width=200)
+    print_probe_report(report, console=console)
+    assert "ROCm/HIP runtime: 6.4.43482" in console.export_text()
