@@ -6,8 +6,11 @@ eager and again compiled (``torch.compile``, graphs built and recompiles after w
 the samples/s of the loop a user writes with ``apply()`` (same model, recipe and batches; one
 synchronization at each end of the timed window) and the trial's share of it (``trial/loop``,
 target 0.97-1.03: below it the trial charges the mode for host syncs a real run does not
-make), the mode's forward cost (its trained weights read in the mode vs in fp32: real FP8's
-precision floor on this model) and its drift verdict against fp32; then a short ``tune()``
+make) and of the same loop reading its loss every 10 steps as a logging loop does
+(``t/logged``: the trial's windows end in such a read; on the first H200 run amp_bf16's
+``trial/loop`` was 0.83-0.96 while fp32's and tf32's were 0.98-1.00), the mode's forward
+cost (its trained weights read in the mode vs in fp32: real FP8's precision floor on this
+model) and its drift verdict against fp32; then a short ``tune()``
 under a real recipe (nanoGPT's AdamW and cosine schedule, gradient accumulation, clipping).
 On a CPU (``--quick``) it runs the same code on a small model so the script itself stays
 tested.
@@ -42,6 +45,7 @@ from autoprec.probing import probe
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
+from autoprec.trial_loop import MAX_WINDOW_STEPS
 from autoprec.tuning import tune
 from examples import tiny_gpt
 
@@ -60,10 +64,12 @@ def loop_speed(
     steps: int,
     device: str,
     warmup_steps: int = 2,
+    log_every: int | None = None,
 ) -> float:
     """Samples/s of a plain training loop with ``apply()``'s plan: ``warmup_steps`` (as the
     trial's default), then ``steps`` steps timed between two synchronizations, nothing read
-    back in between."""
+    back in between; with ``log_every``, the loss read back (``.item()``) every that many
+    steps, as a loop that logs does (torchtitan's default: every 10)."""
     trained = copy.deepcopy(model)
     with warnings.catch_warnings():  # the rebuilt-optimizer warning: no scheduler here
         warnings.simplefilter("ignore", OptimizerRebuiltWarning)
@@ -75,6 +81,8 @@ def loop_speed(
             with plan.autocast():
                 loss = plan.model(inputs, targets)
             plan.step(loss)
+            if log_every and (step + 1) % log_every == 0:
+                loss.item()
 
     train(warmup_steps)
     _synchronize(device)
@@ -98,7 +106,8 @@ def mode_table(
     noise = run_trial(specs[0], model, train, seed=1, shuffle_seed=1, **common)
     print(
         f"{'mode':34} {'samples/s':>10} {'tokens/s':>11} {'step ms':>8} {'peak MiB':>9} "
-        f"{'state MiB':>9} {'loop s/s':>9} {'trial/loop':>10} {'graphs':>6} {'recomp':>6}"
+        f"{'state MiB':>9} {'loop s/s':>9} {'trial/loop':>10} {'t/logged':>10} {'graphs':>6}"
+        f" {'recomp':>6}"
         f" {'fwd cost':>8}  verdict"
     )
     for spec in specs:
@@ -120,7 +129,9 @@ def mode_table(
         )
         state = f"{record.state_bytes.total / 2**20:9.1f}" if record.state_bytes else f"{'-':>9}"
         loop = loop_speed(spec, model, train, steps, device)
+        logged = loop_speed(spec, model, train, steps, device, log_every=MAX_WINDOW_STEPS)
         ratio = (record.samples_per_second or 0.0) / loop
+        logged_ratio = (record.samples_per_second or 0.0) / logged
         graphs = "-" if record.compiled_graphs is None else str(record.compiled_graphs)
         recompiles = "-" if record.recompiles is None else str(record.recompiles)
         status = "accept" if verdict.accepted else "REJECT " + " | ".join(verdict.reasons)
@@ -128,6 +139,7 @@ def mode_table(
         forward = f"{'-':>8}" if cost is None else f"{cost:+8.2%}"
         print(
             f"{spec.label:34} {speed} {tokens} {step} {peak} {state} {loop:9.1f} {ratio:10.3f}"
+            f" {logged_ratio:10.3f}"
             f" {graphs:>6} {recompiles:>6} {forward}  {status}"
         )
 
