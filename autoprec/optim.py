@@ -101,6 +101,19 @@ def _refuse(options: dict[str, Any], target: OptimizerTarget, **forbidden: Any) 
             )
 
 
+def refuse_untranslatable(
+    kind: SourceKind, options: dict[str, Any], target: OptimizerTarget
+) -> None:
+    """A ValueError naming an option of a ``kind`` group that ``target`` cannot run (a
+    group being rebuilt, or one a checkpoint brings in)."""
+    if kind in ("adam", "adamw"):
+        _refuse(options, target, amsgrad=False, maximize=False)
+    elif target in ("stochastic", "stochastic_kahan"):  # SGD's own options all translate
+        _refuse(options, target, maximize=False)
+    else:
+        _refuse(options, target, nesterov=False, maximize=False, dampening=0)
+
+
 def _adam_options(options: dict[str, Any]) -> dict[str, Any]:
     return {key: options[key] for key in ("lr", "betas", "eps", "weight_decay")}
 
@@ -109,13 +122,7 @@ def translate_group(
     kind: SourceKind, options: dict[str, Any], target: OptimizerTarget
 ) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
     """(constructor, group options in the target's names) for one group."""
-    if kind in ("adam", "adamw"):
-        _refuse(options, target, amsgrad=False, maximize=False)
-    else:
-        if target in ("stochastic", "stochastic_kahan"):  # SGD's own options all translate
-            _refuse(options, target, maximize=False)
-        else:
-            _refuse(options, target, nesterov=False, maximize=False, dampening=0)
+    refuse_untranslatable(kind, options, target)
     if target == "bnb_8bit":
         bnb = require("bitsandbytes")
         if kind == "sgd":
@@ -265,9 +272,17 @@ def rebuild_optimizer(
     kind = source_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
-    defaults = _accepted_by(constructor, first)  # SGD8bit takes no betas, optimi no beta1
-    if "beta1" in first:  # torch-optimi: constructor takes betas, groups hold beta1/beta2
-        defaults["betas"] = (first["beta1"], first["beta2"])
+    # the constructor's defaults are the user's optimizer's, translated: what a group added
+    # later (add_param_group, progressive unfreezing) takes; group 0's gave it group 0's lr
+    # and weight_decay. Defaults that do not translate (a coupled decay bitsandbytes refuses,
+    # which no group uses) fall back to group 0's.
+    try:
+        _, translated_defaults = translate_group(kind, _default_options(optimizer), target)
+    except (TypeError, ValueError):
+        translated_defaults = first
+    defaults = _accepted_by(constructor, translated_defaults)  # SGD8bit: no betas
+    if "beta1" in translated_defaults:  # torch-optimi: constructor betas, groups beta1/beta2
+        defaults["betas"] = (translated_defaults["beta1"], translated_defaults["beta2"])
     new_groups = [
         {
             **{k: v for k, v in group.options.items() if k not in optimizer.defaults},
@@ -281,9 +296,16 @@ def rebuild_optimizer(
         rebuilt = _with_step_hooks_of(optimizer, rebuilt)
     if "beta1" in first:
         _expose_betas(rebuilt)
+    if target == "optimi_kahan" and kind == "adamw":
+        _decay_through_kahan(rebuilt)
     if target == "bnb_8bit" and kind == "sgd":
         _momentum_into_betas(rebuilt)
     return rebuilt
+
+
+def _default_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The user's optimizer's defaults as group options (copied: a tensor lr is its own)."""
+    return {key: copy.deepcopy(value) for key, value in optimizer.defaults.items()}
 
 
 def _with_step_hooks_of(
@@ -320,6 +342,53 @@ def _momentum_into_betas(optimizer: torch.optim.Optimizer) -> None:
             synced[index] = value
 
     optimizer.register_step_pre_hook(sync)
+
+
+DECAY_IN_KAHAN = "_autoprec_decay_in_kahan"
+"""Attribute of a torch-optimi AdamW whose decoupled weight decay runs through its Kahan
+compensation (``_decay_through_kahan``): on the optimizer, not its groups, so a checkpoint's
+groups loaded into it keep it."""
+_STEP_DECAY = "_decay_this_step"
+
+
+def _decay_through_kahan(optimizer: torch.optim.Optimizer) -> None:
+    """torch-optimi's AdamW multiplies a bf16 weight by ``1 - lr * weight_decay`` outside its
+    Kahan compensation: below half a bf16 ulp the product rounds back to the same weight, and
+    the decay never applied (AdamW at lr 1e-3, weight_decay 0.01, 2000 steps of zero gradient:
+    weights of 1.0 stayed 1.0 where torch's reach 0.9802; with real gradients, weight_decay
+    0.01 and 0 gave bit-identical weights). Before each step the decay goes into the
+    compensation, which carries it into the weight as it carries the Adam update, and
+    torch-optimi's own multiply is off for the step (the group shows the user's weight_decay
+    again after it). On a weight's first step, before torch-optimi made its compensation, the
+    weight is decayed directly, as torch-optimi would."""
+
+    def decay(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not getattr(optimizer, DECAY_IN_KAHAN, False):  # another sharing the hooks
+            return
+        for group in optimizer.param_groups:
+            weight_decay = group.get(_STEP_DECAY, group["weight_decay"])  # a failed step's
+            group[_STEP_DECAY], group["weight_decay"] = weight_decay, 0.0
+            if not weight_decay:
+                continue
+            factor = float(group["lr"]) * weight_decay
+            for param in group["params"]:
+                if param.grad is None:  # torch-optimi leaves it alone, decay included
+                    continue
+                compensation = optimizer.state.get(param, {}).get("kahan_comp")
+                with torch.no_grad():
+                    if compensation is not None and compensation.shape == param.shape:
+                        compensation.add_(param, alpha=-factor)
+                    else:
+                        param.mul_(1 - factor)
+
+    def restore(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            if _STEP_DECAY in group:
+                group["weight_decay"] = group.pop(_STEP_DECAY)
+
+    setattr(optimizer, DECAY_IN_KAHAN, True)
+    optimizer.register_step_pre_hook(decay)
+    optimizer.register_step_post_hook(restore)
 
 
 def _expose_betas(optimizer: torch.optim.Optimizer) -> None:

@@ -31,6 +31,7 @@ from autoprec.optim import (
     SUPPORTED_SOURCES,
     OptimizerTarget,
     SourceKind,
+    refuse_untranslatable,
     source_kind,
     translate_group,
 )
@@ -67,6 +68,13 @@ def accept_source_state(
     ) -> None:
         writer = state_writer(state_dict)
         groups = state_dict.get("param_groups", [])
+        if writer == "torch" and target not in (None, "same"):
+            # before anything loads: a torch checkpoint's groups replace the rebuilt ones, and
+            # an option the rebuilt optimizer ignores (SGD's maximize under stochastic
+            # rounding stepped downhill where the checkpoint's run stepped uphill) is refused
+            # as the rebuild refuses it
+            for group in groups:
+                refuse_untranslatable(kind, group, target)
         if writer == "torch" and own != "torch":  # to translate: the family's hyper-parameters
             writer = writer if all(HYPER_KEYS[kind] <= set(group) for group in groups) else None
         if writer == own or (writer is None and own == "torch"):
@@ -82,6 +90,7 @@ def accept_source_state(
         elif own == "torch":
             form = in_layout_of(torch_form(state_dict, kind), self)
             type(self).load_state_dict(self, form, *args, **kwargs)
+
         else:
             form = torch_form(state_dict, kind)
             _translate_source_state(self, form, kind, target, source_keys)  # type: ignore[arg-type]

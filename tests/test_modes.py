@@ -538,6 +538,33 @@ def test_a_kept_module_handed_a_model_input_reads_it_in_fp32(compiled: str) -> N
     assert root_inputs._stack() == []
 
 
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+def test_a_kept_module_reads_an_input_the_forward_edited_in_place_as_edited() -> None:
+    """The root cast's record pointed a kept norm at the unedited fp32 original: it saw column
+    0 as the random input where the model had set it to 100."""
+
+    class EditsItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x[:, 0] = 100.0
+            return self.head(self.norm(x))
+
+    model = EditsItsInput()
+    plan = autoprec.prepare(
+        ModeSpec(mode="bf16_pure", keep_fp32=("norm",)),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    seen: list[torch.Tensor] = []
+    model.norm.register_forward_hook(lambda _module, args, _output: seen.append(args[0]))
+    plan.model(torch.randn(2, 4))
+    assert seen[0][:, 0].tolist() == [100.0, 100.0]
+
+
 def test_a_view_of_a_cast_input_is_read_from_the_same_view_of_the_original() -> None:
     from autoprec.modes.root_inputs import RootCast, original_input
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from autoprec.optim import named_groups, rebuild_optimizer, source_kind, translation_problem
+from autoprec.specs import ModeSpec
 
 
 def _model() -> nn.Module:
@@ -216,3 +217,88 @@ def test_a_clone_keeps_constructor_options_held_outside_defaults() -> None:
     user = torchao_optim.AdamW8bit(model.parameters(), block_size=128, bf16_stochastic_round=True)
     clone = rebuild_optimizer(user, named_groups(user, model), model, "same")
     assert (clone.block_size, clone.bf16_stochastic_round) == (128, True)
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+def test_bf16_kahan_applies_adamw_weight_decay_below_half_an_ulp() -> None:
+    """torch-optimi multiplied the bf16 weight by 1 - lr * wd outside its Kahan compensation:
+    1 - 1e-4 rounds back to 1.0 and the decay never applied (weights stayed 1.0, fp32's reach
+    0.951 after 500 steps). It now runs through the compensation; the group still shows it."""
+    import autoprec
+
+    finals = {}
+    for mode in ("fp32", "bf16_pure", "bf16_kahan"):
+        model = nn.Linear(256, 1, bias=False)
+        nn.init.ones_(model.weight)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        plan = autoprec.prepare(ModeSpec(mode=mode), model, optimizer)
+        for _ in range(500):
+            model.weight.grad = torch.zeros_like(model.weight)
+            plan.optimizer.step()
+        finals[mode] = model.weight.float().mean().item()
+        assert plan.optimizer.param_groups[0]["weight_decay"] == 0.01
+        assert plan.optimizer.state_dict()["param_groups"][0]["weight_decay"] == 0.01
+    assert finals["fp32"] == pytest.approx(0.9512, abs=1e-4)
+    assert finals["bf16_pure"] == 1.0  # nearest rounding: documented, flagged by the gate
+    assert finals["bf16_kahan"] == pytest.approx(finals["fp32"], abs=4e-3)  # one bf16 ulp
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+@pytest.mark.parametrize(
+    ("mode", "bits"), [("bf16_pure", 8), ("bf16_sr", 32), ("bf16_kahan", 32), ("bf16_pure", 32)]
+)
+def test_a_group_added_later_takes_the_users_defaults(mode: str, bits: int) -> None:
+    """Progressive unfreezing: add_param_group on a rebuilt optimizer took group 0's lr and
+    weight_decay (0.1 and 0.0 here) instead of the optimizer's defaults (1e-3 and 0.1)."""
+    import autoprec
+
+    model = nn.ModuleDict({"head": nn.Linear(4, 2), "backbone": nn.Linear(4, 4)})
+    optimizer = torch.optim.AdamW(
+        [{"params": model["head"].parameters(), "lr": 1e-1, "weight_decay": 0.0}],
+        lr=1e-3,
+        weight_decay=0.1,
+    )
+    plan = autoprec.prepare(ModeSpec(mode=mode, optimizer_bits=bits), model, optimizer)
+    plan.optimizer.add_param_group({"params": list(model["backbone"].parameters())})
+    added = plan.optimizer.param_groups[-1]
+    assert (added["lr"], added["weight_decay"]) == (1e-3, 0.1)
+    assert plan.optimizer.param_groups[0]["lr"] == 1e-1
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+def test_bf16_kahan_decay_survives_a_checkpoint_and_leaves_the_users_optimizer() -> None:
+    """The step hooks are shared with the user's optimizer (its own EMA or logging hooks run
+    on the rebuilt one): stepping the user's AdamW is untouched; a resumed plan still decays."""
+    import autoprec
+
+    model = nn.Linear(256, 1, bias=False)
+    nn.init.ones_(model.weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    plan = autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
+    for _ in range(5):
+        model.weight.grad = torch.zeros_like(model.weight)
+        plan.optimizer.step()
+    saved = plan.optimizer.state_dict()
+    resumed_model = nn.Linear(256, 1, bias=False)
+    nn.init.ones_(resumed_model.weight)
+    resumed = autoprec.prepare(
+        ModeSpec(mode="bf16_kahan"),
+        resumed_model,
+        torch.optim.AdamW(resumed_model.parameters(), lr=1e-2, weight_decay=0.01),
+    )
+    resumed.optimizer.load_state_dict(saved)
+    for _ in range(495):
+        resumed_model.weight.grad = torch.zeros_like(resumed_model.weight)
+        resumed.optimizer.step()
+    assert resumed_model.weight.float().mean().item() == pytest.approx(0.9512, abs=4e-3)
+
+    other = nn.Linear(3, 1)
+    users = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.5)
+    users._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks  # as shared
+    users._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+    before = other.weight.detach().clone()
+    other.weight.grad = torch.zeros_like(other.weight)
+    other.bias.grad = torch.zeros_like(other.bias)
+    users.step()
+    assert torch.allclose(other.weight, before * (1 - 1e-2 * 0.5))
+    assert users.param_groups[0]["weight_decay"] == 0.5

@@ -145,3 +145,21 @@ def test_a_translated_load_takes_the_saved_hyperparameters_and_fails_whole() -> 
         pristine.load_state_dict(amsgrad)
     after = {key: value for key, value in pristine.param_groups[0].items() if key != "params"}
     assert after == before and not pristine.state
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+@pytest.mark.parametrize("mode", ["bf16_sr", "bf16_sr_kahan"])
+def test_a_checkpoint_option_the_rebuilt_optimizer_ignores_is_refused(mode: str) -> None:
+    """A torch SGD checkpoint with maximize=True loaded into StochasticSGD: the group said
+    maximize and the step went downhill. Refused now, before anything loads, as the rebuild
+    refuses it."""
+    import autoprec
+    from autoprec.specs import ModeSpec
+
+    saved = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1, maximize=True).state_dict()
+    model = nn.Linear(2, 1)
+    plan = autoprec.prepare(ModeSpec(mode=mode), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = copy.deepcopy(plan.optimizer.state_dict())
+    with pytest.raises(ValueError, match="maximize=True has no equivalent"):
+        plan.optimizer.load_state_dict(saved)
+    assert plan.optimizer.state_dict()["param_groups"] == before["param_groups"]

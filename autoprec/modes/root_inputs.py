@@ -37,8 +37,10 @@ _calls = threading.local()
 class _Call(NamedTuple):
     narrow: bool
     """The model held bf16 weights when the call began, so its inputs were cast."""
-    originals: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    """id(bf16 input) -> (the bf16 input, its fp32 original)."""
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    """id(bf16 input) -> (the bf16 input, its fp32 original, the bf16 input's version counter
+    when it was made: a forward that edits its input in place moves it, and the original no
+    longer holds the values the model computes with)."""
 
 
 def _stack() -> list[_Call]:
@@ -80,7 +82,7 @@ class RootCast:
         self.witness = witness
 
     def cast(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        originals: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         narrow = holds_bf16(module, self.witness)
         _stack().append(_Call(narrow, originals))
         if not narrow:
@@ -89,7 +91,7 @@ class RootCast:
         def cast(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                 low = value.to(torch.bfloat16)
-                originals[id(low)] = (low, value)
+                originals[id(low)] = (low, value, low._version)
                 return low
             return value
 
@@ -103,17 +105,22 @@ class RootCast:
 
 def original_input(value: Any) -> Any:
     """The fp32 original of a model input the root cast to bf16, or the same view of it (a
-    slice, a column, a reshape of the input); anything else as it is."""
+    slice, a column, a reshape of the input); anything else as it is, and so is an input the
+    forward edited in place since the cast (``x[:, 0] = 100`` before a kept norm: the original
+    no longer holds what the model computes with, and the kept module was handed the unedited
+    values)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.bfloat16:
         return value
     base = value._base
     for call in reversed(_stack()):
         entry = call.originals.get(id(value))
         if entry is not None and entry[0] is value:
-            return entry[1]
+            low, original, version = entry
+            return original if low._version == version else value
         entry = None if base is None else call.originals.get(id(base))
         if entry is not None and entry[0] is base:
-            return _same_view(value, *entry)
+            low, original, version = entry
+            return _same_view(value, low, original) if low._version == version else value
     return value
 
 
