@@ -272,7 +272,8 @@ def read_torch_cuda(cuda: Any, *, free_memory: bool = True) -> tuple[list[GpuInf
                 except Exception:  # noqa: BLE001
                     free = None
             uuid = getattr(props, "uuid", None)
-            rocm_arch = getattr(props, "gcnArchName", None) if torch.version.hip else None
+            # a ROCm GPU is one whatever its properties hold: NVIDIA's table must not judge it
+            rocm_arch = getattr(props, "gcnArchName", "gfx?") if torch.version.hip else None
             gpus.append(
                 GpuInfo(
                     index=index,
@@ -329,22 +330,40 @@ def merge_gpus(nvml_gpus: list[GpuInfo], torch_gpus: list[GpuInfo]) -> list[GpuI
     return merged
 
 
-def unusable_gpus_note(count: int, torch_version: str, cuda_runtime: str | None) -> str:
-    """Why torch cannot use the GPUs NVML sees, by what this torch is."""
+HIDING_VALUES = ("", "-1", "NoDevFiles")
+"""``CUDA_VISIBLE_DEVICES`` values that hide every GPU. Any other value is blamed only as a
+possibility: SLURM and Kubernetes set it on every GPU job."""
+
+
+def unusable_gpus_note(
+    count: int, torch_version: str, cuda_runtime: str | None, hip_runtime: str | None = None
+) -> str:
+    """Why torch cannot use the NVIDIA GPUs NVML sees, by what this torch is."""
+    if hip_runtime is not None:
+        return (
+            f"NVML sees {count} NVIDIA GPU(s) but torch {torch_version} is a ROCm build "
+            f"(HIP {hip_runtime}): install a CUDA build of torch to train on them"
+        )
     if cuda_runtime is None:
         return (
             f"NVML sees {count} GPU(s) but torch {torch_version} is a CPU build: install a "
             "CUDA build of torch to train on the GPU"
         )
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in HIDING_VALUES:
         return (
-            f"NVML sees {count} GPU(s) but CUDA_VISIBLE_DEVICES="
-            f"{os.environ['CUDA_VISIBLE_DEVICES']!r} hides them from torch {torch_version}"
+            f"NVML sees {count} GPU(s) but CUDA_VISIBLE_DEVICES={visible!r} hides them from "
+            f"torch {torch_version}"
         )
+    also = (
+        f"; or CUDA_VISIBLE_DEVICES={visible!r} names no GPU NVML lists"
+        if visible is not None
+        else ""
+    )
     return (
         f"NVML sees {count} GPU(s) but torch {torch_version} (CUDA {cuda_runtime}) cannot "
         "initialise CUDA: most often a driver older than that CUDA runtime needs; update the "
-        "driver, or install a torch built for an older CUDA"
+        f"driver, or install a torch built for an older CUDA{also}"
     )
 
 
@@ -370,7 +389,11 @@ def detect_hardware(
     if torch_status.startswith("torch CUDA query failed"):
         notes.append(torch_status)
     elif nvml_gpus and not torch_gpus:
-        notes.append(unusable_gpus_note(len(nvml_gpus), torch.__version__, torch.version.cuda))
+        notes.append(
+            unusable_gpus_note(
+                len(nvml_gpus), torch.__version__, torch.version.cuda, torch.version.hip
+            )
+        )
     return HardwareInfo(
         torch_version=torch.__version__,
         torch_cuda_runtime=torch.version.cuda,

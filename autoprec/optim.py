@@ -165,7 +165,10 @@ def translate_group(
         }
         if kind == "adam":
             translated["decouple_wd"] = False
-        return (optimi.AdamW if kind == "adamw" else optimi.Adam), translated
+            return optimi.Adam, translated
+        from autoprec.kahan_adamw import KahanDecayAdamW  # torch-optimi is there: imported
+
+        return KahanDecayAdamW, translated  # its decay through the compensation
     if target in ("stochastic", "stochastic_kahan"):
         if kind == "sgd":
             keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
@@ -296,8 +299,6 @@ def rebuild_optimizer(
         rebuilt = _with_step_hooks_of(optimizer, rebuilt)
     if "beta1" in first:
         _expose_betas(rebuilt)
-    if target == "optimi_kahan" and kind == "adamw":
-        _decay_through_kahan(rebuilt)
     if target == "bnb_8bit" and kind == "sgd":
         _momentum_into_betas(rebuilt)
     return rebuilt
@@ -342,53 +343,6 @@ def _momentum_into_betas(optimizer: torch.optim.Optimizer) -> None:
             synced[index] = value
 
     optimizer.register_step_pre_hook(sync)
-
-
-DECAY_IN_KAHAN = "_autoprec_decay_in_kahan"
-"""Attribute of a torch-optimi AdamW whose decoupled weight decay runs through its Kahan
-compensation (``_decay_through_kahan``): on the optimizer, not its groups, so a checkpoint's
-groups loaded into it keep it."""
-_STEP_DECAY = "_decay_this_step"
-
-
-def _decay_through_kahan(optimizer: torch.optim.Optimizer) -> None:
-    """torch-optimi's AdamW multiplies a bf16 weight by ``1 - lr * weight_decay`` outside its
-    Kahan compensation: below half a bf16 ulp the product rounds back to the same weight, and
-    the decay never applied (AdamW at lr 1e-3, weight_decay 0.01, 2000 steps of zero gradient:
-    weights of 1.0 stayed 1.0 where torch's reach 0.9802; with real gradients, weight_decay
-    0.01 and 0 gave bit-identical weights). Before each step the decay goes into the
-    compensation, which carries it into the weight as it carries the Adam update, and
-    torch-optimi's own multiply is off for the step (the group shows the user's weight_decay
-    again after it). On a weight's first step, before torch-optimi made its compensation, the
-    weight is decayed directly, as torch-optimi would."""
-
-    def decay(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not getattr(optimizer, DECAY_IN_KAHAN, False):  # another sharing the hooks
-            return
-        for group in optimizer.param_groups:
-            weight_decay = group.get(_STEP_DECAY, group["weight_decay"])  # a failed step's
-            group[_STEP_DECAY], group["weight_decay"] = weight_decay, 0.0
-            if not weight_decay:
-                continue
-            factor = float(group["lr"]) * weight_decay
-            for param in group["params"]:
-                if param.grad is None:  # torch-optimi leaves it alone, decay included
-                    continue
-                compensation = optimizer.state.get(param, {}).get("kahan_comp")
-                with torch.no_grad():
-                    if compensation is not None and compensation.shape == param.shape:
-                        compensation.add_(param, alpha=-factor)
-                    else:
-                        param.mul_(1 - factor)
-
-    def restore(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in optimizer.param_groups:
-            if _STEP_DECAY in group:
-                group["weight_decay"] = group.pop(_STEP_DECAY)
-
-    setattr(optimizer, DECAY_IN_KAHAN, True)
-    optimizer.register_step_pre_hook(decay)
-    optimizer.register_step_post_hook(restore)
 
 
 def _expose_betas(optimizer: torch.optim.Optimizer) -> None:

@@ -27,9 +27,10 @@ mode's trial speed moved by up to 0.3 of itself between two runs; on the first H
 amp_bf16's trial in an 18-mode tune timed 1396 samples/s, 15.4% below tf32's 1649 and just
 outside the 15% band used before (the pruning race's margin), so tf32 was chosen, while the
 same tune on the two alone timed amp_bf16 at 1971 and chose it (tf32 1.19x its step time). On
-our CPU two trials of one mode differ by up to 9% (``search.PRUNE_MARGIN``). Wider than the
-race's margin: every mode the race lets through is re-timed, and so is an accepted mode whose
-one trial ran slow. The budget still decides how many (the slowest are left out first)."""
+our CPU two trials of one mode raced up to 1.09x apart (``search.PRUNE_MARGIN``'s figures).
+Wider than the race's margin: every mode the race lets through is re-timed, and so is an
+accepted mode whose one trial ran slow. The budget still decides how many (the slowest are
+left out first)."""
 CONFIRM_STEPS = 30
 
 

@@ -82,7 +82,9 @@ def heldout_pass(
     if not _runs_compiled(plan):
         return _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
     losses, outputs, _ = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=False)
-    with torch.compiler.set_stance("force_eager"):
+    # its random draws (a train_step's, a diffusion loss's noise) put back: what follows
+    # (eval_fn) draws as it would after one pass
+    with kept_streams(cuda_devices_of(device)), torch.compiler.set_stance("force_eager"):
         _, _, largest = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
     return losses, outputs, largest
 

@@ -245,7 +245,16 @@ def test_a_cuda_build_that_cannot_start_cuda_is_not_told_to_install_one(
     assert "CUDA 12.8" in note and "update the" in note and "CPU build" not in note
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     (note,) = detect_hardware(pynvml=nvml, cuda=FakeCuda(), cpu=CPU).warnings
-    assert "CUDA_VISIBLE_DEVICES=''" in note
+    assert "CUDA_VISIBLE_DEVICES='' hides them" in note
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as SLURM sets it: not the cause named
+    (note,) = detect_hardware(pynvml=nvml, cuda=FakeCuda(), cpu=CPU).warnings
+    assert "update the driver" in note and "CUDA_VISIBLE_DEVICES='0' names no GPU" in note
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    (note,) = detect_hardware(pynvml=nvml, cuda=FakeCuda(), cpu=CPU).warnings
+    assert "is a ROCm build (HIP 6.4.43482)" in note
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     broken = FakeCuda(error=RuntimeError("all CUDA-capable devices are busy or unavailable"))
     (note,) = detect_hardware(pynvml=nvml, cuda=broken, cpu=CPU).warnings
     assert note.startswith("torch CUDA query failed")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -47,7 +48,7 @@ def test_foreign_parameters_are_refused() -> None:
     ("target", "class_name"),
     [
         ("bnb_8bit", "AdamW8bit"),
-        ("optimi_kahan", "AdamW"),
+        ("optimi_kahan", "KahanDecayAdamW"),
         ("stochastic", "StochasticAdamW"),
         ("same", "AdamW"),
     ],
@@ -266,39 +267,59 @@ def test_a_group_added_later_takes_the_users_defaults(mode: str, bits: int) -> N
 
 
 @pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
-def test_bf16_kahan_decay_survives_a_checkpoint_and_leaves_the_users_optimizer() -> None:
-    """The step hooks are shared with the user's optimizer (its own EMA or logging hooks run
-    on the rebuilt one): stepping the user's AdamW is untouched; a resumed plan still decays."""
+def test_bf16_kahan_decay_survives_a_checkpoint_a_copy_a_closure_and_a_failed_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review of the first version (step hooks): a deep copy lost the decay, a
+    ``step(closure)`` applied none, a step that raised left weight_decay 0 in the groups and
+    decayed twice when retried."""
+    import optimi
+
     import autoprec
 
-    model = nn.Linear(256, 1, bias=False)
-    nn.init.ones_(model.weight)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    plan = autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
-    for _ in range(5):
-        model.weight.grad = torch.zeros_like(model.weight)
-        plan.optimizer.step()
-    saved = plan.optimizer.state_dict()
-    resumed_model = nn.Linear(256, 1, bias=False)
-    nn.init.ones_(resumed_model.weight)
-    resumed = autoprec.prepare(
-        ModeSpec(mode="bf16_kahan"),
-        resumed_model,
-        torch.optim.AdamW(resumed_model.parameters(), lr=1e-2, weight_decay=0.01),
-    )
-    resumed.optimizer.load_state_dict(saved)
-    for _ in range(495):
-        resumed_model.weight.grad = torch.zeros_like(resumed_model.weight)
-        resumed.optimizer.step()
-    assert resumed_model.weight.float().mean().item() == pytest.approx(0.9512, abs=4e-3)
+    def plan_over_ones() -> tuple[nn.Linear, autoprec.PrecisionPlan]:
+        model = nn.Linear(256, 1, bias=False)
+        nn.init.ones_(model.weight)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        return model, autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
 
-    other = nn.Linear(3, 1)
-    users = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.5)
-    users._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks  # as shared
-    users._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
-    before = other.weight.detach().clone()
-    other.weight.grad = torch.zeros_like(other.weight)
-    other.bias.grad = torch.zeros_like(other.bias)
-    users.step()
-    assert torch.allclose(other.weight, before * (1 - 1e-2 * 0.5))
-    assert users.param_groups[0]["weight_decay"] == 0.5
+    def zero_gradient(model: nn.Module) -> None:
+        for weight in model.parameters():
+            weight.grad = torch.zeros_like(weight)
+
+    model, plan = plan_over_ones()
+    for _ in range(5):
+        zero_gradient(model)
+        plan.optimizer.step()
+    resumed_model, resumed = plan_over_ones()
+    resumed.optimizer.load_state_dict(plan.optimizer.state_dict())
+    copied = copy.deepcopy(resumed.optimizer)  # its own weights: the copy's parameters
+    copied_model = nn.Linear(256, 1, bias=False)
+    copied_model.weight = copied.param_groups[0]["params"][0]
+    for _ in range(495):
+        zero_gradient(resumed_model)
+        resumed.optimizer.step(lambda: None)  # a closure: decay after it, not before
+        zero_gradient(copied_model)
+        copied.step()
+    assert resumed_model.weight.float().mean().item() == pytest.approx(0.9512, abs=4e-3)
+    assert copied_model.weight.float().mean().item() == pytest.approx(0.9512, abs=4e-3)
+
+    model, plan = plan_over_ones()
+    for _ in range(3):
+        zero_gradient(model)
+        plan.optimizer.step()
+    state = plan.optimizer.state[model.weight]
+    compensation = state["kahan_comp"].clone()
+    real = optimi.AdamW.step
+
+    def raises(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(optimi.AdamW, "step", raises)
+    zero_gradient(model)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        plan.optimizer.step()
+    monkeypatch.setattr(optimi.AdamW, "step", real)
+    assert plan.optimizer.param_groups[0]["weight_decay"] == 0.01
+    # the moved decay undone (to bf16 rounding of the compensation): one step's is 1e-4
+    assert (state["kahan_comp"].float() - compensation.float()).abs().max() < 2e-6

@@ -106,6 +106,9 @@ def test_a_rocm_build_claims_fp16_and_bf16_only(monkeypatch: pytest.MonkeyPatch)
     )
     report = probe(hardware=hardware, backends=make_backends("all"))
     assert report.verdict("amp_bf16").eligible and report.verdict("amp_fp16").eligible
+    unnamed = FakeNvmlDevice("AMD Instinct MI250X/MI250", (9, 0))  # no gcnArchName
+    (gpu,) = detect_hardware(pynvml=None, cuda=FakeCuda(devices=[unnamed]), cpu=CPU).gpus
+    assert gpu.rocm_arch == "gfx?" and not gpu.supports("fp8")
     for mode in ("tf32", "fp8_torchao", "fp8_te"):
         (reason,) = [r for r in report.verdict(mode).reasons if "AMD" in r]
         assert "ROCm gfx90a" in reason and "Try amp_bf16" in reason

@@ -38,13 +38,18 @@ class EagerHook:
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
+        if EagerHook.__call__ is EagerHook._call:  # the first hook: see _call
+            EagerHook.__call__ = torch.compiler.disable(EagerHook._call)  # type: ignore[method-assign]
 
-    # disabled here, on the frame dynamo meets, not on the function it calls: with only the
-    # inner call disabled, torch 2.11 compiled this frame for each island and autocast/grad
-    # state and hit dynamo's recompile limit in every pure-bf16 compiled trial (first H200 run)
-    @torch.compiler.disable
-    def __call__(self, *args: Any) -> Any:
+    def _call(self, *args: Any) -> Any:
+        """The hook's call, made ``__call__`` through ``torch.compiler.disable`` when the first
+        hook is built: disabled on the frame dynamo meets, not on the function it calls (with
+        only the inner call disabled, torch 2.11 compiled this frame for each island and
+        autocast/grad state and hit dynamo's recompile limit in every pure-bf16 compiled trial,
+        first H200 run); not at import, which would import dynamo with autoprec (1.1 s -> 1.9 s)."""
         return self.function(*args)
+
+    __call__ = _call
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (EagerHook, (self.function,))

@@ -37,10 +37,11 @@ _calls = threading.local()
 class _Call(NamedTuple):
     narrow: bool
     """The model held bf16 weights when the call began, so its inputs were cast."""
-    originals: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]]
     """id(bf16 input) -> (the bf16 input, its fp32 original, the bf16 input's version counter
     when it was made: a forward that edits its input in place moves it, and the original no
-    longer holds the values the model computes with)."""
+    longer holds the values the model computes with; None under ``torch.inference_mode``,
+    whose tensors keep no counter)."""
 
 
 def _stack() -> list[_Call]:
@@ -82,7 +83,7 @@ class RootCast:
         self.witness = witness
 
     def cast(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        originals: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        originals: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}
         narrow = holds_bf16(module, self.witness)
         _stack().append(_Call(narrow, originals))
         if not narrow:
@@ -91,7 +92,8 @@ class RootCast:
         def cast(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                 low = value.to(torch.bfloat16)
-                originals[id(low)] = (low, value, low._version)
+                version = None if low.is_inference() else low._version
+                originals[id(low)] = (low, value, version)
                 return low
             return value
 
@@ -116,12 +118,21 @@ def original_input(value: Any) -> Any:
         entry = call.originals.get(id(value))
         if entry is not None and entry[0] is value:
             low, original, version = entry
-            return original if low._version == version else value
+            return original if _unedited(low, original, version) else value
         entry = None if base is None else call.originals.get(id(base))
         if entry is not None and entry[0] is base:
             low, original, version = entry
-            return _same_view(value, low, original) if low._version == version else value
+            return _same_view(value, low, original) if _unedited(low, original, version) else value
     return value
+
+
+def _unedited(low: torch.Tensor, original: torch.Tensor, version: int | None) -> bool:
+    """Is the cast input as it was made? By its version counter; under inference mode, which
+    keeps none, by its values against the original's cast (a read back to the host, in
+    inference only)."""
+    if version is not None:
+        return low._version == version
+    return torch.equal(low, original.to(low.dtype))
 
 
 def _same_view(view: torch.Tensor, low: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
