@@ -241,16 +241,17 @@ def _tune(args: argparse.Namespace) -> int:
             f"{str(out / 'profile.json')!r})."
         )
     check_writable(out)  # /dev/null, a pipe, /proc/p.json: refused before any trial, not after
-    check_writable(out.with_suffix(".trials.json"))  # written beside it, after the run
+    trials = beside_profile(out, ".trials.json")
+    check_writable(trials)  # written beside it, after the run
     # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
     # the first fp32 steps have checked the inputs.
-    storage = args.storage or sqlite_url(out.with_suffix(".study.db"))
+    storage = args.storage or sqlite_url(beside_profile(out, ".study.db"))
     with TuneProgress() as progress:
         result = tune(
             budget_minutes=args.budget,
             objective=args.objective,
             storage=storage,
-            study_name=args.study or out.stem,
+            study_name=args.study or profile_stem(out),
             on_event=progress,
             progress=False,
             **inputs,
@@ -258,11 +259,21 @@ def _tune(args: argparse.Namespace) -> int:
     console = Console()
     console.print(tune_table(result, wide=args.wide))
     result.profile.save(out)
-    trials = out.with_suffix(".trials.json")
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
     print_profile(result.profile, console=console)
     console.print(f"wrote {out}\n  every trial: {trials}\n  study: {storage}", soft_wrap=True)
     return EXIT_OK
+
+
+def profile_stem(out: Path) -> str:
+    """The profile's name without ``.json``: ``runs/llama-3.1`` is ``llama-3.1`` (its
+    ``Path.stem``, ``llama-3``, made ``llama-3.1`` and ``llama-3.2`` share one study)."""
+    return out.stem if out.suffix.lower() == ".json" else out.name
+
+
+def beside_profile(out: Path, suffix: str) -> Path:
+    """The file written next to the profile: ``x.json`` -> ``x<suffix>``."""
+    return out.with_name(profile_stem(out) + suffix)
 
 
 def _check(args: argparse.Namespace) -> int:

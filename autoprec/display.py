@@ -12,7 +12,7 @@ from rich.text import Text
 from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport
-from autoprec.specs import MODE_DESCRIPTIONS
+from autoprec.specs import MODE_DESCRIPTIONS, ModeSpec
 from autoprec.tune_result import TuneResult, trial_count
 
 
@@ -23,6 +23,19 @@ def format_bytes(count: int | None) -> str:
     if abs(count) < 2**30:
         return f"{count / 2**20:.1f} MiB"
     return f"{count / 2**30:.1f} GiB"
+
+
+def optimizer_states(spec: ModeSpec) -> str:
+    """What the mode keeps the optimizer's states in: a pure-bf16 mode's are bf16 like its
+    weights (its "32-bit" optimizer_bits means "not 8-bit"; shown as such, the states the
+    gate's state rule is about read as fp32)."""
+    if spec.optimizer_bits == 8:
+        return "8-bit (bitsandbytes)"
+    if spec.mode in ("bf16_pure", "bf16_kahan"):
+        return "bf16, rounded to nearest (as the weights)"
+    if spec.mode in ("bf16_sr", "bf16_sr_kahan"):
+        return "bf16, stochastically rounded (as the weights)"
+    return "32-bit"
 
 
 def format_count(number: int | None) -> str:
@@ -98,7 +111,7 @@ def print_profile(
     table.add_column(style="bold")
     table.add_column()
     table.add_row("mode", Text(f"{spec.mode} — {MODE_DESCRIPTIONS[spec.mode]}"))
-    table.add_row("optimizer states", f"{spec.optimizer_bits}-bit")
+    table.add_row("optimizer states", optimizer_states(spec))
     if spec.fp8_recipe:
         recipe = spec.fp8_recipe + (" (emulated)" if spec.emulate else "")
         if spec.te_delayed_scaling is not None:

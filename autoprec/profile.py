@@ -52,10 +52,14 @@ SCHEMA_VERSION = 4
 3: ``evidence.blind_spots``; 4: ``recipe.lr_points[].momenta``."""
 
 
-def _refuse_or_warn(message: str, category: type[Warning], *, strict: bool) -> None:
+def _refuse_or_warn(
+    message: str, category: type[Warning], *, strict: bool, stacklevel: int = 4
+) -> None:
+    """Raise, or warn pointing at the user's line: ``stacklevel`` 4 from a check ``apply()``
+    calls, 3 from ``apply()`` itself."""
     if strict:
         raise ProfileError(message)
-    warnings.warn(message, category, stacklevel=4)
+    warnings.warn(message, category, stacklevel=stacklevel)
 
 
 class HardwareFingerprint(BaseModel):
@@ -314,7 +318,7 @@ class Profile(BaseModel):
                     + ". Its drift evidence does not cover this recipe (rounding losses depend "
                     "on the lr); run `autoprec tune` (or `autoprec check`) with it."
                 )
-                _refuse_or_warn(message, RecipeMismatchWarning, strict=strict)
+                _refuse_or_warn(message, RecipeMismatchWarning, strict=strict, stacklevel=3)
         return prepare(
             self.spec,
             model,

@@ -395,9 +395,11 @@ def test_apply_takes_accumulation_and_clipping_from_the_tuned_recipe() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     with pytest.warns(
         RecipeMismatchWarning, match="grad_accumulation_steps: proven at 4, applied with 1"
-    ):
+    ) as caught:
         plan = loaded.apply(model, optimizer, grad_accumulation_steps=1)
     assert plan.grad_accumulation_steps == 1
+    # the warning names the line that called apply() (it named its caller's caller)
+    assert caught[0].filename == __file__
     # None is no clipping (it meant "the recipe's", so no clipping could not be asked for)
     model, _ = tiny_gpt.make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -640,3 +642,28 @@ def test_byte_counts_below_a_gibibyte_print_in_mebibytes() -> None:
     assert format_bytes(int(16.93 * 2**20)) == "16.9 MiB"
     assert format_bytes(3 * 2**30) == "3.0 GiB"
     assert format_bytes(None) == "?"
+
+
+def test_files_beside_a_profile_keep_a_dotted_name() -> None:
+    """--out runs/v1.2 wrote runs/v1.trials.json and study 'v1', which runs/v1.3 then shared
+    (refused as another run's study)."""
+    from pathlib import Path
+
+    from autoprec.cli import beside_profile, profile_stem
+
+    assert beside_profile(Path("runs/v1.2"), ".trials.json") == Path("runs/v1.2.trials.json")
+    assert beside_profile(Path("runs/x.json"), ".study.db") == Path("runs/x.study.db")
+    assert (profile_stem(Path("runs/llama-3.1")), profile_stem(Path("x.json"))) == (
+        "llama-3.1",
+        "x",
+    )
+
+
+def test_show_names_the_states_a_pure_bf16_mode_keeps() -> None:
+    # a bf16_kahan profile showed "optimizer states 32-bit" while its Adam moments are bf16
+    from autoprec.display import optimizer_states
+
+    assert optimizer_states(ModeSpec(mode="bf16_kahan")).startswith("bf16, rounded to nearest")
+    assert optimizer_states(ModeSpec(mode="bf16_sr")).startswith("bf16, stochastically")
+    assert optimizer_states(ModeSpec(mode="bf16_pure", optimizer_bits=8)).startswith("8-bit")
+    assert optimizer_states(ModeSpec(mode="amp_bf16")) == "32-bit"
