@@ -22,7 +22,12 @@ import torch
 from torch import nn
 
 from autoprec.eligibility import Situation, situation_for_model
-from autoprec.errors import OptimizerRebuiltWarning, PrecisionSwitchWarning, UnsupportedModeError
+from autoprec.errors import (
+    OptimizerRebuiltWarning,
+    PrecisionSwitchWarning,
+    RecipeMismatchWarning,
+    UnsupportedModeError,
+)
 from autoprec.model_copies import CompiledForward, inside_compile_wrapper
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
@@ -156,6 +161,11 @@ class PrecisionPlan:
         self.last_grad_norm: torch.Tensor | None = None
         """The total gradient norm before the last clipping, on the device (reading it is a
         host synchronization: do it when you log, not every step)."""
+        self.proven_clip: tuple[float | None] | None = None
+        """``(clip_grad_norm,)`` of the recipe the profile was proven under, set by
+        ``Profile.apply``: a ``step(clip_grad_norm=...)`` that differs warns once, as
+        ``apply()`` warns for its own arguments (a loop clipping at ``plan.step`` was never
+        compared). None: no proven recipe to compare with."""
         self.scheduler: Any = None
         """The LR scheduler handed to ``prepare``/``apply``, rebound to ``optimizer``; the
         training loop steps it as before (the plan never does)."""
@@ -196,11 +206,28 @@ class PrecisionPlan:
         if self.micro_step % self.grad_accumulation_steps:
             return False
         clip = clip_grad_norm if clip_grad_norm is not None else self.clip_grad_norm
+        if clip_grad_norm is not None and self.proven_clip is not None:
+            self._compare_with_proven_clip(clip_grad_norm)
         if clip is not None:
             self.clip_step_gradients(clip)
         stepped = self.mode.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
+
+    def _compare_with_proven_clip(self, clip: float) -> None:
+        """Warn once when the step's clip is not the proven recipe's."""
+        (proven,) = self.proven_clip or (None,)
+        self.proven_clip = None  # once
+        if proven != clip:
+            warnings.warn(
+                f"This {self.spec.label} profile was proven under another training recipe: "
+                f"clip_grad_norm: proven at {proven}"
+                f"{' (no clipping)' if proven is None else ''}, applied with {clip} at "
+                "plan.step. Its drift evidence does not cover this recipe; run `autoprec "
+                "tune` (or `autoprec check`) with it.",
+                RecipeMismatchWarning,
+                stacklevel=3,
+            )
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Unscale the gradients (fp16) and clip them to ``max_norm`` (inf: measure only);

@@ -319,7 +319,7 @@ class Profile(BaseModel):
                     "on the lr); run `autoprec tune` (or `autoprec check`) with it."
                 )
                 _refuse_or_warn(message, RecipeMismatchWarning, strict=strict, stacklevel=3)
-        return prepare(
+        plan = prepare(
             self.spec,
             model,
             optimizer,
@@ -327,6 +327,9 @@ class Profile(BaseModel):
             grad_accumulation_steps=grad_accumulation_steps,
             clip_grad_norm=clip_grad_norm,
         )
+        if recipe is not None:
+            plan.proven_clip = (recipe.clip_grad_norm,)
+        return plan
 
     # -- exports ------------------------------------------------------------------------------
 

@@ -667,3 +667,36 @@ def test_show_names_the_states_a_pure_bf16_mode_keeps() -> None:
     assert optimizer_states(ModeSpec(mode="bf16_sr")).startswith("bf16, stochastically")
     assert optimizer_states(ModeSpec(mode="bf16_pure", optimizer_bits=8)).startswith("8-bit")
     assert optimizer_states(ModeSpec(mode="amp_bf16")) == "32-bit"
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+def test_a_clip_at_plan_step_is_compared_with_the_proven_recipe() -> None:
+    """The README's loop clips at plan.step(loss, clip_grad_norm=1.0); a profile tuned without
+    clipping never said so (apply() compares only its own arguments)."""
+    import warnings
+
+    import torch
+
+    profile = _tuned_for_tiny_gpt()  # no clipping
+    model, tokens = tiny_gpt.make_model()
+    plan = profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+
+    def step(clip: float) -> None:
+        with plan.autocast():
+            loss = plan.model(tokens, tokens)
+        plan.step(loss, clip_grad_norm=clip)
+
+    with pytest.warns(
+        RecipeMismatchWarning, match=r"proven at None \(no clipping\), applied with 1.0"
+    ) as caught:
+        step(1.0)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeMismatchWarning)
+        step(1.0)  # once
+    clipped = _tuned_for_tiny_gpt(clip_grad_norm=1.0)
+    model, tokens = tiny_gpt.make_model()
+    plan = clipped.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeMismatchWarning)
+        step(1.0)  # the proven clip: nothing to say
