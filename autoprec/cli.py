@@ -118,6 +118,20 @@ def _check_recipe_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--grad-accum must be >= 1, not {args.grad_accum}.")
     if args.clip is not None and not args.clip > 0:
         raise ValueError(f"--clip must be a positive norm, not {args.clip:g}.")
+    if args.loss and args.train_step:
+        raise ValueError(
+            "Pass --loss or --train-step, not both: --train-step computes the loss itself."
+        )
+    if args.scheduler and args.total_steps is None:
+        raise ValueError(
+            "--scheduler needs --total-steps (your run's optimizer steps): the trials train at "
+            "the learning rates the schedule reaches over them."
+        )
+    if args.total_steps is not None and not args.scheduler:
+        raise ValueError(
+            "--total-steps is read only with --scheduler (it places the schedule's peak and "
+            "floor); without one the lr is constant. Pass --scheduler too, or leave it out."
+        )
 
 
 def _loader(reference: str) -> Any:
@@ -322,6 +336,11 @@ def _report(args: argparse.Namespace) -> int:
         raise ValueError(f"{source!r} is a folder; {given}.")
     check_writable(args.out)  # a folder, /dev/null: refused before anything is read
     if source.endswith(".json") or _written_by_tune(Path(source)):
+        if args.study is not None:
+            raise ValueError(
+                f"--study names a study in a storage; {source!r} is a tune run's trials file, "
+                "which holds one run. Leave --study out, or give the study's .db or URL."
+            )
         outcomes, chosen, noise_runs = outcomes_from_result(source)
     else:
         outcomes, chosen, noise_runs = outcomes_from_study(source, args.study)

@@ -439,7 +439,7 @@ def test_recipe_flag_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         str(tmp_path / "p.json"),
     ]
     assert main([*common, "--scheduler", "examples.tiny_gpt:cosine_schedule"]) == 2
-    assert "needs total_steps" in capsys.readouterr().err
+    assert "needs --total-steps" in capsys.readouterr().err
     assert main([*common, "--optimizer", "examples.tiny_gpt:make_batches", "--lr", "1e-3"]) == 2
     assert "factory 'examples.tiny_gpt:make_batches' takes no lr argument" in (
         capsys.readouterr().err
@@ -525,6 +525,16 @@ def test_a_trials_path_that_cannot_be_written_is_refused_before_the_run(
         (["--budget", "1", "--grad-accum", "0"], "--grad-accum must be >= 1, not 0"),
         (["--budget", "1", "--total-steps", "0"], "--total-steps must be >= 1, not 0"),
         (["--budget", "1", "--clip", "-1"], "--clip must be a positive norm, not -1"),
+        # accepted and ignored: the recipe recorded total_steps 100 with no scheduler
+        (["--budget", "1", "--total-steps", "100"], "--total-steps is read only with --scheduler"),
+        (  # the Python API's words: "A scheduler needs total_steps"
+            ["--budget", "1", "--scheduler", "examples.tiny_gpt:cosine_schedule"],
+            "--scheduler needs --total-steps",
+        ),
+        (  # "Pass loss_fn or train_step, not both"
+            ["--budget", "1", "--loss", "a:b", "--train-step", "a:c"],
+            "Pass --loss or --train-step, not both",
+        ),
         (  # torch's bare "Overflow when unpacking long long" after the probe
             ["--budget", "1", "--seed", str(2**64)],
             "seed must be an integer from -9223372036854775808 to 18446744073709551614",
@@ -814,3 +824,14 @@ def test_report_of_an_interrupted_compiled_study_finds_its_reference(tmp_path: P
         study.tell(trial, [speed, 2**20])
     outcomes, chosen, _ = outcomes_from_study(url, "s")
     assert len(outcomes) == 2 and chosen == "amp_bf16+compiled"
+
+
+def test_report_refuses_a_study_name_for_a_trials_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --study was ignored for a *.trials.json: "wrote ..." with rc 0 whatever it named
+    trials = tmp_path / "p.trials.json"
+    trials.write_text("{}")
+    command = ["report", str(trials), "--study", "nope", "--out", str(tmp_path / "r.png")]
+    assert main(command) == 2
+    assert "--study names a study in a storage" in _one_line_error(capsys)

@@ -757,7 +757,7 @@ def test_check_command_takes_a_train_step_and_keep_fp32(capsys: pytest.CaptureFi
     (kept,) = json.loads(capsys.readouterr().out)["verdicts"]
     assert kept["status"] == "safe" and kept["spec"]["keep_fp32"] == ["teacher"]
     assert main([*command, "--loss", "examples.mean_teacher:train_step"]) == 2
-    assert "Pass loss_fn or train_step, not both" in capsys.readouterr().err
+    assert "Pass --loss or --train-step, not both" in capsys.readouterr().err
 
 
 def test_check_from_a_runs_stepped_optimizer_starts_from_its_state_and_leaves_it() -> None:
