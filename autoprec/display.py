@@ -9,6 +9,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from autoprec.modes import MODE_CLASSES
+from autoprec.modes.pure_bf16 import Bf16PureMode
 from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport
@@ -31,11 +33,13 @@ def optimizer_states(spec: ModeSpec) -> str:
     gate's state rule is about read as fp32)."""
     if spec.optimizer_bits == 8:
         return "8-bit (bitsandbytes)"
-    if spec.mode in ("bf16_pure", "bf16_kahan"):
-        return "bf16, rounded to nearest (as the weights)"
-    if spec.mode in ("bf16_sr", "bf16_sr_kahan"):
-        return "bf16, stochastically rounded (as the weights)"
-    return "32-bit"
+    mode = MODE_CLASSES[spec.mode]
+    if not issubclass(mode, Bf16PureMode):
+        return "32-bit"
+    rounding = (
+        "stochastically rounded" if mode.state_rounding == "stochastic" else "rounded to nearest"
+    )
+    return f"bf16, {rounding} (as the weights)"
 
 
 def format_count(number: int | None) -> str:
