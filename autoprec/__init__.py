@@ -6,6 +6,7 @@ Public API only. Optuna and rich are never imported here.
 from autoprec._version import __version__
 from autoprec.errors import (
     AutoprecError,
+    BudgetTooSmallError,
     ExportError,
     HardwareMismatchWarning,
     LossError,
@@ -28,6 +29,7 @@ from autoprec.tuning import tune
 
 __all__ = [
     "AutoprecError",
+    "BudgetTooSmallError",
     "ExportError",
     "HardwareMismatchWarning",
     "LossError",

@@ -16,7 +16,7 @@ from typing import Any
 
 from autoprec._imports import demote_import_chatter
 from autoprec.cli_parser import build_parser
-from autoprec.errors import AutoprecError
+from autoprec.errors import AutoprecError, BudgetTooSmallError
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -400,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AutoprecError, ValueError, TypeError, FileNotFoundError) as error:
         if args.debug:
             raise
-        sys.stderr.write(f"autoprec: error: {error}\n")
+        said = error.naming("--budget") if isinstance(error, BudgetTooSmallError) else error
+        sys.stderr.write(f"autoprec: error: {said}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
         resume = (

@@ -39,6 +39,8 @@ def optimizer_states(spec: ModeSpec) -> str:
     rounding = (
         "stochastically rounded" if mode.state_rounding == "stochastic" else "rounded to nearest"
     )
+    if mode.fp32_second_moment:
+        return f"bf16, {rounding} (as the weights); Adam's second moment fp32"
     return f"bf16, {rounding} (as the weights)"
 
 

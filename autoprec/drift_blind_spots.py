@@ -33,7 +33,8 @@ BF16_LATE_ROUNDING = (
     "after 2000 steps (mean of 3 seeds, 2.1 fp32 seed deviations) and +454% after 10000. "
     "Only the optimizer-state rule rejected it (`python -m benchmarks.threshold_sweep`); with "
     "beta2 0.95, where that rule does not apply, the gate accepted it and its runs ended "
-    "+105% (`python -m benchmarks.state_rule_beta2`). Prefer bf16_sr or bf16_sr_kahan"
+    "+105% (`python -m benchmarks.state_rule_beta2`). Prefer bf16_sr, bf16_sr_kahan or "
+    "bf16_kahan"
 )
 """Measured on our CPU machines (README: "Each threshold against the truth", "The state rule over
 a longer horizon"). An accepted bf16_pure got past the state rule (beta2 <= 0.9961, or 8-bit
@@ -69,8 +70,8 @@ def blind_spots(spec: ModeSpec) -> tuple[str, ...]:
 
     Empty for modes whose accepts the ground truth found right on every task and that leave
     the weights fp32 (AMP bf16, 8-bit states with fp32 or AMP weights); the stochastically
-    rounded bf16 modes, right on every task too, carry the weight-average note every mode with
-    bf16 weights does.
+    rounded bf16 modes and bf16_kahan (since its second moment is fp32), right on every task
+    too, carry the weight-average note every mode with bf16 weights does.
     """
     found = []
     if spec.mode in ("fp8_torchao", "fp8_te"):

@@ -71,27 +71,21 @@ class DriftThresholds(BaseModel):
     beta2 above 1 - 2**-8 (0.9961). A step moves that moment by (1 - beta2) of itself, which is
     below half a bf16 ulp (2**-9 to 2**-8 of the value): with beta2 = 0.999 it can never decrease,
     and rises only on gradient spikes. No short trial shows it (from a zero state the moment still
-    grows ~1/t a step); long runs do: bf16_kahan (torch-optimi, states in bf16) ended 3000-step
-    AdamW runs 33% and 41% worse than fp32 on held-out loss while its weights moved as fp32's
-    (benchmarks/lr_schedule_gate.py); fp32 AdamW with only exp_avg_sq rounded to bf16 ended 20%
-    worse (a 3000-step cosine run on our CPU machines: held-out loss 0.0142 vs 0.0118). In
-    benchmarks/ground_truth.py (2000-step runs, 8 fp32 seeds) bf16_kahan ended worse on 3 of 8 tasks
-    (+2.1% to +18.0%: the fine-tune, the cosine run, raw parameters) and within noise on the others
-    (the digits MLP's +2.0% is 1.0 seed sds; under the first, 3-seed truth it counted as harm); no
-    figure of a 200-step trial told them apart (the fp32 reference's second moment fell 1.01x below
-    its peak on the digits MLP, which it hurt, 1.03x on the Llama, which it did not), so the rule
-    stays a rule and costs those false rejects. Why no trial can do better
-    (benchmarks/state_ratchet.py, a bf16 moment shadowing each task's fp32 gradients): the share of
-    Adam's step it lets through is 0.96-1.00 at 200 steps on all eight tasks and 0.53-0.85 at 2000
-    on all eight, the harmed and the unharmed alike; the distortion is the same everywhere, and
-    whether a task's loss suffers from it is decided late in the run. Stochastically rounded states
-    (bf16_sr, bf16_sr_kahan) are exempt: they ended every run within fp32's noise, and are offered
-    beside it. With the rule off (benchmarks/threshold_sweep.py) the gate has 6 false rejects fewer
-    and 4 false accepts more: bf16_kahan where it hurts, and pure bf16 on the conv net (+58.8%),
-    which no other check rejects. The rule's premise, measured (benchmarks/state_rule_beta2.py): the
-    three tasks bf16_kahan hurt, trained again with only beta2 changed to 0.95, end within fp32's
-    noise (+0.0%, +1.7%, +0.5%; 0.4-1.5 seed sds), and the gate, with no rule to apply, accepts
-    them: the harm was the rounded moment."""
+    grows ~1/t a step); long runs do. Today only bf16_pure keeps it so (torch's Adam on bf16
+    weights); bf16_kahan keeps it in fp32 and the stochastically rounded modes round it
+    stochastically. The controlled measurement (benchmarks/ground_truth.py, 2000-step runs, 8
+    fp32 seeds): Kahan-compensated bf16 weights with the second moment in bf16 (torch-optimi's
+    own, bf16_kahan until 2026-11-26) ended worse on 3 of the 8 tasks with beta2 0.999 (+2.1% to
+    +17.4%: the fine-tune, the cosine run, raw parameters) and within noise on the others; the
+    same mode with only that moment in fp32 ended within noise on all 8 (+0.0%, +0.8%, +0.6% on
+    those three), and with beta2 0.95 alone changed the three were fine too
+    (benchmarks/state_rule_beta2.py). fp32 AdamW with only exp_avg_sq rounded to bf16 ended a
+    3000-step cosine run 20% worse (held-out loss 0.0142 vs 0.0118). No figure of a 200-step trial
+    told the harmed tasks from the others (benchmarks/state_ratchet.py: the share of Adam's step a
+    bf16 moment lets through is 0.96-1.00 at 200 steps on all eight and 0.53-0.85 at 2000 on all
+    eight), so the rule stays a rule. For bf16_pure it decides one pair each way in the ground
+    truth: the digits conv net (+58.8% at 2000 steps, +454% at 10000; no other check sees it) is
+    rejected by it alone, rightly, and the dropout encoder (-1.4%, fine) wrongly."""
     max_forward_cost: float = Field(0.01, ge=0)
     """Reject when the mode's forward pass alone makes the held-out loss worse by more than 1%:
     the trial's own trained weights, read once by the mode and once by the user's model in

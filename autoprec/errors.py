@@ -42,6 +42,22 @@ class BatchError(AutoprecError, ValueError):
     """A batch autoprec cannot read (no tensor with a batch dimension in it)."""
 
 
+class BudgetTooSmallError(AutoprecError, ValueError):
+    """The time budget cannot hold the runs a tune needs. The message names the budget as
+    ``tune()`` takes it; ``naming(flag)`` gives it under the CLI's flag."""
+
+    def __init__(self, minutes: float, detail: str) -> None:
+        self.minutes = minutes
+        self.detail = detail
+        super().__init__(f"budget_minutes={minutes} {detail}")
+
+    def __reduce__(self) -> tuple[type, tuple[float, str]]:  # copy, pickle: both arguments
+        return type(self), (self.minutes, self.detail)
+
+    def naming(self, flag: str) -> str:
+        return f"{flag} {self.minutes} {self.detail}"
+
+
 class ProfileError(AutoprecError):
     """A profile file is unreadable, invalid, or from a newer schema version."""
 

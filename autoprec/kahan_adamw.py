@@ -1,10 +1,25 @@
-"""torch-optimi's AdamW with its decoupled weight decay carried by the Kahan compensation.
+"""torch-optimi's Adam and AdamW as bf16_kahan runs them: Adam's second moment kept in fp32,
+and AdamW's decoupled weight decay carried by the Kahan compensation.
 
-torch-optimi multiplies a bf16 weight by ``1 - lr * weight_decay`` outside its Kahan
-compensation: below half a bf16 ulp the product rounds back to the same weight, and the decay
-never applies. Measured: AdamW at lr 1e-3, weight_decay 0.01, 2000 steps of zero gradient,
-weights of 1.0 stayed 1.0 where torch's reach 0.9802 (0.9805 here); with real gradients,
-weight_decay 0.01 and 0 gave bit-identical weights. Imported only where torch-optimi is.
+**The second moment in fp32.** torch-optimi keeps a bf16 weight's ``exp_avg_sq`` in bf16,
+rounded to nearest. With beta2 0.999 a step moves it by 0.1% of itself, below half a bf16 ulp:
+it cannot decrease, and long runs end worse (the drift gate's optimizer-state rule; measured on
+autoprec's long-run tasks: bf16_kahan with a bf16 second moment ended 2-17% worse on 3 of 8, and
+fine on all three with beta2 0.95 alone changed, ``python -m benchmarks.state_rule_beta2``).
+Here it is fp32, as torchdistX's AnyPrecisionAdamW (the Hugging Face Trainer's
+``adamw_anyprecision``) keeps it by default: 2 more bytes per bf16 weight (12 for AdamW with
+bf16 weights, gradients, compensation and first moment, against 16 in fp32). The first moment
+stays bf16 (beta1 0.9 moves it 10% a step, far above bf16's resolution). torch-optimi's Triton
+kernel writes both moments back in the weight's dtype, so it is off: the step runs its
+per-tensor loop (or foreach, where a group asks for it).
+
+**The weight decay.** torch-optimi multiplies a bf16 weight by ``1 - lr * weight_decay``
+outside its Kahan compensation: below half a bf16 ulp the product rounds back to the same
+weight, and the decay never applies. Measured: AdamW at lr 1e-3, weight_decay 0.01, 2000 steps
+of zero gradient, weights of 1.0 stayed 1.0 where torch's reach 0.9802 (0.9805 here); with real
+gradients, weight_decay 0.01 and 0 gave bit-identical weights.
+
+Imported only where torch-optimi is.
 """
 
 from __future__ import annotations
@@ -13,13 +28,71 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from optimi import AdamW
+from optimi import Adam, AdamW
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-class KahanDecayAdamW(AdamW):
-    """torch-optimi's AdamW (Kahan summation on low-precision weights) whose decoupled weight
+class Fp32SecondMoment:
+    """Mixed into a torch-optimi Adam: a low-precision weight's ``exp_avg_sq`` is fp32 when
+    made, after ``load_state_dict``, and through every step (Triton off)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    def _init_state(self, group: dict[str, Any], state: dict[str, Any], param: torch.Tensor):
+        # both step paths (the whole model, and a gradient-release step of one parameter) make
+        # their state here first: its kernel stores exp_avg_sq in the weight's dtype
+        group["triton"] = False
+        fresh = "kahan_comp" not in state  # torch-optimi's own test for a state not yet made
+        super()._init_state(group, state, param)  # type: ignore[misc]
+        if fresh and param.dtype in LOW_PRECISION:
+            state["exp_avg_sq"] = state["exp_avg_sq"].float()
+
+    def _init_group(self, group: dict[str, Any], *lists: list[torch.Tensor]) -> None:
+        super()._init_group(group, *lists)  # type: ignore[misc]
+        group["triton"] = False  # a group none of whose weights has a gradient yet, too
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch casts every loaded state to its weight's dtype: a bf16 weight's fp32 second
+        moment is put back from the saved values themselves, as your load pre-hooks left them
+        and before your post-hooks run."""
+        final: list[dict[str, Any]] = []
+
+        def record(optimizer: Any, loaded: dict[str, Any]) -> None:
+            final.append(loaded)
+
+        def restore(optimizer: Any) -> None:
+            _restore_second_moments(self, final[-1])
+
+        pre = self.register_load_state_dict_pre_hook(record)  # type: ignore[attr-defined]
+        post = self.register_load_state_dict_post_hook(restore, prepend=True)  # type: ignore[attr-defined]
+        try:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
+        finally:
+            pre.remove()
+            post.remove()
+
+
+def _restore_second_moments(optimizer: Fp32SecondMoment, loaded: dict[str, Any]) -> None:
+    """Each low-precision weight's ``exp_avg_sq`` from ``loaded``, in fp32."""
+    groups = zip(optimizer.param_groups, loaded["param_groups"], strict=True)
+    for group, saved_group in groups:
+        for param, index in zip(group["params"], saved_group["params"], strict=True):
+            saved = loaded["state"].get(index, {}).get("exp_avg_sq")
+            if param.dtype in LOW_PRECISION and isinstance(saved, torch.Tensor):
+                optimizer.state[param]["exp_avg_sq"] = saved.detach().to(
+                    device=param.device, dtype=torch.float32, copy=True
+                )
+
+
+class KahanAdam(Fp32SecondMoment, Adam):
+    """torch-optimi's Adam (L2 weight decay, Kahan summation) with an fp32 second moment."""
+
+
+class KahanDecayAdamW(Fp32SecondMoment, AdamW):
+    """torch-optimi's AdamW (Kahan summation on low-precision weights, an fp32 second moment)
+    whose decoupled weight
     decay goes into each low-precision weight's compensation before the step, which carries it
     into the weight as it carries the Adam update; an fp32 weight, or one on its first step
     (before torch-optimi made its compensation), is decayed directly, as torch-optimi would.

@@ -163,11 +163,11 @@ def translate_group(
             "weight_decay": options["weight_decay"],
             "kahan_sum": True,
         }
-        if kind == "adam":
-            translated["decouple_wd"] = False
-            return optimi.Adam, translated
-        from autoprec.kahan_adamw import KahanDecayAdamW  # torch-optimi is there: imported
+        from autoprec.kahan_adamw import KahanAdam, KahanDecayAdamW  # torch-optimi is there
 
+        if kind == "adam":  # both keep the second moment fp32 (see autoprec.kahan_adamw)
+            translated["decouple_wd"] = False
+            return KahanAdam, translated
         return KahanDecayAdamW, translated  # its decay through the compensation
     if target in ("stochastic", "stochastic_kahan"):
         if kind == "sgd":

@@ -32,7 +32,7 @@ from autoprec.candidates import (
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
-from autoprec.errors import UnsupportedModeError
+from autoprec.errors import BudgetTooSmallError, UnsupportedModeError
 from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
@@ -432,13 +432,14 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float
         used = budget_minutes * 60 - (setup.deadline - setup.clock())
         per_run = overhead + 1.5 * MIN_TRIAL_STEPS * step_seconds
         needed = used + trials * per_run / (1 - BUDGET_RESERVE)
-        raise ValueError(
-            f"budget_minutes={budget_minutes} is too small: one fp32 step takes "
+        raise BudgetTooSmallError(
+            budget_minutes,
+            f"is too small: one fp32 step takes "
             f"{step_seconds:.3g} s and each of {trials} runs (the reference, the noise run and "
             f"every candidate) needs {MIN_TRIAL_STEPS} steps. Give at least "
             f"{max(math.ceil(needed / 60 * 100) / 100, budget_minutes + 0.01):.2f} minutes "
             "(a run resuming a study keeps the study's budget, another budget being another "
-            "run: on a busy machine, run it again, or start a new study)."
+            "run: on a busy machine, run it again, or start a new study).",
         )
     return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
 
@@ -474,9 +475,8 @@ def reference_runs(
         if result.record.failure is not None:
             raise reference_failed(result, setup)
         if result.record.stopped is not None:
-            raise ValueError(
-                f"budget_minutes={budget_minutes} is too small for the {label} "
-                f"({result.record.stopped})."
+            raise BudgetTooSmallError(
+                budget_minutes, f"is too small for the {label} ({result.record.stopped})."
             )
         if not result.moved():
             raise _reference_still(result)

@@ -34,7 +34,7 @@ MODE_DESCRIPTIONS: dict[ModeName, str] = {
     "amp_bf16": "autocast bf16, fp32 weights",
     "bf16_pure": "bf16 weights, grads and optimizer, nearest rounding",
     "bf16_sr": "bf16 weights, stochastic rounding of updates (torchastic)",
-    "bf16_kahan": "bf16 weights, Kahan-compensated updates (torch-optimi)",
+    "bf16_kahan": "bf16 weights, Kahan-compensated updates, Adam's second moment fp32",
     "bf16_sr_kahan": "bf16 weights, stochastic rounding and Kahan compensation",
     "fp8_te": "FP8 matmuls with Transformer Engine",
     "fp8_torchao": "FP8 matmuls with torchao float8 training",

@@ -9,7 +9,8 @@ from there. What each library keeps (read in their sources, torch-optimi 0.3, bi
 - torch: ``exp_avg`` m, ``exp_avg_sq`` v (raw; the update divides by ``1 - beta ** step``),
   ``step`` per parameter; SGD ``momentum_buffer``.
 - torch-optimi: the *bias-corrected* moments ``m / (1 - beta1 ** t)`` and ``v / (1 - beta2 ** t)``
-  (its betas are debiased step by step, ``optimi.utils.debias_beta``), in the parameter's dtype,
+  (its betas are debiased step by step, ``optimi.utils.debias_beta``), in the parameter's dtype
+  (bf16_kahan's second moment in fp32: ``autoprec.kahan_adamw``),
   one ``step`` per group, and a ``kahan_comp`` buffer (zeros: the weights' rounding to bf16 on
   load is what any switch to bf16 weights costs); SGD keeps the momentum as ``exp_avg``, torch's
   undampened buffer.
@@ -192,7 +193,7 @@ def optimi_state(
     exp_avg_sq = _moment(saved, "exp_avg_sq", parameter) / (1 - beta2**step)
     return {
         "exp_avg": exp_avg.to(parameter.dtype),
-        "exp_avg_sq": exp_avg_sq.to(parameter.dtype),
+        "exp_avg_sq": exp_avg_sq,  # fp32 whatever the weight (autoprec.kahan_adamw)
         "kahan_comp": compensation,
     }
 

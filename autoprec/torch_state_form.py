@@ -6,8 +6,9 @@ moves back to a mode that keeps the user's optimizer (a new profile, other hardw
 autoprec resumes from this torch form. The layouts (read in torch-optimi 0.3 and
 bitsandbytes 0.50; torch's is described in ``state_translation``):
 
-- torch-optimi: *bias-corrected* moments ``exp_avg``/``exp_avg_sq`` in the parameter's dtype, one
-  ``step`` per group, a ``kahan_comp`` buffer; groups hold ``beta1``/``beta2`` and ``kahan_sum``.
+- torch-optimi: *bias-corrected* moments ``exp_avg``/``exp_avg_sq`` in the parameter's dtype
+  (bf16_kahan's ``exp_avg_sq`` fp32: ``autoprec.kahan_adamw``), one ``step`` per group, a
+  ``kahan_comp`` buffer; groups hold ``beta1``/``beta2`` and ``kahan_sum``.
   Its SGD keeps torch's undampened momentum as ``exp_avg``.
 - bitsandbytes: raw moments as ``state1``/``state2`` (8-bit block-wise with ``qmap``/``absmax``, or
   fp32 below ``min_8bit_size``), saved inside ``__bnb_optimizer_quant_state__``, ``step`` per

@@ -130,11 +130,20 @@ def long_run(
     return LongRun(metric if math.isfinite(metric) else math.inf, final, seconds, failure)
 
 
+MODE_REVISIONS: dict[str, int] = {"bf16_kahan": 2}
+"""Modes whose numerics changed after their long runs were first cached, and how often: a
+revision enters the cache name, so a run of the old numerics is never read as the new.
+bf16_kahan 2: Adam's second moment in fp32 (2026-11-26; before, torch-optimi's bf16)."""
+
+
 def spec_key(spec: ModeSpec) -> str:
     """A long run's cache name: the label plus a digest of every knob set (two specs with
-    one label — FP8 with other layers kept out of it — never share a run)."""
+    one label — FP8 with other layers kept out of it — never share a run) and of the mode's
+    revision (``MODE_REVISIONS``)."""
     label = spec.label.replace("/", "_").replace(" ", "_")
     knobs = spec.model_dump_json(exclude_defaults=True)
+    if spec.mode in MODE_REVISIONS:
+        knobs += f" revision {MODE_REVISIONS[spec.mode]}"
     return f"{label}.{hashlib.sha256(knobs.encode()).hexdigest()[:10]}"
 
 

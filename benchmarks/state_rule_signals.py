@@ -5,6 +5,8 @@ The drift gate rejects every mode whose Adam second moment is kept in bf16 round
 bf16_kahan (such a moment beside a faithful, Kahan-summed weight path) ended worse than fp32 on
 four tasks and within noise on the other four (``HURT_AT_2000``): the rule costs four false
 rejects. ``benchmarks.state_ratchet`` showed the moment's own drift is the same on all eight.
+(Measured while bf16_kahan kept torch-optimi's bf16 second moment; it is fp32 since
+2026-11-26, and this benchmark trains fp32 runs and shadows only, so it measures the same.)
 This benchmark measures two more candidates on the reference's own run, over the first
 ``--trial-steps`` (200, tune's default trial) steps of each task's real 2000-step run in fp32:
 

@@ -121,9 +121,9 @@ def check_defaults(pairs: list[JudgedPair]) -> None:
 
 
 STATE_RULE_OFF = DriftThresholds(max_rounded_beta2=0.9995)
-"""Every default but the optimizer-state rule, which rejects every pure-bf16 and bf16_kahan
-mode with Adam's default beta2 whatever else they do: the second sweep shows what the other
-checks catch among those modes."""
+"""Every default but the optimizer-state rule, which rejects every pure-bf16 mode with 32-bit
+states and Adam's default beta2 whatever else it does (bf16_kahan too, until its second moment
+moved to fp32): the second sweep shows what the other checks catch among those modes."""
 
 
 def sweep(

@@ -323,6 +323,13 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         == 2
     )
     assert "--eval: module 'examples.tiny_gpt' has no attribute 'nope'" in (capsys.readouterr().err)
+    # a budget too small for the runs is named by its flag (it said budget_minutes=0.002)
+    tiny = ["tune", "examples.tiny_gpt:make_small_model", "--data"]
+    assert (
+        main([*tiny, "examples.tiny_gpt:make_small_batches", "--budget", "0.002", "--out", out])
+        == 2
+    )
+    assert "autoprec: error: --budget 0.002 is too small" in capsys.readouterr().err
 
 
 def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> None:

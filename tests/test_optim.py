@@ -72,7 +72,7 @@ def test_adam_l2_decay_maps_to_coupled_decay() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.01)
     groups = named_groups(optimizer, model)
     kahan = rebuild_optimizer(optimizer, groups, model, "optimi_kahan")
-    assert type(kahan).__name__ == "Adam" and kahan.param_groups[0]["decouple_wd"] is False
+    assert type(kahan).__name__ == "KahanAdam" and kahan.param_groups[0]["decouple_wd"] is False
     sr = rebuild_optimizer(optimizer, groups, model, "stochastic")
     assert sr.param_groups[0]["decoupled_weight_decay"] is False
     with pytest.raises(ValueError, match="Adam8bit decays weights directly"):
@@ -242,6 +242,88 @@ def test_bf16_kahan_applies_adamw_weight_decay_below_half_an_ulp() -> None:
     assert finals["fp32"] == pytest.approx(0.9512, abs=1e-4)
     assert finals["bf16_pure"] == 1.0  # nearest rounding: documented, flagged by the gate
     assert finals["bf16_kahan"] == pytest.approx(finals["fp32"], abs=4e-3)  # one bf16 ulp
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+def test_bf16_kahan_keeps_adams_second_moment_in_fp32_so_it_can_decrease(kind: type) -> None:
+    """torch-optimi kept a bf16 weight's exp_avg_sq in bf16: with beta2 0.999 a step moves it
+    by 0.1%, below half a bf16 ulp, so after a burst of large gradients it stayed at its peak
+    (the optimizer-state rule rejected bf16_kahan on every task with beta2 0.999). It is now
+    fp32 and decays as fp32 AdamW's does, through a checkpoint too."""
+    import autoprec
+
+    seconds = {}
+    for mode in ("fp32", "bf16_kahan"):
+        model = nn.Linear(64, 1, bias=False)
+        optimizer = kind(model.parameters(), lr=1e-3, betas=(0.9, 0.999))
+        stepper = autoprec.prepare(ModeSpec(mode=mode), model, optimizer).optimizer
+        for step in range(400):
+            if step == 200:  # resume from a checkpoint halfway, into a fresh optimizer
+                saved = copy.deepcopy(stepper.state_dict())
+                options = {"kahan_sum": True} if mode == "bf16_kahan" else {}
+                stepper = type(stepper)(model.parameters(), lr=1e-3, betas=(0.9, 0.999), **options)
+                stepper.load_state_dict(saved)
+            scale = 1.0 if step < 20 else 1e-3  # a burst, then small gradients
+            model.weight.grad = torch.full_like(model.weight, scale)
+            stepper.step()
+        state = stepper.state[model.weight]
+        assert state["exp_avg_sq"].dtype == torch.float32
+        # torch keeps v raw, torch-optimi bias-corrected: compare both corrected
+        corrected = 1 - 0.999**400 if mode == "fp32" else 1.0
+        seconds[mode] = state["exp_avg_sq"].mean().item() / corrected
+    assert stepper.state[model.weight]["exp_avg"].dtype == torch.bfloat16
+    assert stepper.param_groups[0]["triton"] is False  # its kernel writes v in bf16
+    # 20 of 400 steps at 1.0, then 380 at 1e-6: v has fallen to about 0.68 of its peak
+    assert seconds["bf16_kahan"] == pytest.approx(seconds["fp32"], rel=1e-3)
+
+
+def test_bf16_kahans_fp32_second_moment_loads_as_the_load_hooks_leave_it() -> None:
+    """Found in review: the fp32 restore after load read the dict it was handed, so a load
+    pre-hook's edit (torch's documented way to adapt a state) was undone, and a post-hook's
+    overwritten; and a gradient-release step (optimi's other path) ran Triton when its group
+    said so, whose kernel stores exp_avg_sq in the weight's dtype."""
+    from autoprec.kahan_adamw import KahanDecayAdamW
+
+    weight = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+
+    def made() -> KahanDecayAdamW:
+        return KahanDecayAdamW([weight], lr=1e-3, betas=(0.9, 0.999), kahan_sum=True)
+
+    optimizer = made()
+    weight.grad = torch.full_like(weight, 0.3)
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+
+    def halve(optimizer: object, state_dict: dict) -> dict:
+        state_dict = copy.deepcopy(state_dict)
+        for entry in state_dict["state"].values():
+            entry["exp_avg_sq"] = entry["exp_avg_sq"] / 2
+        return state_dict
+
+    loaded = made()
+    loaded.register_load_state_dict_pre_hook(halve)
+    loaded.load_state_dict(saved)
+    moment = loaded.state[weight]["exp_avg_sq"]
+    assert moment.dtype == torch.float32
+    assert torch.equal(moment, saved["state"][0]["exp_avg_sq"] / 2)
+
+    def seven(optimizer: KahanDecayAdamW) -> None:
+        optimizer.state[weight]["exp_avg_sq"].fill_(7.0)
+
+    loaded = made()
+    loaded.register_load_state_dict_post_hook(seven)
+    loaded.load_state_dict(saved)
+    assert loaded.state[weight]["exp_avg_sq"].dtype == torch.float32
+    assert bool((loaded.state[weight]["exp_avg_sq"] == 7.0).all())
+
+    released = KahanDecayAdamW(
+        [weight], lr=1e-3, betas=(0.9, 0.999), kahan_sum=True, gradient_release=True
+    )
+    released.param_groups[0]["triton"] = True  # as a group a user or a resumed state set
+    released.step(param=weight)
+    assert released.param_groups[0]["triton"] is False
+    assert released.state[weight]["exp_avg_sq"].dtype == torch.float32
 
 
 @pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")

@@ -663,7 +663,12 @@ def test_show_names_the_states_a_pure_bf16_mode_keeps() -> None:
     # a bf16_kahan profile showed "optimizer states 32-bit" while its Adam moments are bf16
     from autoprec.display import optimizer_states
 
-    assert optimizer_states(ModeSpec(mode="bf16_kahan")).startswith("bf16, rounded to nearest")
+    assert optimizer_states(ModeSpec(mode="bf16_kahan")) == (
+        "bf16, rounded to nearest (as the weights); Adam's second moment fp32"
+    )
+    assert (
+        optimizer_states(ModeSpec(mode="bf16_pure")) == "bf16, rounded to nearest (as the weights)"
+    )
     assert optimizer_states(ModeSpec(mode="bf16_sr")).startswith("bf16, stochastically")
     assert optimizer_states(ModeSpec(mode="bf16_pure", optimizer_bits=8)).startswith("8-bit")
     assert optimizer_states(ModeSpec(mode="amp_bf16")) == "32-bit"

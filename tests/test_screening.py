@@ -413,11 +413,11 @@ def test_check_takes_thresholds_as_a_dict_and_refuses_an_empty_selection() -> No
     common = {"loss_fn": task.mse, "optimizer": task.optimizer, "steps": 4}
     # the optimizer-state rule off, as the blind-spot text advises, written as a dict
     report = autoprec.check(
-        task.model, task.batches, modes=["bf16_kahan"],
+        task.model, task.batches, modes=["bf16_pure"],
         thresholds={"max_rounded_beta2": 0.9995}, **common,
     )  # fmt: skip
-    kahan = report.verdict("bf16_kahan")
-    assert not any(r.startswith("optimizer state loses") for r in kahan.reasons), kahan.reasons
+    pure = report.verdict("bf16_pure")
+    assert not any(r.startswith("optimizer state loses") for r in pure.reasons), pure.reasons
     # modes=["fp32"] used to return an empty report: fp32 is the reference, nothing was checked
     with pytest.raises(ValueError, match="leaves nothing to check: fp32 is the reference"):
         autoprec.check(task.model, task.batches, modes=["fp32"], **common)
@@ -439,26 +439,26 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--steps must be >= 4" in capsys.readouterr().err
 
     # --threshold sets one gate threshold: here the optimizer-state rule is lifted
-    kahan = [*command[:8], "--modes", "bf16_kahan", "--json"]
-    assert main(kahan) == 0
+    pure = [*command[:8], "--modes", "bf16_pure", "--json"]
+    assert main(pure) == 0
     (ruled,) = json.loads(capsys.readouterr().out)["verdicts"]
     assert any(r.startswith("optimizer state loses") for r in ruled["reasons"])
-    assert main([*kahan, "--threshold", "max_rounded_beta2=0.9995"]) == 0
+    assert main([*pure, "--threshold", "max_rounded_beta2=0.9995"]) == 0
     (lifted,) = json.loads(capsys.readouterr().out)["verdicts"]
     assert not any(r.startswith("optimizer state loses") for r in lifted["reasons"])
     # --keep-fp32 (repeatable) keeps modules in fp32 in every mode checked; a typo is named
-    assert main([*kahan, "--keep-fp32", "head", "--keep-fp32", "norm"]) == 0
+    assert main([*pure, "--keep-fp32", "head", "--keep-fp32", "norm"]) == 0
     (kept,) = json.loads(capsys.readouterr().out)["verdicts"]
     assert "head" not in ruled["spec"]["keep_fp32"]  # the probe keeps the norm alone
     assert kept["spec"]["keep_fp32"] == [*ruled["spec"]["keep_fp32"], "head"]
-    assert main([*kahan, "--keep-fp32", "haed"]) == 2
+    assert main([*pure, "--keep-fp32", "haed"]) == 2
     assert "keep_fp32 pattern 'haed' matches no module of" in capsys.readouterr().err
     for bad, said in [
         ("max_rounded_beta=0.9", "no threshold 'max_rounded_beta'; known: max_loss_gap_units"),
         ("max_loss_gap_units=lots", "'lots' is not a number"),
         ("max_loss_gap_units=-1", "max_loss_gap_units: Input should be greater than 0"),
     ]:
-        assert main([*kahan, "--threshold", bad]) == 2
+        assert main([*pure, "--threshold", bad]) == 2
         assert said in capsys.readouterr().err
 
 

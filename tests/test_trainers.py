@@ -213,7 +213,8 @@ def test_an_fp32_trainer_checkpoint_resumes_under_a_kahan_profile(
     assert int(group["step"]) == 6  # 4 loaded, 2 resumed
     weight = trainer.model.transformer.h[0].mlp.c_fc.weight
     assert weight.dtype == torch.bfloat16
-    assert plan.optimizer.state[weight]["exp_avg_sq"].dtype == torch.bfloat16
+    assert plan.optimizer.state[weight]["exp_avg"].dtype == torch.bfloat16
+    assert plan.optimizer.state[weight]["exp_avg_sq"].dtype == torch.float32  # kahan_adamw
 
 
 def test_a_kahan_trainer_checkpoint_resumes_under_an_amp_profile(

@@ -78,7 +78,9 @@ class PrecisionMode:
     """Which optimizer implementation the mode needs; None keeps the user's."""
     state_rounding: ClassVar[Literal["nearest", "stochastic"]] = "nearest"
     """How the optimizer writes states kept in a low-precision dtype (bf16 parameters make
-    torch's and torch-optimi's Adam keep their moments in bf16, rounded to nearest)."""
+    torch's Adam keep its moments in bf16, rounded to nearest)."""
+    fp32_second_moment: ClassVar[bool] = False
+    """Adam's second moment kept in fp32 beside bf16 weights (bf16_kahan)."""
 
     def __init__(self, spec: ModeSpec) -> None:
         if spec.mode != self.name:

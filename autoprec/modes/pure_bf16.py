@@ -2,10 +2,11 @@
 
 ``bf16_pure`` rounds every update to nearest (updates below half a bf16 ulp vanish);
 ``bf16_sr`` rounds them stochastically, ``bf16_kahan`` carries the rounding error in a Kahan
-buffer (torch-optimi), ``bf16_sr_kahan`` does both. ``keep_fp32`` modules keep fp32 weights,
-run in fp32 (a model input handed to one directly arrives as the fp32 original, not the bf16
-cast the rest of the model sees) and hand bf16 outputs on; a module tied to one (a
-``lm_head`` sharing ``wte``'s weight) keeps that weight fp32 and computes in bf16 from it.
+buffer (torch-optimi, with Adam's second moment in fp32), ``bf16_sr_kahan`` does both.
+``keep_fp32`` modules keep fp32 weights, run in fp32 (a model input handed to one directly
+arrives as the fp32 original, not the bf16 cast the rest of the model sees) and hand bf16
+outputs on; a module tied to one (a ``lm_head`` sharing ``wte``'s weight) keeps that weight
+fp32 and computes in bf16 from it.
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ class Bf16SrMode(Bf16PureMode):
 
 
 class Bf16KahanMode(Bf16PureMode):
-    """bf16 weights; torch-optimi's Kahan-compensated updates (AdamW, Adam, SGD)."""
+    """bf16 weights; torch-optimi's Kahan-compensated updates (AdamW, Adam, SGD), Adam's
+    second moment in fp32 (``autoprec.kahan_adamw``)."""
 
     name = "bf16_kahan"
     optimizer_target = "optimi_kahan"
+    fp32_second_moment = True
 
     @override
     def requirements(self, situation: Situation) -> list[str]:
