@@ -257,6 +257,15 @@ def test_state_rule_horizon_benchmark_runs_in_quick_mode(tmp_path: Path) -> None
     assert all(row.task == "digits_convnet" and row.fp32_sd > 0 for row in rows)
 
 
+def test_kahan_step_benchmark_runs_in_quick_mode() -> None:
+    """bf16_kahan's optimizer step with its fp32 second moment against the bf16 one."""
+    from benchmarks import kahan_step
+
+    figures = kahan_step.main(["--quick"])
+    assert set(figures) == {"second moment bf16", "second moment fp32"}
+    assert all(0 < milliseconds < 1e4 for milliseconds in figures.values())
+
+
 def test_state_rounding_optimizers_benchmark_runs_in_quick_mode() -> None:
     """Why the optimizer-state rule is Adam's alone; --quick keeps it in CI."""
     from benchmarks import state_rounding_optimizers
