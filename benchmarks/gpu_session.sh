@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu_session.sh lease        # all of a 15-minute lease in one command
 #                                               # (~9.5 min): GPU tests, gpu_validation eager
 #                                               # (100 steps) and compiled (2 modes), `check`
-#                                               # with real FP8, a 1-minute `tune`
+#                                               # with real FP8, bf16_kahan's optimizer
+#                                               # step (kahan_step), a 1-minute `tune`
 #   bash benchmarks/gpu_session.sh recheck      # after `lease` (~3 min): GPU tests, compiled
 #                                               # bf16_sr (no recompile-limit warning), the
 #                                               # recipe tune on amp_bf16 vs tf32
@@ -71,7 +72,8 @@ case "$stage" in
       timeout 110 "$python" -m benchmarks.gpu_validation --steps 100 --compiled-only --no-tune \
         --modes amp_bf16,fp8_torchao
       timeout 90 "$python" -m autoprec check "${tiny[@]}" --steps 100 \
-        --modes amp_bf16,amp_fp16,bf16_pure,bf16_sr,fp8_torchao
+        --modes amp_bf16,amp_fp16,bf16_pure,bf16_sr,bf16_kahan,fp8_torchao
+      timeout 40 "$python" -m benchmarks.kahan_step
       timeout 80 "$python" -m autoprec tune "${tiny[@]}" --budget 1 --out "$out/gpu-profile.json"
     } 2>&1 | tee "$log" ;;
   recheck)
