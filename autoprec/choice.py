@@ -54,7 +54,8 @@ def choose(
     fp32 (``FIDELITY_ORDER``): a difference inside the noise is no reason to leave fp32 further;
     when modes were re-timed (``TrialOutcome.retimed``), among those only;
     memory: least memory (more speed breaks ties); balanced: largest product of speed-up and
-    memory saving against the reference.
+    memory saving against the reference, among the re-timed modes when any was (the
+    reference is re-timed with them for balanced: ``retiming``).
     """
     pool = [o for o in [reference, *outcomes] if o.status == "accepted" and o.samples_per_second]
     if not pool:
@@ -67,4 +68,7 @@ def choose(
         return min(close, key=lambda o: (fidelity_rank(o), -(o.samples_per_second or 0.0)))
     if objective == "memory":
         return min(pool, key=lambda o: (o.memory_bytes or 0, -(o.samples_per_second or 0.0)))
+    if any(o.retimed for o in pool):  # like with like, the reference re-timed among them
+        pool = [o for o in pool if o.retimed]
+        reference = next((o for o in pool if o.label == reference.label), reference)
     return max(pool, key=lambda o: balanced_gain(o, reference))

@@ -6,7 +6,9 @@ CBA (a second round when that leaves two of them within its noise), and the mean
 trial figures. Every contender is re-timed, as many as the budget allows, fastest first; the
 choice then compares re-timed figures only (``choice.choose``): a re-timing and a trial are
 different measures (on our 2-core CPU, re-timings ran 2-12% below the same modes' trial
-figures in 14 of 14), and a mode kept at its trial figure beat re-timed faster ones.
+figures in 14 of 14), and a mode kept at its trial figure beat re-timed faster ones. Under the
+balanced objective the contenders are ranked by its score (speed-up times memory saving), and
+the reference, whose speed every score divides by, is re-timed with them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from autoprec.outcomes import TrialOutcome
+from autoprec.outcomes import Objective, TrialOutcome, balanced_gain
 from autoprec.specs import ModeSpec
 
 logger = logging.getLogger(__name__)
@@ -66,12 +68,34 @@ def _undecided(speeds: dict[str, list[float]], noise: float) -> bool:
     return means[1] >= means[0] * (1 - noise)
 
 
+def _contenders(
+    accepted: list[TrialOutcome], reference: TrialOutcome, objective: Objective
+) -> list[TrialOutcome]:
+    """The modes to re-time, best first: within ``CONFIRM_WITHIN`` of the best by the
+    objective's own score (samples/s; for balanced, speed-up times memory saving). Balanced
+    re-times the reference too: its scores divide by the reference's speed, and a re-timed
+    speed over a trial speed mixes two measures (re-timings ran 2-12% below trials)."""
+    if objective == "balanced":
+        scores = {o.label: balanced_gain(o, reference) for o in accepted}
+    else:
+        scores = {o.label: o.samples_per_second or 0.0 for o in accepted}
+    best = max(scores.values())
+    chosen = sorted(
+        (o for o in accepted if scores[o.label] >= best * (1 - CONFIRM_WITHIN)),
+        key=lambda o: -scores[o.label],
+    )
+    if objective == "balanced" and all(o is not reference for o in chosen):
+        chosen.append(reference)
+    return chosen
+
+
 def confirm_speed(
     outcomes: list[TrialOutcome],
     reference: TrialOutcome,
     deadline: float,
     clock: Callable[[], float],
     time_spec: Callable[[ModeSpec], Any],
+    objective: Objective = "speed",
 ) -> tuple[list[TrialOutcome], TrialOutcome, float | None]:
     """Re-time the fastest accepted modes side by side (ABC then CBA) and keep the means.
     Also returns the timing noise it measured (``_round_noise``; None when nothing was
@@ -86,17 +110,16 @@ def confirm_speed(
     ]
     if len(accepted) < 2:
         return outcomes, reference, None
-    fastest = max(o.samples_per_second or 0.0 for o in accepted)
-    contenders = sorted(
-        (o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)),
-        key=lambda o: -(o.samples_per_second or 0.0),
-    )
+    contenders = _contenders(accepted, reference, objective)
+    kept = reference if objective == "balanced" else None
 
     def needed() -> float:  # two orders, and half again for a run's overhead
         return 2.5 * sum(CONFIRM_STEPS * (o.median_step_seconds or 0.0) for o in contenders)
 
     while len(contenders) > 2 and clock() + needed() > deadline:
-        contenders.pop()  # the slowest: those left out lost to every contender in the trials
+        # the lowest scored: those left out lost to every contender in the trials (balanced
+        # keeps the reference, whose speed every balanced score divides by)
+        contenders.remove(next(o for o in reversed(contenders) if o is not kept))
     if len(contenders) < 2 or clock() + needed() > deadline:
         return outcomes, reference, None
     first = _timed_round(contenders, time_spec)

@@ -343,6 +343,7 @@ def _confirmed_speed(
         setup.deadline,
         setup.clock,
         lambda spec: _retime(setup, spec, min(steps, CONFIRM_STEPS), budget_only),
+        objective,
     )
 
 

@@ -184,3 +184,42 @@ def test_the_budget_trims_contenders_from_the_slowest_and_the_choice_keeps_to_th
     by_mode = {o.spec.mode: o for o in outcomes}
     assert not by_mode["bf16_pure"].retimed and by_mode["bf16_pure"].samples_per_second == 98.0
     assert choose(outcomes, reference, "speed", noise or 0.0).spec.mode == "amp_bf16"
+
+
+def _lean(mode: str, samples: float, memory: int) -> TrialOutcome:
+    return _outcome(mode, samples).model_copy(update={"memory_bytes": memory})
+
+
+def test_balanced_retimes_its_leaders_with_the_reference_and_compares_like_with_like() -> None:
+    """Found by a hunt: balanced divided a re-timed mode's speed by the re-timed reference's
+    and an unre-timed one's by the same, so a mode outside the speed band gained what the
+    re-timing took from the reference: with every re-timing 10% below its trial, amp_bf16
+    (1.22 by trial figures) lost to bf16_pure (1.17 by trial figures, 1.30 mixed)."""
+    from autoprec.choice import choose
+
+    reference = _lean("fp32", 100.0, 1000)
+    amp = _lean("amp_bf16", 110.0, 900)  # speed-up 1.10 x saving 1.11 = 1.22
+    pure = _lean("bf16_pure", 70.0, 600)  # 0.70 x 1.67 = 1.17, within 30% of the best score
+    timer = FakeTimer(
+        {o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in (reference, amp, pure)}
+    )
+    outcomes, new_reference, noise = confirm_speed(
+        [amp, pure], reference, 1e9, lambda: 0.0, timer, objective="balanced"
+    )
+    assert sorted(set(timer.asked)) == ["amp_bf16", "bf16_pure", "fp32"]  # the reference too
+    assert new_reference.retimed and all(o.retimed for o in outcomes)
+    assert choose(outcomes, new_reference, "balanced", noise or 0.0).spec.mode == "amp_bf16"
+    # a mode outside the balanced band is left at its trial figure and out of the choice
+    slow = _lean("amp_fp16", 20.0, 990)  # 0.2 x 1.01: far below
+    timer = FakeTimer(
+        {o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in (reference, amp, pure)}
+    )
+    outcomes, new_reference, noise = confirm_speed(
+        [amp, pure, slow], reference, 1e9, lambda: 0.0, timer, objective="balanced"
+    )
+    assert "amp_fp16" not in timer.asked
+    assert choose(outcomes, new_reference, "balanced", noise or 0.0).spec.mode == "amp_bf16"
+    # speed re-times by speed alone, as before (fp32 at 100 is within 30% of 110)
+    timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in (reference, amp)})
+    confirm_speed([amp, pure], reference, 1e9, lambda: 0.0, timer)
+    assert sorted(set(timer.asked)) == ["amp_bf16", "fp32"]
