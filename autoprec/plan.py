@@ -215,10 +215,11 @@ class PrecisionPlan:
         return stepped
 
     def _compare_with_proven_clip(self, clip: float) -> None:
-        """Warn once when the step's clip is not the proven recipe's."""
+        """Warn once when a step's clip is not the proven recipe's (``math.inf``, measure only,
+        is no clipping): every step is compared until one differs."""
         (proven,) = self.proven_clip or (None,)
-        self.proven_clip = None  # once
-        if proven != clip:
+        if (math.inf if proven is None else proven) != clip:
+            self.proven_clip = None  # once
             warnings.warn(
                 f"This {self.spec.label} profile was proven under another training recipe: "
                 f"clip_grad_norm: proven at {proven}"
@@ -264,10 +265,10 @@ class PrecisionPlan:
             "grad_accumulation_steps": self.grad_accumulation_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned. A plan of the same mode (other knobs, say
-        ``keep_fp32``) takes the mode's state (the loss scale); one of another mode resumes the
-        run in its own precision from here, its mode's state fresh, with a warning."""
+    def checked_state(self, state: dict[str, Any]) -> int:
+        """The micro-batch a plan state resumes at, or the ValueError :meth:`load_state_dict`
+        would raise for it, loading nothing (not what ``state_dict()`` returns; saved
+        mid-step under another accumulation)."""
         if not isinstance(state, dict) or not set(state) >= PLAN_STATE_KEYS:
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -276,6 +277,14 @@ class PrecisionPlan:
                 "with plan.model.load_state_dict and an optimizer's with "
                 "plan.optimizer.load_state_dict."
             )
+        ModeSpec.model_validate(state["spec"])
+        return _resumed_micro_step(state, self.grad_accumulation_steps)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. A plan of the same mode (other knobs, say
+        ``keep_fp32``) takes the mode's state (the loss scale); one of another mode resumes the
+        run in its own precision from here, its mode's state fresh, with a warning."""
+        micro_step = self.checked_state(state)  # a refusal loads nothing
         saved = ModeSpec.model_validate(state["spec"])
         if saved.mode == self.spec.mode:
             self.mode.load_state_dict(state["mode"])
@@ -290,7 +299,7 @@ class PrecisionPlan:
                 PrecisionSwitchWarning,
                 stacklevel=2,
             )
-        self.micro_step = _resumed_micro_step(state, self.grad_accumulation_steps)
+        self.micro_step = micro_step
 
     def __repr__(self) -> str:
         return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"

@@ -8,6 +8,7 @@ can lose most of them at 3e-5, and an fp16 scaler settles differently with anoth
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 from typing import Any
@@ -110,12 +111,16 @@ def _schedule_differences(
             f"schedule: the applied {type(scheduler).__name__} is at step {position}, past the "
             f"proven run's {recipe.total_steps} steps"
         ]
-    parameters = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    # shared, not copied: the parameters, and the optimizer's state (a schedule reads only the
+    # groups; a mid-run switch's Adam moments would double on their device)
+    shared: dict[int, Any] = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    shared[id(optimizer.state)] = collections.defaultdict(dict)
     try:
-        optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, scheduler), parameters)
+        optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, scheduler), shared)
         lrs, momenta = step_schedule(optimizer_copy, scheduler_copy, recipe.total_steps - position)
-        if position == 0:
-            varying = momenta if any(m != momenta[0] for m in momenta) else None
+        if position == 0:  # momenta as the proven points carry them (a constant one included)
+            carried = any(point.momenta is not None for point in proven)
+            varying = momenta if carried or any(m != momenta[0] for m in momenta) else None
             applied = schedule_points(lrs, varying, recipe.total_steps)  # type: ignore[arg-type]
         else:  # a run resumed or switched mid-way: the points it has passed are history
             proven, applied = _points_ahead(proven, position, lrs, momenta)
@@ -132,9 +137,13 @@ def _schedule_differences(
 
 
 def _schedule_position(scheduler: Any) -> int:
-    """How many steps ``scheduler`` has already taken (an LRScheduler's ``last_epoch``; 0 for
-    one that does not say)."""
-    position = getattr(scheduler, "last_epoch", 0)
+    """How many steps ``scheduler`` has already taken: an LRScheduler's ``last_epoch``; a
+    ChainedScheduler, which keeps none, its schedulers' (they all step with it); 0 for one
+    that does not say."""
+    position = getattr(scheduler, "last_epoch", None)
+    if position is None:
+        inner = getattr(scheduler, "_schedulers", None) or []
+        return max((_schedule_position(each) for each in inner), default=0)
     return position if isinstance(position, int) and position > 0 else 0
 
 

@@ -868,6 +868,26 @@ def test_a_plan_state_resumes_under_another_accumulation_with_a_whole_step() -> 
         plan_of(3).load_state_dict(mid_step.state_dict())
 
 
+def test_a_refused_plan_state_loads_nothing() -> None:
+    """Found by a hunt: the refusal of a state saved mid-step under another accumulation came
+    after the mode's state (the loss scale) had loaded."""
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec = ModeSpec(mode="amp_fp16")
+    saved = autoprec.prepare(spec, model, optimizer, grad_accumulation_steps=2)
+    with saved.autocast():
+        saved.step(saved.model(torch.randn(2, 4)).sum())  # micro-batch 1 of 2
+    state = saved.state_dict()
+    state["mode"]["scaler"]["scale"] = 1024.0
+    state["mode"]["steps"] = 7
+    model = nn.Linear(4, 1)
+    fresh = autoprec.prepare(spec, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=r"saved after micro-batch 1 of a step of 2"):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict() == before
+
+
 @pytest.mark.parametrize(("mode", "bits"), [("fp32", 8), ("bf16_kahan", 32)])
 def test_a_cycling_scheduler_built_on_plan_optimizer_cycles_the_momentum(
     mode: str, bits: int

@@ -7,6 +7,7 @@ import re
 import stat
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -434,7 +435,7 @@ def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reache
         (lambda o: OneCycleLR(o, 3e-4, total_steps=2000), "the applied schedule reaches lr 0.0003"),
         (
             lambda o: OneCycleLR(o, 3e-3, total_steps=2000, cycle_momentum=False),
-            "reaches lr 0.003,",
+            "reaches lr 0.003 (momentum/β1 0.9),",  # AdamW's own beta1 against the cycled one
         ),
         (lambda o: OneCycleLR(o, 3e-3, total_steps=500), "could not be stepped on a copy"),
     ]
@@ -507,6 +508,98 @@ def test_a_scheduler_applied_mid_run_is_compared_from_where_it_stands() -> None:
     model, optimizer, scheduler = stepped(2000, 2500)
     with pytest.warns(RecipeMismatchWarning, match="at step 2500, past the proven run's 2000"):
         cosine.apply(model, optimizer, scheduler)
+
+
+def _small_model() -> nn.Module:
+    import torch
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _proven_under(scheduler: Any, lr: float) -> Profile:
+    """A bf16_sr profile proven under AdamW at ``lr`` and ``scheduler`` over 100 steps (no
+    trial run: the recipe's summary alone)."""
+    import torch
+
+    from autoprec.layers import scan_model
+    from autoprec.profile import profile_for
+    from autoprec.recipe import TrainingRecipe
+
+    model = _small_model()
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+        scheduler=scheduler,
+        total_steps=100,
+    )
+    return profile_for(
+        ModeSpec(mode="bf16_sr"), recipe=recipe.summary(model), model_layers=scan_model(model)
+    )
+
+
+def test_a_chained_scheduler_applied_mid_run_is_compared_from_where_it_stands() -> None:
+    """Found by a hunt: a ChainedScheduler keeps no last_epoch of its own, so the proven run
+    resumed at step 40 was compared from step 0 and strict=True refused it."""
+    import torch
+    from torch.optim import lr_scheduler
+
+    def chained(optimizer: torch.optim.Optimizer) -> lr_scheduler.ChainedScheduler:
+        warm = lr_scheduler.LinearLR(optimizer, 0.1, 1.0, total_iters=10)
+        return lr_scheduler.ChainedScheduler([warm, lr_scheduler.ExponentialLR(optimizer, 0.97)])
+
+    profile = _proven_under(chained, lr=1e-3)
+    model = _small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = chained(optimizer)
+    for _ in range(40):
+        optimizer.step()
+        scheduler.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeMismatchWarning)
+        profile.apply(model, optimizer, scheduler, strict=True)
+
+
+def test_a_constant_scheduled_momentum_matches_itself_and_reading_a_schedule_copies_no_state() -> (
+    None
+):
+    """Found by a hunt: OneCycleLR with a constant momentum of 0.8 (AdamW's own beta1 0.9) was
+    recorded with it, but apply() kept applied momenta only when they varied, so the proven
+    recipe mismatched itself; and reading the schedule deep-copied the optimizer's state (a
+    mid-run switch's Adam moments, doubled on their device)."""
+    import torch
+    from torch.optim import lr_scheduler
+
+    from autoprec import recipe_match
+
+    def one_cycle(optimizer: torch.optim.Optimizer) -> lr_scheduler.OneCycleLR:
+        return lr_scheduler.OneCycleLR(
+            optimizer, max_lr=1e-2, total_steps=100, base_momentum=0.8, max_momentum=0.8
+        )
+
+    profile = _proven_under(one_cycle, lr=1e-2)
+    assert profile.recipe is not None
+    assert any(point.momenta is not None for point in profile.recipe.lr_points)
+    model = _small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()  # Adam moments to copy, or not
+    copied: list[int] = []
+    deepcopy = recipe_match.copy.deepcopy
+
+    def counting(value: object, memo: dict | None = None) -> object:
+        result = deepcopy(value, memo)
+        if isinstance(result, tuple) and isinstance(result[0], torch.optim.Optimizer):
+            copied.append(sum(len(state) for state in result[0].state.values()))
+        return result
+
+    recipe_match.copy.deepcopy = counting  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RecipeMismatchWarning)
+            profile.apply(model, optimizer, one_cycle(optimizer), strict=True)
+    finally:
+        recipe_match.copy.deepcopy = deepcopy  # type: ignore[assignment]
+    assert copied == [0]
 
 
 def test_applying_under_another_recipe_warns_and_strict_refuses() -> None:
@@ -705,3 +798,13 @@ def test_a_clip_at_plan_step_is_compared_with_the_proven_recipe() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecipeMismatchWarning)
         step(1.0)  # the proven clip: nothing to say
+    # found by a hunt: the first matching step turned the comparison off for good, so a
+    # later step with another clip said nothing
+    with pytest.warns(RecipeMismatchWarning, match=r"proven at 1\.0, applied with 5\.0"):
+        step(5.0)
+    # math.inf measures only: no clipping, as the profile without clipping was proven
+    model, tokens = tiny_gpt.make_model()
+    plan = profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeMismatchWarning)
+        step(math.inf)

@@ -269,6 +269,8 @@ class PlanOptimizer(torch.optim.Optimizer):
         of a plain Trainer has none: the plan's state stays fresh)."""
         state_dict = dict(state_dict)
         plan_state = state_dict.pop(PLAN_STATE_KEY, None)
+        if plan_state is not None:
+            self.plan.checked_state(plan_state)  # a refused plan state loads nothing at all
         self.plan.optimizer.load_state_dict(state_dict)
         if plan_state is not None:
             self.plan.load_state_dict(plan_state)
