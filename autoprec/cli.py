@@ -243,7 +243,7 @@ def _tune(args: argparse.Namespace) -> int:
     from autoprec._files import check_writable, write_text_atomically
     from autoprec.display import print_profile, tune_table
     from autoprec.progress import TuneProgress
-    from autoprec.search import sqlite_url
+    from autoprec.search import shown_storage, sqlite_url
     from autoprec.tuning import tune
 
     _check_tune_numbers(args)
@@ -275,7 +275,8 @@ def _tune(args: argparse.Namespace) -> int:
     result.profile.save(out)
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
     print_profile(result.profile, console=console)
-    console.print(f"wrote {out}\n  every trial: {trials}\n  study: {storage}", soft_wrap=True)
+    shown = shown_storage(storage)
+    console.print(f"wrote {out}\n  every trial: {trials}\n  study: {shown}", soft_wrap=True)
     return EXIT_OK
 
 

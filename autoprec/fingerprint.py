@@ -306,9 +306,9 @@ def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> bool:
     has_trials = bool(study.get_trials(deepcopy=False))
     if raw is None and has_trials:
         raise ValueError(
-            f"The study {where} holds trials without a fingerprint (an older autoprec made "
-            "it): they cannot be shown to match this run. Use another study name "
-            "(--study NAME / study_name=) or delete the storage."
+            f"The study {where} holds trials without a fingerprint (a study of your own, or "
+            "one an older autoprec made): they cannot be shown to match this run. Use "
+            "another study name (--study NAME / study_name=) or delete the storage."
         )
     differences = (
         None if raw is None else fingerprint.differences(StudyFingerprint.model_validate(raw))

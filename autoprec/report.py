@@ -12,7 +12,7 @@ from autoprec._files import atomic_target, read_json, write_atomically
 from autoprec.choice import choose
 from autoprec.errors import MissingBackendError
 from autoprec.outcomes import TrialOutcome
-from autoprec.search import optuna_storage, sqlite_file
+from autoprec.search import optuna_storage, shown_storage, sqlite_file
 from autoprec.specs import ModeSpec
 from autoprec.tune_result import TuneResult
 
@@ -152,6 +152,7 @@ def outcomes_from_study(
     file = sqlite_file(storage)
     if file is not None and not file.is_file():  # opening it would create an empty database
         raise FileNotFoundError(f"{storage}: no such SQLite file ({str(file)!r}).")
+    shown = shown_storage(storage)
     try:
         opened = optuna_storage(storage)
         names = optuna.get_all_study_names(storage=opened)
@@ -164,17 +165,17 @@ def outcomes_from_study(
                 f"study nor an Optuna journal file ({found})."
             ) from error
         raise ValueError(
-            f"Cannot read the study storage {storage!r} ({found}); check the URL, its driver "
+            f"Cannot read the study storage {shown!r} ({found}); check the URL, its driver "
             "and that the database answers."
         ) from error
     if not names:
-        raise ValueError(f"{storage} holds no study: nothing was tuned with it.")
+        raise ValueError(f"{shown} holds no study: nothing was tuned with it.")
     if study_name is None:
         if len(names) != 1:
-            raise ValueError(f"{storage} holds studies {names}; pick one with --study.")
+            raise ValueError(f"{shown} holds studies {names}; pick one with --study.")
         study_name = names[0]
     elif study_name not in names:
-        raise ValueError(f"{storage} holds no study {study_name!r}; it holds {names}.")
+        raise ValueError(f"{shown} holds no study {study_name!r}; it holds {names}.")
     study = optuna.load_study(study_name=study_name, storage=opened)
     noise_runs = int(study.user_attrs.get("noise_runs", 1))
     finished = study.user_attrs.get("result")

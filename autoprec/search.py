@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -248,6 +249,14 @@ def optuna_storage(storage: str | None) -> Any:
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+def shown_storage(storage: str | None) -> str:
+    """``storage`` as messages show it: a URL's password replaced by ``***``
+    (``postgresql://user:***@host/db``), so a refusal or a log line never prints it."""
+    if storage is None:
+        return "memory"
+    return re.sub(r"^([A-Za-z][\w+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", storage)
+
+
 DEFAULT_STUDY_NAME = "autoprec"
 """The study a storage given without a study name holds (when it holds no other)."""
 
@@ -256,18 +265,20 @@ class StudyNameNeeded(ValueError):
     """A storage holds several studies and no name says which one to resume."""
 
 
-def _default_study_name(names: list[str], storage: str) -> str:
-    """The study to resume in ``storage`` (holding the studies ``names``) when no name was
-    given: its only study, else :data:`DEFAULT_STUDY_NAME`. Optuna would name a new study at
-    random on every call, so a run given only a storage could never resume."""
-    if len(names) == 1:
-        return names[0]
-    if not names or DEFAULT_STUDY_NAME in names:
+def _default_study_name(names: list[str], ours: list[str], storage: str) -> str:
+    """The study to resume in ``storage`` (holding the studies ``names``, of which ``ours``
+    carry an autoprec fingerprint) when no name was given: :data:`DEFAULT_STUDY_NAME` when it
+    is there, else the one autoprec study, else a new :data:`DEFAULT_STUDY_NAME` (a study of
+    your own is never adopted). Optuna would name a new study at random on every call, so a
+    run given only a storage could never resume."""
+    if DEFAULT_STUDY_NAME in names or not ours:
         return DEFAULT_STUDY_NAME
+    if len(ours) == 1:
+        return ours[0]
     raise StudyNameNeeded(
-        f"The study storage {storage!r} holds {len(names)} studies ({', '.join(names)}) and no "
-        "study name was given: pass study_name= (CLI: --study NAME) to say which to resume, "
-        "or a new name to start another."
+        f"The study storage {shown_storage(storage)!r} holds {len(ours)} autoprec studies "
+        f"({', '.join(ours)}) and no study name was given: pass study_name= (CLI: --study "
+        "NAME) to say which to resume, or a new name to start another."
     )
 
 
@@ -317,9 +328,14 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
         raise
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
+        check = (
+            "check the URL, its driver and that the database answers"
+            if storage is not None and "://" in storage and sqlite_file(storage) is None
+            else "check the path and that its folder exists and is writable"
+        )
         raise ValueError(
-            f"Cannot open the study storage {storage!r} ({type(error).__name__}: {first_line}); "
-            "check the URL and that its folder exists and is writable."
+            f"Cannot open the study storage {shown_storage(storage)!r} ({type(error).__name__}: "
+            f"{first_line}); {check}."
         ) from error
 
 
@@ -328,9 +344,11 @@ def _open_study(storage: str | None, study_name: str | None) -> Any:
 
     opened = optuna_storage(storage)
     if storage is not None and study_name is None:
-        names = optuna.get_all_study_names(storage=opened)
-        study_name = _default_study_name(names, storage)
-    return optuna.create_study(
+        summaries = optuna.get_all_study_summaries(storage=opened, include_best_trial=False)
+        names = [summary.study_name for summary in summaries]
+        ours = [summary.study_name for summary in summaries if "fingerprint" in summary.user_attrs]
+        study_name = _default_study_name(names, ours, storage)
+    study = optuna.create_study(
         storage=opened,
         study_name=study_name,
         load_if_exists=storage is not None,
@@ -339,6 +357,14 @@ def _open_study(storage: str | None, study_name: str | None) -> Any:
         # plain one, because BruteForceSampler calls study.stop(), which ask/tell forbids.
         sampler=optuna.samplers.RandomSampler(seed=0),
     )
+    directions = [direction.name.lower() for direction in study.directions]
+    if directions != ["maximize", "minimize"]:  # a study of yours: nothing written to it
+        raise ValueError(
+            f"The study {study.study_name!r} in {shown_storage(storage)} is not an autoprec "
+            f"study (it optimizes {directions}; autoprec's maximize samples/s and minimize "
+            "memory). Name another study (--study NAME / study_name=) to keep yours as it is."
+        )
+    return study
 
 
 def search(

@@ -66,6 +66,7 @@ from autoprec.search import (
     record_outcome,
     record_result,
     search,
+    shown_storage,
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -249,7 +250,7 @@ def _measured_references(
     measured under the same fingerprint, else measured now with the ``planned`` (trial steps,
     fp32 step seconds)."""
     fingerprint = _fingerprint(setup, objective, budget_minutes)
-    new_run = check_study(study, fingerprint, f"{study.study_name!r} in {storage}")
+    new_run = check_study(study, fingerprint, f"{study.study_name!r} in {shown_storage(storage)}")
     cache = references_path(storage, study.study_name)
     attrs = {} if new_run else study.user_attrs  # a stopped run's attributes are not this run's
     stored = load_references(cache, fingerprint) if "fp32_step_seconds" in attrs else None

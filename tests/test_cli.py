@@ -323,8 +323,15 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         == 2
     )
     assert "--eval: module 'examples.tiny_gpt' has no attribute 'nope'" in (capsys.readouterr().err)
-    # a budget too small for the runs is named by its flag (it said budget_minutes=0.002)
     tiny = ["tune", "examples.tiny_gpt:make_small_model", "--data"]
+    # a storage URL's password is never printed (found by a hunt: the refusal showed it)
+    server = "postgresql://user:s3cret@localhost:1/db"
+    assert main([*tiny[:2], "--data", "examples.tiny_gpt:make_small_batches", "--storage",
+                 server, "--budget", "0.5", "--out", out]) == 2  # fmt: skip
+    said = capsys.readouterr().err
+    assert "s3cret" not in said and "postgresql://user:***@localhost:1/db" in said
+    assert "check the URL, its driver and that the database answers" in said
+    # a budget too small for the runs is named by its flag (it said budget_minutes=0.002)
     assert (
         main([*tiny, "examples.tiny_gpt:make_small_batches", "--budget", "0.002", "--out", out])
         == 2

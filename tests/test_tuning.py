@@ -777,10 +777,31 @@ def test_a_storage_of_several_studies_asks_which_to_resume(tmp_path: Path) -> No
 
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     for name in ("run-a", "run-b"):
-        optuna.create_study(storage=storage, study_name=name)
+        made = optuna.create_study(storage=storage, study_name=name)
+        made.set_user_attr("fingerprint", {"of": name})  # as autoprec's studies carry
     task = tasks.regression(lr=1e-2)
-    with pytest.raises(ValueError, match=r"holds 2 studies \(run-a, run-b\).*study_name="):
+    with pytest.raises(ValueError, match=r"holds 2 autoprec studies \(run-a, run-b\).*study_nam"):
         tune(task.model, _loader(task), budget_minutes=0.3, loss_fn=task.mse, storage=storage)
+
+
+def test_a_study_of_your_own_in_the_storage_is_never_written_to(tmp_path: Path) -> None:
+    """Found by a hunt: a storage holding one study of the user's (single-objective, no
+    trials) was adopted as the study to resume: autoprec's attributes and trials were written
+    into it, every trial ended FAIL (two values for one objective) and ran again on resume."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    optuna.create_study(storage=storage, study_name="my-hpo", direction="minimize")
+    task = tasks.regression(lr=1e-2)
+    common = {"budget_minutes": 0.3, "loss_fn": task.mse, "modes": ["amp_bf16"]}
+    tune(task.model, _loader(task), storage=storage, **common)  # type: ignore[arg-type]
+    assert sorted(optuna.get_all_study_names(storage=storage)) == ["autoprec", "my-hpo"]
+    mine = optuna.load_study(study_name="my-hpo", storage=storage)
+    assert mine.user_attrs == {} and mine.trials == []
+    with pytest.raises(ValueError, match=r"'my-hpo' in .* is not an autoprec study"):
+        tune(task.model, _loader(task), storage=storage, study_name="my-hpo", **common)  # type: ignore[arg-type]
+    mine = optuna.load_study(study_name="my-hpo", storage=storage)
+    assert mine.user_attrs == {} and mine.trials == []
 
 
 def test_a_study_name_with_a_slash_keeps_its_references_beside_the_storage(tmp_path: Path) -> None:
