@@ -581,3 +581,45 @@ def test_a_kahan_lightning_checkpoint_resumes_under_an_amp_profile(
     assert type(optimizer) is torch.optim.AdamW
     state = optimizer.state[module.net[0].weight]
     assert int(state["step"]) == 10 and state["exp_avg"].dtype == torch.float32
+
+
+class _LargeLoss(nn.Module):
+    """A loss so large that fp16's scaled gradients overflow at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        return {"loss": (self.linear(x).float() ** 2).sum() * 100.0}
+
+
+class _Inputs(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(index)
+        return {"x": torch.randn(8, generator=generator) * 30, "labels": torch.zeros(1)}
+
+
+def test_a_step_the_plans_loss_scaler_skips_holds_the_trainers_schedule(tmp_path: Path) -> None:
+    """Found by a hunt: the Trainer steps its scheduler only when Accelerate says the optimizer
+    step was not skipped, which Accelerate reads from its own GradScaler; the plan's replaced
+    it, so every skipped fp16 step still advanced the schedule (8 skipped of 8: lr 1e-3 -> 0).
+    With torch's unfused AdamW a plain fp16 Trainer holds the lr (a fused one, which the
+    scaler always calls, advances it in both)."""
+    from autoprec.profile import profile_for
+
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8,
+        learning_rate=1e-3, lr_scheduler_type="linear", report_to=[], save_strategy="no",
+        use_cpu=True, optim="adamw_torch", logging_strategy="no",
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=_LargeLoss(), args=args, train_dataset=_Inputs())
+    plan = apply_profile(trainer, profile_for(ModeSpec(mode="amp_fp16")))
+    trainer.train()
+    assert plan.mode.skipped_steps == plan.mode.steps == 8
+    assert trainer.lr_scheduler.last_epoch == 0
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)

@@ -220,12 +220,13 @@ class PlanOptimizer(torch.optim.Optimizer):
     (accumulated gradients written back, unscale, clip, the mode's optimizer step with the loss
     scaler's skip and update); groups and state are the plan optimizer's own objects."""
 
-    def __init__(self, plan: PrecisionPlan) -> None:
+    def __init__(self, plan: PrecisionPlan, accelerator: Any = None) -> None:
         inner = plan.optimizer
         super().__init__(inner.param_groups, inner.defaults)
         self.plan = plan
         self.param_groups = inner.param_groups  # the same dicts: the scheduler sets their lr
         self.state = inner.state
+        self.accelerator = accelerator
         self._reported_norm: torch.Tensor | None = None
 
     def grad_norm_to_report(self, _model: Any = None, grad_norm: Any = None) -> torch.Tensor:
@@ -251,8 +252,18 @@ class PlanOptimizer(torch.optim.Optimizer):
         if self._reported_norm is not None:
             self._reported_norm.copy_(norm)
             self._reported_norm = None
-        mode.optimizer_step(plan.optimizer)
+        self._report_skipped(not mode.optimizer_step(plan.optimizer))
         return loss
+
+    def _report_skipped(self, skipped: bool) -> None:
+        """The Trainer steps its lr scheduler only when ``accelerator.optimizer_step_was_skipped``
+        is False, which Accelerate reads from its own GradScaler: the plan's replaces it, so
+        the plan's skip is told to Accelerate's wrapper of this optimizer (its ``_is_overflow``,
+        accelerate 1.x) and a step the loss scaler skipped holds the schedule, as in a plain
+        fp16 Trainer."""
+        for wrapper in getattr(self.accelerator, "_optimizers", ()):
+            if getattr(wrapper, "optimizer", None) is self and hasattr(wrapper, "_is_overflow"):
+                wrapper._is_overflow = skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.plan.optimizer.zero_grad(set_to_none=set_to_none)
@@ -336,7 +347,7 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
         clip_grad_norm=args.max_grad_norm or None,
     )
     trainer.model = trainer.model_wrapped = plan.model
-    trainer.optimizer = PlanOptimizer(plan)
+    trainer.optimizer = PlanOptimizer(plan, trainer.accelerator)
     trainer.lr_scheduler = plan.scheduler
     # the plan clips, after unscaling; a copy, so the caller's TrainingArguments keep their
     # max_grad_norm (another Trainer built on them still clips)
