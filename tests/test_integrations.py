@@ -170,6 +170,31 @@ def test_accelerate_fp8_recipes_are_complete() -> None:
     ) == ("E4M3", 1024, "max", 0)
 
 
+def test_accelerate_refuses_a_te_field_it_would_not_hand_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a hunt: Accelerate hands TE only the TERecipeKwargs fields that differ from its
+    own defaults, so amax_compute_algo='most_recent' (Accelerate's default, not TE's 'max') was
+    dropped and TE ran 'max'."""
+    pytest.importorskip("accelerate")
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+
+    from autoprec.specs import TeDelayedScaling
+
+    # TERecipeKwargs checks for TE when built; what it hands on does not need TE
+    monkeypatch.setattr(accelerate_dataclasses, "is_transformer_engine_available", lambda: True)
+
+    def exported(algo: str, history: int) -> dict:
+        delayed = TeDelayedScaling(amax_compute_algo=algo, amax_history_len=history)  # type: ignore[arg-type]
+        return _profile(mode="fp8_te", te_delayed_scaling=delayed).to_accelerate()
+
+    (handler,) = exported("max", 16)["kwargs_handlers"]
+    assert handler.to_kwargs()["amax_compute_algo"] == "max"
+    for history in (1024, 16):
+        with pytest.raises(ExportError, match=r"amax_compute_algo='most_recent' \(would run as"):
+            exported("most_recent", history)
+
+
 def test_accelerate_fp8_torchao() -> None:
     pytest.importorskip("accelerate")
     ao = _profile(mode="fp8_torchao", fp8_recipe="torchao_rowwise").to_accelerate()

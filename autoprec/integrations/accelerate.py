@@ -75,6 +75,7 @@ def _precision_settings(
                 f"Accelerate's TERecipeKwargs needs Transformer Engine ({error}); install it "
                 f"with: {install_hint('transformer_engine')}"
             ) from error
+        _refuse_dropped_te_fields(recipe, handler.to_kwargs())
         return {"mixed_precision": "fp8", "kwargs_handlers": [handler]}
     if spec.mode == "fp8_torchao":
         if spec.emulate:
@@ -100,3 +101,37 @@ def _precision_settings(
         "the optimizer with profile.apply(model, optimizer), then accelerator.prepare() them "
         "with mixed_precision='no'."
     )
+
+
+TE_DELAYED_SCALING_DEFAULTS: dict[str, Any] = {
+    "fp8_format": "HYBRID",
+    "amax_history_len": 1024,
+    "amax_compute_algo": "max",
+    "margin": 0,
+}
+"""Transformer Engine's own ``DelayedScaling`` defaults (TE 2.x, ``common/recipe.py``): what a
+field Accelerate leaves out becomes."""
+
+
+def _refuse_dropped_te_fields(recipe: dict[str, Any], handed: dict[str, Any]) -> None:
+    """Accelerate hands Transformer Engine only the ``TERecipeKwargs`` fields that differ from
+    its own defaults (``to_kwargs``), and TE fills the rest with its own: a profile field equal
+    to Accelerate's default but not TE's (``amax_compute_algo='most_recent'``) would silently
+    become TE's."""
+    lost = {
+        name: value
+        for name, value in recipe.items()
+        if name in TE_DELAYED_SCALING_DEFAULTS
+        and handed.get(name, TE_DELAYED_SCALING_DEFAULTS[name]) != value
+    }
+    if lost:
+        shown = ", ".join(
+            f"{name}={value!r} (would run as {TE_DELAYED_SCALING_DEFAULTS[name]!r})"
+            for name, value in lost.items()
+        )
+        raise ExportError(
+            f"Accelerate would not hand this profile's {shown} to Transformer Engine: its "
+            "TERecipeKwargs passes only the fields that differ from its own defaults, and TE "
+            "fills the rest with its own. Use profile.apply(model, optimizer), which builds the "
+            "recipe itself."
+        )
