@@ -57,21 +57,42 @@ def tensor_digest(tree: Any) -> str:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _stable_repr(value: Any) -> str:
+_DEFAULT_REPR = re.compile(r"^<[\w.]+ object>$")
+"""``object.__repr__`` once the address is left out: nothing of the object's data in it."""
+STATE_DEPTH = 3
+"""How deep a default-``repr`` object's public attributes are followed (a DataLoader, its
+sampler, their dataset): beyond it, its type alone."""
+
+
+def _stable_repr(value: Any, depth: int = 0, seen: frozenset[int] = frozenset()) -> str:
     """``repr(value)`` the same in every process: tensors (and modules) by digest, memory
     addresses (``<object at 0x7f...>``) left out, sets sorted (the order of a set of strings
-    follows the process's hash seed: the same run was refused as another one)."""
+    follows the process's hash seed: the same run was refused as another one). An object whose
+    ``repr`` says nothing of its data (a DataLoader, a Dataset: ``<... object at 0x...>``) by
+    its public attributes, to ``STATE_DEPTH`` levels: two validation loaders over other data
+    read the same and a resumed run reused the other's verdicts."""
+
+    def inner(item: Any) -> str:
+        return _stable_repr(item, depth + 1, seen | {id(value)})
+
     if isinstance(value, torch.Tensor | torch.nn.Module):
         shown = repr(value) if isinstance(value, torch.nn.Module) else type(value).__name__
         return f"{shown}:{tensor_digest(value)}"
     if isinstance(value, set | frozenset):
-        return f"{type(value).__name__}({sorted(_stable_repr(v) for v in value)})"
+        return f"{type(value).__name__}({sorted(inner(v) for v in value)})"
     if isinstance(value, list | tuple):
-        return f"{type(value).__name__}[{', '.join(_stable_repr(v) for v in value)}]"
+        return f"{type(value).__name__}[{', '.join(inner(v) for v in value)}]"
     if isinstance(value, dict):
-        items = sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())
+        items = sorted(f"{inner(k)}: {inner(v)}" for k, v in value.items())
         return f"{{{', '.join(items)}}}"
-    return _ADDRESS.sub("", repr(value))
+    shown = _ADDRESS.sub("", repr(value))
+    state = getattr(value, "__dict__", None)
+    if _DEFAULT_REPR.match(shown) and isinstance(state, dict) and id(value) not in seen:
+        if depth >= STATE_DEPTH:
+            return shown
+        public = sorted((k, v) for k, v in state.items() if not k.startswith("_"))
+        return f"{shown[:-1]} {', '.join(f'{k}={inner(v)}' for k, v in public)}>"
+    return shown
 
 
 def _code_repr(code: Any) -> str:
@@ -117,9 +138,32 @@ def callable_digest(function: Any) -> str | None:
         parts += [f"{k}={_stable_repr(v)}" for k, v in sorted(keyword_defaults.items())]
         cells = getattr(target, "__closure__", None) or ()
         parts += [_stable_repr(c.cell_contents) for c in cells if not _empty_cell(c)]
+        parts += _data_globals(code, getattr(target, "__globals__", {}))
     else:
         parts += _attributes(target)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _data_globals(code: Any, namespace: dict[str, Any]) -> list[str]:
+    """The module-level data a function reads by name (a validation loader built at import,
+    a table of weights): its code says only the name. Modules, classes, functions and other
+    callables are left to their names, as their code is not followed."""
+    names: set[str] = set()
+
+    def collect(each: Any) -> None:
+        names.update(each.co_names)
+        for const in each.co_consts:
+            if hasattr(const, "co_code"):
+                collect(const)
+
+    collect(code)
+    return [
+        f"{name}={_stable_repr(namespace[name])}"
+        for name in sorted(names)
+        if name in namespace
+        and not (inspect.ismodule(namespace[name]) or isinstance(namespace[name], type))
+        and not callable(namespace[name])
+    ]
 
 
 def _attributes(target: Any) -> list[str]:

@@ -269,6 +269,43 @@ def test_a_set_in_a_closure_digests_the_same_in_every_process() -> None:
     assert len(digests) == 1
 
 
+def test_an_eval_fn_over_a_loader_digests_the_loaders_data() -> None:
+    """Found by a hunt: a DataLoader's repr holds no data (``<... object at 0x...>``, the
+    address left out), so an eval_fn over a validation loader of other data digested the same
+    and a resumed study reused verdicts scored on the other set. Across processes the digest
+    of the same data is the same."""
+    script = (
+        "import sys, torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from autoprec.fingerprint import callable_digest\n"
+        "data = torch.randn(16, 4, generator=torch.Generator().manual_seed(int(sys.argv[1])))\n"
+        "loader = DataLoader(TensorDataset(data), batch_size=4)\n"
+        "def eval_fn(model):\n    return sum(float(model(x).sum()) for (x,) in loader)\n"
+        "print(callable_digest(eval_fn))\n"
+    )
+
+    def digest(seed: int) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", script, str(seed)], capture_output=True, text=True, check=True
+        ).stdout
+
+    assert digest(0) == digest(0)
+    assert digest(0) != digest(123)  # a module-level loader, as a CLI eval_fn's module builds
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def closing_over(seed: int) -> object:
+        data = torch.randn(16, 4, generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(TensorDataset(data), batch_size=4)
+
+        def eval_fn(model: torch.nn.Module) -> float:
+            return sum(float(model(x).sum()) for (x,) in loader)
+
+        return eval_fn
+
+    assert callable_digest(closing_over(0)) == callable_digest(closing_over(0))
+    assert callable_digest(closing_over(0)) != callable_digest(closing_over(123))
+
+
 def test_frozen_layers_and_group_membership_are_part_of_the_fingerprint() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     groups = [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
