@@ -28,7 +28,10 @@ class BudgetReport(BaseModel):
     budget_seconds: float
     used_seconds: float
     calibration_seconds: float
+    """Setup (probe, copies), the calibration steps and the study's opening: all before the
+    fp32 runs."""
     reference_seconds: float
+    """The fp32 reference and noise runs (about 0 when a resumed run read them from its study)."""
     search_seconds: float
     trial_steps: int
     fp32_step_seconds: float

@@ -359,8 +359,9 @@ def _search(
     clock, candidates = setup.clock, setup.candidates
     # The first fp32 steps check the inputs (batches fit, the loss has gradients) before the
     # study creates any file.
-    planned_steps, step_seconds, calibration_seconds = calibrate(setup, budget_minutes)
+    planned_steps, step_seconds, _ = calibrate(setup, budget_minutes)
     study = create_study(storage, study_name)
+    references_started = clock()  # setup, calibration and the study's opening before it
     measured = _measured_references(
         setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)
     )
@@ -370,7 +371,7 @@ def _search(
     study.set_user_attr("result", None)
     reference_verdict = fp32_runs.judge(fp32_runs.reference, setup.thresholds)
     reference_outcome = trial_outcome(fp32_runs.reference, reference_verdict, setup.report.device)
-    reference_seconds = clock() - start - calibration_seconds
+    reference_seconds = clock() - references_started  # ~0 when read from the study
     _record_reference(study, reference_outcome, candidates.specs)
     earlier = frozenset(finished_outcomes(study))  # a resumed run's, measured before
     outcomes = _search_candidates(
@@ -383,7 +384,7 @@ def _search(
         setup,
         outcomes,
         used=clock() - start,
-        phases=(calibration_seconds, reference_seconds),
+        phases=(references_started - start, reference_seconds),
         steps=(steps, step_seconds),
         noise_runs=fp32_runs.noise_runs,
         reused=reused,

@@ -772,6 +772,36 @@ def test_a_storage_without_a_study_name_resumes_its_study(tmp_path: Path) -> Non
     assert optuna.get_all_study_names(storage=storage) == ["autoprec"]
 
 
+def test_setup_time_is_not_counted_as_the_fp32_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt: the budget's reference phase was "everything since the start but the
+    calibration steps", so setup before calibration counted as fp32 runs, and a resumed run
+    that read its fp32 runs from the study still printed seconds of them."""
+    from autoprec import tuning
+
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    calibrate = tuning.calibrate
+
+    def slow_setup(setup: object, budget_minutes: float) -> object:
+        offset[0] += 30.0  # 30 s of setup (probe, copies) before the calibration steps
+        return calibrate(setup, budget_minutes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tuning, "calibrate", slow_setup)
+    task = tasks.regression(lr=1e-2)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    common = {"loss_fn": task.mse, "modes": ["amp_bf16"], "storage": storage, "clock": clock}
+    first = tune(task.model, _loader(task), budget_minutes=2, **common)  # type: ignore[arg-type]
+    again = tune(task.model, _loader(task), budget_minutes=2, **common)  # type: ignore[arg-type]
+    assert again.budget.reference_reused and not first.budget.reference_reused
+    assert first.budget.calibration_seconds >= 30 and again.budget.calibration_seconds >= 30
+    assert again.budget.reference_seconds < 30 <= first.budget.calibration_seconds
+
+
 def test_a_storage_of_several_studies_asks_which_to_resume(tmp_path: Path) -> None:
     import optuna
 
