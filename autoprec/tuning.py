@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -91,11 +92,13 @@ def _group_names(setup: RunSetup) -> list[list[str]]:
 
 
 def _hardware(setup: RunSetup) -> str:
-    """The device trials ran on; on a CPU its model too (its bf16 speed is its own: a study
-    resumed on another CPU reused the first one's speeds)."""
+    """The device trials ran on; on a CPU its model and torch's thread count too (its speeds
+    are its own: a study resumed on another CPU, or under another OMP_NUM_THREADS / taskset,
+    reused the first run's speeds)."""
     report, situation = setup.report, setup.situation
     if situation.gpu is None:  # found_device() names torch's version already
-        return f"{report.device}: {situation.found_device()}, {report.hardware.cpu.model_name}"
+        cpu, threads = report.hardware.cpu.model_name, torch.get_num_threads()
+        return f"{report.device}: {situation.found_device()}, {cpu}, {threads} threads"
     return f"{report.device}: {situation.found_device()}, torch {report.hardware.torch_version}"
 
 

@@ -395,6 +395,15 @@ def test_a_study_refuses_to_resume_for_another_run(tmp_path: Path) -> None:
         tune(other_model, batches, modes=["amp_bf16"], **common)
     with pytest.raises(ValueError, match=r"batches \(other weights or data\)"):
         tune(model, tiny_gpt.make_small_batches()[::-1], modes=["amp_bf16"], **common)
+    # on a CPU, another thread count is another machine (found by a hunt: its speeds were
+    # reused)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with pytest.raises(ValueError, match=r"another run \(hardware differ\)"):
+            tune(model, batches, modes=["amp_bf16"], **common)
+    finally:
+        torch.set_num_threads(threads)
     # a new study in the same file runs; the original resumes with its stored reference
     fresh = tune(
         model, batches, objective="memory", modes=["amp_bf16"], **{**common, "study_name": "t"}
