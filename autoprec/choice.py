@@ -60,15 +60,12 @@ def choose(
     pool = [o for o in [reference, *outcomes] if o.status == "accepted" and o.samples_per_second]
     if not pool:
         return reference
+    if any(o.retimed for o in pool):  # like with like (memory re-times none)
+        pool = [o for o in pool if o.retimed]
     if objective == "speed":
-        if any(o.retimed for o in pool):  # like with like: the rest lost to each in trials
-            pool = [o for o in pool if o.retimed]
         fastest = max(o.samples_per_second or 0.0 for o in pool)
         close = [o for o in pool if (o.samples_per_second or 0.0) >= fastest * (1 - speed_margin)]
         return min(close, key=lambda o: (fidelity_rank(o), -(o.samples_per_second or 0.0)))
     if objective == "memory":
         return min(pool, key=lambda o: (o.memory_bytes or 0, -(o.samples_per_second or 0.0)))
-    if any(o.retimed for o in pool):  # like with like, the reference re-timed among them
-        pool = [o for o in pool if o.retimed]
-        reference = next((o for o in pool if o.label == reference.label), reference)
     return max(pool, key=lambda o: balanced_gain(o, reference))

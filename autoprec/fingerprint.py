@@ -90,8 +90,7 @@ def _stable_repr(value: Any, depth: int = 0, seen: frozenset[int] = frozenset())
     if _DEFAULT_REPR.match(shown) and isinstance(state, dict) and id(value) not in seen:
         if depth >= STATE_DEPTH:
             return shown
-        public = sorted((k, v) for k, v in state.items() if not k.startswith("_"))
-        return f"{shown[:-1]} {', '.join(f'{k}={inner(v)}' for k, v in public)}>"
+        return f"{shown[:-1]} {', '.join(f'{k}={inner(v)}' for k, v in _public(state))}>"
     return shown
 
 
@@ -161,8 +160,8 @@ def _data_globals(code: Any, namespace: dict[str, Any]) -> list[str]:
         f"{name}={_stable_repr(namespace[name])}"
         for name in sorted(names)
         if name in namespace
-        and not (inspect.ismodule(namespace[name]) or isinstance(namespace[name], type))
-        and not callable(namespace[name])
+        and not inspect.ismodule(namespace[name])
+        and not callable(namespace[name])  # classes and functions: their names suffice
     ]
 
 
@@ -170,11 +169,12 @@ def _attributes(target: Any) -> list[str]:
     """A callable object's (an ``nn.HuberLoss``'s) settings and tensors, as text."""
     parts = [_stable_repr(target)] if isinstance(target, torch.nn.Module) else []
     attributes = getattr(target, "__dict__", {})
-    return parts + [
-        f"{k}={_stable_repr(v)}"
-        for k, v in sorted(attributes.items())
-        if not k.startswith("_") and k != "training"
-    ]
+    return parts + [f"{k}={_stable_repr(v)}" for k, v in _public(attributes) if k != "training"]
+
+
+def _public(state: dict[str, Any]) -> list[tuple[str, Any]]:
+    """An object's ``__dict__`` without its private names, sorted by name."""
+    return sorted((k, v) for k, v in state.items() if not k.startswith("_"))
 
 
 class StudyFingerprint(BaseModel):

@@ -49,10 +49,6 @@ class Fp32SecondMoment:
         if fresh and param.dtype in LOW_PRECISION:
             state["exp_avg_sq"] = state["exp_avg_sq"].float()
 
-    def _init_group(self, group: dict[str, Any], *lists: list[torch.Tensor]) -> None:
-        super()._init_group(group, *lists)  # type: ignore[misc]
-        group["triton"] = False  # a group none of whose weights has a gradient yet, too
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts every loaded state to its weight's dtype: a bf16 weight's fp32 second
         moment is put back from the saved values themselves, as your load pre-hooks left them

@@ -265,10 +265,10 @@ class PrecisionPlan:
             "grad_accumulation_steps": self.grad_accumulation_steps,
         }
 
-    def checked_state(self, state: dict[str, Any]) -> int:
-        """The micro-batch a plan state resumes at, or the ValueError :meth:`load_state_dict`
-        would raise for it, loading nothing (not what ``state_dict()`` returns; saved
-        mid-step under another accumulation)."""
+    def checked_state(self, state: dict[str, Any]) -> tuple[ModeSpec, int]:
+        """(the spec a plan state was saved under, the micro-batch it resumes at), or the
+        ValueError :meth:`load_state_dict` would raise for it, loading nothing (not what
+        ``state_dict()`` returns; saved mid-step under another accumulation)."""
         if not isinstance(state, dict) or not set(state) >= PLAN_STATE_KEYS:
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -277,15 +277,14 @@ class PrecisionPlan:
                 "with plan.model.load_state_dict and an optimizer's with "
                 "plan.optimizer.load_state_dict."
             )
-        ModeSpec.model_validate(state["spec"])
-        return _resumed_micro_step(state, self.grad_accumulation_steps)
+        saved = ModeSpec.model_validate(state["spec"])
+        return saved, _resumed_micro_step(state, self.grad_accumulation_steps)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. A plan of the same mode (other knobs, say
         ``keep_fp32``) takes the mode's state (the loss scale); one of another mode resumes the
         run in its own precision from here, its mode's state fresh, with a warning."""
-        micro_step = self.checked_state(state)  # a refusal loads nothing
-        saved = ModeSpec.model_validate(state["spec"])
+        saved, micro_step = self.checked_state(state)  # a refusal loads nothing
         if saved.mode == self.spec.mode:
             self.mode.load_state_dict(state["mode"])
         else:

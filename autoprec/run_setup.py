@@ -418,8 +418,8 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     return record.median_step_seconds or 1e-3, setup.clock() - start, record.draws_random
 
 
-def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float]:
-    """(trial steps, fp32 seconds per optimizer step, calibration seconds)."""
+def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
+    """(trial steps, fp32 seconds per optimizer step)."""
     step_seconds, calibration_seconds, draws_random = calibration_run(setup)
     # every candidate (the reference among them) and the noise run(s)
     trials = len(setup.candidates.specs) + (2 if draws_random else 1)
@@ -441,7 +441,7 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float, float
             "(a run resuming a study keeps the study's budget, another budget being another "
             "run: on a busy machine, run it again, or start a new study).",
         )
-    return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds, calibration_seconds
+    return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds
 
 
 PAIRED_RUN = (1, None, "fp32 paired noise run")

@@ -362,7 +362,7 @@ def _search(
     clock, candidates = setup.clock, setup.candidates
     # The first fp32 steps check the inputs (batches fit, the loss has gradients) before the
     # study creates any file.
-    planned_steps, step_seconds, _ = calibrate(setup, budget_minutes)
+    planned_steps, step_seconds = calibrate(setup, budget_minutes)
     study = create_study(storage, study_name)
     references_started = clock()  # setup, calibration and the study's opening before it
     measured = _measured_references(

@@ -719,7 +719,7 @@ def test_the_budget_a_too_small_budget_asks_for_is_enough(monkeypatch: pytest.Mo
         assert type(copied) is type(raised.value) and str(copied) == str(raised.value)
     asked = float(re.search(r"Give at least ([\d.]+) minutes", str(raised.value)).group(1))  # type: ignore[union-attr]
     assert asked > 0.5
-    steps, _, _ = run_setup.calibrate(setup_for(asked), asked)  # type: ignore[arg-type]
+    steps, _ = run_setup.calibrate(setup_for(asked), asked)  # type: ignore[arg-type]
     assert steps >= run_setup.MIN_TRIAL_STEPS
     # and enough for every run's shortest trial (4 runs: the reference, the noise run, 2 more)
     overhead = calibration - run_setup.CALIBRATION_STEPS * step
