@@ -22,6 +22,10 @@ after a gate change re-runs only the gate (minutes).
 
     python -m benchmarks.ground_truth [--tasks a,b] [--steps 2000] [--trial-steps 200]
     python -m benchmarks.ground_truth --quick     # 2 tasks, short runs: the CI variant
+    python -m benchmarks.ground_truth --heldout   # the 4 held-out tasks (ground_truth_heldout)
+
+The tuned tasks' matrix is in-sample: the gate's defaults were chosen on them. The held-out
+tasks were written after the defaults were frozen; their matrix is the out-of-sample figure.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +52,7 @@ from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.screening import QualityReport
 from autoprec.specs import ModeSpec
+from benchmarks.ground_truth_heldout import HELDOUT_QUICK_TASKS, HELDOUT_TASKS
 from benchmarks.ground_truth_tasks import QUICK_TASKS, TASKS, GroundTask
 
 FP32_SEEDS = 8
@@ -71,6 +76,9 @@ its 3 runs, so that one seed's luck decides no verdict near the line. Measured o
 fp32 sds above the 8 seeds' mean, and all ten modes' seed-0 runs (0.054-0.083) lie above every
 other fp32 seed (0.026-0.041); amp_bf16+8bit's 0.083 (+4.0 sd: "hurts") was 0.025-0.038 at
 seeds 1-4. Pairs far from the line keep their single run."""
+ALL_TASKS = {**TASKS, **HELDOUT_TASKS}
+"""The tuned tasks (the gate's defaults were chosen on them) and the held-out ones
+(``benchmarks.ground_truth_heldout``: scored once, after the defaults were frozen)."""
 TRUTH_VERSION = 2
 """Part of every cache key: bump it when the long-run loop changes (a task's own changes bump
 its ``GroundTask.revision``)."""
@@ -245,7 +253,7 @@ def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> 
 
 
 def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pair]:
-    task = TASKS[name](steps)
+    task = ALL_TASKS[name](steps)
     started = time.perf_counter()
     report = gate(task, trial_steps)
     gate_seconds = time.perf_counter() - started
@@ -324,16 +332,17 @@ def chosen_tasks(
     args: argparse.Namespace,
     default: Sequence[str],
     quick: Sequence[str],
+    known: Mapping[str, object] = TASKS,
 ) -> list[str]:
     """For the benchmarks' ``main``: applies ``--threads`` and quiets autoprec's log; the task
-    names of ``--tasks``, else ``quick`` with ``--quick``, else ``default``, all known."""
+    names of ``--tasks``, else ``quick`` with ``--quick``, else ``default``, all in ``known``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("autoprec").setLevel(logging.ERROR)
     names = args.tasks.split(",") if args.tasks else list(quick if args.quick else default)
-    unknown = [name for name in names if name not in TASKS]
+    unknown = [name for name in names if name not in known]
     if unknown:
-        parser.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+        parser.error(f"unknown task(s) {unknown}; known: {', '.join(known)}")
     return names
 
 
@@ -361,6 +370,7 @@ def scoring_arguments(
     default: Sequence[str] = tuple(TASKS),
     quick: Sequence[str] = QUICK_TASKS,
     more_options: Callable[[argparse.ArgumentParser], None] | None = None,
+    known: Mapping[str, object] = TASKS,
 ) -> tuple[list[str], int, int, Path]:
     """(task names, long-run steps, trial steps, cache) from the options of the benchmarks that
     score the gate against the long runs: the task options, ``--steps``, ``--trial-steps``,
@@ -375,13 +385,31 @@ def scoring_arguments(
     parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
     args = parser.parse_args(argv)
-    names = chosen_tasks(parser, args, default=default, quick=quick)
+    names = chosen_tasks(parser, args, default=default, quick=quick, known=known)
     steps, trial_steps = (300, 30) if args.quick else (args.steps, args.trial_steps)
     return names, steps, trial_steps, args.cache
 
 
+def heldout_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help=f"the held-out tasks ({', '.join(HELDOUT_TASKS)}) instead of the tuned ones",
+    )
+
+
 def main(argv: list[str] | None = None) -> list[Pair]:
-    names, steps, trial_steps, cache = scoring_arguments(__doc__, argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    heldout_option(pre)
+    known, rest = pre.parse_known_args(argv)
+    names, steps, trial_steps, cache = scoring_arguments(
+        __doc__,
+        rest,
+        default=tuple(HELDOUT_TASKS if known.heldout else TASKS),
+        quick=HELDOUT_QUICK_TASKS if known.heldout else QUICK_TASKS,
+        more_options=heldout_option,
+        known=ALL_TASKS,
+    )
     print(
         f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
         f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} standard errors and "

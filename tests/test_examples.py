@@ -176,6 +176,27 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     assert by_units[1.5][0] <= by_units[3.0][0] <= by_units[6.0][0]
 
 
+def test_ground_truth_heldout_tasks_are_scored_apart_from_the_tuned_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--heldout scores the held-out tasks (written after the gate's defaults were frozen)
+    instead of the tuned ones; only the ground-truth benchmark knows them, so the threshold
+    sweep (which tunes on what it scores) refuses them."""
+    from benchmarks import ground_truth, threshold_sweep
+    from benchmarks.ground_truth_heldout import HELDOUT_QUICK_TASKS, HELDOUT_TASKS
+    from benchmarks.ground_truth_tasks import TASKS
+
+    assert not set(HELDOUT_TASKS) & set(TASKS)
+    pairs = ground_truth.main(["--heldout", "--quick", "--cache", str(tmp_path)])
+    assert {p.task for p in pairs} == set(HELDOUT_QUICK_TASKS)
+    assert "false accepts" in capsys.readouterr().out
+    fp32_8bit = [p for p in pairs if p.label == "fp32+8bit-optim"]
+    assert len(fp32_8bit) == 2 and all(math.isfinite(p.metric) for p in fp32_8bit)
+    with pytest.raises(SystemExit):
+        threshold_sweep.main(["--quick", "--cache", str(tmp_path), "--tasks", "recommender"])
+    assert "unknown task(s) ['recommender']" in capsys.readouterr().err
+
+
 def test_ground_truth_confirms_a_run_near_the_hurt_line_with_more_seeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
