@@ -5,7 +5,7 @@ to nearest: with ``lr * wd`` below half a bf16 ulp (2**-9 of any weight) every w
 unchanged, and the decay never applies (the verdict notes it: ``drift_movement.decay_note``).
 This benchmark trains a ground-truth task (default: the conv net, where pure bf16 hurts and only
 the optimizer-state rule rejected it; AdamW lr 1e-3, decay 0.01: 1e-5 a step) again with decay
-0, in fp32 (8 seeds) and pure bf16 (seed 0, 3 seeds near the line), beside its ground-truth runs
+0, in fp32 (8 seeds) and pure bf16 (seeds 0-2), beside its ground-truth runs
 with the decay, from the same cache:
 
 - pure bf16 with and without decay: identical when the decay rounds away entirely;

@@ -15,6 +15,9 @@ check at several lines (``DriftThresholds.max_forward_cost``). ``--with-state`` 
 a user resuming from a full checkpoint does; without it the optimizer starts fresh.
 
     python -m benchmarks.late_checkpoint [--tasks a,b] [--at 0.5,0.9] [--steps 2000] [--with-state]
+
+``--tasks`` also takes the held-out tasks (``benchmarks.ground_truth_heldout``; default: the ten
+tuned ones).
 """
 
 from __future__ import annotations
@@ -34,8 +37,15 @@ from autoprec.drift_thresholds import DriftThresholds
 from autoprec.plan import PrecisionPlan
 from autoprec.screening import QualityReport
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import fp32_metrics, hurts, long_run, mode_metric, scoring_arguments
-from benchmarks.ground_truth_tasks import TASKS, GroundTask
+from benchmarks.ground_truth import (
+    ALL_TASKS,
+    fp32_metrics,
+    hurts,
+    long_run,
+    mode_metric,
+    scoring_arguments,
+)
+from benchmarks.ground_truth_tasks import GroundTask
 
 LINES = (0.005, 0.01, 0.02, 0.05, math.inf)
 NO_FORWARD_RULE = DriftThresholds(max_forward_cost=math.inf)
@@ -189,11 +199,11 @@ def task_rows(
 def main(argv: list[str] | None = None) -> list[Row]:
     fractions, with_state, rest = checkpoint_fractions(argv)
     names, steps, trial_steps, cache = scoring_arguments(
-        __doc__ or "", rest, more_options=checkpoint_options
+        __doc__ or "", rest, more_options=checkpoint_options, known=ALL_TASKS
     )
     rows: list[Row] = []
     for name in names:  # each task and its fp32 truth built once, for every fraction
-        task = TASKS[name](steps)
+        task = ALL_TASKS[name](steps)
         fp32 = fp32_metrics(cache, task, steps)
         runs = (steps, trial_steps, cache)
         rows += [row for at in fractions for row in task_rows(task, at, runs, fp32, with_state)]

@@ -7,10 +7,10 @@ ground truth's tasks, the same tasks trained with beta2 = 0.95 (nanoGPT's and Ll
 step moves the moment 5%, above bf16's 0.4% resolution) should lose that harm, or keep only what
 the weights' own rounding costs, which the trial measures and the rule does not cover.
 
-For each task: its ground-truth long runs (``ground_truth``: 8 fp32 seeds, the mode at seed 0,
-3 seeds near the line; the same cache) with the task's own beta2 0.999, and the same runs with
-only beta2 changed to 0.95; and the gate's verdict on each (at 0.95 no state rule applies, so the
-trial's measurements alone decide).
+For each task: its ground-truth long runs (``ground_truth``: 8 fp32 seeds, the mode at 3 seeds
+(until 2026-11-26: at seed 0, 3 seeds near the line); the same cache) with the task's own beta2
+0.999, and the same runs with only beta2 changed to 0.95; and the gate's verdict on each (at
+0.95 no state rule applies, so the trial's measurements alone decide).
 
 bf16_kahan keeps Adam's second moment in fp32 since 2026-11-26 (``autoprec.kahan_adamw``), so
 the rule no longer applies to it: its rows now measure that mode at both beta2s, and the
