@@ -164,12 +164,22 @@ def record_outcome(study: Any, trial: Any, outcome: TrialOutcome) -> None:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
 
+RESULT_LEFT_OUT = frozenset({"windows"})
+"""What the study's ``result`` attribute leaves out of each outcome: its timed windows (no report
+reads them; each trial's own ``outcome`` attribute keeps them). With them, an 18-mode tune of
+300-step trials writes about 70 KB there (30 windows of ~130 bytes per outcome), past MySQL's
+65,535-byte TEXT column that Optuna's RDB storage keeps attributes in."""
+
+
 def record_result(study: Any, chosen: str, outcomes: Sequence[TrialOutcome]) -> None:
     """Keep a finished run's final figures (after side-by-side re-timing) and its choice in the
     study, so that a report drawn from the study shows what the run itself reported."""
     study.set_user_attr(
         "result",
-        {"chosen": chosen, "outcomes": [o.model_dump(mode="json") for o in outcomes]},
+        {
+            "chosen": chosen,
+            "outcomes": [o.model_dump(mode="json", exclude=set(RESULT_LEFT_OUT)) for o in outcomes],
+        },
     )
 
 

@@ -410,3 +410,40 @@ def test_opening_a_fresh_database_another_process_is_creating_is_tried_again() -
     with pytest.raises(RuntimeError, match="no such driver"):
         _retried(broken)
     assert len(calls) == 1
+
+
+def test_study_result_fits_a_mysql_text_column_and_reads_back(tmp_path: Path) -> None:
+    """An 18-mode tune of 300-step trials on a 32-layer model: the study's ``result``
+    attribute stays under MySQL's 65,535-byte TEXT column (Optuna keeps attributes there), and
+    a report drawn from the study reads every outcome back with its figures."""
+    import json
+
+    from autoprec.report import outcomes_from_study
+    from autoprec.search import record_result
+
+    norms = tuple(f"model.layers.{i}.{n}" for i in range(32) for n in ("input_layernorm", "post"))
+    windows = tuple(
+        StepWindow(
+            first_step=10 * i, steps=10, seconds=0.12345, samples=80, tokens=5120, warmup=i < 1
+        )
+        for i in range(30)
+    )
+    outcomes = [
+        outcome(
+            "amp_bf16" if i else "fp32",
+            speed=100.0 + i,
+            windows=windows,
+            reasons=("held-out loss +0.0123 worse than fp32, beyond 0.0045 (3 x noise floor)",) * 3,
+        ).model_copy(update={"spec": ModeSpec(mode="amp_bf16", keep_fp32=norms)})
+        for i in range(18)
+    ]
+    storage = sqlite_url(tmp_path / "s.db")
+    study = optuna.create_study(storage=storage, study_name="autoprec", directions=["maximize"])
+    with_windows = len(json.dumps([o.model_dump(mode="json") for o in outcomes]))
+    record_result(study, "amp_bf16", outcomes)
+    stored = len(json.dumps(optuna.load_study(study_name="autoprec", storage=storage).user_attrs))
+    assert with_windows > 65_535 > stored  # the windows took it past
+    read, chosen, _ = outcomes_from_study(storage, "autoprec")
+    assert chosen == "amp_bf16" and len(read) == 18
+    assert [o.samples_per_second for o in read] == [o.samples_per_second for o in outcomes]
+    assert read[0].spec.keep_fp32 == norms and read[0].windows == ()
