@@ -258,9 +258,9 @@ def test_tune_end_to_end_then_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     from_file = outcomes_from_result(out.with_suffix(".trials.json"))
     from_study = outcomes_from_study(f"sqlite:///{out.with_suffix('.study.db')}", None)
-    assert sorted(from_study[0], key=lambda o: o.label) == sorted(
-        from_file[0], key=lambda o: o.label
-    )
+    no_windows = [o.model_copy(update={"windows": ()}) for o in from_file[0]]
+    assert any(o.windows for o in from_file[0])  # the study's result leaves them out (MySQL)
+    assert sorted(from_study[0], key=lambda o: o.label) == sorted(no_windows, key=lambda o: o.label)
     assert from_study[1:] == from_file[1:]  # the choice and the number of noise runs
     for source in (out.with_suffix(".trials.json"), out.with_suffix(".study.db")):
         png = tmp_path / f"{source.suffix}.png"
