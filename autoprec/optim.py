@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -89,6 +90,43 @@ def source_kind(optimizer: torch.optim.Optimizer) -> SourceKind:
         "optimizer class (fp32, tf32, amp_*, bf16_pure, fp8_* with optimizer_bits=32) work with "
         "any optimizer."
     )
+
+
+def rebuildable_kind(optimizer: torch.optim.Optimizer) -> SourceKind:
+    """:func:`source_kind`, for an optimizer to rebuild in another implementation. A subclass
+    of torch's AdamW, Adam or SGD that defines its own ``step`` (or its group update) does what
+    no rebuild can carry (a layer it skips, an update it changes): refused, not rebuilt as the
+    plain family. A subclass that only sets options or adds methods is that family."""
+    kind = source_kind(optimizer)
+    family = next(
+        k
+        for k in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+        if isinstance(optimizer, k)
+    )
+    own = next(
+        (
+            klass
+            for klass in type(optimizer).__mro__[: type(optimizer).__mro__.index(family)]
+            for name in ("step", "_init_group")
+            if name in vars(klass)  # torch's step hook re-sets an inherited step: unwrapped
+            and _unwrapped(vars(klass)[name]) is not _unwrapped(getattr(family, name))
+        ),
+        None,
+    )
+    if own is not None:
+        raise TypeError(
+            f"autoprec cannot translate {own.__module__}.{own.__qualname__} into another "
+            f"implementation: it subclasses {family.__module__}.{family.__qualname__} with its "
+            "own step(), which a rebuilt optimizer would drop. Modes that keep your optimizer "
+            "class (fp32, tf32, amp_*, bf16_pure, fp8_* with optimizer_bits=32) run it as it is."
+        )
+    return kind
+
+
+def _unwrapped(function: Any) -> Any:
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
 
 
 def _refuse(options: dict[str, Any], target: OptimizerTarget, **forbidden: Any) -> None:
@@ -185,7 +223,7 @@ def translate_group(
 def check_translation(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> None:
     """Raise what rebuilding ``optimizer`` for ``target`` would raise (``TypeError`` for its
     class, ``ValueError`` for an option without an equivalent). Builds nothing."""
-    kind = source_kind(optimizer)
+    kind = rebuildable_kind(optimizer)
     for group in optimizer.param_groups:
         translate_group(kind, {k: v for k, v in group.items() if k != "params"}, target)
 
@@ -272,17 +310,14 @@ def rebuild_optimizer(
         defaults = copy.deepcopy(_accepted_by(type(optimizer), optimizer.defaults))
         same = type(optimizer)(new_groups, **defaults, **_constructor_extras(optimizer))
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
-    kind = source_kind(optimizer)
+    kind = rebuildable_kind(optimizer)
     translations = [translate_group(kind, group.options, target) for group in groups]
     constructor, first = translations[0]
     # the constructor's defaults are the user's optimizer's, translated: what a group added
     # later (add_param_group, progressive unfreezing) takes; group 0's gave it group 0's lr
-    # and weight_decay. Defaults that do not translate (a coupled decay bitsandbytes refuses,
-    # which no group uses) fall back to group 0's.
-    try:
-        _, translated_defaults = translate_group(kind, _default_options(optimizer), target)
-    except (TypeError, ValueError):
-        translated_defaults = first
+    # and weight_decay. A default that does not translate (a coupled decay bitsandbytes
+    # refuses, which no group uses) is group 0's, and a group added later must set it.
+    translated_defaults, untranslatable = _translated_defaults(kind, optimizer, groups, target)
     defaults = _accepted_by(constructor, translated_defaults)  # SGD8bit: no betas
     if "beta1" in translated_defaults:  # torch-optimi: constructor betas, groups beta1/beta2
         defaults["betas"] = (translated_defaults["beta1"], translated_defaults["beta2"])
@@ -301,7 +336,54 @@ def rebuild_optimizer(
         _expose_betas(rebuilt)
     if target == "bnb_8bit" and kind == "sgd":
         _momentum_into_betas(rebuilt)
+    if untranslatable:
+        _refuse_groups_without(rebuilt, untranslatable)
     return rebuilt
+
+
+def _translated_defaults(
+    kind: SourceKind,
+    optimizer: torch.optim.Optimizer,
+    groups: list[NamedGroup],
+    target: OptimizerTarget,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the user's defaults translated for ``target``, {option: why} for those that do not
+    translate and were replaced by group 0's value). Only the options that fail are replaced:
+    a later group still takes the user's lr and the rest."""
+    options = _default_options(optimizer)
+    try:
+        return translate_group(kind, options, target)[1], {}
+    except (TypeError, ValueError) as error:
+        reason = str(error)
+    first = groups[0].options
+    differing = [key for key in options if key in first and first[key] != options[key]]
+    for keys in [[key] for key in differing] + [differing]:
+        try:
+            translated = translate_group(kind, {**options, **{k: first[k] for k in keys}}, target)
+        except (TypeError, ValueError):
+            continue
+        return translated[1], {key: reason for key in keys}
+    return translate_group(kind, dict(first), target)[1], {key: reason for key in options}
+
+
+def _refuse_groups_without(optimizer: torch.optim.Optimizer, needed: dict[str, str]) -> None:
+    """Make ``optimizer.add_param_group`` refuse a group that leaves an option in ``needed`` to
+    the defaults: the user's default has no equivalent here (``needed[option]`` says why), and
+    the rebuilt optimizer's default is another group's value."""
+
+    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        unset = sorted(key for key in needed if key not in param_group)
+        if unset:
+            raise ValueError(
+                f"This group leaves {', '.join(unset)} to your optimizer's default, which "
+                f"{type(self).__name__} cannot take ({needed[unset[0]]}). Set "
+                f"{', '.join(unset)} in the group you add."
+            )
+        type(self).add_param_group(self, param_group)
+
+    # bound to the instance, as state_translation wraps load_state_dict: a deep copy binds it
+    # to the copy
+    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
 
 
 def _default_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from autoprec.optim import (
 from autoprec.torch_state_form import (
     HYPER_KEYS,
     Writer,
+    check_torch_family,
     in_layout_of,
     state_writer,
     torch_form,
@@ -78,7 +79,9 @@ def accept_source_state(
                 refuse_untranslatable(kind, group, target)
         if writer == "torch" and own != "torch":  # to translate: the family's hyper-parameters
             writer = writer if all(HYPER_KEYS[kind] <= set(group) for group in groups) else None
-        if writer == own or (writer is None and own == "torch"):
+        if writer == own:
+            if own == "torch":  # torch would load another family's groups and fail (or not) later
+                check_torch_family(state_dict, kind)
             type(self).load_state_dict(self, state_dict, *args, **kwargs)
         elif writer is None:
             name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"

@@ -157,6 +157,17 @@ def _family_error(kind: SourceKind, writer: Writer, found: str) -> ValueError:
     )
 
 
+def check_torch_family(state_dict: dict[str, Any], kind: SourceKind) -> None:
+    """Refuse a state in torch's layout that an optimizer of another family wrote: per-parameter
+    keys not of ``kind`` (Adam's moments for an SGD), or groups without ``kind``'s
+    hyper-parameters (an SGD's groups, which have no betas, for an AdamW)."""
+    _torch_written(state_dict, kind)
+    for group in state_dict.get("param_groups", []):
+        missing = HYPER_KEYS[kind] - set(group)
+        if missing:
+            raise _family_error(kind, "torch", f"its groups hold no {', '.join(sorted(missing))}")
+
+
 def _torch_written(state_dict: dict[str, Any], kind: SourceKind) -> dict[str, Any]:
     state = {}
     for index, entry in state_dict.get("state", {}).items():

@@ -412,3 +412,79 @@ def test_bf16_kahan_decay_survives_a_checkpoint_a_copy_a_closure_and_a_failed_st
     assert plan.optimizer.param_groups[0]["weight_decay"] == 0.01
     # the moved decay undone (to bf16 rounding of the compensation): one step's is 1e-4
     assert (state["kahan_comp"].float() - compensation.float()).abs().max() < 2e-6
+
+
+class _FreezableAdamW(torch.optim.AdamW):
+    """A user's AdamW that skips the groups it is told are frozen."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        for group in self.param_groups:
+            if group.get("frozen"):
+                for p in group["params"]:
+                    p.grad = None
+        return super().step(closure)
+
+
+class _QuietAdamW(torch.optim.AdamW):
+    """A subclass that only changes a default: the plain family."""
+
+    def __init__(self, params, lr: float = 2e-3) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, lr=lr, weight_decay=0.05)
+
+
+def test_a_subclass_with_its_own_step_is_refused_not_rebuilt_as_the_plain_family() -> None:
+    """A subclass of torch's AdamW with its own step() was rebuilt as a plain AdamW by every
+    rebuilding mode: its step (here: groups it keeps frozen) was dropped and the frozen layer
+    moved. It is now refused for a rebuild, with the reason; modes that keep the optimizer run
+    it, and a subclass that only sets options is still rebuilt."""
+    from autoprec.plan import prepare
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    groups = [
+        {"params": model[0].parameters(), "frozen": True},
+        {"params": model[1].parameters()},
+    ]
+    freezable = _FreezableAdamW(groups, lr=1e-2)
+    for target in ("stochastic", "optimi_kahan", "bnb_8bit"):
+        problem = translation_problem(freezable, target)
+        assert problem is not None and "_FreezableAdamW" in problem and "own step()" in problem
+    assert source_kind(freezable) == "adamw"  # its state still reads as AdamW's
+    with pytest.raises(TypeError, match=r"own step\(\)"):
+        prepare(ModeSpec(mode="bf16_sr"), model, freezable)
+    before = model[0].weight.detach().clone()
+    plan = prepare(ModeSpec(mode="amp_bf16"), model, freezable)
+    assert plan.optimizer is freezable
+    with plan.autocast():
+        loss = plan.model(torch.randn(4, 64)).float().pow(2).mean()
+    plan.step(loss)
+    assert torch.equal(model[0].weight, before)
+
+    quiet = _QuietAdamW(nn.Linear(64, 64).parameters())
+    assert translation_problem(quiet, "stochastic") is None
+
+
+@pytest.mark.parametrize("family", ["adam", "sgd"])
+def test_8bit_group_added_later_takes_the_users_defaults_not_group_0s(family: str) -> None:
+    """With 8-bit states, when one of the user's defaults had no bitsandbytes equivalent (Adam's
+    coupled weight_decay=0.1; SGD's momentum 0), a group added later silently took all of
+    group 0's options: 50x the user's lr. Now it takes the user's lr, and a group that leaves
+    the untranslatable option to the default is refused with the reason."""
+    pytest.importorskip("bitsandbytes")
+    model = nn.ModuleDict({"body": nn.Linear(64, 64), "head": nn.Linear(64, 64)})
+    body = list(model["body"].parameters())
+    if family == "adam":
+        user = torch.optim.Adam(
+            [{"params": body, "lr": 5e-2, "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1
+        )
+        unset, explicit = "weight_decay", {"weight_decay": 0.0}
+    else:
+        user = torch.optim.SGD([{"params": body, "lr": 0.5, "momentum": 0.9}], lr=1e-2)
+        unset, explicit = "momentum", {"momentum": 0.9}
+    rebuilt = rebuild_optimizer(user, named_groups(user, model), model, "bnb_8bit")
+    head = list(model["head"].parameters())
+    with pytest.raises(ValueError, match=rf"leaves {unset} to your optimizer's default"):
+        rebuilt.add_param_group({"params": head})
+    assert len(rebuilt.param_groups) == 1
+    rebuilt.add_param_group({"params": head, **explicit})
+    assert rebuilt.param_groups[1]["lr"] == (1e-3 if family == "adam" else 1e-2)
+    assert rebuilt.param_groups[0]["lr"] == (5e-2 if family == "adam" else 0.5)

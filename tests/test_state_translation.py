@@ -52,6 +52,44 @@ def test_another_optimizers_state_is_refused_at_load_and_its_own_loads(target: s
             )
 
 
+@pytest.mark.parametrize(
+    ("mode", "writer"),
+    [
+        (m, w)
+        for m in ("amp_bf16", "bf16_sr", "bf16_sr_kahan")
+        for w in ("sgd", "rmsprop", "fresh sgd")
+    ],
+)
+def test_plans_keeping_torchs_layout_refuse_another_familys_state(mode: str, writer: str) -> None:
+    """An AdamW plan whose optimizer saves torch's layout (the user's own AdamW under AMP, the
+    stochastic-rounding rebuilds) loaded an SGD checkpoint silently: under bf16_sr it then
+    trained at SGD's lr 0.1 and weight decay 0 (the user's: 1e-3 and 0.01); an RMSprop state
+    failed at the first step with a bare KeyError. Both are refused at load, with the reason,
+    and nothing is loaded."""
+    from autoprec.plan import prepare
+    from autoprec.specs import ModeSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    if writer == "rmsprop":
+        other = torch.optim.RMSprop(model.parameters(), lr=0.1)
+    else:
+        other = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if writer != "fresh sgd":  # a fresh one has no per-parameter state: its groups tell
+        model(torch.randn(4, 64)).pow(2).mean().backward()
+        other.step()
+    with warnings.catch_warnings():  # rebuilt, and no scheduler to rebind: said elsewhere
+        warnings.simplefilter("ignore")
+        plan = prepare(ModeSpec(mode=mode), model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    before = copy.deepcopy(plan.optimizer.state_dict())
+    found = r"another optimizer family|another optimizer wrote it"
+    with pytest.raises(ValueError, match=found):
+        plan.optimizer.load_state_dict(other.state_dict())
+    after = plan.optimizer.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"] == before["state"]
+    assert plan.optimizer.param_groups[0]["lr"] == 1e-3
+
+
 def _torch_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-3)
