@@ -159,7 +159,10 @@ def _adam_options(options: dict[str, Any]) -> dict[str, Any]:
 def translate_group(
     kind: SourceKind, options: dict[str, Any], target: OptimizerTarget
 ) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
-    """(constructor, group options in the target's names) for one group."""
+    """(constructor, group options in the target's names) for one group. torch's Adam and
+    AdamW read ``decoupled_weight_decay`` per group: a group that sets it is of that kind."""
+    if kind != "sgd" and "decoupled_weight_decay" in options:
+        kind = "adamw" if options["decoupled_weight_decay"] else "adam"
     refuse_untranslatable(kind, options, target)
     if target == "bnb_8bit":
         bnb = require("bitsandbytes")
@@ -224,8 +227,13 @@ def check_translation(optimizer: torch.optim.Optimizer, target: OptimizerTarget)
     """Raise what rebuilding ``optimizer`` for ``target`` would raise (``TypeError`` for its
     class, ``ValueError`` for an option without an equivalent). Builds nothing."""
     kind = rebuildable_kind(optimizer)
-    for group in optimizer.param_groups:
-        translate_group(kind, {k: v for k, v in group.items() if k != "params"}, target)
+    groups = [
+        NamedGroup((), {k: v for k, v in group.items() if k != "params"})
+        for group in optimizer.param_groups
+    ]
+    kind, options = _decay_kind(kind, groups)
+    translations = [translate_group(kind, group_options, target) for group_options in options]
+    _refuse_mixed_constructors(translations, target)
 
 
 def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> str | None:
@@ -311,8 +319,10 @@ def rebuild_optimizer(
         same = type(optimizer)(new_groups, **defaults, **_constructor_extras(optimizer))
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
     kind = rebuildable_kind(optimizer)
-    translations = [translate_group(kind, group.options, target) for group in groups]
+    kind, options = _decay_kind(kind, groups)
+    translations = [translate_group(kind, group_options, target) for group_options in options]
     constructor, first = translations[0]
+    _refuse_mixed_constructors(translations, target)
     # the constructor's defaults are the user's optimizer's, translated: what a group added
     # later (add_param_group, progressive unfreezing) takes; group 0's gave it group 0's lr
     # and weight_decay. A default that does not translate (a coupled decay bitsandbytes
@@ -339,6 +349,43 @@ def rebuild_optimizer(
     if untranslatable:
         _refuse_groups_without(rebuilt, untranslatable)
     return rebuilt
+
+
+def _decay_kind(
+    kind: SourceKind, groups: list[NamedGroup]
+) -> tuple[SourceKind, list[dict[str, Any]]]:
+    """(the family, each group's options) with coupled vs decoupled decay settled by the groups
+    that decay: a group without weight decay decays neither way, so it follows them (its own
+    ``decoupled_weight_decay`` dropped) instead of asking for another optimizer class."""
+    options = [dict(group.options) for group in groups]
+    decaying = {
+        bool(o["decoupled_weight_decay"])
+        for o in options
+        if o.get("weight_decay") and "decoupled_weight_decay" in o
+    }
+    if kind == "sgd" or len(decaying) != 1:
+        return kind, options
+    for group_options in options:
+        if not group_options.get("weight_decay"):
+            group_options.pop("decoupled_weight_decay", None)
+    return ("adamw" if decaying.pop() else "adam"), options
+
+
+def _refuse_mixed_constructors(
+    translations: list[tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]],
+    target: OptimizerTarget,
+) -> None:
+    """One rebuilt optimizer has one class: groups that need two (coupled L2 decay in one,
+    decoupled in another, through ``decoupled_weight_decay`` per group) are refused."""
+    names = sorted({constructor.__name__ for constructor, _ in translations})
+    if len(names) > 1:
+        raise ValueError(
+            f"Your optimizer's groups mix coupled (L2) and decoupled weight decay "
+            f"(decoupled_weight_decay differs between groups), which {_TARGET_NAMES[target]} "
+            f"builds as different classes ({', '.join(names)}) and one optimizer cannot hold. "
+            "Use one kind of decay in every group (or weight_decay=0 where it differs), or a "
+            "mode that keeps your optimizer."
+        )
 
 
 def _translated_defaults(

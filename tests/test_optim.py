@@ -488,3 +488,37 @@ def test_8bit_group_added_later_takes_the_users_defaults_not_group_0s(family: st
     rebuilt.add_param_group({"params": head, **explicit})
     assert rebuilt.param_groups[1]["lr"] == (1e-3 if family == "adam" else 1e-2)
     assert rebuilt.param_groups[0]["lr"] == (5e-2 if family == "adam" else 0.5)
+
+
+@pytest.mark.parametrize("target", ["stochastic", "optimi_kahan", "bnb_8bit"])
+def test_a_groups_own_decoupled_weight_decay_decides_its_decay(target: str) -> None:
+    """torch's Adam reads decoupled_weight_decay per group. An Adam whose decaying group sets
+    it True (AdamW's decay) was rebuilt with L2 decay (stochastic, Kahan) or refused as L2
+    (8-bit). The decaying groups now decide, a group without decay follows them, and groups
+    that decay both ways are refused where one optimizer class cannot hold both."""
+    pytest.importorskip({"optimi_kahan": "optimi", "bnb_8bit": "bitsandbytes"}.get(target, "torch"))
+    model = nn.ModuleDict({"body": nn.Linear(64, 64), "norm": nn.LayerNorm(64)})
+    body, norm = list(model["body"].parameters()), list(model["norm"].parameters())
+
+    def adam(norm_decay: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(
+            [
+                {"params": body, "weight_decay": 0.1, "decoupled_weight_decay": True},
+                {"params": norm, "weight_decay": norm_decay},
+            ],
+            lr=1e-3,
+        )
+
+    rebuilt = rebuild_optimizer(adam(0.0), named_groups(adam(0.0), model), model, target)
+    assert type(rebuilt).__name__ in ("StochasticAdamW", "KahanDecayAdamW", "AdamW8bit")
+    if target == "stochastic":
+        assert rebuilt.param_groups[0]["decoupled_weight_decay"]
+    mixed = adam(0.01)  # the norm group decays as L2 (Adam's default), the body decoupled
+    if target == "stochastic":  # one class, decay read per group
+        rebuilt = rebuild_optimizer(mixed, named_groups(mixed, model), model, target)
+        assert [g["decoupled_weight_decay"] for g in rebuilt.param_groups] == [True, False]
+    else:  # 8-bit: the L2 group alone has no equivalent; Kahan: one class cannot hold both
+        refused = "as an L2 gradient term" if target == "bnb_8bit" else "mix coupled"
+        assert refused in (translation_problem(mixed, target) or "")
+        with pytest.raises(ValueError, match=refused):
+            rebuild_optimizer(mixed, named_groups(mixed, model), model, target)
