@@ -4,8 +4,10 @@ Every default of the drift gate was chosen while scoring it against ``ground_tru
 tasks, so its confusion matrix there is an in-sample figure. These four tasks were written after
 those defaults were frozen (2026-11-26, committed before any of their runs) and nothing in the
 gate was changed after scoring them: their matrix is the out-of-sample estimate of how often the
-gate errs on a model it has not seen. Each task's recipe is the common one for its family, chosen
-before any mode ran; none is built to make a mode fail or pass.
+gate errs on a model it has not seen. Each task's recipe is the common one for its family; none
+is built to make a mode fail or pass. Before the commit, a 100-step smoke run of every mode only
+checked that each runs; the one change after it (the recommender's embedding init) was chosen on
+fp32 runs alone.
 
     python -m benchmarks.ground_truth --heldout
 """
