@@ -226,14 +226,11 @@ def translate_group(
 def check_translation(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> None:
     """Raise what rebuilding ``optimizer`` for ``target`` would raise (``TypeError`` for its
     class, ``ValueError`` for an option without an equivalent). Builds nothing."""
-    kind = rebuildable_kind(optimizer)
     groups = [
         NamedGroup((), {k: v for k, v in group.items() if k != "params"})
         for group in optimizer.param_groups
     ]
-    kind, options = _decay_kind(kind, groups)
-    translations = [translate_group(kind, group_options, target) for group_options in options]
-    _refuse_mixed_constructors(translations, target)
+    _translations(optimizer, groups, target)
 
 
 def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> str | None:
@@ -318,11 +315,8 @@ def rebuild_optimizer(
         defaults = copy.deepcopy(_accepted_by(type(optimizer), optimizer.defaults))
         same = type(optimizer)(new_groups, **defaults, **_constructor_extras(optimizer))
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
-    kind = rebuildable_kind(optimizer)
-    kind, options = _decay_kind(kind, groups)
-    translations = [translate_group(kind, group_options, target) for group_options in options]
+    kind, translations = _translations(optimizer, groups, target)
     constructor, first = translations[0]
-    _refuse_mixed_constructors(translations, target)
     # the constructor's defaults are the user's optimizer's, translated: what a group added
     # later (add_param_group, progressive unfreezing) takes; group 0's gave it group 0's lr
     # and weight_decay. A default that does not translate (a coupled decay bitsandbytes
@@ -349,6 +343,18 @@ def rebuild_optimizer(
     if untranslatable:
         _refuse_groups_without(rebuilt, untranslatable)
     return rebuilt
+
+
+def _translations(
+    optimizer: torch.optim.Optimizer, groups: list[NamedGroup], target: OptimizerTarget
+) -> tuple[SourceKind, list[tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]]]:
+    """(the family, each group's (constructor, options)) for ``target``, or what a rebuild
+    raises: a class it cannot carry, an option without an equivalent, groups needing two
+    classes."""
+    kind, options = _decay_kind(rebuildable_kind(optimizer), groups)
+    translations = [translate_group(kind, group_options, target) for group_options in options]
+    _refuse_mixed_constructors(translations, target)
+    return kind, translations
 
 
 def _decay_kind(

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from autoprec.recipe import TrainingRecipe
 from benchmarks.ground_truth_tasks import (
@@ -30,6 +29,7 @@ from benchmarks.ground_truth_tasks import (
     _digit_batches,
     _markov_tokens,
     _mse,
+    _next_token_loss,
     _split,
 )
 
@@ -55,10 +55,6 @@ class GRULanguageModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         states, _ = self.rnn(self.embed(tokens))
         return self.head(states)
-
-
-def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def gru_lm(total_steps: int) -> GroundTask:
@@ -101,10 +97,6 @@ def one_cycle(max_lr: float) -> Callable[..., Any]:
     return factory
 
 
-def _reconstruction(output: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output.float(), images)
-
-
 def digits_autoencoder(total_steps: int) -> GroundTask:
     """An MLP autoencoder (64-128-16-128-64) of the digit images, AdamW 3e-3 peak under
     OneCycleLR; metric: the test images' reconstruction error."""
@@ -124,7 +116,7 @@ def digits_autoencoder(total_steps: int) -> GroundTask:
             total_steps=total_steps,
             optimizer=_adamw(3e-3),
             scheduler=one_cycle(3e-3),
-            loss_fn=_reconstruction,
+            loss_fn=_mse,
         ),
     )
 
