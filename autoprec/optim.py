@@ -369,11 +369,13 @@ def _decay_kind(
         for o in options
         if o.get("weight_decay") and "decoupled_weight_decay" in o
     }
-    if kind == "sgd" or len(decaying) != 1:
+    if kind == "sgd" or len(decaying) > 1:
         return kind, options
     for group_options in options:
         if not group_options.get("weight_decay"):
             group_options.pop("decoupled_weight_decay", None)
+    if not decaying:  # no group decays: every group is the family's, one class
+        return kind, options
     return ("adamw" if decaying.pop() else "adam"), options
 
 

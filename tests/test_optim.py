@@ -513,6 +513,14 @@ def test_a_groups_own_decoupled_weight_decay_decides_its_decay(target: str) -> N
     assert type(rebuilt).__name__ in ("StochasticAdamW", "KahanDecayAdamW", "AdamW8bit")
     if target == "stochastic":
         assert rebuilt.param_groups[0]["decoupled_weight_decay"]
+    undecayed = torch.optim.Adam(  # flags differ, but no group decays: one class
+        [
+            {"params": body, "weight_decay": 0.0, "decoupled_weight_decay": True},
+            {"params": norm, "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+    )
+    assert translation_problem(undecayed, target) is None
     mixed = adam(0.01)  # the norm group decays as L2 (Adam's default), the body decoupled
     if target == "stochastic":  # one class, decay read per group
         rebuilt = rebuild_optimizer(mixed, named_groups(mixed, model), model, target)
