@@ -17,15 +17,20 @@
 #   bash benchmarks/gpu_session.sh recheck      # after `lease` (~3 min): GPU tests, compiled
 #                                               # bf16_sr (no recompile-limit warning), the
 #                                               # recipe tune on amp_bf16 vs tf32
+#   bash benchmarks/gpu_session.sh followup     # after `lease` (~4.5 min): bf16_kahan against
+#                                               # amp_bf16 eager and compiled, the mode
+#                                               # contract, a 3-minute 18-candidate tune (the
+#                                               # second H200 session's runs, 2026-11-26)
 #
 # Without $OUT (a CPU dry run) the logs go to runs/gpu_session/; $PYTHON picks the interpreter
 # (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
 # runs out of its time leaves its log, and the script exits with its last command's status.
 set -uo pipefail
-stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck"}
+stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup"}
 case "$stage" in
-  tests|validation|timing|reference|lease|recheck) ;;
-  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease or recheck" >&2; exit 2 ;;
+  tests|validation|timing|reference|lease|recheck|followup) ;;
+  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck or followup" >&2
+     exit 2 ;;
 esac
 out=${OUT:-runs/gpu_session}
 mkdir -p "$out"
@@ -86,6 +91,16 @@ case "$stage" in
         --modes bf16_sr
       timeout 110 "$python" -m benchmarks.gpu_validation --steps 100 --eager-only --budget 1.2 \
         --modes amp_bf16,tf32
+    } 2>&1 | tee "$log" ;;
+  followup)
+    {
+      timeout 120 "$python" -m benchmarks.gpu_validation --steps 100 --eager-only --no-tune \
+        --modes fp32,amp_bf16,bf16_kahan,bf16_sr_kahan
+      timeout 60 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_mode_contract.py -x
+      timeout 110 "$python" -m benchmarks.gpu_validation --steps 50 --compiled-only --no-tune \
+        --modes tf32,amp_bf16,bf16_kahan
+      timeout 230 "$python" -m benchmarks.gpu_validation --steps 30 --eager-only --budget 3 \
+        --profile-out "$out/tune-profile.json"
     } 2>&1 | tee "$log" ;;
   reference)
     timeout 560 "$python" -m benchmarks.gpu_reference_speed --after-each-mode 2>&1 | tee "$log" ;;
