@@ -21,15 +21,18 @@
 #                                               # amp_bf16 eager and compiled, the mode
 #                                               # contract, a 3-minute 18-candidate tune (the
 #                                               # second H200 session's runs, 2026-11-26)
+#   bash benchmarks/gpu_session.sh fp8          # (~4 min) fp8_movement: FP8's weight movement
+#                                               # per lr leg, real against emulated, beside
+#                                               # fp32 rerun, tf32 and amp_bf16
 #
 # Without $OUT (a CPU dry run) the logs go to runs/gpu_session/; $PYTHON picks the interpreter
 # (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
 # runs out of its time leaves its log, and the script exits with its last command's status.
 set -uo pipefail
-stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup"}
+stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup|fp8"}
 case "$stage" in
-  tests|validation|timing|reference|lease|recheck|followup) ;;
-  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck or followup" >&2
+  tests|validation|timing|reference|lease|recheck|followup|fp8) ;;
+  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck, followup or fp8" >&2
      exit 2 ;;
 esac
 out=${OUT:-runs/gpu_session}
@@ -102,6 +105,8 @@ case "$stage" in
       timeout 230 "$python" -m benchmarks.gpu_validation --steps 30 --eager-only --budget 3 \
         --profile-out "$out/tune-profile.json"
     } 2>&1 | tee "$log" ;;
+  fp8)
+    timeout 560 "$python" -m benchmarks.fp8_movement 2>&1 | tee "$log" ;;
   reference)
     timeout 560 "$python" -m benchmarks.gpu_reference_speed --after-each-mode 2>&1 | tee "$log" ;;
 esac

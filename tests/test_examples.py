@@ -287,6 +287,20 @@ def test_kahan_step_benchmark_runs_in_quick_mode() -> None:
     assert all(0 < milliseconds < 1e4 for milliseconds in figures.values())
 
 
+def test_fp8_movement_benchmark_runs_in_quick_mode() -> None:
+    """FP8's movement leg by leg against fp32's own rerun; --quick keeps it in CI (emulated)."""
+    from benchmarks import fp8_movement
+
+    rows = fp8_movement.main(["--quick"])
+    labels = [row.label for row in rows]
+    assert labels == [label for label in ("fp32", "amp_bf16",
+                      "fp8_torchao+tensorwise+emulated") for _ in range(2)]  # fmt: skip
+    peak, floor = rows[0].lr, rows[1].lr
+    assert peak is not None and floor is not None and floor < peak  # the schedule's two legs
+    assert rows[0].moved == pytest.approx(1.0) and rows[0].never_moved == 0  # fp32 repeats
+    assert all(0 < row.moved < 1.5 for row in rows)
+
+
 def test_state_rounding_optimizers_benchmark_runs_in_quick_mode() -> None:
     """Why the optimizer-state rule is Adam's alone; --quick keeps it in CI."""
     from benchmarks import state_rounding_optimizers
