@@ -166,9 +166,14 @@ class ModeSpec(BaseModel):
 
 
 def matches_keep_fp32(fqn: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """True when module ``fqn`` (or an ancestor) matches a ``keep_fp32`` pattern: the exact
-    name, a parent's name, or an ``fnmatch`` pattern such as ``blocks.*.ln_*``."""
+    """True when module ``fqn`` or one of its ancestors matches a ``keep_fp32`` pattern: its
+    exact name or an ``fnmatch`` pattern such as ``blocks.*.ln_*``. A pattern naming a
+    container keeps everything inside it, a glob as much as an exact name (``blocks.*.mlp``
+    kept ``blocks.0.mlp``'s Linears in FP8 while ``blocks.0.mlp`` kept them out)."""
+    parts = fqn.split(".")
+    names = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
     return any(
-        fqn == pattern or fqn.startswith(pattern + ".") or fnmatch.fnmatchcase(fqn, pattern)
+        name == pattern or fnmatch.fnmatchcase(name, pattern)
         for pattern in patterns
+        for name in names
     )

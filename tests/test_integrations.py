@@ -340,6 +340,12 @@ def test_exports_carry_compile_and_the_profiles_fp8_layers() -> None:
         _profile(**compiled).to_lightning()
     pytest.importorskip("accelerate")
     assert _profile(**compiled).to_accelerate()["dynamo_backend"] == "inductor"
+    fp32 = _profile(mode="fp32", compile=True)  # Accelerate would turn TF32 on
+    with pytest.raises(ExportError, match="turns TF32 matmuls on"):
+        fp32.to_accelerate()
+    with pytest.raises(ExportError, match="turns TF32 matmuls on"):
+        fp32.to_hf_training_args()
+    assert _profile(mode="fp32").to_accelerate() == {"mixed_precision": "no"}
     ao = _profile(mode="fp8_torchao", fp8_skip=("head",), fp8_layers="all").to_accelerate()
     convert = ao["kwargs_handlers"][0].module_filter_func
     assert convert(torch.nn.Linear(64, 64), "body") and not convert(torch.nn.Linear(64, 64), "head")

@@ -404,6 +404,21 @@ def test_layers_kept_out_of_fp8_compute_in_bf16_and_keep_fp32_in_fp32() -> None:
     assert outputs == {"lm_head": torch.bfloat16, "blocks.0.attn.c_proj": torch.float32}
 
 
+@pytest.mark.parametrize("field", ["keep_fp32", "fp8_skip"])
+def test_a_glob_naming_a_container_keeps_its_linears_out_of_fp8(field: str) -> None:
+    """``blocks.*.mlp`` keeps every Linear inside each block's MLP out of FP8, as the exact
+    ``blocks.0.mlp`` does (the glob was matched against the Linears' own names only, so they
+    ran FP8 matmuls inside the kept container)."""
+    model, _ = tiny_gpt.make_model(**SMALL)
+    spec = ModeSpec(
+        mode="fp8_torchao", emulate=True, fp8_layers="all", **{field: ("blocks.*.mlp",)}
+    )
+    plan = build_plan(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    converted = plan.mode.fp8_modules(plan.model)
+    assert converted and not any(fqn.startswith("blocks.0.mlp.") for fqn in converted)
+    assert any(fqn.startswith("blocks.0.attn.") for fqn in converted)
+
+
 def test_fp8_candidates_keep_first_and_last_layers_out_of_fp8_not_in_fp32() -> None:
     from autoprec.candidates import screen_specs
     from autoprec.eligibility import Situation

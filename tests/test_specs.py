@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from autoprec.specs import MODE_DESCRIPTIONS, MODE_NAMES, ModeSpec
+from autoprec.specs import MODE_DESCRIPTIONS, MODE_NAMES, ModeSpec, matches_keep_fp32
 
 
 def test_canonical_names_are_stable() -> None:
@@ -49,3 +49,21 @@ def test_spec_is_frozen() -> None:
     spec = ModeSpec(mode="fp32")
     with pytest.raises(ValidationError):
         spec.mode = "tf32"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("fqn", "patterns", "kept"),
+    [
+        ("blocks.0.mlp.0", ("blocks.0.mlp",), True),
+        ("blocks.0.mlp.0", ("blocks.*.mlp",), True),  # a glob naming the container
+        ("blocks.1.ln_1", ("blocks.*.ln_*",), True),
+        ("blocks.1.attn.c_attn", ("blocks.*.ln_*",), False),
+        ("blocks.0.mlpx.0", ("blocks.*.mlp",), False),
+        ("head", ("head",), True),
+        ("heads.0", ("head",), False),
+    ],
+)
+def test_keep_fp32_patterns_keep_what_is_inside_a_matched_module(
+    fqn: str, patterns: tuple[str, ...], kept: bool
+) -> None:
+    assert matches_keep_fp32(fqn, patterns) is kept

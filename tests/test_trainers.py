@@ -456,6 +456,34 @@ def test_a_scheduler_without_a_length_is_refused() -> None:
         module_recipe(_Regression("dict"), _loader())
 
 
+class _ChildNamedModule(_Regression):
+    """Its network is the attribute ``module``, the name DDP gives what it wraps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = self.net
+        del self.net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_the_plugin_converts_a_lightning_module_with_a_child_named_module() -> None:
+    """The plugin took any model's ``module`` attribute for DDP's wrapped LightningModule: it
+    converted the child alone, found no Trainer (accumulation 1 instead of 2, so pure bf16's
+    fp32 gradient sums were off) and matched keep_fp32 against the child's names."""
+    from autoprec import profile_for
+
+    spec = ModeSpec(mode="bf16_pure", keep_fp32=("module.2",))  # the LayerNorm
+    plugin = AutoprecPrecision(profile_for(spec))
+    lit = _ChildNamedModule()
+    _lightning_trainer([plugin], clip=None).fit(lit, _loader())
+    assert plugin.plan is not None and plugin.plan.model is lit
+    assert plugin.plan.grad_accumulation_steps == 2
+    assert lit.module[2].weight.dtype == torch.float32
+    assert lit.module[0].weight.dtype == torch.bfloat16
+
+
 def test_the_plugin_names_a_trainer_that_clips_otherwise(lightning_tuned: Any) -> None:
     """Lightning clips (gradient_clip_val); the plugin passed apply() no clipping at all, so
     a Trainer without clipping under a profile tuned at 1.0 went unnamed."""

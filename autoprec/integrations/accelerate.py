@@ -32,8 +32,22 @@ def accelerate_settings(
     the profile was proven compiled)."""
     settings = _precision_settings(spec, ignore_keep_fp32, recipe)
     if spec.compile:
+        if spec.mode == "fp32":
+            raise ExportError(COMPILED_FP32_TURNS_TF32_ON)
         settings["dynamo_backend"] = "inductor"
     return settings
+
+
+COMPILED_FP32_TURNS_TF32_ON = (
+    "Accelerate turns TF32 matmuls on when it compiles a model in full precision "
+    "(dynamo_backend with mixed_precision='no' on CUDA: accelerate/state.py sets "
+    "torch.backends.cuda.matmul.allow_tf32 = True), and this profile was proven in fp32 with "
+    "TF32 off. Build Accelerator(mixed_precision='no') without dynamo_backend and compile the "
+    "model yourself (torch.compile), or train with profile.apply(model, optimizer), whose fp32 "
+    "steps keep TF32 off."
+)
+"""Why a compiled fp32 profile has no Accelerate (or Trainer, which compiles through
+Accelerate) export: read in accelerate 1.15's ``AcceleratorState``."""
 
 
 def _precision_settings(

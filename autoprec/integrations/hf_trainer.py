@@ -36,6 +36,15 @@ def hf_training_args(
         )
     args = dict(_FLAGS[spec.mode])
     if spec.compile:
+        if spec.mode == "fp32":  # the Trainer compiles through Accelerate, which turns TF32 on
+            raise ExportError(
+                "TrainingArguments(torch_compile=True, tf32=False) does not train in fp32: the "
+                "Trainer hands the compile to Accelerate, which turns TF32 matmuls on for a "
+                "full-precision compile (accelerate/state.py). Compile the model yourself "
+                "before building the Trainer and leave torch_compile off, or use "
+                "autoprec.integrations.hf.apply_profile(trainer, profile), whose fp32 steps "
+                "keep TF32 off."
+            )
         args["torch_compile"] = True
     if spec.optimizer_bits == 8:
         proven = bnb_8bit_class(recipe)

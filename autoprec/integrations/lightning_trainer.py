@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 
@@ -222,7 +223,9 @@ class AutoprecPrecision(Precision):
                 f"AutoprecPrecision trains with one optimizer and at most one LR scheduler; "
                 f"configure_optimizers() gave {len(optimizers)} and {len(lr_schedulers)}."
             )
-        module = getattr(model, "module", model)  # under DDP: the LightningModule inside
+        # under DDP: the LightningModule inside; a LightningModule's own child named
+        # ``module`` is not a wrapper's (it was converted in place of the whole model)
+        module = model if isinstance(model, LightningModule) else getattr(model, "module", model)
         trainer = getattr(module, "_trainer", None)
         accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
         scheduler = lr_schedulers[0].scheduler if lr_schedulers else None
