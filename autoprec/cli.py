@@ -118,6 +118,8 @@ def _check_recipe_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--grad-accum must be >= 1, not {args.grad_accum}.")
     if args.clip is not None and not args.clip > 0:
         raise ValueError(f"--clip must be a positive norm, not {args.clip:g}.")
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a positive, finite learning rate, not {args.lr:g}.")
     if args.loss and args.train_step:
         raise ValueError(
             "Pass --loss or --train-step, not both: --train-step computes the loss itself."

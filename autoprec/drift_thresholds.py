@@ -32,7 +32,7 @@ class DriftThresholds(BaseModel):
     late_fraction: float = Field(0.25, gt=0, le=1)
     """The trial's "last part": the final quarter of steps, paired step by step (0.1 to 1: the
     same verdicts against the ground truth)."""
-    min_update_fraction: float = Field(0.8, ge=0)
+    min_update_fraction: float = Field(0.8, ge=0, le=1)
     """Reject when the trial's weights took less than 80% of the reference's movement that the
     paired fp32 run takes (its projection onto the reference's movement divided by the paired
     run's; 1 without random draws). Measured here: nearest-rounding bf16 reaches ~0.5 at lr

@@ -21,9 +21,13 @@ from torch import nn
 
 from autoprec.errors import ModelLoadError
 from autoprec.optim import source_kind
+from autoprec.recipe import USER_MODULE_PREFIX
 from autoprec.torch_state_form import state_writer, torch_optimizer_state
 
 _FORM = "'module.path:factory' or 'path/to/file.py:factory'"
+
+_LOADED_VERSIONS: dict[str, tuple[int, int]] = {}
+"""(mtime in ns, size) of each ``file.py`` module as it was run: an edited file runs again."""
 
 
 def _split(reference: str, option: str) -> tuple[str, str]:
@@ -39,11 +43,14 @@ def _import_file(path_text: str, option: str) -> ModuleType:
         raise ModelLoadError(f"{option}: file {path_text!r} does not exist.")
     resolved = path.resolve()
     stat = resolved.stat()  # the file as it is now: an edited file is run again
-    key = f"{resolved}:{stat.st_mtime_ns}:{stat.st_size}"
-    name = f"_autoprec_user_{path.stem}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    version = (stat.st_mtime_ns, stat.st_size)
+    # the module's name follows the file, not its version: it goes into the study's fingerprint
+    # (``qualified_name``), where a touched or re-commented file broke every resume
+    path_digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    name = f"{USER_MODULE_PREFIX}{path.stem}_{path_digest}"
     loaded = sys.modules.get(name)
-    if loaded is not None:  # --model, --data, --loss from one file: one module, run once
-        return loaded
+    if loaded is not None and _LOADED_VERSIONS.get(name) == version:
+        return loaded  # --model, --data, --loss from one file: one module, run once
     spec = importlib.util.spec_from_file_location(name, resolved)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{option}: cannot load {path_text!r} as a Python module.")
@@ -52,10 +59,12 @@ def _import_file(path_text: str, option: str) -> ModuleType:
     if folder not in sys.path:
         sys.path.insert(0, folder)  # as `python file.py` does: modules next to the file
     sys.modules[name] = module
+    _LOADED_VERSIONS[name] = version
     try:
         spec.loader.exec_module(module)
     except Exception as error:
         sys.modules.pop(name, None)
+        _LOADED_VERSIONS.pop(name, None)
         raise ModelLoadError(
             f"{option}: importing {path_text!r} raised {type(error).__name__}: {error}"
         ) from error

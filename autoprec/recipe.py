@@ -19,6 +19,7 @@ import copy
 import inspect
 import json
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,13 +57,20 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=DEFAULT_LR)
 
 
+USER_MODULE_PREFIX = "_autoprec_user_"
+"""Name prefix of the modules the CLI loads from ``file.py:factory`` (autoprec.factories)."""
+
+
 def qualified_name(value: Any) -> str | None:
-    """``module:qualname`` of a function, class or partial (None for None)."""
+    """``module:qualname`` of a function, class or partial (None for None); for a function
+    from a ``file.py`` the CLI loaded, the file's path in place of its module's made-up name."""
     if value is None:
         return None
     target = getattr(value, "func", value)  # functools.partial
     module = getattr(target, "__module__", None) or type(target).__module__
     qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    if module.startswith(USER_MODULE_PREFIX):
+        module = getattr(sys.modules.get(module), "__file__", None) or module
     return f"{module}:{qualname}"
 
 

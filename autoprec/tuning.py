@@ -241,6 +241,11 @@ def tune(
         return _search(setup, budget_minutes, objective, storage, study_name, start)
 
 
+def study_place(study: Any, storage: str | None) -> str:
+    """The study as messages name it: its name and its storage, a URL's password as ***."""
+    return f"{study.study_name!r} in {shown_storage(storage)}"
+
+
 def _measured_references(
     setup: RunSetup,
     study: Any,
@@ -253,7 +258,8 @@ def _measured_references(
     measured under the same fingerprint, else measured now with the ``planned`` (trial steps,
     fp32 step seconds)."""
     fingerprint = _fingerprint(setup, objective, budget_minutes)
-    new_run = check_study(study, fingerprint, f"{study.study_name!r} in {shown_storage(storage)}")
+    where = study_place(study, storage)
+    new_run = check_study(study, fingerprint, where)
     cache = references_path(storage, study.study_name)
     attrs = {} if new_run else study.user_attrs  # a stopped run's attributes are not this run's
     stored = load_references(cache, fingerprint) if "fp32_step_seconds" in attrs else None
@@ -269,7 +275,7 @@ def _measured_references(
     study.set_user_attr("fp32_step_seconds", step_seconds)
     study.set_user_attr("objective", objective)  # autoprec report reads it
     runs = reference_runs(setup, steps, budget_minutes, objective)
-    confirm_study(study, fingerprint, f"{study.study_name!r} in {storage}")  # still ours?
+    confirm_study(study, fingerprint, where)  # still ours?
     study.set_user_attr("noise_runs", runs.noise_runs)  # autoprec report counts them
     study.set_user_attr("fresh_batches", setup.fresh_batches)  # for a resumed run
     if cache is not None:

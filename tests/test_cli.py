@@ -70,6 +70,32 @@ def test_a_file_is_run_once_for_every_option_and_imports_its_neighbours(
     assert batch is load_object(f"{script}:Batch", option="--train-step")
 
 
+def test_a_touched_file_keeps_its_functions_names_and_an_edited_one_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name of a ``file.py`` module went into the study's fingerprint, and it was made from
+    the file's mtime and size: touching the file, or adding a comment, refused every resume
+    ("recipe (loss_fn) differ"). The name follows the file now, shown as its path."""
+    import os
+
+    from autoprec.recipe import qualified_name
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    script = tmp_path / "train_touched.py"
+    script.write_text("RUNS = [1]\ndef loss(out, batch):\n    return out.sum()\n")
+    first = load_object(f"{script}:loss", option="--loss")
+    assert qualified_name(first) == f"{script.resolve()}:loss"
+    stat = script.stat()
+    os.utime(script, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    touched = load_object(f"{script}:loss", option="--loss")
+    assert touched is not first  # run again: the file may have changed
+    assert qualified_name(touched) == qualified_name(first)
+    script.write_text(script.read_text().replace("[1]", "[2]") + "# a comment\n")
+    assert load_object(f"{script}:RUNS") == [2]
+    assert qualified_name(load_object(f"{script}:loss")) == qualified_name(first)
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -324,6 +350,14 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     )
     assert "--eval: module 'examples.tiny_gpt' has no attribute 'nope'" in (capsys.readouterr().err)
     tiny = ["tune", "examples.tiny_gpt:make_small_model", "--data"]
+    # a learning rate that is not a positive, finite number is named by its flag (--lr inf
+    # printed two pydantic validation errors for LrPoint)
+    for lr in ("inf", "nan", "-1"):
+        argv = [*tiny, "examples.tiny_gpt:make_small_batches", "--lr", lr, "--budget", "1"]
+        assert main([*argv, "--out", out]) == 2
+        assert f"--lr must be a positive, finite learning rate, not {float(lr):g}" in (
+            capsys.readouterr().err
+        )
     # a storage URL's password is never printed (found by a hunt: the refusal showed it)
     server = "postgresql://user:s3cret@localhost:1/db"
     assert main([*tiny[:2], "--data", "examples.tiny_gpt:make_small_batches", "--storage",

@@ -331,3 +331,10 @@ def test_a_study_another_run_took_over_during_the_reference_is_refused() -> None
     assert check_study(study, _fingerprint(seed=1), "s")  # B takes the empty study over
     with pytest.raises(ValueError, match=r"Another run took over the study s.*seed \(1 -> 0\)"):
         confirm_study(study, ours, "s")
+    # tune() names the study with its storage's password hidden (it printed the raw URL here)
+    from autoprec.tuning import study_place
+
+    where = study_place(study, "postgresql://bob:s3cret@db.example/optuna")
+    with pytest.raises(ValueError, match=r"postgresql://bob:\*\*\*@db\.example") as refused:
+        confirm_study(study, ours, where)
+    assert "s3cret" not in str(refused.value)

@@ -457,6 +457,8 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
         ("max_rounded_beta=0.9", "no threshold 'max_rounded_beta'; known: max_loss_gap_units"),
         ("max_loss_gap_units=lots", "'lots' is not a number"),
         ("max_loss_gap_units=-1", "max_loss_gap_units: Input should be greater than 0"),
+        # a bar above 1 fails fp32 against itself (it was accepted: fp32 rejected and chosen)
+        ("min_update_fraction=5", "min_update_fraction: Input should be less than or equal to 1"),
     ]:
         assert main([*pure, "--threshold", bad]) == 2
         assert said in capsys.readouterr().err
