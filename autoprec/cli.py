@@ -138,18 +138,15 @@ def _check_recipe_numbers(args: argparse.Namespace) -> None:
 
 def _loader(reference: str) -> Any:
     """The batches --data names: a loader, or a factory called with no arguments."""
-    from autoprec.errors import ModelLoadError
-    from autoprec.factories import load_object
+    from autoprec.factories import load_object, user_code_failed
 
     data = load_object(reference, option="--data")
     if not callable(data):
         return data
     try:
         return data()
-    except Exception as error:
-        raise ModelLoadError(
-            f"--data: calling {reference!r}() raised {type(error).__name__}: {error}"
-        ) from error
+    except (Exception, SystemExit) as error:
+        raise user_code_failed("--data", f"calling {reference!r}()", error) from error
 
 
 def _thresholds(settings: list[str]) -> Any:

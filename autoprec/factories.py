@@ -37,6 +37,23 @@ def _split(reference: str, option: str) -> tuple[str, str]:
     return module_part, attribute
 
 
+def user_code_failed(option: str, doing: str, error: BaseException) -> ModelLoadError:
+    """One line for what the user's code raised while autoprec ran it. ``sys.exit()`` (a
+    script's argparse at import) is named as such: it escaped every handler, and argparse's
+    usage line read as autoprec's own refusal of its arguments."""
+    if isinstance(error, SystemExit) and doing.startswith("importing"):
+        return ModelLoadError(
+            f"{option}: {doing} called sys.exit({error.code!r}) (a script parsing its command "
+            "line at import?). Put the script's own command-line handling under "
+            '`if __name__ == "__main__":` so that importing it only defines things.'
+        )
+    if isinstance(error, SystemExit):
+        return ModelLoadError(
+            f"{option}: {doing} called sys.exit({error.code!r}); return the object instead."
+        )
+    return ModelLoadError(f"{option}: {doing} raised {type(error).__name__}: {error}")
+
+
 def _import_file(path_text: str, option: str) -> ModuleType:
     path = Path(path_text)
     if not path.is_file():
@@ -62,12 +79,10 @@ def _import_file(path_text: str, option: str) -> ModuleType:
     _LOADED_VERSIONS[name] = version
     try:
         spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         sys.modules.pop(name, None)
         _LOADED_VERSIONS.pop(name, None)
-        raise ModelLoadError(
-            f"{option}: importing {path_text!r} raised {type(error).__name__}: {error}"
-        ) from error
+        raise user_code_failed(option, f"importing {path_text!r}", error) from error
     return module
 
 
@@ -77,14 +92,18 @@ def _import_module(module_name: str, option: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing and not (module_name + ".").startswith(missing + "."):
+            raise ModelLoadError(  # the module is there; something it imports is not
+                f"{option}: importing {module_name!r} failed: it imports {missing!r}, which is "
+                f"not installed here ({error})."
+            ) from error
         raise ModelLoadError(
             f"{option}: cannot import module {module_name!r} ({error}); run from the folder "
             "that contains it, or install it."
         ) from error
-    except Exception as error:
-        raise ModelLoadError(
-            f"{option}: importing {module_name!r} raised {type(error).__name__}: {error}"
-        ) from error
+    except (Exception, SystemExit) as error:
+        raise user_code_failed(option, f"importing {module_name!r}", error) from error
 
 
 def load_object(reference: str, *, option: str = "--model") -> Any:
@@ -126,10 +145,8 @@ def load_model(reference: str, *, option: str = "--model") -> tuple[nn.Module, A
         )
     try:
         made = target()
-    except Exception as error:
-        raise ModelLoadError(
-            f"{option}: calling {reference!r}() raised {type(error).__name__}: {error}"
-        ) from error
+    except (Exception, SystemExit) as error:
+        raise user_code_failed(option, f"calling {reference!r}()", error) from error
     if isinstance(made, nn.Module):
         return made, None
     if isinstance(made, tuple | list) and len(made) == 2 and isinstance(made[0], nn.Module):

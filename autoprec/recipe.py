@@ -347,7 +347,7 @@ class TrainingRecipe:
             if with_state and self.optimizer.state:  # copied: trials never touch the user's
                 clone.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
             return clone
-        made = self.optimizer(model.parameters())
+        made = _called(self.optimizer, "optimizer", "(model.parameters())", model.parameters())
         if isinstance(made, dict | list | tuple):
             raise TypeError(
                 f"The optimizer factory {qualified_name(self.optimizer)} returned a "
@@ -371,8 +371,19 @@ class TrainingRecipe:
         except (TypeError, ValueError):
             accepts = False
         if accepts:
-            return self.scheduler(optimizer, total_steps=self.total_steps)
-        return self.scheduler(optimizer)
+            form = f"(optimizer, total_steps={self.total_steps})"
+            made = _called(
+                self.scheduler, "scheduler", form, optimizer, total_steps=self.total_steps
+            )
+        else:
+            made = _called(self.scheduler, "scheduler", "(optimizer)", optimizer)
+        if not callable(getattr(made, "step", None)):
+            raise TypeError(
+                f"The scheduler factory {qualified_name(self.scheduler)} returned "
+                f"{type(made).__name__}, not an lr scheduler (an object with step(), such as "
+                "torch.optim.lr_scheduler.LambdaLR(optimizer, ...))."
+            )
+        return made
 
     # -- learning rates -----------------------------------------------------------------------
 
@@ -481,6 +492,19 @@ def scheduled_lr_note(recipe: TrainingRecipe) -> str | None:
         "check from your run's checkpoint; to judge every lr your schedule reaches, pass "
         "scheduler=FACTORY and total_steps=N (CLI: --scheduler, --total-steps)."
     )
+
+
+def _called(factory: Callable[..., Any], role: str, form: str, *args: Any, **kwargs: Any) -> Any:
+    """``factory(*args, **kwargs)``, called as ``form``; what it raises becomes one line naming
+    the factory and the call (a RuntimeError in the user's scheduler factory ended the CLI in
+    a traceback, a factory taking no arguments in a TypeError that named no flag)."""
+    try:
+        return factory(*args, **kwargs)
+    except Exception as error:
+        raise ValueError(
+            f"The {role} factory {qualified_name(factory)}, called as "
+            f"{getattr(factory, '__name__', role)}{form}, raised {type(error).__name__}: {error}"
+        ) from error
 
 
 def _require_readable(scheduler: Any) -> None:

@@ -133,6 +133,63 @@ def test_factory_that_raises_or_returns_junk(
     )
 
 
+def test_user_code_that_exits_or_lacks_a_dependency_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script parsing its command line at import, or a factory raising SystemExit, escaped
+    every handler (argparse's usage line read as autoprec refusing its own arguments; exit 3
+    said nothing); a module whose dependency is missing was told to run from its folder."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    script = tmp_path / "parses_at_import.py"
+    script.write_text(
+        "import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n"
+        "def build():\n    return None\n"
+    )
+    assert main(["probe", "--model", f"{script}:build"]) == 2
+    said = capsys.readouterr().err
+    assert f"--model: importing '{script}' called sys.exit(2)" in said
+    assert 'if __name__ == "__main__":' in said
+    exits = tmp_path / "exits_for_autoprec.py"
+    exits.write_text("def batches():\n    raise SystemExit(3)\n")
+    argv = ["tune", "examples.tiny_gpt:make_small_model", "--budget", "1"]
+    assert main([*argv, "--data", f"{exits}:batches", "--out", str(tmp_path / "p.json")]) == 2
+    assert f"--data: calling '{exits}:batches'() called sys.exit(3)" in capsys.readouterr().err
+    (tmp_path / "needs_a_package.py").write_text("import no_such_package_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["probe", "--model", "needs_a_package:build"]) == 2
+    assert (
+        "importing 'needs_a_package' failed: it imports 'no_such_package_xyz', which is not "
+        "installed here"
+    ) in capsys.readouterr().err
+
+
+def test_optimizer_and_scheduler_factories_that_fail_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a --scheduler or --optimizer factory raised ended in a traceback (exit 1), and a
+    scheduler factory returning no scheduler in "'int' object has no attribute 'step'"."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    factories = tmp_path / "recipe_parts.py"
+    factories.write_text(
+        "def raises(optimizer, total_steps):\n    raise RuntimeError('bad schedule')\n"
+        "def not_a_scheduler(optimizer, total_steps):\n    return 5\n"
+        "def optimizer(params):\n    raise RuntimeError('bad optimizer')\n"
+    )
+    small = ["examples.tiny_gpt:make_small_model", "--data", "examples.tiny_gpt:make_small_batches"]
+    check = ["check", *small, "--steps", "8", "--modes", "amp_bf16"]
+    schedule = ["--total-steps", "100", "--scheduler"]
+    for extra, said in [
+        ([*schedule, f"{factories}:raises"], "called as raises(optimizer, total_steps=100), "
+         "raised RuntimeError: bad schedule"),
+        ([*schedule, f"{factories}:not_a_scheduler"], "returned int, not an lr scheduler"),
+        (["--optimizer", f"{factories}:optimizer"], "called as optimizer(model.parameters()), "
+         "raised RuntimeError: bad optimizer"),
+    ]:  # fmt: skip
+        assert main([*check, *extra]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_bad_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["probe", "--device", "cuda:7"]) == 2
     assert "Device 'cuda:7' is not available" in capsys.readouterr().err
