@@ -327,6 +327,7 @@ def _report(args: argparse.Namespace) -> int:
         plot_outcomes,
         trials_run,
     )
+    from autoprec.search import is_journal_file
 
     source = args.source
     given = "give a tune run's *.trials.json, its *.study.db, a journal file or a storage URL"
@@ -335,7 +336,10 @@ def _report(args: argparse.Namespace) -> int:
     if "://" not in source and Path(source).is_dir():
         raise ValueError(f"{source!r} is a folder; {given}.")
     check_writable(args.out)  # a folder, /dev/null: refused before anything is read
-    if source.endswith(".json") or _written_by_tune(Path(source)):
+    # by content first: a journal storage may be named study.json (report read it as a
+    # trials file and failed on its second line)
+    path = Path(source)
+    if _written_by_tune(path) or (source.endswith(".json") and not is_journal_file(path)):
         if args.study is not None:
             raise ValueError(
                 f"--study names a study in a storage; {source!r} is a tune run's trials file, "

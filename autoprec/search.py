@@ -253,11 +253,44 @@ def optuna_storage(storage: str | None) -> Any:
         with path.open("rb") as file:
             if file.read(len(SQLITE_HEADER)) == SQLITE_HEADER:
                 return sqlite_url(path)
+        _refuse_non_journal(path)
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(str(path)))
+
+
+class StorageRefused(ValueError):
+    """A storage or study autoprec will not write to, refused before anything is written: its
+    message is the whole answer (not wrapped in "cannot open the study storage")."""
+
+
+def _first_line(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return file.readline(4096).strip()
+
+
+def is_journal_file(path: Path) -> bool:
+    """Whether ``path`` is an Optuna journal: its first line one JSON record with an
+    ``op_code`` (a tune run's trials file starts with a lone ``{``)."""
+    try:
+        record = json.loads(_first_line(path))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "op_code" in record
+
+
+def _refuse_non_journal(path: Path) -> None:
+    """Refuse an existing file that is neither empty nor an Optuna journal: opened as a
+    journal, Optuna appended its first record to it (a user's notes.txt gained a JSON line)."""
+    first = _first_line(path)
+    if first and not is_journal_file(path):  # empty: a new journal
+        raise StorageRefused(
+            f"{str(path)!r} is neither an SQLite database nor an Optuna journal file (its first "
+            f"line: {first[:60].decode(errors='replace')!r}); nothing was written to it. Give "
+            "a new file name or an existing study storage (--storage / storage=)."
+        )
 
 
 def shown_storage(storage: str | None) -> str:
@@ -272,7 +305,7 @@ DEFAULT_STUDY_NAME = "autoprec"
 """The study a storage given without a study name holds (when it holds no other)."""
 
 
-class StudyNameNeeded(ValueError):
+class StudyNameNeeded(StorageRefused):
     """A storage holds several studies and no name says which one to resume."""
 
 
@@ -324,6 +357,10 @@ def _retried(open_study: Callable[[], Any], attempts: int = 4) -> Any:
     return open_study()
 
 
+_DAMAGED_SQLITE = ("malformed", "file is not a database")
+"""What SQLite says of a file that starts like a database but is not a whole one."""
+
+
 def create_study(storage: str | None, study_name: str | None) -> Any:
     """A two-objective study (samples/s up, memory down), new or resumed, in ``storage`` (see
     :func:`optuna_storage`). The folder of an ``sqlite:///PATH`` or journal file is created
@@ -335,13 +372,16 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
         if file is not None:
             file.parent.mkdir(parents=True, exist_ok=True)
         return _retried(lambda: _open_study(storage, study_name))
-    except StudyNameNeeded:
+    except StorageRefused:
         raise
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
         check = (
             "check the URL, its driver and that the database answers"
             if storage is not None and "://" in storage and sqlite_file(storage) is None
+            else "the file is not a usable SQLite database (damaged or truncated?): move it "
+            "aside to start a new study, or give another storage"
+            if any(sign in first_line for sign in _DAMAGED_SQLITE)
             else "check the path and that its folder exists and is writable"
         )
         raise ValueError(
@@ -370,7 +410,7 @@ def _open_study(storage: str | None, study_name: str | None) -> Any:
     )
     directions = [direction.name.lower() for direction in study.directions]
     if directions != ["maximize", "minimize"]:  # a study of yours: nothing written to it
-        raise ValueError(
+        raise StorageRefused(
             f"The study {study.study_name!r} in {shown_storage(storage)} is not an autoprec "
             f"study (it optimizes {directions}; autoprec's maximize samples/s and minimize "
             "memory). Name another study (--study NAME / study_name=) to keep yours as it is."

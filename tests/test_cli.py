@@ -931,6 +931,32 @@ def test_report_of_an_interrupted_compiled_study_finds_its_reference(tmp_path: P
     assert len(outcomes) == 2 and chosen == "amp_bf16+compiled"
 
 
+def test_report_reads_a_journal_storage_named_like_a_trials_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tune --storage study.json` writes an Optuna journal; `report study.json` read it as a
+    trials file by its suffix and failed ("Extra data" on its second line)."""
+    import optuna
+
+    from autoprec.outcomes import TrialOutcome
+    from autoprec.search import optuna_storage
+    from autoprec.specs import ModeSpec
+
+    journal = tmp_path / "study.json"
+    study = optuna.create_study(
+        study_name="s", storage=optuna_storage(str(journal)), directions=["maximize", "minimize"]
+    )
+    for spec, speed in ((ModeSpec(mode="fp32"), 10.0), (ModeSpec(mode="amp_bf16"), 30.0)):
+        trial = study.ask()
+        outcome = TrialOutcome(
+            spec=spec, status="accepted", samples_per_second=speed, memory_bytes=2**20
+        )
+        trial.set_user_attr("outcome", outcome.model_dump_json())
+        study.tell(trial, [speed, 2**20])
+    assert main(["report", str(journal), "--out", str(tmp_path / "r.png")]) == 0
+    assert "chosen: amp_bf16" in capsys.readouterr().out
+
+
 def test_report_refuses_a_study_name_for_a_trials_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

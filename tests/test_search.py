@@ -380,6 +380,37 @@ def test_a_storage_path_is_a_journal_file_unless_it_holds_sqlite(tmp_path: Path)
     assert optuna_storage(str(database)) == f"sqlite:///{database}"
 
 
+def test_a_file_that_is_no_study_storage_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """An existing text file given as the storage was opened as a journal: Optuna appended its
+    first record to the user's file, then failed with advice about folders."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("lr=3e-4 baseline 2.31\n")
+    with pytest.raises(ValueError, match="neither an SQLite database nor an Optuna journal") as no:
+        create_study(str(notes), "s")
+    assert "Cannot open" not in str(no.value) and "nothing was written" in str(no.value)
+    assert notes.read_text() == "lr=3e-4 baseline 2.31\n"
+    empty, journal = tmp_path / "empty.log", tmp_path / "study.log"
+    empty.write_text("")
+    create_study(str(empty), "s")  # an empty file becomes a journal
+    create_study(str(journal), "s")
+    assert create_study(str(journal), "s").study_name == "s"  # a journal reopens
+    damaged = tmp_path / "damaged.db"
+    create_study(f"sqlite:///{damaged}", "s")
+    damaged.write_bytes(damaged.read_bytes()[:2048])  # the header and a little more
+    with pytest.raises(ValueError, match=r"not a usable SQLite database .* move it aside"):
+        create_study(f"sqlite:///{damaged}", "s")
+
+
+def test_a_study_of_yours_is_refused_in_one_message(tmp_path: Path) -> None:
+    """The refusal of a study that is not autoprec's was wrapped in "Cannot open the study
+    storage (...); check the path and that its folder exists and is writable"."""
+    storage = f"sqlite:///{tmp_path / 'mine.db'}"
+    optuna.create_study(storage=storage, study_name="mine", direction="minimize")
+    with pytest.raises(ValueError, match=r"'mine' in .* is not an autoprec study") as refused:
+        create_study(storage, "mine")
+    assert "Cannot open" not in str(refused.value) and "writable" not in str(refused.value)
+
+
 def test_optunas_log_level_is_the_callers_again_after_a_search() -> None:
     optuna.logging.set_verbosity(optuna.logging.INFO)
     with optuna_quiet():
