@@ -7,10 +7,11 @@ found and what to do about it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+from autoprec._version import __version__
 
 
 class AutoprecError(Exception):
@@ -97,3 +98,27 @@ def field_errors(error: ValidationError) -> str:
         parts.append(f"{location}: {item['msg']}{got}")
     more = len(error.errors()) - 3
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def read_stored(model: type[Record], raw: Any, what: str, *, writer: object, advice: str) -> Record:
+    """``model`` read from ``raw`` (a dict, or JSON text) that autoprec stored earlier; when
+    it does not fit this version's records, one line naming ``what`` it is, the autoprec that
+    wrote it (``writer``) and what to do (``advice``), not pydantic's multi-line report (the
+    project adds fields over time, and every record forbids unknown ones)."""
+    try:
+        if isinstance(raw, str | bytes):
+            return model.model_validate_json(raw)
+        return model.model_validate(raw)
+    except ValidationError as error:
+        wrote = (
+            f"written by autoprec {writer}, this is {__version__}"
+            if writer and writer != __version__
+            else f"read by autoprec {__version__}"
+        )
+        raise ValueError(
+            f"{what} does not fit this autoprec's records ({wrote}): {field_errors(error)}. "
+            f"{advice}"
+        ) from None

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from autoprec._files import write_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec.drift import Fp32Runs
+from autoprec.errors import read_stored
 from autoprec.search import SQLITE_PREFIX, sqlite_file
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
 from autoprec.weight_dtypes import as_real
@@ -354,9 +355,7 @@ def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> bool:
             "one an older autoprec made): they cannot be shown to match this run. Use "
             "another study name (--study NAME / study_name=) or delete the storage."
         )
-    differences = (
-        None if raw is None else fingerprint.differences(StudyFingerprint.model_validate(raw))
-    )
+    differences = None if raw is None else fingerprint.differences(stored_fingerprint(raw, where))
     if differences and has_trials:
         raise ValueError(
             f"The study {where} holds outcomes of another run ({'; '.join(differences)} "
@@ -369,12 +368,35 @@ def check_study(study: Any, fingerprint: StudyFingerprint, where: str) -> bool:
     return True
 
 
+def stored_fingerprint(raw: Any, where: str) -> StudyFingerprint:
+    """The fingerprint a study holds, read in one line's refusal when another autoprec wrote
+    it with other fields."""
+    return read_stored(
+        StudyFingerprint,
+        raw,
+        f"The fingerprint of the study {where}",
+        writer=study_writer(raw),
+        advice=STUDY_OF_ANOTHER_VERSION,
+    )
+
+
+def study_writer(raw: Any) -> object:
+    """The autoprec version a study's raw fingerprint names (None when it names none)."""
+    return raw.get("autoprec_version") if isinstance(raw, dict) else None
+
+
+STUDY_OF_ANOTHER_VERSION = (
+    "Use another study name (--study NAME / study_name=) to start a new run beside it, or "
+    "resume it with the autoprec that wrote it."
+)
+
+
 def confirm_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None:
     """Refuse to go on when the study no longer records ``fingerprint``: another run took it
     over while this one measured its fp32 reference (a study without outcomes is taken over),
     and the outcomes it holds now would be adopted as this run's."""
     raw = study.user_attrs.get("fingerprint")
-    stored = None if raw is None else StudyFingerprint.model_validate(raw)
+    stored = None if raw is None else stored_fingerprint(raw, where)
     if stored is None or stored == fingerprint:
         return
     differences = fingerprint.differences(stored)

@@ -9,10 +9,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from autoprec._files import atomic_target, read_json, write_atomically
+from autoprec._version import __version__
 from autoprec.choice import choose
-from autoprec.errors import MissingBackendError
+from autoprec.errors import MissingBackendError, read_stored
 from autoprec.outcomes import TrialOutcome
-from autoprec.search import optuna_storage, shown_storage, sqlite_file
+from autoprec.search import optuna_storage, shown_storage, sqlite_file, stored_outcome
 from autoprec.specs import ModeSpec
 from autoprec.tune_result import TuneResult
 
@@ -117,6 +118,15 @@ def _read_result(path: Path) -> TuneResult:
             f"{str(path)!r} is a profile, not a tune run's trials. Draw the *.trials.json "
             "or the *.study.db written beside it; `autoprec show` prints a profile."
         )
+    writer = _trials_writer(data)
+    if writer is not None and writer != __version__:  # a trials file, of another version
+        return read_stored(
+            TuneResult,
+            data,
+            f"The trials file {str(path)!r}",
+            writer=writer,
+            advice="Draw it with the autoprec that wrote it.",
+        )
     try:
         return TuneResult.model_validate(data)
     except ValidationError as error:
@@ -126,6 +136,12 @@ def _read_result(path: Path) -> TuneResult:
             f"{str(path)!r} is not a tune run's trials file (*.trials.json written by "
             f"`autoprec tune`): {where}: {first['msg']} ({error.error_count()} problems)."
         ) from None
+
+
+def _trials_writer(data: Any) -> object:
+    """The autoprec version whose profile a trials file holds (None when it holds none)."""
+    profile = data.get("profile") if isinstance(data, dict) else None
+    return profile.get("autoprec_version") if isinstance(profile, dict) else None
 
 
 def outcomes_from_result(path: str | Path) -> tuple[list[TrialOutcome], str, int]:
@@ -180,12 +196,12 @@ def outcomes_from_study(
     noise_runs = int(study.user_attrs.get("noise_runs", 1))
     finished = study.user_attrs.get("result")
     if finished:  # the run ended: its final figures (re-timed) and its choice
-        outcomes = [TrialOutcome.model_validate(o) for o in finished["outcomes"]]
+        outcomes = [stored_outcome(study, o, "its result") for o in finished["outcomes"]]
         return outcomes, str(finished["chosen"]), noise_runs
     latest = {  # an interrupted run: each candidate's last recorded outcome
         outcome.label: outcome
         for outcome in (
-            TrialOutcome.model_validate_json(t.user_attrs["outcome"])
+            stored_outcome(study, t.user_attrs["outcome"], f"trial {t.number}")
             for t in study.get_trials(deepcopy=False)
             if "outcome" in t.user_attrs
         )

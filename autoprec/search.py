@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from autoprec.errors import read_stored
 from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome, balanced_gain
 from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
@@ -184,6 +185,20 @@ def record_result(study: Any, chosen: str, outcomes: Sequence[TrialOutcome]) -> 
     )
 
 
+def stored_outcome(study: Any, raw: Any, which: str) -> TrialOutcome:
+    """One outcome the study holds (a trial's JSON, or the result's dict), in one line's
+    refusal when another autoprec wrote it with other fields."""
+    fingerprint = study.user_attrs.get("fingerprint")
+    return read_stored(
+        TrialOutcome,
+        raw,
+        f"The outcome of {which} in the study {study.study_name!r}",
+        writer=fingerprint.get("autoprec_version") if isinstance(fingerprint, dict) else None,
+        advice="Use another study name (--study NAME / study_name=), or the autoprec that "
+        "wrote it.",
+    )
+
+
 def finished_outcomes(study: Any) -> dict[str, TrialOutcome]:
     """Outcomes already in the study (a resumed run), by label. Failed trials are re-run."""
     import optuna
@@ -193,7 +208,7 @@ def finished_outcomes(study: Any) -> dict[str, TrialOutcome]:
         if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
             raw = trial.user_attrs.get("outcome")
             if raw:
-                outcome = TrialOutcome.model_validate_json(raw)
+                outcome = stored_outcome(study, raw, f"trial {trial.number}")
                 if not (
                     outcome.status == "pruned"
                     and outcome.reasons[:1]

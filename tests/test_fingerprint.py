@@ -338,3 +338,40 @@ def test_a_study_another_run_took_over_during_the_reference_is_refused() -> None
     with pytest.raises(ValueError, match=r"postgresql://bob:\*\*\*@db\.example") as refused:
         confirm_study(study, ours, where)
     assert "s3cret" not in str(refused.value)
+
+
+def test_a_study_written_by_another_autoprec_is_refused_in_one_line() -> None:
+    """Records forbid unknown fields and the project adds fields: a study another version
+    wrote failed with pydantic's multi-line "1 validation error for StudyFingerprint"."""
+    from autoprec import __version__
+    from autoprec.search import finished_outcomes
+
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    newer = {**_fingerprint().model_dump(mode="json"), "autoprec_version": "9.0.0"}
+    study.set_user_attr("fingerprint", {**newer, "compile_mode": "max-autotune"})
+    trial = study.ask()
+    trial.set_user_attr("outcome", '{"spec": {"mode": "fp32"}, "status": "accepted", "joules": 1}')
+    study.tell(trial, [1.0, 1.0])
+    for refused in (
+        lambda: check_study(study, _fingerprint(), "'s' in memory"),
+        lambda: confirm_study(study, _fingerprint(), "'s' in memory"),
+        lambda: finished_outcomes(study),
+    ):
+        with pytest.raises(ValueError) as error:
+            refused()
+        said = str(error.value)
+        assert f"written by autoprec 9.0.0, this is {__version__}" in said, said
+        assert "Extra inputs are not permitted" in said and "\n" not in said
+        assert "Use another study name (--study NAME / study_name=)" in said
+
+
+def test_a_trials_file_of_another_autoprec_is_named_as_one(tmp_path: Path) -> None:
+    """It was called "not a tune run's trials file" (it is one, of another version)."""
+    import json
+
+    from autoprec.report import outcomes_from_result
+
+    trials = tmp_path / "p.trials.json"
+    trials.write_text(json.dumps({"profile": {"autoprec_version": "9.0.0"}, "energy": 1}))
+    with pytest.raises(ValueError, match=r"written by autoprec 9\.0\.0.*Draw it with the autoprec"):
+        outcomes_from_result(trials)
