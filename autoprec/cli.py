@@ -224,15 +224,27 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
         "total_steps": args.total_steps,
         "grad_accumulation_steps": args.grad_accum,
         "clip_grad_norm": args.clip,
-        "modes": [m.strip() for m in args.modes.split(",") if m.strip()]
-        if args.modes is not None
-        else None,
+        "modes": _modes(args.modes),
         "keep_fp32": args.keep_fp32 or None,
         "device": args.device,
         "seed": args.seed,
         "thresholds": thresholds,
         "compile": "auto" if args.compile is None else args.compile,
     }
+
+
+def _modes(given: str | None) -> list[str] | None:
+    """The modes --modes names (None: every mode); naming none is refused in the CLI's terms
+    (it said "pass None for every mode")."""
+    if given is None:
+        return None
+    modes = [mode.strip() for mode in given.split(",") if mode.strip()]
+    if not modes:
+        raise ValueError(
+            f"--modes {given!r} names no mode: give them comma-separated (e.g. "
+            "--modes amp_bf16,bf16_sr), or leave --modes out for every mode."
+        )
+    return modes
 
 
 def _tune(args: argparse.Namespace) -> int:

@@ -194,6 +194,8 @@ def _state_dict_in(loaded: Any, path: Path, option: str) -> dict[str, torch.Tens
 def read_checkpoint(path_text: str, option: str, what: str) -> tuple[Path, Any]:
     """The file at ``path_text`` read with ``weights_only=True`` (no code runs)."""
     path = Path(path_text)
+    if path.is_dir():
+        raise ModelLoadError(f"{option}: {path_text!r} is a folder; give the checkpoint file.")
     if not path.is_file():
         raise ModelLoadError(f"{option}: no file {path_text!r}.")
     try:

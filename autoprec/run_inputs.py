@@ -78,10 +78,25 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
     if not batches:
         raise ValueError(
             "The loader yielded no batches: every run trains on them, so at least one is "
-            "needed (a generator or iterator that was already consumed yields none; pass a "
-            "list or a DataLoader)."
+            f"needed ({_why_empty(loader)})."
         )
     return batches
+
+
+def _why_empty(loader: Iterable[Any]) -> str:
+    """Why a loader yielded nothing, for the refusal (an empty DataLoader was told to pass a
+    DataLoader)."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return (
+            "a generator or iterator that was already consumed yields none; pass a list or a "
+            "DataLoader"
+        )
+    try:
+        size = f"{len(loader.dataset)} samples"  # type: ignore[arg-type]
+    except TypeError:
+        size = "no length"
+    dropped = "; drop_last drops a last batch under batch_size" if loader.drop_last else ""
+    return f"this DataLoader's dataset has {size}{dropped}"
 
 
 @contextlib.contextmanager

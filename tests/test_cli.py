@@ -415,6 +415,11 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         assert f"--lr must be a positive, finite learning rate, not {float(lr):g}" in (
             capsys.readouterr().err
         )
+    # --modes naming no mode is refused in the CLI's terms (it said "pass None")
+    for empty in ("", ","):
+        assert main([*tiny, "examples.tiny_gpt:make_small_batches", "--modes", empty,
+                     "--budget", "1", "--out", out]) == 2  # fmt: skip
+        assert "names no mode: give them comma-separated" in capsys.readouterr().err
     # a storage URL's password is never printed (found by a hunt: the refusal showed it)
     server = "postgresql://user:s3cret@localhost:1/db"
     assert main([*tiny[:2], "--data", "examples.tiny_gpt:make_small_batches", "--storage",

@@ -591,6 +591,7 @@ def test_weights_start_every_trial_from_a_checkpoint(
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     for name, said in [
         ("missing.pt", "--weights: no file"),
+        (".", "is a folder; give the checkpoint file"),  # it said "no file"
         ("no_weights.pt", "holds a dict without a state dict (keys: 'step', 'optimizer')"),
         ("other_model.pt", "does not fit the model: missing ["),
         # torch's weights-only refusal names the class; its own text carries colour codes

@@ -171,6 +171,15 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
             ValueError,
             "already consumed yields none",
         ),
+        (  # an empty DataLoader was told to "pass a list or a DataLoader"
+            lambda m, b: tune(
+                m,
+                torch.utils.data.DataLoader(list(range(3)), batch_size=4, drop_last=True),
+                budget_minutes=1,
+            ),
+            ValueError,
+            "this DataLoader's dataset has 3 samples; drop_last drops a last batch under",
+        ),
         (
             lambda m, b: tune(m, b, budget_minutes=0),
             ValueError,
