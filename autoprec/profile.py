@@ -31,6 +31,7 @@ from autoprec.errors import (
     field_errors,
 )
 from autoprec.hardware import HardwareInfo, detect_hardware
+from autoprec.integrations import CUDNN_KINDS
 from autoprec.integrations.accelerate import accelerate_settings
 from autoprec.integrations.fsdp2 import fsdp2_policy_args
 from autoprec.integrations.hf_trainer import hf_training_args
@@ -141,6 +142,9 @@ class ModelFingerprint(BaseModel):
     complex_parameters: tuple[str, ...] = ()
     """Trainable complex parameters: pure bf16 keeps them complex; an export whose cast would
     drop their imaginary part is refused."""
+    cudnn_kinds: tuple[str, ...] = ()
+    """The model's layer kinds cuDNN runs ("conv", "recurrent"): an fp32 export whose framework
+    leaves cuDNN's TF32 on is refused. Empty in profiles written before 2026-11-26."""
 
     @classmethod
     def from_layers(cls, layers: LayerMix) -> ModelFingerprint:
@@ -155,6 +159,7 @@ class ModelFingerprint(BaseModel):
             parameters=layers.parameters,
             layer_mix_digest=hashlib.sha256(payload.encode()).hexdigest()[:16],
             complex_parameters=layers.complex_parameters,
+            cudnn_kinds=tuple(k for k in CUDNN_KINDS if layers.kind(k).parameters),  # type: ignore[arg-type]
         )
 
     def differences(self, other: ModelFingerprint) -> list[str]:
@@ -340,11 +345,17 @@ class Profile(BaseModel):
             ignore_keep_fp32=ignore_keep_fp32,
             recipe=self.recipe,
             complex_parameters=() if self.model is None else self.model.complex_parameters,
+            cudnn_kinds=self._cudnn_kinds,
         )
 
     def to_accelerate(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Accelerator(**profile.to_accelerate())`` arguments."""
-        return accelerate_settings(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
+        return accelerate_settings(
+            self.spec,
+            ignore_keep_fp32=ignore_keep_fp32,
+            recipe=self.recipe,
+            cudnn_kinds=self._cudnn_kinds,
+        )
 
     def to_hf_training_args(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``TrainingArguments(..., **profile.to_hf_training_args())`` fields."""
@@ -352,7 +363,16 @@ class Profile(BaseModel):
 
     def to_fsdp2(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``MixedPrecisionPolicy(**profile.to_fsdp2())`` arguments."""
-        return fsdp2_policy_args(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
+        return fsdp2_policy_args(
+            self.spec,
+            ignore_keep_fp32=ignore_keep_fp32,
+            recipe=self.recipe,
+            cudnn_kinds=self._cudnn_kinds,
+        )
+
+    @property
+    def _cudnn_kinds(self) -> tuple[str, ...]:
+        return () if self.model is None else self.model.cudnn_kinds
 
 
 def profile_for(

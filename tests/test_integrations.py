@@ -62,6 +62,34 @@ def test_bf16_pure_of_a_model_with_complex_weights_is_not_bf16_true() -> None:
     assert plain.to_lightning() == {"precision": "bf16-true"}
 
 
+def test_fp32_exports_of_a_model_with_convolutions_refuse_cudnns_tf32() -> None:
+    """Lightning's 32-true, Accelerate's "no" and an fp32 FSDP2 policy leave cuDNN's TF32 at
+    torch's default (on): a conv net's fp32 profile exported there ran its convolutions in
+    TF32, where autoprec's fp32 turns it off."""
+    from autoprec.layers import scan_model
+
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(4))
+    conv(torch.randn(1, 3, 8, 8))
+    rnn = nn.GRU(4, 8)
+    profile = profile_for(ModeSpec(mode="fp32"), model_layers=scan_model(conv))
+    loaded = Profile.model_validate_json(profile.model_dump_json())
+    assert loaded.model is not None and loaded.model.cudnn_kinds == ("conv",)
+    for export in (loaded.to_lightning, loaded.to_accelerate, loaded.to_fsdp2):
+        with pytest.raises(ExportError, match=r"convolutions would run in TF32.*allow_tf32 = Fa"):
+            export()
+    assert loaded.to_hf_training_args()["tf32"] is False  # the Trainer turns cuDNN's off too
+    recurrent = profile_for(ModeSpec(mode="fp32"), model_layers=scan_model(rnn))
+    with pytest.raises(ExportError, match=r"recurrent layers \(LSTM, GRU, RNN\) would run"):
+        recurrent.to_lightning()
+    amp = profile_for(ModeSpec(mode="amp_bf16"), model_layers=scan_model(conv))
+    assert amp.to_lightning() == {"precision": "bf16-mixed"}  # autocast runs them in bf16
+    linear = profile_for(ModeSpec(mode="fp32"), model_layers=scan_model(nn.Linear(4, 4)))
+    assert linear.to_lightning() == {"precision": "32-true"}
+    older = profile.model_dump(mode="json")
+    del older["model"]["cudnn_kinds"]  # a profile written before the field: loads, exports
+    assert Profile.model_validate(older).to_lightning() == {"precision": "32-true"}
+
+
 def test_bf16_pure_proven_with_accumulation_is_not_bf16_true() -> None:
     """bf16-true sums micro-batches in bf16 .grad; autoprec's bf16_pure sums them in fp32."""
     recipe = TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p), grad_accumulation_steps=2)

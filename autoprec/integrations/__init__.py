@@ -30,6 +30,29 @@ def refuse_keep_fp32(spec: ModeSpec, target: str, ignore_keep_fp32: bool) -> Non
         )
 
 
+CUDNN_KINDS = {"conv": "convolutions", "recurrent": "recurrent layers (LSTM, GRU, RNN)"}
+"""Layer kinds cuDNN runs on CUDA, named as messages name them: ``cudnn.allow_tf32`` (on by
+default in torch) decides whether they run in TF32."""
+
+
+def refuse_cudnn_tf32(
+    spec: ModeSpec, cudnn_kinds: tuple[str, ...], target: str, how: str, instead: str | None
+) -> None:
+    """Refuse an fp32 export for a model with layers cuDNN runs: the framework's full precision
+    leaves ``torch.backends.cudnn.allow_tf32`` at torch's default, True, so they would run in
+    TF32, where autoprec's fp32 (the reference every mode was judged against) turns it off.
+    ``how`` is the framework's own route, ``instead`` autoprec's."""
+    if spec.mode != "fp32" or not cudnn_kinds:
+        return
+    kinds = " and ".join(CUDNN_KINDS.get(kind, kind) for kind in cudnn_kinds)
+    raise ExportError(
+        f"{target} leaves cuDNN's TF32 at torch's default (on), so this model's {kinds} would "
+        "run in TF32 on a GPU; the profile was proven in fp32 with TF32 off. "
+        f"{how} and set torch.backends.cudnn.allow_tf32 = False before training"
+        + (f", or use {instead}, whose fp32 steps keep it off." if instead else ".")
+    )
+
+
 def bnb_8bit_class(recipe: RecipeSummary | None) -> str | None:
     """The bitsandbytes class the profile's 8-bit states were proven with, as
     ``optim.rebuild_optimizer`` picks it from the recipe's optimizer (``optim.source_kind``;

@@ -7,7 +7,7 @@ from typing import Any
 
 from autoprec._imports import install_hint
 from autoprec.errors import ExportError, MissingBackendError
-from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.integrations import refuse_8bit_optimizer, refuse_cudnn_tf32, refuse_keep_fp32
 from autoprec.modes.fp8_torchao import Fp8TorchaoMode
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec, TeDelayedScaling
@@ -26,11 +26,23 @@ def _accelerate_utils() -> Any:
 
 
 def accelerate_settings(
-    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+    spec: ModeSpec,
+    *,
+    ignore_keep_fp32: bool = False,
+    recipe: RecipeSummary | None = None,
+    cudnn_kinds: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Keyword arguments for ``accelerate.Accelerator`` (``dynamo_backend="inductor"`` when
-    the profile was proven compiled)."""
+    the profile was proven compiled; ``cudnn_kinds``: the proven model's layer kinds cuDNN
+    runs, in TF32 under ``mixed_precision="no"``)."""
     settings = _precision_settings(spec, ignore_keep_fp32, recipe)
+    refuse_cudnn_tf32(
+        spec,
+        cudnn_kinds,
+        "Accelerate's mixed_precision='no'",
+        "Use Accelerator(mixed_precision='no')",
+        "profile.apply(model, optimizer) before accelerator.prepare()",
+    )
     if spec.compile:
         if spec.mode == "fp32":
             raise ExportError(COMPILED_FP32_TURNS_TF32_ON)

@@ -7,13 +7,17 @@ from typing import Any
 import torch
 
 from autoprec.errors import ExportError
-from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.integrations import refuse_8bit_optimizer, refuse_cudnn_tf32, refuse_keep_fp32
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
 
 def fsdp2_policy_args(
-    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+    spec: ModeSpec,
+    *,
+    ignore_keep_fp32: bool = False,
+    recipe: RecipeSummary | None = None,
+    cudnn_kinds: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``MixedPrecisionPolicy(**fsdp2_policy_args(spec))`` keyword arguments.
 
@@ -31,6 +35,13 @@ def fsdp2_policy_args(
             "compile the model yourself (torch.compile after fully_shard) and export a profile "
             "of the same mode without compile=True, or tune with your compiled model."
         )
+    refuse_cudnn_tf32(
+        spec,
+        cudnn_kinds,
+        "An fp32 MixedPrecisionPolicy",
+        "Use MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)",
+        None,
+    )
     if spec.mode == "fp32":
         return {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
     if spec.mode == "amp_bf16":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from autoprec.errors import ExportError
-from autoprec.integrations import refuse_8bit_optimizer, refuse_keep_fp32
+from autoprec.integrations import refuse_8bit_optimizer, refuse_cudnn_tf32, refuse_keep_fp32
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
 
@@ -24,9 +24,11 @@ def lightning_settings(
     ignore_keep_fp32: bool = False,
     recipe: RecipeSummary | None = None,
     complex_parameters: tuple[str, ...] = (),
+    cudnn_kinds: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``Trainer(**lightning_settings(spec))`` / ``Fabric(**...)`` keyword arguments
-    (``complex_parameters``: the proven model's, which ``bf16-true`` would cast to real)."""
+    (``complex_parameters``: the proven model's, which ``bf16-true`` would cast to real;
+    ``cudnn_kinds``: its layer kinds cuDNN runs, in TF32 under ``32-true``)."""
     refuse_keep_fp32(spec, "Lightning's precision flag", ignore_keep_fp32)
     refuse_8bit_optimizer(
         spec,
@@ -55,6 +57,13 @@ def lightning_settings(
             f"{', '.join(complex_parameters[:3])}); autoprec's bf16_pure keeps them complex. "
             "Use Trainer(plugins=[autoprec.integrations.lightning.AutoprecPrecision(profile)])."
         )
+    refuse_cudnn_tf32(
+        spec,
+        cudnn_kinds,
+        "Lightning's precision='32-true'",
+        "Use precision='32-true'",
+        "Trainer(plugins=[autoprec.integrations.lightning.AutoprecPrecision(profile)])",
+    )
     if spec.mode in _PRECISION:
         return {"precision": _PRECISION[spec.mode]}
     if spec.mode == "tf32":
