@@ -26,7 +26,7 @@ from autoprec._files import write_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec.drift import Fp32Runs
 from autoprec.errors import read_stored
-from autoprec.search import SQLITE_PREFIX, sqlite_file
+from autoprec.search import SQLITE_PREFIX, STUDY_OF_ANOTHER_VERSION, sqlite_file, study_writer
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
 from autoprec.weight_dtypes import as_real
 
@@ -378,17 +378,6 @@ def stored_fingerprint(raw: Any, where: str) -> StudyFingerprint:
         writer=study_writer(raw),
         advice=STUDY_OF_ANOTHER_VERSION,
     )
-
-
-def study_writer(raw: Any) -> object:
-    """The autoprec version a study's raw fingerprint names (None when it names none)."""
-    return raw.get("autoprec_version") if isinstance(raw, dict) else None
-
-
-STUDY_OF_ANOTHER_VERSION = (
-    "Use another study name (--study NAME / study_name=) to start a new run beside it, or "
-    "resume it with the autoprec that wrote it."
-)
 
 
 def confirm_study(study: Any, fingerprint: StudyFingerprint, where: str) -> None:

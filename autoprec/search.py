@@ -185,17 +185,26 @@ def record_result(study: Any, chosen: str, outcomes: Sequence[TrialOutcome]) -> 
     )
 
 
+def study_writer(fingerprint: Any) -> object:
+    """The autoprec version a study's raw fingerprint names (None when it names none)."""
+    return fingerprint.get("autoprec_version") if isinstance(fingerprint, dict) else None
+
+
+STUDY_OF_ANOTHER_VERSION = (
+    "Use another study name (--study NAME / study_name=) to start a new run beside it, or "
+    "resume it with the autoprec that wrote it."
+)
+
+
 def stored_outcome(study: Any, raw: Any, which: str) -> TrialOutcome:
     """One outcome the study holds (a trial's JSON, or the result's dict), in one line's
     refusal when another autoprec wrote it with other fields."""
-    fingerprint = study.user_attrs.get("fingerprint")
     return read_stored(
         TrialOutcome,
         raw,
         f"The outcome of {which} in the study {study.study_name!r}",
-        writer=fingerprint.get("autoprec_version") if isinstance(fingerprint, dict) else None,
-        advice="Use another study name (--study NAME / study_name=), or the autoprec that "
-        "wrote it.",
+        writer=study_writer(study.user_attrs.get("fingerprint")),
+        advice=STUDY_OF_ANOTHER_VERSION,
     )
 
 
