@@ -32,6 +32,7 @@ from torch import nn
 from autoprec._models import FROZEN_RECORD
 from autoprec.batching import LossFn, TrainStep
 from autoprec.optim import named_groups, rebuild_optimizer
+from autoprec.plan import check_step_settings
 
 OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 """An optimizer over the user's model (cloned per trial) or a factory ``params -> optimizer``."""
@@ -302,13 +303,10 @@ class TrainingRecipe:
                 "A scheduler needs total_steps (the real run's optimizer steps): the verdict "
                 "must cover every learning rate the schedule reaches."
             )
-        if not isinstance(self.grad_accumulation_steps, int) or self.grad_accumulation_steps < 1:
-            raise ValueError(
-                f"grad_accumulation_steps must be an int >= 1 but got "
-                f"{self.grad_accumulation_steps!r}."
-            )
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be positive but got {self.clip_grad_norm!r}.")
+        # the plan's own check, here before any batch is read (True passed as an int and a
+        # number, and failed in the first trial as "autoprec's own code")
+        check_step_settings(self.grad_accumulation_steps, self.clip_grad_norm)
+        object.__setattr__(self, "grad_accumulation_steps", int(self.grad_accumulation_steps))
         for name, value, form in (
             ("loss_fn", self.loss_fn, "loss_fn(output, target) -> loss"),
             ("train_step", self.train_step, "train_step(plan, batch) -> loss"),

@@ -323,17 +323,35 @@ class TrainingLoop:
 
 def settle(loop: TrainingLoop, device: torch.device) -> None:
     """Let the mode calibrate on the first batch (amp_fp16 settles its loss scale) without
-    stepping and without moving the model's random stream."""
+    stepping, without moving the model's random stream, and without leaving what its forward
+    passes update: BatchNorm's running statistics, a running normaliser, a teacher a
+    ``train_step`` moves (the user's loop runs no such forward; an amp_fp16 trial of a
+    BatchNorm net started from statistics one batch on, its held-out loss 2% off)."""
     plan, recipe = loop.plan, loop.recipe
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
+        if not kept:
+            kept.extend((t, t.detach().clone()) for t in _forward_updated(plan.model))
         batch = to_device(loop.batches[loop.order[0]], device)
         with plan.autocast():
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
         return loss / recipe.grad_accumulation_steps
 
-    with kept_streams(cuda_devices_of(device)):
-        plan.mode.settle(compute_loss, plan.model)
+    try:
+        with kept_streams(cuda_devices_of(device)):
+            plan.mode.settle(compute_loss, plan.model)
+    finally:
+        with torch.no_grad():
+            for tensor, before in kept:
+                tensor.copy_(before)
+
+
+def _forward_updated(model: nn.Module) -> list[torch.Tensor]:
+    """What a forward pass (or a ``train_step``) may change in place without an optimizer
+    step: the buffers and the parameters no optimizer trains."""
+    frozen = [parameter for parameter in model.parameters() if not parameter.requires_grad]
+    return [*model.buffers(), *frozen]
 
 
 def measure_trained(

@@ -177,8 +177,11 @@ def test_a_schedule_that_never_moves_is_refused() -> None:
     [
         ({"scheduler": _warmup}, "needs total_steps"),
         ({"total_steps": 0}, "total_steps must be a positive int"),
-        ({"grad_accumulation_steps": 0}, "grad_accumulation_steps must be an int >= 1"),
+        ({"grad_accumulation_steps": 0}, "grad_accumulation_steps must be >= 1"),
         ({"clip_grad_norm": 0.0}, "clip_grad_norm must be positive"),
+        # a bool passed as an int and a number, then failed in the first trial as autoprec's
+        ({"grad_accumulation_steps": True}, "must be a whole number of micro-batches"),
+        ({"clip_grad_norm": True}, "clip_grad_norm must be a number"),
         ({"loss_fn": lambda o, t: o, "train_step": lambda p, b: b}, "not both"),
         ({"optimizer": {"optimizer": None}}, "Lightning-style dict"),
         ({"scheduler": object()}, "factory optimizer -> LRScheduler"),

@@ -1072,3 +1072,40 @@ def test_stochastic_rounding_draws_from_the_seed_torch_was_given() -> None:
         optimizer.step()
         rounded.append(weight.detach().clone())
     assert torch.equal(rounded[0], rounded[2]) and not torch.equal(rounded[0], rounded[1])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp_fp16"])
+def test_an_amp_fp16_trial_starts_from_the_models_own_running_statistics(mode: str) -> None:
+    """amp_fp16 settles its loss scale with a training-mode forward of the first batch that the
+    user's loop never runs: it moved BatchNorm's running statistics one batch on, and the
+    trial's held-out loss came out 2% off the same two steps trained by hand."""
+    from autoprec.plan import prepare
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=0.5), nn.ReLU(), nn.Linear(16, 1)
+    )
+    generator = torch.Generator().manual_seed(1)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(32, 8, generator=generator) * 3 + 2, torch.randn(
+            32, 1, generator=generator
+        )
+
+    batches, heldout = [batch() for _ in range(4)], [batch()]
+    mse = nn.functional.mse_loss
+    recipe = TrainingRecipe(optimizer=torch.optim.SGD(model.parameters(), lr=1e-12), loss_fn=mse)
+    trial = run_trial(
+        ModeSpec(mode=mode), model, batches, recipe=recipe, steps=2, warmup_steps=1,
+        heldout=heldout,
+    )  # fmt: skip
+    by_hand = copy.deepcopy(model).train()
+    plan = prepare(ModeSpec(mode=mode), by_hand, torch.optim.SGD(by_hand.parameters(), lr=1e-12))
+    for x, y in batches[:2]:
+        with plan.autocast():
+            loss = mse(plan.model(x), y)
+        plan.step(loss)
+    by_hand.eval()
+    with torch.no_grad(), plan.autocast():
+        expected = float(mse(by_hand(heldout[0][0]), heldout[0][1]))
+    assert trial.record.heldout_losses[0] == pytest.approx(expected, rel=1e-6)
