@@ -161,6 +161,8 @@ def print_profile(
         table.add_row("search", budget)
         for spot in evidence.blind_spots:
             table.add_row("not seen by a short trial", Text(spot, style="yellow"))
+        for note in evidence.notes:
+            table.add_row("gate note", Text(note, style="yellow"))
     table.add_row(
         "created",
         f"{profile.created_at:%Y-%m-%d %H:%M} UTC by autoprec "
@@ -205,7 +207,7 @@ def _trial_rows(result: TuneResult) -> list[tuple[Text, Text, str, str, list[str
         speed = f"{outcome.samples_per_second:,.1f}" if outcome.samples_per_second else "—"
         memory = f"{outcome.memory_bytes / 2**20:,.2f}" if outcome.memory_bytes else "—"
         status = Text(outcome.status, style=_STATUS_STYLE[outcome.status])
-        rows.append((label, status, speed, memory, [*outcome.reasons, *outcome.notes]))
+        rows.append((label, status, speed, memory, [*outcome.reasons, *result.own_notes(outcome)]))
     return rows
 
 

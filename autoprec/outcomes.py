@@ -50,6 +50,9 @@ class TrialOutcome(BaseModel):
     retimed: bool = False
     """Its speed figures are the means of side-by-side re-timings (``retiming``), not its
     trial's: only re-timed modes compete on speed once any was re-timed."""
+    gate_notes: tuple[str, ...] = ()
+    """What the drift gate found without rejecting the mode, and checks it could not run (the
+    verdict's notes: "weight decay never applies", "weight movement not judged")."""
 
     @property
     def label(self) -> str:
@@ -58,12 +61,15 @@ class TrialOutcome(BaseModel):
     @property
     def notes(self) -> tuple[str, ...]:
         """What to know beside the verdict (shown with the reasons)."""
-        if self.recompiles:
-            return (
+        recompiled = (
+            (
                 f"recompiled {self.recompiles}x after warm-up (compile time is in its speed; "
                 "a run that recompiles will in training too)",
             )
-        return ()
+            if self.recompiles
+            else ()
+        )
+        return (*recompiled, *self.gate_notes)
 
     @property
     def state_bytes(self) -> int | None:

@@ -209,6 +209,10 @@ class Evidence(BaseModel):
     blind_spots: tuple[str, ...] = ()
     """What the trials could not show for this mode: harm measured (or reported) to appear only
     after a longer run, with its figures (see autoprec.drift_blind_spots)."""
+    notes: tuple[str, ...] = ()
+    """What the drift gate found in the chosen mode without rejecting it, and checks it could
+    not run ("weight decay never applies: ..."); those every mode shares are in the tune
+    result's ``checks_not_run``."""
 
 
 class Profile(BaseModel):

@@ -112,6 +112,11 @@ class TuneResult(BaseModel):
     def chosen(self) -> ModeSpec:
         return self.profile.spec
 
+    def own_notes(self, outcome: TrialOutcome) -> list[str]:
+        """The outcome's notes less those every mode shares (shown once, in
+        ``checks_not_run``)."""
+        return [note for note in outcome.notes if note not in self.checks_not_run]
+
     def summary(self) -> str:
         """A plain-text table of every trial and the choice."""
         lines = [f"{'mode':34} {'status':9} {'samples/s':>10} {'memory MiB':>10}  reasons"]
@@ -127,7 +132,7 @@ class TuneResult(BaseModel):
             mark = "*" if outcome.spec == self.chosen else " "
             lines.append(
                 f"{mark}{outcome.label:33} {outcome.status:9} {speed} {memory}  "
-                + "; ".join((*outcome.reasons, *outcome.notes))
+                + "; ".join((*outcome.reasons, *self.own_notes(outcome)))
             )
         for skipped in self.skipped:
             lines.append(
@@ -188,6 +193,7 @@ def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcom
         seconds=record.wall_seconds,
         steps=record.steps_run,
         drift={} if verdict is None else verdict.metrics.as_dict(),
+        gate_notes=() if verdict is None else verdict.notes,
         final_loss=record.losses[-1] if record.losses else None,
         windows=record.windows,
         fp8_layers=record.fp8_layers,
@@ -227,6 +233,25 @@ def eager_fp8_advice(outcomes: list[TrialOutcome]) -> tuple[str, ...]:
     )
 
 
+def fallback_note(
+    winner: TrialOutcome, reference: TrialOutcome, outcomes: list[TrialOutcome]
+) -> str | None:
+    """Why the profile is the fp32 reference when no candidate was accepted: every candidate,
+    with what became of it (it said "no candidate passed the drift gate" when all had failed
+    before the gate, left out the candidates the budget never ran, and said nothing when one
+    was rejected and another cut by the budget)."""
+    if winner.spec != reference.spec or not outcomes:
+        return None
+    if any(o.status == "accepted" for o in outcomes):
+        return None  # accepted, and slower than fp32: the table says so
+    said = " ".join(
+        f"{o.label}: {o.status if o.seconds > 0 else 'not run'} "
+        f"({'; '.join(o.reasons) or 'no reason'})."
+        for o in outcomes
+    )
+    return f"No candidate was accepted; this is the fp32 reference. {said}"
+
+
 def build_result(
     setup: RunSetup,
     objective: Objective,
@@ -236,12 +261,7 @@ def build_result(
     checks_not_run: tuple[str, ...],
 ) -> TuneResult:
     winner = choose(outcomes, reference_outcome, objective, budget.speed_noise or 0.0)
-    run = [o for o in outcomes if o.seconds > 0]
-    note = None
-    if winner.spec.mode == "fp32" and run and all(o.status in ("rejected", "failed") for o in run):
-        note = "No candidate passed the drift gate; this is the fp32 reference. " + " ".join(
-            f"{o.label}: {o.status} ({'; '.join(o.reasons) or 'no reason'})." for o in run
-        )
+    note = fallback_note(winner, reference_outcome, outcomes)
     evidence = Evidence(
         trial_steps=budget.trial_steps,
         trial_count=budget.trials_run + budget.trials_from_study,  # all it rests on
@@ -252,6 +272,7 @@ def build_result(
         drift=winner.drift,
         fp8_layers=winner.fp8_layers,
         blind_spots=blind_spots(winner.spec),
+        notes=tuple(note for note in winner.notes if note not in checks_not_run),
     )
     recipe = setup.recipe.summary(setup.user_model)
     profile = profile_for(

@@ -87,7 +87,7 @@ def test_falls_back_to_fp32_when_every_candidate_drifts() -> None:
     # bf16_pure and its 8-bit-optimizer variant both lose their updates
     assert [o.label for o in result.trials] == ["bf16_pure", "bf16_pure+8bit-optim"]
     assert {o.status for o in result.trials} == {"rejected"}
-    assert result.profile.note and result.profile.note.startswith("No candidate passed")
+    assert result.profile.note and result.profile.note.startswith("No candidate was accepted")
     assert "bf16_pure: rejected" in result.profile.note
 
 
@@ -914,3 +914,52 @@ def test_the_first_step_after_warm_up_is_timed_alone() -> None:
     ).record
     assert [(w.first_step, w.steps) for w in record.windows[:3]] == [(0, 2), (2, 1), (3, 7)]
     assert seen[:2] == [1, 2]
+
+
+def test_a_candidates_gate_notes_reach_the_table_and_the_profile() -> None:
+    """tune() kept each verdict's reasons but dropped its notes ("weight decay never applies"),
+    which check() shows; the README promises them in the verdict and the result."""
+    model, _ = tiny_gpt.make_small_model()
+    result = tune(
+        model,
+        tiny_gpt.make_small_batches(),
+        budget_minutes=0.4,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01),
+        objective="memory",
+        modes=["bf16_pure"],
+    )
+    (pure,) = result.trials
+    assert pure.status == "accepted", pure.reasons
+    decay = [note for note in pure.notes if note.startswith("weight decay never applies")]
+    assert decay and decay[0] in result.summary()
+    assert result.chosen.mode == "bf16_pure"
+    assert result.profile.evidence is not None and decay[0] in result.profile.evidence.notes
+    assert not set(result.checks_not_run) & set(result.profile.evidence.notes)
+
+
+def test_the_fp32_fallback_note_names_every_candidate_and_what_became_of_it() -> None:
+    from autoprec.outcomes import TrialOutcome
+    from autoprec.tune_result import fallback_note
+
+    reference = TrialOutcome(spec=ModeSpec(mode="fp32"), status="accepted", seconds=1.0)
+
+    def outcome(mode: str, status: str, reason: str, seconds: float = 1.0) -> TrialOutcome:
+        return TrialOutcome(
+            spec=ModeSpec(mode=mode),
+            status=status,
+            reasons=(reason,),
+            seconds=seconds,  # type: ignore[arg-type]
+        )
+
+    failed = [outcome("amp_bf16", "failed", "boom"), outcome("bf16_kahan", "failed", "oom")]
+    note = fallback_note(reference, reference, failed)
+    assert note is not None and note.startswith("No candidate was accepted")  # not "passed"
+    budget = "budget: the next steps would pass the deadline"
+    never = [outcome("amp_bf16", "rejected", "drift"), outcome("bf16_sr", "pruned", budget, 0.0)]
+    note = fallback_note(reference, reference, never)
+    assert note is not None and "bf16_sr: not run (budget" in note  # it was left out
+    cut = [outcome("amp_bf16", "rejected", "drift"), outcome("bf16_sr", "pruned", budget)]
+    note = fallback_note(reference, reference, cut)  # there was no note at all
+    assert note is not None and "amp_bf16: rejected (drift)" in note and "bf16_sr: pruned" in note
+    accepted = [outcome("amp_bf16", "accepted", "")]
+    assert fallback_note(reference, reference, accepted) is None  # accepted but slower
