@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autoprec.outcomes import Objective, TrialOutcome, balanced_gain
+from autoprec.retiming import within_noise
 
 
 def _key(outcome: TrialOutcome) -> tuple[float, float]:
@@ -41,6 +42,10 @@ def fidelity_rank(outcome: TrialOutcome) -> tuple[int, int]:
     return FIDELITY_ORDER.index(outcome.spec.mode), outcome.spec.optimizer_bits == 8
 
 
+def _noise(outcome: TrialOutcome) -> float:
+    return outcome.timing_noise or 0.0
+
+
 def choose(
     outcomes: Sequence[TrialOutcome],
     reference: TrialOutcome,
@@ -49,9 +54,10 @@ def choose(
 ) -> TrialOutcome:
     """The winner among accepted outcomes (the reference counts), for ``objective``.
 
-    speed: highest samples/s (less memory breaks ties) — but among the modes within
-    ``speed_margin`` (the measured timing noise, a fraction) of the fastest, the one closest to
-    fp32 (``FIDELITY_ORDER``): a difference inside the noise is no reason to leave fp32 further;
+    speed: highest samples/s (less memory breaks ties) — but among the modes within timing
+    noise of the fastest (the larger of the two modes' own re-timing noise,
+    ``TrialOutcome.timing_noise``; ``speed_margin`` a floor under it), the one closest to fp32
+    (``FIDELITY_ORDER``): a difference inside the noise is no reason to leave fp32 further;
     when modes were re-timed (``TrialOutcome.retimed``), among those only;
     memory: least memory (more speed breaks ties); balanced: largest product of speed-up and
     memory saving against the reference, among the re-timed modes when any was (the
@@ -63,8 +69,13 @@ def choose(
     if any(o.retimed for o in pool):  # like with like (memory re-times none)
         pool = [o for o in pool if o.retimed]
     if objective == "speed":
-        fastest = max(o.samples_per_second or 0.0 for o in pool)
-        close = [o for o in pool if (o.samples_per_second or 0.0) >= fastest * (1 - speed_margin)]
+        top = max(pool, key=lambda o: o.samples_per_second or 0.0)
+        fastest, top_noise = top.samples_per_second or 0.0, max(speed_margin, _noise(top))
+        close = [
+            o
+            for o in pool
+            if within_noise(o.samples_per_second or 0.0, _noise(o), fastest, top_noise)
+        ]
         return min(close, key=lambda o: (fidelity_rank(o), -(o.samples_per_second or 0.0)))
     if objective == "memory":
         return min(pool, key=lambda o: (o.memory_bytes or 0, -(o.samples_per_second or 0.0)))

@@ -50,6 +50,9 @@ class TrialOutcome(BaseModel):
     retimed: bool = False
     """Its speed figures are the means of side-by-side re-timings (``retiming``), not its
     trial's: only re-timed modes compete on speed once any was re-timed."""
+    timing_noise: float | None = None
+    """Re-timed modes: the relative difference between its own re-timings (or round means):
+    another mode within the larger of the two modes' noises counts as equally fast."""
     gate_notes: tuple[str, ...] = ()
     """What the drift gate found without rejecting the mode, and checks it could not run (the
     verdict's notes: "weight decay never applies", "weight movement not judged")."""

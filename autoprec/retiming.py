@@ -51,21 +51,33 @@ def _timed_round(
     return speeds
 
 
-def _round_noise(rounds: list[dict[str, list[float]]]) -> float:
-    """The timing noise of what is compared. After one round: the largest relative difference
-    between a mode's two re-timings. After two: between a mode's two round means (a mean of
-    two re-timings, the quantity the first round compares)."""
+def _round_noise(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Each mode's own timing noise. After one round: the relative difference between its two
+    re-timings. After two: between its two round means (a mean of two re-timings, the quantity
+    the first round compares)."""
     if len(rounds) == 1:
-        return max(abs(a - b) / ((a + b) / 2) for a, b in rounds[0].values())
+        return {label: abs(a - b) / ((a + b) / 2) for label, (a, b) in rounds[0].items()}
     means = [{label: sum(v) / len(v) for label, v in speeds.items()} for speeds in rounds]
-    return max(abs(means[0][m] - means[1][m]) / ((means[0][m] + means[1][m]) / 2) for m in means[0])
+    return {m: abs(means[0][m] - means[1][m]) / ((means[0][m] + means[1][m]) / 2) for m in means[0]}
 
 
-def _undecided(speeds: dict[str, list[float]], noise: float) -> bool:
-    """Does a contender other than the fastest lie within ``noise`` of it (the choice then
-    keeps the mode closest to fp32 among them)?"""
-    means = sorted((sum(v) / len(v) for v in speeds.values()), reverse=True)
-    return means[1] >= means[0] * (1 - noise)
+def within_noise(speed: float, noise: float, fastest: float, fastest_noise: float) -> bool:
+    """Is a mode at ``speed`` as fast as the fastest, within the larger of the two modes' own
+    timing noises? (One noise for all, the largest of any mode's, let a slow mode's one-off
+    slow re-timing put a mode 30% slower in a tie with the fastest.)"""
+    return speed >= fastest * (1 - max(noise, fastest_noise))
+
+
+def _undecided(speeds: dict[str, list[float]], noises: dict[str, float]) -> bool:
+    """Does a contender other than the fastest lie within the pair's noise of it (the choice
+    then keeps the mode closest to fp32 among them)?"""
+    means = {label: sum(v) / len(v) for label, v in speeds.items()}
+    best = max(means, key=lambda label: means[label])
+    return any(
+        within_noise(means[label], noises[label], means[best], noises[best])
+        for label in means
+        if label != best
+    )
 
 
 def _contenders(
@@ -125,12 +137,12 @@ def confirm_speed(
     first = _timed_round(contenders, time_spec)
     if first is None:
         return outcomes, reference, None  # the budget cut a re-timing short: trial figures
-    speeds, noise = first, _round_noise([first])
-    if _undecided(first, noise) and clock() + needed() <= deadline:
+    speeds, noises = first, _round_noise([first])
+    if _undecided(first, noises) and clock() + needed() <= deadline:
         second = _timed_round(contenders, time_spec)
         if second is not None:
             speeds = {label: first[label] + second[label] for label in first}
-            noise = _round_noise([first, second])
+            noises = _round_noise([first, second])
 
     def confirmed(outcome: TrialOutcome) -> TrialOutcome:
         if outcome.label not in speeds:
@@ -146,9 +158,10 @@ def confirm_speed(
                 else outcome.tokens_per_second / ratio,
                 "median_step_seconds": (outcome.median_step_seconds or 0.0) * ratio,
                 "retimed": True,
+                "timing_noise": noises[outcome.label],
             }
         )
 
     labels = [o.label for o in contenders]
-    logger.info("re-timed %s: %s (noise %.1f%%)", labels, speeds, noise * 100)
-    return [confirmed(o) for o in outcomes], confirmed(reference), noise
+    logger.info("re-timed %s: %s (noise %s)", labels, speeds, noises)
+    return [confirmed(o) for o in outcomes], confirmed(reference), max(noises.values())

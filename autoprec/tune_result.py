@@ -46,9 +46,9 @@ class BudgetReport(BaseModel):
     fp32_noise_runs: int = 1
     """1, or 2 when the model draws random numbers (the paired run: same batches, other draws)."""
     speed_noise: float | None = None
-    """Timing noise measured by the side-by-side re-timing (largest relative difference between
-    a mode's two re-timings): modes within it of the fastest count as equally fast, and the
-    one closest to fp32 wins. None when nothing was re-timed."""
+    """The largest timing noise the side-by-side re-timing measured (a mode's relative
+    difference between its own re-timings); the choice judges each pair of modes on the larger
+    of their own two (``TrialOutcome.timing_noise``). None when nothing was re-timed."""
 
 
 def budget_report(
@@ -260,7 +260,7 @@ def build_result(
     budget: BudgetReport,
     checks_not_run: tuple[str, ...],
 ) -> TuneResult:
-    winner = choose(outcomes, reference_outcome, objective, budget.speed_noise or 0.0)
+    winner = choose(outcomes, reference_outcome, objective)  # each re-timed mode's own noise
     note = fallback_note(winner, reference_outcome, outcomes)
     evidence = Evidence(
         trial_steps=budget.trial_steps,

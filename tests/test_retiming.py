@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -223,3 +224,47 @@ def test_balanced_retimes_its_leaders_with_the_reference_and_compares_like_with_
     timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in (reference, amp)})
     confirm_speed([amp, pure], reference, 1e9, lambda: 0.0, timer)
     assert sorted(set(timer.asked)) == ["amp_bf16", "fp32"]
+
+
+def test_one_slow_retiming_of_a_slow_mode_does_not_tie_the_fastest_with_fp32() -> None:
+    """Found by a hunt: the tie band was the largest noise of any re-timed mode. bf16_kahan's
+    one-off slow re-timing (95, then 60: 45% noise) put fp32 within "noise" of amp_bf16, 30%
+    faster on every re-timing, and fp32 was chosen. Each pair is now judged on its own two
+    modes' noise."""
+    from autoprec.choice import choose
+
+    reference = _outcome("fp32", 100.0)
+    trials = [_outcome("amp_bf16", 130.0), _outcome("bf16_kahan", 95.0)]
+    # bf16_kahan within its own noise of amp_bf16 after one round: a second round runs
+    timer = FakeTimer(
+        {"fp32": [100.0] * 4, "amp_bf16": [130.0] * 4, "bf16_kahan": [95.0, 60.0, 95.0, 60.0]}
+    )
+    outcomes, new_reference, noise = confirm_speed(
+        trials, reference, 1e9, lambda: 0.0, timer, objective="balanced"
+    )  # balanced re-times the reference with them; the choice below is the speed one
+    assert len(timer.asked) == 12 and noise == 0.0  # round means 77.5 and 77.5
+    first_round_only = FakeTimer(
+        {"fp32": [100.0] * 2, "amp_bf16": [130.0] * 2, "bf16_kahan": [95.0, 60.0]}
+    )
+    outcomes, new_reference, noise = confirm_speed(
+        trials, reference, 1e9, lambda: 0.0, _one_round(first_round_only), objective="balanced"
+    )
+    assert noise == pytest.approx(35 / 77.5)  # the largest, reported as before
+    by_mode = {o.spec.mode: o for o in outcomes}
+    assert by_mode["bf16_kahan"].timing_noise == pytest.approx(35 / 77.5)
+    assert by_mode["amp_bf16"].timing_noise == 0.0 and new_reference.timing_noise == 0.0
+    assert choose(outcomes, new_reference, "speed").spec.mode == "amp_bf16"
+    # a mode whose own noise covers the gap still ties, and the one closer to fp32 wins
+    noisy = by_mode["amp_bf16"].model_copy(update={"timing_noise": 0.3})
+    assert choose([noisy, by_mode["bf16_kahan"]], new_reference, "speed").spec.mode == "fp32"
+
+
+def _one_round(timer: FakeTimer) -> Any:
+    """``timer`` for one round; a second round's first re-timing does not complete."""
+
+    def timed(spec: ModeSpec) -> SimpleNamespace:
+        if not timer.speeds[spec.mode]:
+            return SimpleNamespace(completed=False, samples_per_second=None)
+        return timer(spec)
+
+    return timed
