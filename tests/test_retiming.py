@@ -39,14 +39,19 @@ def test_contenders_are_retimed_both_ways_and_their_means_replace_the_figures() 
     bf16 = _outcome("amp_bf16", 200.0)
     fp16 = _outcome("amp_fp16", 200.0 * (1 - CONFIRM_WITHIN) + 1)  # within 30%: a contender
     pure = _outcome("bf16_pure", 300.0, status="rejected")  # not accepted: never re-timed
-    timer = FakeTimer({"amp_bf16": [180.0, 190.0], "amp_fp16": [200.0, 210.0]})
+    timer = FakeTimer(
+        {"amp_bf16": [180.0, 190.0], "amp_fp16": [200.0, 210.0], "fp32": [95.0, 95.0]}
+    )
 
     outcomes, new_reference, noise = confirm_speed(
         [bf16, fp16, pure], reference, deadline=1e9, clock=lambda: 0.0, time_spec=timer
     )
 
-    assert timer.asked == ["amp_bf16", "amp_fp16", "amp_fp16", "amp_bf16"]  # ABC then CBA
-    assert new_reference == reference  # fp32 at half the speed is no contender
+    # ABC then CBA; fp32, at half the speed no contender, is re-timed with them: the evidence
+    # sets the chosen speed beside the reference's (a re-timed one beside a trial one mixed
+    # two measures)
+    assert timer.asked == ["amp_bf16", "amp_fp16", "fp32", "fp32", "amp_fp16", "amp_bf16"]
+    assert new_reference.retimed and new_reference.samples_per_second == 95.0
     by_mode = {o.spec.mode: o for o in outcomes}
     assert by_mode["amp_bf16"].samples_per_second == pytest.approx(185.0)
     assert by_mode["amp_fp16"].samples_per_second == pytest.approx(205.0)
@@ -62,14 +67,16 @@ def test_an_accepted_mode_whose_one_trial_ran_slow_is_retimed() -> None:
     band re-timed before, and tf32 was chosen; amp_bf16 timed 1971 samples/s on its own."""
     reference = _outcome("fp32", 480.0)  # 29% of the fastest: no contender
     tf32, bf16 = _outcome("tf32", 1649.0), _outcome("amp_bf16", 1396.0)
-    timer = FakeTimer({"tf32": [1620.0, 1630.0], "amp_bf16": [1950.0, 1970.0]})
+    timer = FakeTimer(
+        {"tf32": [1620.0, 1630.0], "amp_bf16": [1950.0, 1970.0], "fp32": [470.0, 470.0]}
+    )
 
     outcomes, new_reference, _ = confirm_speed(
         [bf16, tf32], reference, deadline=1e9, clock=lambda: 0.0, time_spec=timer
     )
 
-    assert timer.asked == ["tf32", "amp_bf16", "amp_bf16", "tf32"]
-    assert new_reference == reference
+    assert timer.asked == ["tf32", "amp_bf16", "fp32", "fp32", "amp_bf16", "tf32"]
+    assert new_reference.samples_per_second == 470.0
     by_mode = {o.spec.mode: o for o in outcomes}
     assert by_mode["amp_bf16"].retimed and by_mode["amp_bf16"].samples_per_second == 1960.0
     assert by_mode["tf32"].samples_per_second == 1625.0
@@ -165,10 +172,12 @@ def test_every_contender_is_retimed_and_only_retimed_figures_compete() -> None:
         _outcome("amp_fp16", 98.0),
         _outcome("bf16_pure", 97.0),
     ]
-    timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.93] * 4 for o in trials})
+    timer = FakeTimer(
+        {o.spec.mode: [o.samples_per_second * 0.93] * 4 for o in [*trials, reference]}
+    )
     outcomes, reference, noise = confirm_speed(trials, reference, 1e9, lambda: 0.0, timer)
-    assert sorted(set(timer.asked)) == sorted(o.spec.mode for o in trials)
-    assert all(o.retimed for o in outcomes) and not reference.retimed
+    assert sorted(set(timer.asked)) == sorted(o.spec.mode for o in [*trials, reference])
+    assert all(o.retimed for o in outcomes) and reference.retimed
     assert choose(outcomes, reference, "speed", noise or 0.0).spec.mode == "amp_bf16"
 
 
@@ -177,13 +186,15 @@ def test_the_budget_trims_contenders_from_the_slowest_and_the_choice_keeps_to_th
 
     reference = _outcome("fp32", 50.0)
     trials = [_outcome("amp_bf16", 100.0), _outcome("amp_fp16", 99.0), _outcome("bf16_pure", 98.0)]
-    timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in trials})
-    # time for two contenders' re-timings (2.5 x 30 steps each at ~0.01 s), not three
-    budget = 2.5 * 30 * (1 / 100.0 + 1 / 99.0) + 0.1
+    timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in [*trials, reference]})
+    # time for the fastest's and the reference's re-timings (2.5 x 30 steps each), no more:
+    # the reference is kept, the slowest contenders go
+    budget = 2.5 * 30 * (1 / 100.0 + 1 / 50.0) + 0.1
     outcomes, reference, noise = confirm_speed(trials, reference, budget, lambda: 0.0, timer)
-    assert sorted(set(timer.asked)) == ["amp_bf16", "amp_fp16"]
+    assert sorted(set(timer.asked)) == ["amp_bf16", "fp32"]
     by_mode = {o.spec.mode: o for o in outcomes}
     assert not by_mode["bf16_pure"].retimed and by_mode["bf16_pure"].samples_per_second == 98.0
+    assert not by_mode["amp_fp16"].retimed and reference.retimed
     assert choose(outcomes, reference, "speed", noise or 0.0).spec.mode == "amp_bf16"
 
 
