@@ -193,6 +193,14 @@ def outcomes_from_study(
     elif study_name not in names:
         raise ValueError(f"{shown} holds no study {study_name!r}; it holds {names}.")
     study = optuna.load_study(study_name=study_name, storage=opened)
+    trials = study.get_trials(deepcopy=False)
+    foreign = trials and not any("outcome" in trial.user_attrs for trial in trials)
+    if foreign and "fingerprint" not in study.user_attrs:  # it said "interrupted before ..."
+        raise ValueError(
+            f"The study {study_name!r} in {shown} is not an autoprec study (autoprec tune "
+            f"records a fingerprint and each trial's outcome; this one holds {len(trials)} "
+            f"trials without). Name a study `autoprec tune` wrote ({shown} holds {names})."
+        )
     noise_runs = int(study.user_attrs.get("noise_runs", 1))
     finished = study.user_attrs.get("result")
     if finished:  # the run ended: its final figures (re-timed) and its choice

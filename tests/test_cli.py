@@ -962,6 +962,23 @@ def test_report_reads_a_journal_storage_named_like_a_trials_file(
     assert "chosen: amp_bf16" in capsys.readouterr().out
 
 
+def test_report_names_a_study_that_is_not_autoprecs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "a run interrupted before its first trial ended has none"."""
+    import optuna
+
+    from autoprec.search import optuna_quiet
+
+    url = f"sqlite:///{tmp_path / 'mine.db'}"
+    with optuna_quiet():
+        mine = optuna.create_study(study_name="mine", storage=url, direction="minimize")
+        mine.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
+    capsys.readouterr()
+    assert main(["report", url, "--study", "mine", "--out", str(tmp_path / "r.png")]) == 2
+    assert "'mine' in " in (said := _one_line_error(capsys)) and "is not an autoprec study" in said
+
+
 def test_report_refuses_a_study_name_for_a_trials_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
