@@ -153,8 +153,8 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
     compatible = layers.fp8_compatible_linears
     if not compatible:
         verdict.reasons.append(
-            f"{what} needs nn.Linear layers with both dimensions divisible by "
-            f"{FP8_DIM_MULTIPLE} (found: none of {len(layers.linears)}{_quantized(layers)})"
+            f"{what} needs plain nn.Linear layers with both dimensions divisible by "
+            f"{FP8_DIM_MULTIPLE} (found: none of {len(layers.linears)}: {_unfit(layers)})"
         )
         return
     share = layers.fp8_eligible_flop_share
@@ -183,9 +183,26 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
         )
 
 
-def _quantized(layers: LayerMix) -> str:
-    count = sum(linear.bnb_4bit for linear in layers.linears)
-    return f"; {count} are bitsandbytes 4-bit, which FP8 does not convert" if count else ""
+def _unfit(layers: LayerMix) -> str:
+    """Why the Linears do not fit FP8, each cause counted (every one was blamed on its
+    dimensions: an HF Conv1D GPT-2 of 4096x2048 layers "not divisible by 16")."""
+    causes = {
+        "HF Conv1D, which FP8 swaps do not convert": 0,
+        "bitsandbytes 4-bit, which FP8 does not convert": 0,
+        "with a computed weight (weight_norm, spectral_norm), which a swap cannot take": 0,
+        f"with a dimension not divisible by {FP8_DIM_MULTIPLE}": 0,
+    }
+    keys = list(causes)
+    for linear in layers.linears:
+        if linear.hf_conv1d:
+            causes[keys[0]] += 1
+        elif linear.bnb_4bit:
+            causes[keys[1]] += 1
+        elif linear.computed_weight:
+            causes[keys[2]] += 1
+        else:
+            causes[keys[3]] += 1
+    return "; ".join(f"{count} {cause}" for cause, count in causes.items() if count)
 
 
 def _first_names(names: tuple[str, ...]) -> str:

@@ -87,8 +87,9 @@ def findings(mix: LayerMix) -> list[str]:
         compatible = mix.fp8_compatible_linears
         share = mix.fp8_eligible_flop_share or 0.0
         findings.append(
-            f"{len(compatible)} of {len(mix.linears)} Linear layers fit FP8 kernels (both dims "
-            f"divisible by {FP8_DIM_MULTIPLE}), carrying {_percent(share)} of FLOPs"
+            f"{len(compatible)} of {len(mix.linears)} Linear layers fit FP8 kernels (plain "
+            f"nn.Linear, both dims divisible by {FP8_DIM_MULTIPLE}), carrying {_percent(share)} "
+            "of FLOPs"
         )
         if compatible and not any(linear.fp8_worthwhile for linear in compatible):
             largest = max(compatible, key=lambda linear: linear.in_features * linear.out_features)

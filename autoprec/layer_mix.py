@@ -39,6 +39,9 @@ class LinearInfo(BaseModel):
     hf_conv1d: bool = False
     """A Hugging Face Conv1D: counted as a Linear, but torchao's and Transformer Engine's FP8
     conversions replace nn.Linear modules only, so it stays out of FP8 (not compatible)."""
+    computed_weight: bool = False
+    """Its weight is computed (weight_norm, spectral_norm, a parametrization): an FP8 swap
+    cannot take it (not compatible)."""
     fp8_worthwhile: bool
     """Compatible and big enough that FP8 is likely to gain (torchao's auto-filter rule)."""
 

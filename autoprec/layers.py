@@ -29,6 +29,7 @@ from autoprec.layer_kinds import (
     BNB_MIN_8BIT_SIZE,
     LAYER_KINDS,
     LayerKind,
+    computes_weight,
     fp8_linear_fits,
     fp8_worthwhile,
     is_bnb_4bit,
@@ -52,7 +53,9 @@ def _parameter_kinds(model: nn.Module) -> dict[str, tuple[LayerKind, int]]:
     for module_fqn, module in modules.items():
         kind = module_kind(module) or "raw_param"
         if isinstance(module, ParametrizationList):  # a parametrized weight's: its owner's
-            owner = modules.get(module_fqn.rsplit(".parametrizations.", 1)[0])
+            # "<owner>.parametrizations.<name>", the owner "" at the model's root (an rsplit
+            # on ".parametrizations." missed it there: a root weight_norm Linear was raw_param)
+            owner = modules.get(".".join(module_fqn.split(".")[:-2]))
             kind = (module_kind(owner) if owner is not None else None) or "raw_param"
         for name, parameter in module.named_parameters(recurse=False):
             if id(parameter) in seen:
@@ -125,6 +128,7 @@ def _linear_infos(model: nn.Module, attribution: FlopAttribution | None) -> tupl
                 fp8_worthwhile=compatible and fp8_worthwhile(*dims),
                 hf_conv1d=is_hf_conv1d(module),
                 bnb_4bit=is_bnb_4bit(module),
+                computed_weight=computes_weight(module),
             )
         )
     return tuple(infos)

@@ -135,8 +135,8 @@ def test_fp8_model_fit() -> None:
     conv = situation("H100", layers=scan_model(*small_convnet.make_model()))
     verdict = mode_eligibility("fp8_torchao", conv)
     assert verdict.reasons == (
-        "fp8_torchao needs nn.Linear layers with both dimensions divisible by 16 "
-        "(found: none of 1)",
+        "fp8_torchao needs plain nn.Linear layers with both dimensions divisible by 16 "
+        "(found: none of 1: 1 with a dimension not divisible by 16)",
     )
     raw = mode_eligibility(
         "fp8_te", situation("H100", layers=scan_model(*raw_param_mlp.make_model()))
@@ -186,3 +186,27 @@ def test_a_model_with_nothing_to_train_is_worth_no_trial() -> None:
     assert verdict.eligible and not verdict.worth_trying
     assert any("no trainable parameters" in note for note in verdict.notes)
     assert not optimizer_8bit_eligibility(situation).worth_trying
+
+
+def test_fp8_refusal_names_why_the_linears_do_not_fit() -> None:
+    """Found by a hunt: HF Conv1D layers and weight-normed Linears of 4096x4096 were refused
+    for "dimensions not divisible by 16"; a root weight_norm Linear's weight was raw_param."""
+    from torch import nn
+    from torch.nn.utils.parametrizations import weight_norm
+
+    normed = nn.Sequential(weight_norm(nn.Linear(64, 64)), weight_norm(nn.Linear(64, 64)))
+    verdict = mode_eligibility("fp8_torchao", situation("H100", layers=scan_model(normed)))
+    assert verdict.reasons == (
+        "fp8_torchao needs plain nn.Linear layers with both dimensions divisible by 16 "
+        "(found: none of 2: 2 with a computed weight (weight_norm, spectral_norm), which a "
+        "swap cannot take)",
+    )
+    from transformers.pytorch_utils import Conv1D
+
+    gpt2_style = nn.Sequential(Conv1D(64, 32), Conv1D(32, 64))
+    verdict = mode_eligibility("fp8_te", situation("H100", layers=scan_model(gpt2_style)))
+    assert "(found: none of 2: 2 HF Conv1D, which FP8 swaps do not convert)" in verdict.reasons[0]
+    root = scan_model(weight_norm(nn.Linear(32, 32)))
+    assert {share.kind: share.parameters for share in root.by_kind if share.parameters} == {
+        "linear": 32 * 32 + 32 + 32  # weight_g, weight_v and the bias: all the Linear's
+    }
