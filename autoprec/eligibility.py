@@ -186,23 +186,21 @@ def _fp8_model_fit(verdict: _Verdict, what: str, layers: LayerMix | None) -> Non
 def _unfit(layers: LayerMix) -> str:
     """Why the Linears do not fit FP8, each cause counted (every one was blamed on its
     dimensions: an HF Conv1D GPT-2 of 4096x2048 layers "not divisible by 16")."""
-    causes = {
-        "HF Conv1D, which FP8 swaps do not convert": 0,
-        "bitsandbytes 4-bit, which FP8 does not convert": 0,
-        "with a computed weight (weight_norm, spectral_norm), which a swap cannot take": 0,
-        f"with a dimension not divisible by {FP8_DIM_MULTIPLE}": 0,
-    }
-    keys = list(causes)
+    dims = f"with a dimension not divisible by {FP8_DIM_MULTIPLE}"
+    counts = dict.fromkeys([*_UNFIT_CAUSES.values(), dims], 0)
     for linear in layers.linears:
-        if linear.hf_conv1d:
-            causes[keys[0]] += 1
-        elif linear.bnb_4bit:
-            causes[keys[1]] += 1
-        elif linear.computed_weight:
-            causes[keys[2]] += 1
-        else:
-            causes[keys[3]] += 1
-    return "; ".join(f"{count} {cause}" for cause, count in causes.items() if count)
+        flag = next((flag for flag in _UNFIT_CAUSES if getattr(linear, flag)), None)
+        counts[_UNFIT_CAUSES[flag] if flag else dims] += 1
+    return "; ".join(f"{count} {cause}" for cause, count in counts.items() if count)
+
+
+_UNFIT_CAUSES = {
+    "hf_conv1d": "HF Conv1D, which FP8 swaps do not convert",
+    "bnb_4bit": "bitsandbytes 4-bit, which FP8 does not convert",
+    "computed_weight": "with a computed weight (weight_norm, spectral_norm), which a swap "
+    "cannot take",
+}
+"""``LinearInfo`` flags that keep a Linear out of FP8 whatever its dimensions, as said."""
 
 
 def _first_names(names: tuple[str, ...]) -> str:

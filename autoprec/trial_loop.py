@@ -37,6 +37,7 @@ from autoprec.trial_measures import (
     rss_bytes,
     sampled_weights,
     state_bytes,
+    state_no_optimizer_steps,
 )
 from autoprec.trial_records import (
     OutputSummary,
@@ -332,7 +333,8 @@ def settle(loop: TrainingLoop, device: torch.device) -> None:
 
     def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
         if not kept:
-            kept.extend((t, t.detach().clone()) for t in _forward_updated(plan.model))
+            state = state_no_optimizer_steps(plan.model)
+            kept.extend((tensor, tensor.detach().clone()) for _, tensor in state)
         batch = to_device(loop.batches[loop.order[0]], device)
         with plan.autocast():
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
@@ -345,13 +347,6 @@ def settle(loop: TrainingLoop, device: torch.device) -> None:
         with torch.no_grad():
             for tensor, before in kept:
                 tensor.copy_(before)
-
-
-def _forward_updated(model: nn.Module) -> list[torch.Tensor]:
-    """What a forward pass (or a ``train_step``) may change in place without an optimizer
-    step: the buffers and the parameters no optimizer trains."""
-    frozen = [parameter for parameter in model.parameters() if not parameter.requires_grad]
-    return [*model.buffers(), *frozen]
 
 
 def measure_trained(

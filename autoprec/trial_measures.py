@@ -83,16 +83,20 @@ def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
     return indices
 
 
-def outside_state(model: nn.Module) -> dict[str, StateDigest]:
-    """Digests of the model's state no optimizer steps: floating buffers and frozen floating
-    weights (a teacher's EMA weights, running statistics). Two float64 reductions per tensor,
-    no copy of it."""
-    tensors = [
+def state_no_optimizer_steps(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's buffers and frozen parameters: what a forward pass or a ``train_step`` may
+    change in place (running statistics, a teacher's EMA weights) and no optimizer steps."""
+    return [
         *((name, b) for name, b in model.named_buffers()),
         *((name, p) for name, p in model.named_parameters() if not p.requires_grad),
     ]
+
+
+def outside_state(model: nn.Module) -> dict[str, StateDigest]:
+    """Digests of the model's state no optimizer steps (``state_no_optimizer_steps``) that is
+    floating. Two float64 reductions per tensor, no copy of it."""
     digests = {}
-    for name, tensor in tensors:
+    for name, tensor in state_no_optimizer_steps(model):
         if not is_floating(tensor) or tensor.is_meta:
             continue
         values = as_real(tensor.detach())
