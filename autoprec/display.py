@@ -178,13 +178,24 @@ def print_profile(
 _STATUS_STYLE = {"accepted": "green", "rejected": "red", "pruned": "yellow", "failed": "red"}
 
 
+RETIMED_MARK = " ↻"
+"""After a speed figure that comes from side-by-side re-timings, not from the mode's trial."""
+
+
 def _budget_caption(result: TuneResult) -> str:
     budget = result.budget
+    retimed = (
+        f"\n{RETIMED_MARK.strip()} re-timed side by side: only these compete on speed (a "
+        "re-timing and a trial are different measures)"
+        if any(o.retimed for o in (result.reference, *result.trials))
+        else ""
+    )
     return (
         f"{budget.used_seconds:.0f} s of {budget.budget_seconds:.0f} s: calibration "
         f"{budget.calibration_seconds:.0f} s, fp32 reference + noise "
         f"{budget.reference_seconds:.0f} s, search {budget.search_seconds:.0f} s; "
         + trial_count(budget)
+        + retimed
         + "".join(f"\nnote: {note}" for note in result.checks_not_run)
         + "".join(f"\nadvice: {advice}" for advice in result.advice)
     )
@@ -205,6 +216,8 @@ def _trial_rows(result: TuneResult) -> list[tuple[Text, Text, str, str, list[str
             ("★ " if chosen else "  ") + outcome.label, style="bold green" if chosen else ""
         )
         speed = f"{outcome.samples_per_second:,.1f}" if outcome.samples_per_second else "—"
+        if outcome.samples_per_second and outcome.retimed:
+            speed += RETIMED_MARK
         memory = f"{outcome.memory_bytes / 2**20:,.2f}" if outcome.memory_bytes else "—"
         status = Text(outcome.status, style=_STATUS_STYLE[outcome.status])
         rows.append((label, status, speed, memory, [*outcome.reasons, *result.own_notes(outcome)]))

@@ -89,14 +89,19 @@ class FlopAttribution(TorchDispatchMode):
                 self.flops_by_kind[kind] += flops
                 self.flops_by_module[fqn] = self.flops_by_module.get(fqn, 0) + flops
                 return
-        raw = [
-            self.parameter_storages[key]
-            for key in (storage_key(arg) for arg in args if isinstance(arg, torch.Tensor))
-            if key in self.parameter_storages
+        operands = [
+            (self.parameter_storages[key], arg.dim())
+            for arg in args
+            if isinstance(arg, torch.Tensor)
+            and (key := storage_key(arg)) in self.parameter_storages
         ]
-        if raw:
+        if operands:
             self.flops_by_kind["raw_param"] += flops
-            self.raw_params.update(dict.fromkeys(raw))
+            # addmm(bias, x, weight.t()): the bias is added, not multiplied; named only when
+            # no matrix parameter is in the op (a vector a custom module multiplies)
+            matrices = [name for name, dims in operands if dims >= 2]
+            named = matrices or [name for name, _ in operands]
+            self.raw_params.update(dict.fromkeys(named))
         else:
             self.flops_by_kind["other"] += flops
 

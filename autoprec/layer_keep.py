@@ -12,6 +12,7 @@ from autoprec.layer_kinds import (
     computes_weight,
     fp8_linear_fits,
     is_bnb_4bit,
+    is_uncalled_linear,
     module_kind,
 )
 from autoprec.layer_mix import KeepFp32
@@ -82,6 +83,7 @@ def default_keep_fp32(
             )
         elif (
             isinstance(module, nn.Linear)
+            and not is_uncalled_linear(module)
             and not is_bnb_4bit(module)
             and not fp8_linear_fits(module)
         ):

@@ -48,6 +48,16 @@ def is_bnb_4bit(module: nn.Module) -> bool:
     )
 
 
+def is_uncalled_linear(module: nn.Module) -> bool:
+    """nn.MultiheadAttention's ``out_proj`` (torch's NonDynamicallyQuantizableLinear): its owner
+    multiplies the weight itself (``F.multi_head_attention_forward``) and never calls the Linear,
+    so a module swap (FP8) does not reach its matmul, and its FLOPs are its owner's. Counted as
+    the owner's raw parameters, like ``in_proj_weight`` beside it (it was counted as a Linear
+    whose FLOPs went to raw parameters, and an FP8 swap of it was listed as a layer run in
+    FP8)."""
+    return isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear)
+
+
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of an nn.Linear or an HF Conv1D."""
     if is_hf_conv1d(module):
@@ -58,6 +68,8 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
 def module_kind(module: nn.Module) -> LayerKind | None:
     """The layer kind of a module, or None for containers and custom modules. HF ``Conv1D``
     counts as a Linear (it is one, with a transposed weight)."""
+    if is_uncalled_linear(module):
+        return None
     if isinstance(module, nn.Linear) or is_hf_conv1d(module):
         return "linear"
     if isinstance(module, nn.modules.conv._ConvNd):
@@ -113,9 +125,11 @@ def fp8_linear_fits(module: nn.Module) -> bool:
     """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
     module swaps convert nn.Linear only; nor is a bitsandbytes 4-bit Linear, whose packed
     uint8 weight a Float8Linear would multiply as it is; nor a Linear whose weight is computed,
-    which a swap cannot take: torchao raised TypeError with the model half converted)."""
+    which a swap cannot take: torchao raised TypeError with the model half converted; nor
+    nn.MultiheadAttention's out_proj, which its owner never calls)."""
     return (
         isinstance(module, nn.Linear)
+        and not is_uncalled_linear(module)
         and not is_bnb_4bit(module)
         and not computes_weight(module)
         and module.in_features % FP8_DIM_MULTIPLE == 0

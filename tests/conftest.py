@@ -8,6 +8,8 @@ from typing import Any
 
 import pynvml
 import pytest
+import torch
+from torch import nn
 
 from autoprec._imports import BACKENDS, BackendStatus
 from autoprec.cpu_info import AutocastCheck, CpuInfo
@@ -180,3 +182,17 @@ def make_backends(*installed: str) -> tuple[BackendStatus, ...]:
 @pytest.fixture
 def fake_nvml() -> type[FakeNvml]:
     return FakeNvml
+
+
+class AttentionNet(nn.Module):
+    """A Linear, nn.MultiheadAttention (which never calls its out_proj), a Linear: 64 wide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.att = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(self.att(h, h, h)[0])

@@ -10,6 +10,7 @@ from autoprec.layer_kinds import LAYER_KINDS, fp8_worthwhile, module_kind
 from autoprec.layer_mix import LayerMix
 from autoprec.layers import scan_model
 from examples import raw_param_mlp, small_convnet, tiny_gpt
+from tests.conftest import AttentionNet
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -113,6 +114,20 @@ def test_torchs_own_transformer_layers_are_counted_as_they_train() -> None:
     assert (mix.kind("other").flops or 0) > 0  # attention scores and values
     assert mix.fp8_eligible_flop_share is not None and mix.fp8_eligible_flop_share < 0.9
     assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_multihead_attentions_out_projection_is_its_owners_raw_parameters() -> None:
+    """nn.MultiheadAttention multiplies ``out_proj.weight`` itself and never calls out_proj: its
+    parameters were counted as a Linear's while its FLOPs went to raw parameters, the FP8
+    finding counted it among the Linears that fit, and its bias was named as a matmul operand."""
+    mix = scan_model(AttentionNet(), torch.randn(2, 8, 64))
+    assert [linear.fqn for linear in mix.linears] == ["inp", "out"]
+    assert mix.kind("linear").parameters == 2 * (64 * 64 + 64)
+    assert mix.kind("raw_param").parameters == 4 * 64 * 64 + 4 * 64  # in_proj and out_proj
+    assert mix.raw_param_matmuls == ("att.in_proj_weight", "att.out_proj.weight")
+    assert any(f.startswith("2 of 2 Linear layers fit FP8") for f in mix.findings), mix.findings
+    assert "att.out_proj" not in {keep.fqn for keep in mix.keep_fp32}
+    assert module_kind(AttentionNet().att.out_proj) is None
 
 
 def test_convnet_is_conv_dominated() -> None:

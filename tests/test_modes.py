@@ -419,6 +419,19 @@ def test_a_glob_naming_a_container_keeps_its_linears_out_of_fp8(field: str) -> N
     assert any(fqn.startswith("blocks.0.attn.") for fqn in converted)
 
 
+def test_fp8_leaves_multihead_attentions_out_projection_alone() -> None:
+    """nn.MultiheadAttention never calls its out_proj (it multiplies the weight itself): a
+    Float8Linear there ran no FP8 matmul yet was listed among the layers the trial ran in FP8."""
+    from tests.conftest import AttentionNet
+
+    model = AttentionNet()
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    plan = build_plan(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert plan.mode.fp8_modules(plan.model) == ("inp", "out")
+    loss = plan.model(torch.randn(2, 8, 64)).square().mean()
+    loss.backward()
+
+
 def test_fp8_candidates_keep_first_and_last_layers_out_of_fp8_not_in_fp32() -> None:
     from autoprec.candidates import screen_specs
     from autoprec.eligibility import Situation

@@ -279,3 +279,51 @@ def _one_round(timer: FakeTimer) -> Any:
         return timer(spec)
 
     return timed
+
+
+def test_the_table_marks_the_speeds_that_come_from_re_timings() -> None:
+    """Only re-timed modes compete on speed once any was re-timed, and a re-timing and a trial
+    are different measures: the table said nothing of which figure was which."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from autoprec.display import RETIMED_MARK, tune_table
+    from autoprec.tune_result import BudgetReport, TuneResult
+
+    def outcome(mode: str, speed: float, retimed: bool) -> TrialOutcome:
+        return TrialOutcome(
+            spec=ModeSpec(mode=mode),
+            status="accepted",
+            samples_per_second=speed,
+            memory_bytes=2**20,
+            retimed=retimed,
+        )
+
+    budget = BudgetReport(
+        budget_seconds=60, used_seconds=50, calibration_seconds=1, reference_seconds=5,
+        search_seconds=44, trial_steps=20, fp32_step_seconds=0.01, trials_run=2, trials_not_run=0,
+    )  # fmt: skip
+    trials = (outcome("amp_bf16", 150.0, True), outcome("bf16_pure", 90.0, False))
+    result = TuneResult.model_construct(
+        profile=types.SimpleNamespace(spec=ModeSpec(mode="amp_bf16")),
+        objective="speed",
+        reference=outcome("fp32", 100.0, True),
+        trials=trials,
+        skipped=(),
+        budget=budget,
+        checks_not_run=(),
+        advice=(),
+    )
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(tune_table(result))
+    text = console.export_text()
+    assert f"100.0{RETIMED_MARK}" in text and f"150.0{RETIMED_MARK}" in text
+    assert f"90.0{RETIMED_MARK}" not in text and "90.0" in text
+    assert "re-timed side by side" in text
+    unmarked = result.model_copy(update={"trials": trials[1:]})
+    unmarked = unmarked.model_copy(update={"reference": outcome("fp32", 100.0, False)})
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(tune_table(unmarked))
+    assert RETIMED_MARK not in console.export_text() and "re-timed" not in console.export_text()
