@@ -85,6 +85,10 @@ class TrialOutcome(BaseModel):
 def balanced_gain(outcome: TrialOutcome, reference: TrialOutcome) -> float:
     """The balanced objective's score: speed-up times memory saving against ``reference``."""
     speedup = (outcome.samples_per_second or 0.0) / (reference.samples_per_second or 1.0)
+    return speedup * memory_saving(outcome, reference)
+
+
+def memory_saving(outcome: TrialOutcome, reference: TrialOutcome) -> float:
+    """The reference's memory over the outcome's (1 when either is unknown)."""
     reference_memory = reference.memory_bytes or 1
-    saving = reference_memory / max(outcome.memory_bytes or reference_memory, 1)
-    return speedup * saving
+    return reference_memory / max(outcome.memory_bytes or reference_memory, 1)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from autoprec.outcomes import Objective, TrialOutcome, balanced_gain
+from autoprec.outcomes import Objective, TrialOutcome, balanced_gain, memory_saving
 from autoprec.specs import ModeSpec
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,14 @@ def within_noise(speed: float, noise: float, fastest: float, fastest_noise: floa
     return speed >= fastest * (1 - max(noise, fastest_noise))
 
 
-def _undecided(speeds: dict[str, list[float]], noises: dict[str, float]) -> bool:
-    """Does a contender other than the fastest lie within the pair's noise of it (the choice
-    then keeps the mode closest to fp32 among them)?"""
-    means = {label: sum(v) / len(v) for label, v in speeds.items()}
+def _undecided(
+    speeds: dict[str, list[float]], noises: dict[str, float], savings: dict[str, float]
+) -> bool:
+    """Does a contender other than the best lie within the pair's noise of it (the choice
+    then keeps the mode closest to fp32 among them)? Scored by samples/s times ``savings``
+    (each mode's memory saving under the balanced objective, 1 under speed: a balanced run
+    timed a second round whenever two speeds were close, though its scores were far apart)."""
+    means = {label: savings[label] * sum(v) / len(v) for label, v in speeds.items()}
     best = max(means, key=lambda label: means[label])
     return any(
         within_noise(means[label], noises[label], means[best], noises[best])
@@ -140,7 +144,10 @@ def confirm_speed(
     if first is None:
         return outcomes, reference, None  # the budget cut a re-timing short: trial figures
     speeds, noises = first, _round_noise([first])
-    if _undecided(first, noises) and clock() + needed() <= deadline:
+    savings = {
+        o.label: memory_saving(o, reference) if objective == "balanced" else 1.0 for o in contenders
+    }
+    if _undecided(first, noises, savings) and clock() + needed() <= deadline:
         second = _timed_round(contenders, time_spec)
         if second is not None:
             speeds = {label: first[label] + second[label] for label in first}

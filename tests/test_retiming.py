@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from autoprec.outcomes import TrialOutcome
+from autoprec.outcomes import Objective, TrialOutcome
 from autoprec.retiming import CONFIRM_WITHIN, confirm_speed
 from autoprec.specs import ModeSpec
 
@@ -235,6 +235,24 @@ def test_balanced_retimes_its_leaders_with_the_reference_and_compares_like_with_
     timer = FakeTimer({o.spec.mode: [o.samples_per_second * 0.9] * 4 for o in (reference, amp)})
     confirm_speed([amp, pure], reference, 1e9, lambda: 0.0, timer)
     assert sorted(set(timer.asked)) == ["amp_bf16", "fp32"]
+
+
+def test_a_balanced_run_times_a_second_round_only_when_its_scores_are_close() -> None:
+    """The second round asked whether two speeds were within noise, under balanced too, whose
+    choice compares speed-up times memory saving: modes equally fast whose scores lie far
+    apart took a second round (budget spent) that could not change the choice."""
+    reference = _lean("fp32", 100.0, 1000)
+    lean = _lean("bf16_kahan", 100.0, 500)  # score 2.0
+
+    def rounds(amp_memory: int, objective: Objective) -> int:
+        amp = _lean("amp_bf16", 100.0, amp_memory)
+        timer = FakeTimer({mode: [100.0, 90.0] * 4 for mode in ("fp32", "amp_bf16", "bf16_kahan")})
+        confirm_speed([amp, lean], reference, 1e9, lambda: 0.0, timer, objective=objective)
+        return len(timer.asked) // 6  # 3 contenders, 2 orders; every mode's noise 10.5%
+
+    assert rounds(650, "balanced") == 1  # 1.54 against 2.0: decided
+    assert rounds(520, "balanced") == 2  # 1.92 against 2.0: within the noise
+    assert rounds(650, "speed") == 2  # the same speeds: a tie, as before
 
 
 def test_one_slow_retiming_of_a_slow_mode_does_not_tie_the_fastest_with_fp32() -> None:
