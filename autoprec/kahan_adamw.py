@@ -10,8 +10,10 @@ Here it is fp32, as torchdistX's AnyPrecisionAdamW (the Hugging Face Trainer's
 ``adamw_anyprecision``) keeps it by default: 2 more bytes per bf16 weight (12 for AdamW with
 bf16 weights, gradients, compensation and first moment, against 16 in fp32). The first moment
 stays bf16 (beta1 0.9 moves it 10% a step, far above bf16's resolution). torch-optimi's Triton
-kernel writes both moments back in the weight's dtype, so it is off: the step runs its
-per-tensor loop (or foreach, where a group asks for it).
+kernel writes both moments back in the weight's dtype, so it is off, and so is its foreach step,
+which takes the square root of that moment copied into a bf16 gradient: the step runs
+``autoprec.kahan_foreach`` (the per-tensor loop's ops over lists of tensors, to the bit; a group
+with ``foreach=False`` runs the loop itself).
 
 **The weight decay.** torch-optimi multiplies a bf16 weight by ``1 - lr * weight_decay``
 outside its Kahan compensation: below half a bf16 ulp the product rounds back to the same
@@ -29,8 +31,9 @@ from typing import Any
 
 import torch
 from optimi import Adam, AdamW
+from optimi.adam import adam as optimi_adam
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+from autoprec.kahan_foreach import LOW_PRECISION, foreach_adam_step
 
 
 class Fp32SecondMoment:
@@ -48,6 +51,43 @@ class Fp32SecondMoment:
         super()._init_state(group, state, param)  # type: ignore[misc]
         if fresh and param.dtype in LOW_PRECISION:
             state["exp_avg_sq"] = state["exp_avg_sq"].float()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, param: torch.Tensor | None = None):
+        if param is not None:  # gradient release: never built by autoprec
+            return _parent_step()(self, closure, param)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_groups()
+        return loss
+
+    @torch.no_grad()
+    def _step_groups(self) -> None:
+        """Every group's step: ``kahan_foreach`` unless the group asks ``foreach=False``
+        (torch-optimi's per-tensor loop then)."""
+        for group in self.param_groups:
+            lists: tuple[list[Any], ...] = ([], [], [], [], [])
+            self._init_group(group, *lists)  # type: ignore[attr-defined]
+            if group["foreach"] is not False:
+                foreach_adam_step(group, *lists)
+                continue
+            optimi_adam(
+                *lists,
+                lr=group["lr"],
+                beta1=group["beta1"],
+                beta2=group["beta2"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                step=group["step"],
+                decouple_wd=group["decouple_wd"],
+                decouple_lr=group["decouple_lr"],
+                max_lr=group["max_lr"],
+                kahan_sum=group["kahan_sum"],
+                foreach=False,
+                triton=False,
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts every loaded state to its weight's dtype: a bf16 weight's fp32 second
@@ -108,7 +148,7 @@ class KahanDecayAdamW(Fp32SecondMoment, AdamW):
         try:
             for group in self.param_groups:
                 group["weight_decay"] = 0.0
-            _parent_step()(self)
+            self._step_groups()
         except BaseException:
             _undo(moved)
             raise
@@ -156,5 +196,5 @@ def _undo(moved: list[tuple[torch.Tensor, torch.Tensor | None, float]]) -> None:
 def _parent_step() -> Callable[..., Any]:
     """torch-optimi's own step, without the step-hook wrapper torch puts on a class once one
     of its instances exists: this class's step runs the hooks already."""
-    step = AdamW.step
+    step = Adam.step  # AdamW's too
     return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]

@@ -58,6 +58,7 @@ case "$stage" in
     timeout 560 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
       tests/test_mode_contract.py \
       "tests/test_optim.py::test_bf16_kahan_keeps_adams_second_moment_in_fp32_so_it_can_decrease" \
+      "tests/test_optim.py::test_bf16_kahans_list_step_matches_torch_optimis_loop_to_the_bit" \
       2>&1 | tee "$log" ;;
   validation)
     timeout 560 "$python" -m benchmarks.gpu_validation --profile-out "$out/gpu-profile.json" \
@@ -78,7 +79,8 @@ case "$stage" in
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       "$python" -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)"
       timeout 90 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
-        "tests/test_optim.py::test_bf16_kahan_keeps_adams_second_moment_in_fp32_so_it_can_decrease"
+        "tests/test_optim.py::test_bf16_kahan_keeps_adams_second_moment_in_fp32_so_it_can_decrease" \
+        "tests/test_optim.py::test_bf16_kahans_list_step_matches_torch_optimis_loop_to_the_bit"
       timeout 170 "$python" -m benchmarks.gpu_validation --steps 100 --eager-only --no-tune
       timeout 110 "$python" -m benchmarks.gpu_validation --steps 100 --compiled-only --no-tune \
         --modes amp_bf16,fp8_torchao

@@ -1,13 +1,13 @@
-"""What bf16_kahan's fp32 second moment costs in its optimizer step, timed against the bf16 one.
+"""bf16_kahan's optimizer step: its list step against torch-optimi's loop, and the bf16 moment.
 
-bf16_kahan keeps Adam's second moment in fp32 (``autoprec.kahan_adamw``); torch-optimi as it
-ships keeps it in bf16, where with beta2 0.999 it cannot decrease. Both optimizers here carry
-AdamW's weight decay through the Kahan compensation, so the second moment's dtype is the only
-difference. The bf16 TinyGPT of ``examples.tiny_gpt`` (0.47M parameters in 28 tensors) with
-fixed random gradients: ``--steps`` optimizer steps after 5 of warm-up, best of ``--rounds``
-rounds, the two interleaved in each round. Printed: milliseconds per step, on a GPU where there
-is one (the bf16 moment then takes torch-optimi's Triton kernel where Triton is, the fp32 one
-its per-tensor loop), else on the CPU.
+bf16_kahan keeps Adam's second moment in fp32 (``autoprec.kahan_adamw``) and steps with
+``autoprec.kahan_foreach`` (the loop's ops over lists of tensors, the same figures to the bit);
+torch-optimi as it ships keeps that moment in bf16, where with beta2 0.999 it cannot decrease,
+and steps with its Triton kernel where there is one (else its per-tensor loop). All three carry
+AdamW's weight decay through the Kahan compensation. The bf16 TinyGPT of ``examples.tiny_gpt``
+(0.47M parameters in 28 tensors) with fixed random gradients: ``--steps`` optimizer steps after
+5 of warm-up, best of ``--rounds`` rounds, interleaved in each round. Printed: milliseconds per
+step, on a GPU where there is one, else on the CPU.
 
     python -m benchmarks.kahan_step [--steps 50] [--rounds 3]
     python -m benchmarks.kahan_step --quick    # 5 steps, 1 round: the CI variant
@@ -22,16 +22,27 @@ from typing import Any
 import optimi
 import torch
 
-from autoprec.kahan_adamw import KahanDecayAdamW
+from autoprec.kahan_adamw import KahanDecayAdamW, _parent_step
 from examples import tiny_gpt
 
 
 class Bf16MomentKahanAdamW(optimi.AdamW):
     """bf16_kahan as it was until 2026-11-26: the same decay through the compensation, Adam's
-    second moment in the weight's dtype (torch-optimi's own)."""
+    second moment in the weight's dtype, torch-optimi's own step (Triton where there is one)."""
 
     step = KahanDecayAdamW.step
     _decay_into_compensation = KahanDecayAdamW._decay_into_compensation
+
+    def _step_groups(self) -> None:
+        _parent_step()(self)
+
+
+class LoopKahanAdamW(KahanDecayAdamW):
+    """bf16_kahan with its fp32 second moment, stepped by torch-optimi's per-tensor loop (its
+    step until ``kahan_foreach``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, foreach=False, **kwargs)
 
 
 def step_milliseconds(kind: type[Any], parameters: list[torch.Tensor], steps: int) -> float:
@@ -61,7 +72,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parameters = list(model.parameters())
     for parameter in parameters:
         parameter.grad = torch.randn_like(parameter) * 1e-3
-    kinds = {"second moment bf16": Bf16MomentKahanAdamW, "second moment fp32": KahanDecayAdamW}
+    kinds = {
+        "second moment bf16, torch-optimi's step": Bf16MomentKahanAdamW,
+        "second moment fp32, per-tensor loop": LoopKahanAdamW,
+        "second moment fp32, list step (bf16_kahan)": KahanDecayAdamW,
+    }
     best = {name: float("inf") for name in kinds}
     for _ in range(rounds):
         for name, kind in kinds.items():

@@ -285,6 +285,57 @@ def test_bf16_kahan_keeps_adams_second_moment_in_fp32_so_it_can_decrease(
     assert seconds["bf16_kahan"] == pytest.approx(seconds["fp32"], rel=1e-3)
 
 
+@pytest.mark.parametrize("family", ["KahanDecayAdamW", "KahanAdam"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_bf16_kahans_list_step_matches_torch_optimis_loop_to_the_bit(
+    family: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16_kahan ran torch-optimi's per-tensor loop (its Triton kernel and foreach step keep
+    the second moment, or the denominator, in bf16); ``kahan_foreach`` runs the same ops over
+    lists: weights, compensations and both moments equal the loop's to the bit, over fp32 and
+    bf16 weights in one group, a weight without a gradient, weight decay, several chunks, and
+    a checkpoint's load (benchmarks/gpu_session.sh runs it on a GPU)."""
+    from autoprec import kahan_adamw, kahan_foreach
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (found: CPU only)")
+    monkeypatch.setattr(kahan_foreach, "CHUNK_ELEMENTS", 300)  # several chunks
+    kind = getattr(kahan_adamw, family)
+
+    def weights() -> list[nn.Parameter]:
+        generator = torch.Generator().manual_seed(0)
+        shapes = [(16, 8), (8,), (32, 16), (4, 4), (600,)]  # the last larger than a chunk
+        made = [nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in shapes]
+        return [w if i == 3 else nn.Parameter(w.detach().bfloat16()) for i, w in enumerate(made)]
+
+    def train(foreach: bool) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+        params = weights()
+        options = {} if foreach else {"foreach": False}  # True: torch-optimi's deprecation warning
+        optimizer = kind(params, lr=1e-2, weight_decay=0.1, kahan_sum=True, **options)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(12):
+            if step == 6:
+                saved = copy.deepcopy(optimizer.state_dict())
+                optimizer = kind(params, lr=1e-2, weight_decay=0.1, kahan_sum=True, **options)
+                optimizer.load_state_dict(saved)
+            for index, param in enumerate(params):
+                grad = torch.randn(param.shape, generator=generator).to(device, param.dtype)
+                param.grad = None if index == 2 and step % 3 == 0 else grad
+            optimizer.step()
+        states = [optimizer.state[p] for p in params]
+        kept = {key: [s[key] for s in states if s.get(key) is not None] for key in states[0]}
+        return [p.detach() for p in params], kept
+
+    looped, loop_state = train(foreach=False)
+    listed, list_state = train(foreach=True)
+    assert all(torch.equal(a, b) for a, b in zip(looped, listed, strict=True))
+    assert loop_state.keys() == list_state.keys() >= {"exp_avg", "exp_avg_sq", "kahan_comp"}
+    for key, tensors in loop_state.items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, list_state[key], strict=True)), key
+    assert loop_state["exp_avg_sq"][0].dtype == torch.float32  # a bf16 weight's
+    assert not torch.equal(looped[0], weights()[0])  # it trained
+
+
 def test_bf16_kahans_fp32_second_moment_loads_as_the_load_hooks_leave_it() -> None:
     """Found in review: the fp32 restore after load read the dict it was handed, so a load
     pre-hook's edit (torch's documented way to adapt a state) was undone, and a post-hook's
@@ -362,7 +413,6 @@ def test_bf16_kahan_decay_survives_a_checkpoint_a_copy_a_closure_and_a_failed_st
     """Found in review of the first version (step hooks): a deep copy lost the decay, a
     ``step(closure)`` applied none, a step that raised left weight_decay 0 in the groups and
     decayed twice when retried."""
-    import optimi
 
     import autoprec
 
@@ -399,16 +449,18 @@ def test_bf16_kahan_decay_survives_a_checkpoint_a_copy_a_closure_and_a_failed_st
         plan.optimizer.step()
     state = plan.optimizer.state[model.weight]
     compensation = state["kahan_comp"].clone()
-    real = optimi.AdamW.step
+    from autoprec import kahan_adamw
+
+    real = kahan_adamw.foreach_adam_step
 
     def raises(*args: object, **kwargs: object) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(optimi.AdamW, "step", raises)
+    monkeypatch.setattr(kahan_adamw, "foreach_adam_step", raises)
     zero_gradient(model)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         plan.optimizer.step()
-    monkeypatch.setattr(optimi.AdamW, "step", real)
+    monkeypatch.setattr(kahan_adamw, "foreach_adam_step", real)
     assert plan.optimizer.param_groups[0]["weight_decay"] == 0.01
     # the moved decay undone (to bf16 rounding of the compensation): one step's is 1e-4
     assert (state["kahan_comp"].float() - compensation.float()).abs().max() < 2e-6

@@ -17,7 +17,7 @@ ORDER = [
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layer_mix", "layer_keep", "layer_findings", "layers",
     "eligibility",
-    "stochastic_optim", "kahan_adamw", "optim", "torch_state_form",  # runtime (apply)
+    "stochastic_optim", "kahan_foreach", "kahan_adamw", "optim", "torch_state_form",  # runtime
     "state_translation",
     "modes", "model_copies", "plan", "testing",
     "probing", "candidates", "batching", "recipe", "recipe_match",  # pipeline
