@@ -14,6 +14,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
 from autoprec.layer_kinds import refuse_lazy
@@ -55,7 +56,38 @@ def collect_batches(loader: Iterable[Any]) -> list[Any]:
             generator.set_state(state)
 
 
+def _refuse_dataset(loader: Any) -> None:
+    """A map-style Dataset iterates its samples one by one: every run trained on single
+    unbatched samples (targets of shape (1,)), and samples/s counted features."""
+    dataset = torch.utils.data.Dataset
+    if isinstance(loader, dataset) and not isinstance(loader, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"loader is a Dataset ({type(loader).__name__}), which yields single samples, not "
+            "batches: pass torch.utils.data.DataLoader(dataset, batch_size=...) (on the "
+            "command line, make --data return the DataLoader)."
+        )
+
+
+def _pointers(batch: Any) -> set[int]:
+    return {tensor.data_ptr() for tensor in tensors_in(batch) if tensor.numel()}
+
+
+def _kept(batch: Any) -> Any:
+    """A copy of a batch that no later batch can overwrite (a leaf that requires grad stays
+    one: a physics-informed loss differentiates by its inputs)."""
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().clone().requires_grad_(tensor.requires_grad and tensor.is_leaf)
+
+    return map_tensors(copy, batch)
+
+
 def _read_batches(loader: Iterable[Any]) -> list[Any]:
+    """Up to ``MAX_BATCHES`` batches. A loader that refills one buffer in place (a prefetcher)
+    hands every batch in the same tensors: each stored batch then held the last one read, and
+    every run trained and was judged on one batch. A batch whose every tensor is an earlier
+    batch's is copied as it is read, and the earlier batch, overwritten, is dropped."""
+    _refuse_dataset(loader)
     try:
         iterator = iter(loader)
     except TypeError:
@@ -64,10 +96,21 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
             f"{type(loader).__name__}."
         ) from None
     batches: list[Any] = []
+    held: dict[int, set[int]] = {}  # stored batches not copied: their tensors' addresses
+    overwritten: set[int] = set()
     try:
         for batch in iterator:
+            pointers = _pointers(batch)
+            # every tensor in an earlier batch's: a buffer refilled (a constant tensor shared
+            # by every batch, such as position ids, is not)
+            shared = {index for index, theirs in held.items() if pointers and pointers <= theirs}
+            if shared:
+                overwritten |= shared
+                batch = _kept(batch)
+            else:
+                held[len(batches)] = pointers
             batches.append(batch)
-            if len(batches) >= MAX_BATCHES:
+            if len(batches) - len(overwritten) >= MAX_BATCHES:
                 break
     except Exception as error:  # the user's loader: named, with its cause
         raise ValueError(
@@ -75,6 +118,7 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
             f"{error}. autoprec reads up to {MAX_BATCHES} batches before training; fix the "
             "loader (its traceback follows this error; the CLI shows it with --debug)."
         ) from error
+    batches = [batch for index, batch in enumerate(batches) if index not in overwritten]
     if not batches:
         raise ValueError(
             "The loader yielded no batches: every run trains on them, so at least one is "

@@ -215,6 +215,31 @@ def test_torchs_own_tf32_getters_work_inside_and_cudnn_rnns_follow(tf32: bool) -
     ] == before
 
 
+@pytest.mark.parametrize("users", ["high", "medium", "highest"])
+def test_the_users_matmul_precision_reads_back_after_a_block(users: str) -> None:
+    """Found by a hunt: after any plan block (check(), tune(), a profile's step) a user's
+    set_float32_matmul_precision("high") (Lightning's advice on GPUs) left
+    torch.get_float32_matmul_precision() raising "a mix of the legacy and new APIs": the
+    fields were put back, torch's legacy flag not."""
+    from autoprec.modes.base import float32_matmul_precision
+
+    backends = torch.backends
+    fields = (backends, backends.cuda.matmul, backends.cudnn, backends.mkldnn.matmul)
+    before = [field.fp32_precision for field in fields]
+    torch.set_float32_matmul_precision(users)
+    try:
+        set_by_user = [field.fp32_precision for field in fields]
+        for tf32 in (False, True):
+            with float32_matmul_precision(tf32):
+                pass
+            assert torch.get_float32_matmul_precision() == users
+            assert [field.fp32_precision for field in fields] == set_by_user
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        for field, value in zip(fields, before, strict=True):
+            field.fp32_precision = value
+
+
 def test_the_fp32_reference_is_fp32_on_the_cpu_under_medium_matmul_precision() -> None:
     # set_float32_matmul_precision("medium") (common in Lightning scripts) sets oneDNN's fp32
     # matmuls to bf16 on CPUs with bf16 units: the "fp32" reference ran bf16 matmuls there

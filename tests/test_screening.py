@@ -1421,6 +1421,45 @@ def test_a_seeded_loaders_order_is_left_as_it_was() -> None:
     assert all(torch.equal(a[0], b[0]) for a, b in zip(used, untouched, strict=True))
 
 
+def test_a_loader_that_refills_one_buffer_hands_every_batch_it_read() -> None:
+    """Found by a hunt: a prefetcher that refills its staging tensors in place handed every
+    batch in the same tensors; the stored batches all held the last one read, and every run
+    trained and was judged on one batch. Each refilled batch is now copied as read."""
+    from autoprec.run_inputs import collect_batches
+
+    task = tasks.regression(lr=1e-4)
+    source = task.batches[:10]
+
+    def prefetcher():  # type: ignore[no-untyped-def]
+        inputs, targets = torch.empty_like(source[0][0]), torch.empty_like(source[0][1])
+        for x, y in source:
+            inputs.copy_(x)
+            targets.copy_(y)
+            yield inputs, targets
+
+    batches = collect_batches(prefetcher())
+    # the first, overwritten before it could be copied, is dropped; the other nine are whole
+    assert len(batches) == 9
+    assert all(torch.equal(b[0], x) for b, (x, _) in zip(batches, source[1:], strict=True))
+    # a constant tensor every batch shares (position ids) is not a refilled buffer
+    positions = torch.arange(4)
+    shared = [{"x": x, "positions": positions} for x, _ in source]
+    assert [b["x"] for b in collect_batches(shared)] == [b["x"] for b in shared]
+    report = autoprec.check(
+        task.model, prefetcher(), loss_fn=task.mse, optimizer=task.optimizer, steps=4,
+        modes=["amp_bf16"],
+    )  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_a_dataset_passed_as_the_loader_is_refused() -> None:
+    """A map-style Dataset iterates single samples: every run trained unbatched, silently."""
+    task = tasks.regression(lr=1e-4)
+    dataset = torch.utils.data.TensorDataset(*map(torch.cat, zip(*task.batches, strict=True)))
+    with pytest.raises(TypeError, match=r"loader is a Dataset \(TensorDataset\).*DataLoader"):
+        autoprec.check(task.model, dataset, loss_fn=task.mse, steps=4, modes=["amp_bf16"])
+
+
 def test_an_optimizer_instance_trains_on_a_copy_moved_to_the_device_named() -> None:
     # the trial model is a copy on `device`, which holds none of the optimizer's parameters:
     # every such run failed in its fp32 reference ("parameters that are not in the model")

@@ -60,12 +60,22 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
         backends.mkldnn.conv,
     ]
     saved = [field.fp32_precision for field in fields]
+    try:  # the user's "high" / "medium": raises when they set per-backend fields themselves
+        saved_global: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        saved_global = None
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     backends.cudnn.allow_tf32 = tf32  # convolutions and RNNs
     backends.mkldnn.matmul.fp32_precision = backends.mkldnn.conv.fp32_precision = "ieee"
     try:
         yield
     finally:
+        # the global setter first (it writes torch's legacy flag too), then every field as it
+        # was: the fields alone left a user's "high" readable by the fields and not by
+        # torch.get_float32_matmul_precision(), which then raised ("a mix of the legacy and
+        # new APIs"; Lightning's CUDA accelerator reads it)
+        if saved_global is not None:
+            torch.set_float32_matmul_precision(saved_global)
         for field, value in reversed(list(zip(fields, saved, strict=True))):
             field.fp32_precision = value
 
