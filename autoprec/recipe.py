@@ -255,6 +255,26 @@ _PINNED_GROUPS = ("optimizer_groups", 0)
 """The ``TrainingRecipe._cache`` key of the optimizer's groups named by ``name_groups_after``."""
 
 
+def _group_values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every group's settings (a tensor's a copy), to put back with :func:`_put_group_values`."""
+    return [
+        {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in group.items()}
+        for group in optimizer.param_groups
+    ]
+
+
+def _put_group_values(optimizer: torch.optim.Optimizer, values: list[dict[str, Any]]) -> None:
+    """The groups as :func:`_group_values` found them (a tensor lr refilled in place)."""
+    for group, saved in zip(optimizer.param_groups, values, strict=True):
+        for key in set(group) - set(saved):
+            del group[key]
+        for key, value in saved.items():
+            if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                group[key].copy_(value)
+            else:
+                group[key] = value
+
+
 @dataclass(frozen=True)
 class TrainingRecipe:
     """How the user trains: what every trial runs and ``apply()`` reproduces.
@@ -368,6 +388,8 @@ class TrainingRecipe:
             accepts = "total_steps" in inspect.signature(self.scheduler).parameters
         except (TypeError, ValueError):
             accepts = False
+        users = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
+        kept = _group_values(users) if users is not None and users is not optimizer else None
         if accepts:
             form = f"(optimizer, total_steps={self.total_steps})"
             made = _called(
@@ -375,6 +397,17 @@ class TrainingRecipe:
             )
         else:
             made = _called(self.scheduler, "scheduler", "(optimizer)", optimizer)
+        if getattr(made, "optimizer", optimizer) is not optimizer:
+            if users is not None and kept is not None:
+                _put_group_values(users, kept)  # what building a scheduler on it changed
+            raise ValueError(
+                f"The scheduler factory {qualified_name(self.scheduler)} returned a scheduler "
+                "of another optimizer than the one it was handed (a scheduler built "
+                "beforehand, or on your own optimizer by name): autoprec calls it once per "
+                "run with that run's optimizer, and stepping it would have stepped yours. "
+                "Build it on its argument, e.g. lambda optimizer: "
+                "torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=...)."
+            )
         if not callable(getattr(made, "step", None)):
             raise TypeError(
                 f"The scheduler factory {qualified_name(self.scheduler)} returned "

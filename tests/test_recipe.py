@@ -265,3 +265,25 @@ def test_an_optimizer_a_scheduler_moved_is_named_when_no_scheduler_is_passed() -
     )
     scheduled = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=100)
     assert scheduled_lr_note(scheduled) is None
+
+
+@pytest.mark.parametrize("built", ["on the user's optimizer", "beforehand"])
+def test_a_scheduler_factory_that_steps_the_users_optimizer_is_refused(built: str) -> None:
+    """Found by a hunt: ``lambda o: CosineAnnealingLR(opt, ...)`` (a one-letter typo) or
+    ``lambda o: sched`` was accepted; reading the schedule stepped the user's own scheduler
+    999 times (their optimizer ended at the schedule's last lr) and read the run as constant."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    if built == "beforehand":
+        scheduler = _cosine(optimizer, 1000)
+        factory = lambda _: scheduler  # noqa: E731
+    else:
+        factory = lambda _: _cosine(optimizer, 1000)  # noqa: E731
+    before = [dict(group) for group in optimizer.param_groups]
+    recipe = TrainingRecipe(optimizer=optimizer, scheduler=factory, total_steps=1000)
+    with pytest.raises(ValueError, match="returned a scheduler of another optimizer"):
+        recipe.lr_points(model)
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(1e-3, rel=1e-6)
+    assert set(optimizer.param_groups[0]) == set(before[0])  # no initial_lr left by a build
+    stepped = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=1000)
+    assert len(stepped.lr_points(model)) == 2  # the factory as meant: peak and floor
