@@ -346,6 +346,7 @@ def build_plan(
     check_step_settings(grad_accumulation_steps, clip_grad_norm)
     mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
+    _drop_leftover_gradients(model)
     model = mode.convert_module(model)
     optimizer = mode.convert_optimizer(optimizer, model, groups)
     if spec.compile and not compiled_by_user:
@@ -359,6 +360,15 @@ def build_plan(
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
     )
+
+
+def _drop_leftover_gradients(model: nn.Module) -> None:
+    """A run switched mid-way in the usual loop order (zero_grad, backward, step) still holds the
+    last step's fp32 gradients: a bf16 mode's first step failed on them ("expected dtype
+    BFloat16"), and the others added them into the next step's gradient (a cosine of 0.978 to
+    fp32's own next step instead of 1.000). That step has applied them; the next makes its own."""
+    for parameter in model.parameters():
+        parameter.grad = None
 
 
 def _schedulers(scheduler: Any) -> list[Any]:
