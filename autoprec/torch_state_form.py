@@ -194,6 +194,10 @@ def _torch_group(group: dict[str, Any], writer: Writer, kind: SourceKind) -> dic
         betas = (group["beta1"], group["beta2"]) if writer == "optimi" else group["betas"]
         hyper.update(betas=tuple(betas), eps=group["eps"])
     extras = {k: v for k, v in group.items() if k not in _WRITER_GROUP_KEYS[writer]}
+    if writer == "optimi" and group.get("max_lr") is not None:
+        # torch-optimi reads its own max_lr only with decouple_lr (refused above): a value
+        # there is OneCycleLR's, which a resumed OneCycleLR(last_epoch=N) needs
+        extras["max_lr"] = group["max_lr"]
     return {**extras, **hyper}
 
 

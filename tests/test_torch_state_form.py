@@ -106,6 +106,26 @@ def test_plain_torch_resumes_a_kahan_plans_checkpoint() -> None:
     assert cosine > 0.9, cosine
 
 
+def test_a_kahan_checkpoint_keeps_onecyclelrs_max_lr_for_the_resumed_schedule() -> None:
+    """Found by a hunt: OneCycleLR's per-group ``max_lr`` was dropped as a torch-optimi key
+    (torch-optimi reads its own only with decouple_lr): OneCycleLR(last_epoch=N) on the loaded
+    optimizer failed with KeyError: 'max_lr', where fp32, 8-bit and bf16_sr states resume."""
+    pytest.importorskip("optimi")
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=20)
+    plan = autoprec.prepare(autoprec.ModeSpec(mode="bf16_kahan"), model, optimizer, schedule)
+    for _ in range(3):
+        plan.step(plan.model(torch.randn(4, 8).bfloat16()).float().pow(2).mean())
+        schedule.step()
+    saved = plan.optimizer.state_dict()
+    plain = torch.optim.AdamW(nn.Linear(8, 4).parameters(), lr=1e-3)
+    plain.load_state_dict(torch_optimizer_state(saved, plain))
+    assert plain.param_groups[0]["max_lr"] == 0.01
+    resumed = torch.optim.lr_scheduler.OneCycleLR(plain, 0.01, total_steps=20, last_epoch=2)
+    assert resumed.get_last_lr() == pytest.approx(schedule.get_last_lr())
+
+
 def test_a_state_of_another_family_or_optimizer_is_refused_with_the_reason() -> None:
     pytest.importorskip("optimi")
     model, sgd = _stepped("sgd")
