@@ -79,6 +79,11 @@ class ModelMismatchWarning(UserWarning):
     """A profile is applied to a model other than the one it was proven for."""
 
 
+class OutsideOptimizerWarning(UserWarning):
+    """A pure-bf16 mode cast trainable weights that plan.optimizer does not step: nothing of
+    the mode rounds their updates."""
+
+
 class PrecisionSwitchWarning(UserWarning):
     """A plan resumes a checkpoint a plan of another mode wrote: the run switches precision."""
 

@@ -955,3 +955,26 @@ def test_a_cycling_scheduler_built_on_plan_optimizer_cycles_the_momentum(
             plan.step((plan.model(x).float() - y).pow(2).mean())
         schedule.step()
     assert used == [0.95, 0.9, 0.85, 0.855, 0.8688, 0.8889]
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+@pytest.mark.parametrize("mode", ["bf16_sr", "bf16_kahan", "bf16_pure"])
+def test_weights_a_pure_bf16_mode_casts_outside_the_optimizer_are_named(mode: str) -> None:
+    """Found by a hunt: Muon for the hidden matrices beside AdamW, or SparseAdam for an
+    embedding: apply(model, adamw) cast the other optimizer's weights to bf16, which it then
+    stepped rounding to nearest (about 10% of its fp32 movement kept), and nothing said so."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    frozen = nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    model.append(frozen)  # frozen: nothing steps it, nothing to say
+    adamw = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
+    with pytest.warns(
+        autoprec.OutsideOptimizerWarning, match=r"2 trainable weight\(s\).*0\.weight, 0\.bias"
+    ):
+        autoprec.prepare(ModeSpec(mode=mode), model, adamw)
+    whole = nn.Sequential(nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoprec.OutsideOptimizerWarning)
+        autoprec.prepare(ModeSpec(mode=mode), whole, torch.optim.AdamW(whole.parameters()))
+        other = nn.Sequential(nn.Linear(8, 2))  # amp keeps fp32 weights: nothing to say
+        autoprec.prepare(ModeSpec(mode="amp_bf16"), other, torch.optim.AdamW(other[0].parameters()))
