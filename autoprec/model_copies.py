@@ -122,15 +122,16 @@ class UserModelWatch:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy_weights: bool
     ) -> None:
-        """``copy_weights``: keep the host copy (a ``train_step``, which can step an optimizer
-        of its own; a ``loss_fn`` only computes a loss, and the gradients alone are kept)."""
+        """``copy_weights``: keep the host copy of the weights and the optimizer's state (a
+        ``train_step``, which can step an optimizer of its own); a ``loss_fn`` only computes a
+        loss: its gradients and buffers (its forwards move BatchNorm's statistics) are kept."""
         self.model = model
         self.optimizer = optimizer if copy_weights else None
         self.grads = {
             name: (p.grad, None if p.grad is None else p.grad.detach().clone())
             for name, p in model.named_parameters()
         }
-        weights = _weights_and_buffers(model) if copy_weights else []
+        weights = _weights_and_buffers(model) if copy_weights else list(model.named_buffers())
         self.tensors = {name: _host_copy(t) for name, t in weights}
         kept = self.optimizer
         self.optimizer_state = None if kept is None else copy.deepcopy(kept.state_dict())

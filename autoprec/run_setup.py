@@ -180,14 +180,20 @@ def _names(names: list[str]) -> str:
 def _trained_the_users_model(names: list[str], stepped: list[str], setup: RunSetup) -> ValueError:
     source = "train_step" if setup.recipe.train_step is not None else "loss_fn"
     use = "plan.model" if source == "train_step" else "the output it is given"
-    aftermath = (
-        f"It also changed {len(stepped)} of the model's weights and buffers "
-        f"({_names(stepped)}): they were put back as they were, with the gradients and the "
-        "state of the optimizer passed to autoprec; an optimizer of your own that it stepped "
-        "keeps what those steps gave it."
-        if stepped
-        else "Your model's gradients were put back as they were."
-    )
+    if stepped and source == "loss_fn":  # its forwards moved buffers (BatchNorm statistics)
+        aftermath = (
+            f"Its forward passes also changed {len(stepped)} of the model's buffers "
+            f"({_names(stepped)}): they were put back as they were, with the gradients."
+        )
+    elif stepped:
+        aftermath = (
+            f"It also changed {len(stepped)} of the model's weights and buffers "
+            f"({_names(stepped)}): they were put back as they were, with the gradients and the "
+            "state of the optimizer passed to autoprec; an optimizer of your own that it "
+            "stepped keeps what those steps gave it."
+        )
+    else:
+        aftermath = "Your model's gradients were put back as they were."
     return ValueError(
         f"Training the fp32 reference put gradients on your own model's parameters "
         f"({_names(names)}): your {source} calls the model it closes over, not the copy each "

@@ -888,6 +888,26 @@ def test_a_train_step_stepping_the_users_own_optimizer_leaves_the_model_as_it_wa
     assert all(p.grad is None for p in task.model.parameters())
 
 
+def test_a_loss_fn_calling_the_users_own_batchnorm_model_leaves_its_statistics() -> None:
+    """Found by a hunt: a loss_fn that calls the model it closes over (not the output it is
+    given) moved the user's BatchNorm statistics in the calibration steps; the error said
+    only the gradients had been touched, and the statistics stayed moved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+    buffers = copy.deepcopy(dict(model.named_buffers()))
+    batches = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(6)]
+
+    def closure_loss(output, target):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.mse_loss(model(torch.randn(16, 4) * 3 + 1), target)
+
+    with pytest.raises(ValueError, match=r"forward passes also changed 3 of the model's buffers"):
+        autoprec.check(model, batches, loss_fn=closure_loss, steps=20, modes=["amp_bf16"])
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     ("argument", "function", "found"),
     [
