@@ -43,8 +43,8 @@ def tensor_digest(tree: Any) -> str:
     leaves, spec = tree_flatten(tree)
     digest.update(repr(spec).encode())
     for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            digest.update(repr(leaf).encode())
+        if not isinstance(leaf, torch.Tensor):  # a batch's set of tags, an object of its own
+            digest.update(_stable_repr(leaf).encode())  # (a plain repr held its address)
             continue
         digest.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
         flat = as_real(leaf.detach()).reshape(-1)  # a complex tensor: both parts

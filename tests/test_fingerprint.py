@@ -269,6 +269,31 @@ def test_a_set_in_a_closure_digests_the_same_in_every_process() -> None:
     assert len(digests) == 1
 
 
+def test_batches_holding_a_set_or_an_object_digest_the_same_in_every_process() -> None:
+    """Found by a hunt: a batch's non-tensor leaves were digested by their plain repr (an
+    object's address, a set's hash-seed order), so a resumed tune() was refused as another
+    run ("batches (other weights or data) differ")."""
+    script = (
+        "import torch\n"
+        "from autoprec.fingerprint import tensor_digest\n"
+        "class Meta:\n    def __init__(self, i):\n        self.i = i\n"
+        "batches = [(torch.ones(2, 2) * i, {'meta': Meta(i), 'tags': {'a', 'b', 'c', 'd'}})"
+        " for i in range(3)]\n"
+        "print(tensor_digest(batches))\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(digests) == 1
+
+
 def test_an_eval_fn_over_a_loader_digests_the_loaders_data() -> None:
     """Found by a hunt: a DataLoader's repr holds no data (``<... object at 0x...>``, the
     address left out), so an eval_fn over a validation loader of other data digested the same
