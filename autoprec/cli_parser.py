@@ -58,7 +58,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "when --lr is given)",
     )
     recipe.add_argument(
-        "--lr", type=float, help="learning rate (peak lr under a schedule); default 3e-4"
+        "--lr",
+        type=float,
+        help="learning rate (peak lr under a schedule); default: --optimizer's own, the "
+        "checkpoint's with --optimizer-state, else 3e-4 (AdamW)",
     )
     recipe.add_argument(
         "--scheduler",
@@ -95,7 +98,13 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "module name as named_modules() gives it, or a pattern such as 'blocks.*.ln_1')",
     )
     parser.add_argument("--device", help="cpu or cuda:N (default: where the model is)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of every run's random draws (dropout, stochastic rounding); the fp32 noise "
+        "runs use seed + 1 (default 0)",
+    )
     parser.add_argument(
         "--threshold",
         action="append",

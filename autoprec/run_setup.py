@@ -32,7 +32,7 @@ from autoprec.candidates import (
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device
-from autoprec.errors import BudgetTooSmallError, UnsupportedModeError
+from autoprec.errors import BatchError, BudgetTooSmallError, LossError, UnsupportedModeError
 from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
@@ -148,10 +148,18 @@ EVAL_FN_HINT = (
 )
 
 
+_INPUT_ERRORS: dict[str, type[ValueError]] = {"LossError": LossError, "BatchError": BatchError}
+"""autoprec's refusals of the user's loss or batches, raised as themselves (the README names
+``autoprec.LossError``; a plain ValueError said "raised by autoprec's own code: report it")."""
+
+
 def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
     failure = result.record.failure
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
+    name, _, text = failure.message.partition(": ")
+    if name in _INPUT_ERRORS and text:
+        return _INPUT_ERRORS[name](f"The fp32 reference failed{where}: {text}")
     if failure.kind == "eval_failed":
         hint = EVAL_FN_HINT
     elif failure.raised_by_autoprec:

@@ -152,7 +152,7 @@ class ModeSpec(BaseModel):
 
     @property
     def label(self) -> str:
-        """Short human-readable name, e.g. ``amp_bf16+adam8bit``."""
+        """Short human-readable name, e.g. ``amp_bf16+8bit-optim``."""
         parts = [self.mode]
         if self.fp8_recipe:
             parts.append(self.fp8_recipe.split("_", 1)[1])

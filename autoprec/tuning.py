@@ -198,7 +198,8 @@ def tune(
         progress: show live progress on stderr (default: on in an interactive terminal or a
             notebook, off in logs and pipes).
 
-    Example: ``autoprec.tune(*examples.tiny_gpt.make_model(), budget_minutes=1)`` — see
+    Example: ``model, _ = examples.tiny_gpt.make_model(); autoprec.tune(model,
+    examples.tiny_gpt.make_batches(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
     model, use_compile = checked_model(model, device, compile)

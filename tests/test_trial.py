@@ -997,6 +997,22 @@ def test_a_loss_that_is_not_one_number_is_the_users_not_autoprecs() -> None:
     assert issubclass(LossError, autoprec.AutoprecError)
 
 
+def test_check_and_tune_raise_the_loss_error_the_readme_names() -> None:
+    """Found by a hunt: the README says a per-sample loss is refused with autoprec.LossError,
+    but check() and tune() raised a plain ValueError that ``except autoprec.LossError`` missed,
+    with the location of autoprec's own refusal in it."""
+    task = tasks.regression(lr=1e-3)
+
+    def per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(output, target, reduction="none")
+
+    with pytest.raises(autoprec.LossError, match=r"at step 0: loss_fn.*shape") as raised:
+        autoprec.check(task.model, task.batches, loss_fn=per_sample, steps=4, modes=["amp_bf16"])
+    assert "autoprec/" not in str(raised.value)
+    with pytest.raises(autoprec.LossError):
+        autoprec.tune(task.model, task.batches, loss_fn=per_sample, budget_minutes=1)
+
+
 @pytest.mark.parametrize(
     ("returned", "found"),
     [
