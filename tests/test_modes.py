@@ -569,6 +569,50 @@ def test_a_kept_module_handed_a_model_input_reads_it_in_fp32(compiled: str) -> N
     assert root_inputs._stack() == []
 
 
+class _Shifted(nn.Module):
+    """A learned shift first in the model (an observation normaliser), then a small body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.full((4,), -20.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
+
+
+@pytest.mark.parametrize("slice_input", [False, True])
+def test_a_checkpointed_kept_module_recomputes_from_the_fp32_input(slice_input: bool) -> None:
+    """Found by a hunt: activation checkpointing recomputes the forward in the backward pass,
+    after the call's record of fp32 originals is gone: the kept module recomputed from the
+    bf16-rounded input (a mean of 20: a step of 0.125), and the gradients came out 78% off
+    the same model's without checkpointing, with the loss unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = 20 + 0.05 * torch.randn(16, 6, generator=torch.Generator().manual_seed(0))
+
+    class Model(nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            self.checkpointed = checkpointed
+            self.body = nn.Sequential(_Shifted(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            inputs = inputs[:, 1:5] if slice_input else inputs[:, :4].contiguous()
+            if self.checkpointed:
+                return checkpoint(self.body, inputs, use_reentrant=False)
+            return self.body(inputs)
+
+    gradients = []
+    for checkpointed in (False, True):
+        torch.manual_seed(1)
+        model = Model(checkpointed)
+        spec = ModeSpec(mode="bf16_pure", keep_fp32=("body.0",))
+        plan = prepare(spec, model, torch.optim.SGD(model.parameters(), lr=0.0))
+        plan.backward(plan.model(x).float().pow(2).mean())
+        gradients.append(model.body[1].weight.grad.float().clone())
+    assert torch.equal(gradients[0], gradients[1])
+
+
 @pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
 def test_a_kept_module_reads_an_input_the_forward_edited_in_place_as_edited() -> None:
     """The root cast's record pointed a kept norm at the unedited fp32 original: it saw column
@@ -618,7 +662,13 @@ def test_a_view_of_a_cast_input_is_read_from_the_same_view_of_the_original() -> 
         assert original_input(low_expanded) is expanded
     finally:
         root.forget(nn.Linear(1, 1), (), None)
-    assert original_input(low[:, 1:3]).dtype == torch.bfloat16  # the call is over
+    # the call is over: found while the cast input lives (a checkpoint's recompute), then gone
+    assert torch.equal(original_input(low[:, 1:3]), x[:, 1:3])
+    from autoprec.modes import root_inputs
+
+    held = len(root_inputs._alive)
+    del low, low_expanded
+    assert len(root_inputs._alive) == held - 2
 
 
 def test_bf16_kahan_refuses_a_sparse_embedding_left_out_of_keep_fp32() -> None:
