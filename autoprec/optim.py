@@ -340,8 +340,7 @@ def rebuild_optimizer(
         _expose_betas(rebuilt)
     if target == "bnb_8bit" and kind == "sgd":
         _momentum_into_betas(rebuilt)
-    if untranslatable:
-        _refuse_groups_without(rebuilt, untranslatable)
+    _translate_added_groups(rebuilt, kind, optimizer, target, untranslatable)
     return rebuilt
 
 
@@ -421,10 +420,22 @@ def _translated_defaults(
     return translate_group(kind, dict(first), target)[1], {key: reason for key in options}
 
 
-def _refuse_groups_without(optimizer: torch.optim.Optimizer, needed: dict[str, str]) -> None:
-    """Make ``optimizer.add_param_group`` refuse a group that leaves an option in ``needed`` to
-    the defaults: the user's default has no equivalent here (``needed[option]`` says why), and
-    the rebuilt optimizer's default is another group's value."""
+def _translate_added_groups(
+    rebuilt: torch.optim.Optimizer,
+    kind: SourceKind,
+    source: torch.optim.Optimizer,
+    target: OptimizerTarget,
+    needed: dict[str, str],
+) -> None:
+    """Make ``rebuilt.add_param_group`` take a group as the user's optimizer would (its options
+    in torch's names, the rest from the user's defaults) and translate it as the rebuild did
+    the others, refusing what ``target`` cannot run. Before, an added group went in as given:
+    ``maximize=True`` under the stochastic-rounding SGD stepped uphill, Adam's L2
+    ``weight_decay`` became bitsandbytes' decoupled decay, torch-optimi's SGD read
+    ``dampening=0.5`` as True and dropped ``nesterov``. A group that leaves an option in
+    ``needed`` to the defaults is refused: the user's default has no equivalent here
+    (``needed[option]`` says why)."""
+    user_defaults = _default_options(source)
 
     def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
         unset = sorted(key for key in needed if key not in param_group)
@@ -434,11 +445,14 @@ def _refuse_groups_without(optimizer: torch.optim.Optimizer, needed: dict[str, s
                 f"{type(self).__name__} cannot take ({needed[unset[0]]}). Set "
                 f"{', '.join(unset)} in the group you add."
             )
-        type(self).add_param_group(self, param_group)
+        given = {key: value for key, value in param_group.items() if key != "params"}
+        _, translated = translate_group(kind, {**user_defaults, **given}, target)
+        extras = {key: value for key, value in given.items() if key not in user_defaults}
+        type(self).add_param_group(self, {**extras, **translated, "params": param_group["params"]})
 
     # bound to the instance, as state_translation wraps load_state_dict: a deep copy binds it
     # to the copy
-    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
+    rebuilt.add_param_group = types.MethodType(add_param_group, rebuilt)  # type: ignore[method-assign]
 
 
 def _default_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -543,6 +543,37 @@ def test_8bit_group_added_later_takes_the_users_defaults_not_group_0s(family: st
     assert rebuilt.param_groups[0]["lr"] == (5e-2 if family == "adam" else 0.5)
 
 
+def test_a_group_added_later_is_translated_and_refused_as_the_rebuilt_ones_are() -> None:
+    """Found by a hunt: a group added to a rebuilt optimizer went in as given. maximize=True
+    under the stochastic-rounding SGD stepped downhill; Adam's L2 weight_decay became
+    bitsandbytes' decoupled decay (a zero-gradient weight of 1.0: 0.9511 after 10 steps where
+    torch's Adam gives 0.9003); torch-optimi's SGD read dampening=0.5 as True and dropped
+    nesterov. Each is refused as it is at apply(), and torch's names are translated."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("optimi")
+    model = nn.ModuleDict({"body": nn.Linear(8, 8), "head": nn.Linear(8, 8)})
+    body, head = list(model["body"].parameters()), list(model["head"].parameters())
+
+    def rebuilt(user: torch.optim.Optimizer, target: str) -> torch.optim.Optimizer:
+        return rebuild_optimizer(user, named_groups(user, model), model, target)
+
+    sgd = rebuilt(torch.optim.SGD(body, lr=0.1, momentum=0.9), "stochastic")
+    with pytest.raises(ValueError, match="maximize=True has no equivalent"):
+        sgd.add_param_group({"params": head, "maximize": True})
+    adam8 = rebuilt(torch.optim.Adam(body, lr=1e-2), "bnb_8bit")
+    with pytest.raises(ValueError, match="applies weight_decay as an L2 gradient term"):
+        adam8.add_param_group({"params": head, "weight_decay": 0.5})
+    kahan = rebuilt(torch.optim.SGD(body, lr=0.1, momentum=0.9), "optimi_kahan")
+    with pytest.raises(ValueError, match="nesterov=True has no equivalent"):
+        kahan.add_param_group({"params": head, "dampening": 0.5, "nesterov": True})
+    assert [len(o.param_groups) for o in (sgd, adam8, kahan)] == [1, 1, 1]
+    adamw = rebuilt(torch.optim.AdamW(body, lr=1e-3), "optimi_kahan")
+    adamw.add_param_group({"params": head, "betas": (0.8, 0.95), "weight_decay": 0.2})
+    added = adamw.param_groups[1]
+    assert (added["beta1"], added["beta2"], added["weight_decay"]) == (0.8, 0.95, 0.2)
+    assert added["lr"] == 1e-3 and added["kahan_sum"] is True  # the user's default lr
+
+
 @pytest.mark.parametrize("target", ["stochastic", "optimi_kahan", "bnb_8bit"])
 def test_a_groups_own_decoupled_weight_decay_decides_its_decay(target: str) -> None:
     """torch's Adam reads decoupled_weight_decay per group. An Adam whose decaying group sets
