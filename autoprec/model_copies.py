@@ -111,6 +111,22 @@ def deep_copy(model: nn.Module) -> nn.Module:
         ) from error
 
 
+def refuse_parallel_wrapper(model: nn.Module) -> None:
+    """nn.DataParallel and DistributedDataParallel wrap the model a profile was proven on: a
+    wrapped model read as another model (its keep_fp32 patterns matched nothing, and a kept
+    LayerNorm trained in bf16), and DDP's gradient buckets are built for the fp32 parameters a
+    mode then casts. Refused, naming the order that works."""
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    if isinstance(model, wrappers):
+        name = type(model).__name__
+        raise TypeError(
+            f"The model is wrapped in {name}: autoprec converts, tunes and checks the model "
+            f"itself. Pass model.module, and wrap what apply() returns: {name}(plan.model, "
+            "...) (DDP's gradient buckets are built for the parameters' dtypes, which a mode "
+            "changes)."
+        )
+
+
 class UserModelWatch:
     """The user's model (and optimizer) as they were before a run that trains a copy, to tell
     afterwards whether the run trained the original instead (a ``train_step`` or ``loss_fn``

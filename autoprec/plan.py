@@ -29,7 +29,11 @@ from autoprec.errors import (
     RecipeMismatchWarning,
     UnsupportedModeError,
 )
-from autoprec.model_copies import CompiledForward, inside_compile_wrapper
+from autoprec.model_copies import (
+    CompiledForward,
+    inside_compile_wrapper,
+    refuse_parallel_wrapper,
+)
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
@@ -93,6 +97,7 @@ def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
             " (the arguments are swapped?)" if isinstance(model, torch.optim.Optimizer) else ""
         )
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}{swapped}.")
+    refuse_parallel_wrapper(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."

@@ -18,7 +18,11 @@ from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
 from autoprec.layer_kinds import refuse_lazy
-from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
+from autoprec.model_copies import (
+    compiled_in_place,
+    inside_compile_wrapper,
+    refuse_parallel_wrapper,
+)
 from autoprec.outcomes import OBJECTIVES
 from autoprec.random_streams import kept_streams
 from autoprec.specs import matches_keep_fp32
@@ -317,6 +321,7 @@ def check_model(model: Any) -> None:
     """A model that can train here: a Module with trainable parameters that hold values."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    refuse_parallel_wrapper(model)
     if next(model.parameters(), None) is None:
         raise ValueError("The model has no parameters: there is nothing to tune.")
     if not any(p.requires_grad for p in model.parameters()):

@@ -978,3 +978,21 @@ def test_weights_a_pure_bf16_mode_casts_outside_the_optimizer_are_named(mode: st
         autoprec.prepare(ModeSpec(mode=mode), whole, torch.optim.AdamW(whole.parameters()))
         other = nn.Sequential(nn.Linear(8, 2))  # amp keeps fp32 weights: nothing to say
         autoprec.prepare(ModeSpec(mode="amp_bf16"), other, torch.optim.AdamW(other[0].parameters()))
+
+
+def test_a_model_wrapped_for_data_parallel_training_is_refused_naming_the_order() -> None:
+    """Found by a hunt: apply() on nn.DataParallel(model) read it as another model ("proven
+    on Sequential, applied to DataParallel"), its keep_fp32 matched no module and the
+    LayerNorm the profile keeps trained in bf16."""
+    from autoprec.profile import profile_for
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    wrapped = nn.DataParallel(model)
+    profile = profile_for(ModeSpec(mode="bf16_pure", keep_fp32=("1",)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any "another model" warning
+        with pytest.raises(TypeError, match=r"wrapped in DataParallel.*model\.module"):
+            profile.apply(wrapped, torch.optim.AdamW(wrapped.parameters()))
+    with pytest.raises(TypeError, match="wrapped in DataParallel"):
+        autoprec.check(wrapped, [(torch.randn(2, 4), torch.randn(2, 4))], steps=4)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
