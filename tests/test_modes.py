@@ -569,6 +569,33 @@ def test_a_kept_module_handed_a_model_input_reads_it_in_fp32(compiled: str) -> N
     assert root_inputs._stack() == []
 
 
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+@pytest.mark.parametrize("mode", ["bf16_pure", "bf16_sr", "amp_bf16"])
+def test_a_module_shared_with_a_kept_container_computes_in_fp32_inside_it(mode: str) -> None:
+    """Found by a hunt: one Linear registered as ``enc.0`` and ``dec.1``, ``dec`` kept. Pure
+    bf16 took it for a module tied to a kept one (named_modules lists it once, as enc.0) and
+    ran it under bf16 autocast inside dec's fp32 island too."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Sequential(nn.Linear(8, 8))
+            self.dec = nn.Sequential(nn.LayerNorm(8), self.enc[0])
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.dec(self.enc(x)))
+
+    model = Shared()
+    seen: list[torch.dtype] = []
+    model.dec[1].register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    spec = ModeSpec(mode=mode, keep_fp32=("dec",))
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    with plan.autocast():
+        plan.model(torch.randn(2, 8)).float().sum().backward()
+    assert seen == [torch.bfloat16, torch.float32]  # via enc, via the kept dec
+
+
 class _Shifted(nn.Module):
     """A learned shift first in the model (an observation normaliser), then a small body."""
 

@@ -11,6 +11,7 @@ graph is compiled under the state the hooks set.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+_inside = threading.local()
+"""``.fp32``: how many kept modules' fp32 islands the current thread's forward is inside."""
+
+
+def _fp32_depth() -> int:
+    return getattr(_inside, "fp32", 0)
 
 
 def cast_floats(tree: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
@@ -78,6 +86,7 @@ class Fp32Island:
     def enter(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.saved.append(torch.is_autocast_enabled(self.device_type))
         torch.set_autocast_enabled(self.device_type, False)
+        _inside.fp32 = _fp32_depth() + 1
         if self.original is not None:
             args, kwargs = tree_map(self.original, args), tree_map(self.original, kwargs)
         return cast_floats(args, LOW_DTYPES, torch.float32), cast_floats(
@@ -86,6 +95,7 @@ class Fp32Island:
 
     def leave(self, _module: nn.Module, _args: Any, output: Any) -> Any:
         torch.set_autocast_enabled(self.device_type, self.saved.pop() if self.saved else False)
+        _inside.fp32 = max(0, _fp32_depth() - 1)
         if self.output_dtype is None or (self.narrow is not None and not self.narrow()):
             return output
         return cast_floats(output, (torch.float32,), self.output_dtype)
@@ -93,7 +103,9 @@ class Fp32Island:
 
 class AutocastIsland:
     """One module's hooks running it under autocast to ``dtype`` whatever surrounds it, while
-    ``active()`` says so (pure bf16: while the model is still bf16)."""
+    ``active()`` says so (pure bf16: while the model is still bf16), except inside a kept
+    module's fp32 island: a module registered twice, once inside a kept container, computed
+    in bf16 there too (found by a hunt: ``enc.0`` and ``dec.1`` one module, ``dec`` kept)."""
 
     def __init__(
         self, device_type: str, dtype: torch.dtype, active: Callable[[], bool] | None = None
@@ -104,7 +116,7 @@ class AutocastIsland:
         self.contexts: list[torch.autocast | None] = []
 
     def enter(self, _module: nn.Module, _args: Any) -> None:
-        if self.active is not None and not self.active():
+        if (self.active is not None and not self.active()) or _fp32_depth():
             self.contexts.append(None)
             return
         context = torch.autocast(self.device_type, dtype=self.dtype)
