@@ -5,6 +5,7 @@ and Linears FP8 kernels cannot take."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from autoprec.layer_kinds import (
@@ -50,6 +51,16 @@ def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> li
     return entries
 
 
+def loaded_in_low_precision(module: nn.Module) -> bool:
+    """Every weight of ``module`` is a floating dtype other than fp32 (a frozen base loaded in
+    bf16: trainable weights must be fp32). Keeping it in fp32 has no fp32 values to keep, and
+    its fp32 island failed at the first forward ("mixed dtype (CPU): expect parameter to have
+    scalar type of Float"): found by a hunt on a LoRA-style model, whose bf16 LayerNorm and
+    embedding the probe put on pure bf16's keep list."""
+    weights = [p for p in module.parameters() if p.is_floating_point()]
+    return bool(weights) and all(p.dtype != torch.float32 for p in weights)
+
+
 def default_keep_fp32(
     model: nn.Module, compute_order: list[str], running: tuple[str, ...] = ()
 ) -> tuple[KeepFp32, ...]:
@@ -62,6 +73,8 @@ def default_keep_fp32(
     ]
     for fqn, module in model.named_modules():
         kind = module_kind(module)
+        if loaded_in_low_precision(module):
+            continue  # a frozen base loaded in bf16 (LoRA): no fp32 weights to keep
         if kind == "norm":
             keep[fqn] = "normalisation: statistics need full precision"
         elif kind == "embedding":

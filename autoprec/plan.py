@@ -29,6 +29,7 @@ from autoprec.errors import (
     RecipeMismatchWarning,
     UnsupportedModeError,
 )
+from autoprec.layer_keep import loaded_in_low_precision
 from autoprec.model_copies import (
     CompiledForward,
     inside_compile_wrapper,
@@ -350,6 +351,7 @@ def build_plan(
         )
     # refuse before converting anything: a refusal leaves the model and optimizer untouched
     check_step_settings(grad_accumulation_steps, clip_grad_norm)
+    _refuse_kept_low_precision(mode, model)
     mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
     _drop_leftover_gradients(model)
@@ -366,6 +368,21 @@ def build_plan(
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
     )
+
+
+def _refuse_kept_low_precision(mode: PrecisionMode, model: nn.Module) -> None:
+    """A ``keep_fp32`` module whose weights are all loaded in low precision (a frozen bf16
+    base): its fp32 island failed at the first forward with torch's "mixed dtype" error."""
+    for fqn in mode.kept_roots(model):
+        module = model.get_submodule(fqn)
+        if loaded_in_low_precision(module):
+            dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+            raise ValueError(
+                f"keep_fp32 keeps {fqn!r} in fp32, but its weights are all {dtype} (frozen, "
+                "loaded in low precision): there are no fp32 weights to keep, and an fp32 "
+                f"island cannot compute with them. Leave {fqn!r} out of keep_fp32 (it computes "
+                f"as loaded), or load it in fp32 first (model.{fqn}.float())."
+            )
 
 
 def _drop_leftover_gradients(model: nn.Module) -> None:

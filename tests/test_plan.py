@@ -12,7 +12,7 @@ import autoprec
 from autoprec.eligibility import Situation
 from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.layers import scan_model
-from autoprec.plan import build_plan
+from autoprec.plan import CONVERTED_MARK, build_plan
 from autoprec.specs import ModeSpec
 from tests.conftest import make_backends, make_hardware
 
@@ -996,3 +996,44 @@ def test_a_model_wrapped_for_data_parallel_training_is_refused_naming_the_order(
     with pytest.raises(TypeError, match="wrapped in DataParallel"):
         autoprec.check(wrapped, [(torch.randn(2, 4), torch.randn(2, 4))], steps=4)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+class _LoraLike(nn.Module):
+    """A frozen base loaded in bf16 (embedding, LayerNorm, Linears) and a trainable fp32 adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.ln = nn.LayerNorm(16)
+        self.base = nn.Linear(16, 16)
+        self.lora = nn.Linear(16, 16, bias=False)
+        self.head = nn.Linear(16, 32)
+        for module in (self.emb, self.ln, self.base, self.head):
+            module.requires_grad_(False).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.emb(x))
+        return self.head(self.base(h) + self.lora(h.float()).to(h.dtype))
+
+
+def test_a_frozen_bf16_base_is_not_kept_in_fp32_and_an_explicit_keep_is_refused() -> None:
+    """Found by a hunt: the probe put a LoRA model's frozen bf16 LayerNorm and embedding on
+    pure bf16's keep list; their fp32 islands failed at the first forward ("mixed dtype (CPU):
+    expect parameter to have scalar type of Float"), so check() failed every pure-bf16 mode,
+    and an explicit keep_fp32 was accepted by apply() and failed the same way."""
+    tokens = torch.randint(0, 32, (4, 6))
+    kept = {keep.fqn for keep in autoprec.probe(_LoraLike(), tokens).layers.keep_fp32}
+    assert not kept & {"emb", "ln"}
+    report = autoprec.check(
+        _LoraLike(),
+        [torch.randint(0, 32, (4, 6)) for _ in range(8)],
+        loss_fn=lambda out, _: out.float().pow(2).mean(),
+        steps=8,
+        modes=["bf16_pure", "amp_bf16"],
+    )
+    assert all(verdict.status != "failed" for verdict in report.verdicts), report.summary()
+    model = _LoraLike()
+    optimizer = torch.optim.AdamW(model.lora.parameters())
+    with pytest.raises(ValueError, match=r"keep_fp32 keeps 'ln' in fp32, but its weights are all"):
+        autoprec.prepare(ModeSpec(mode="amp_bf16", keep_fp32=("ln",)), model, optimizer)
+    assert model.ln.weight.dtype == torch.bfloat16 and CONVERTED_MARK not in model.__dict__
