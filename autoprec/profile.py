@@ -256,7 +256,8 @@ class Profile(BaseModel):
 
     def check_model(self, model: nn.Module, *, strict: bool) -> None:
         """Warn (or with ``strict``, refuse) when ``model`` is not the one the profile was
-        proven for: another class or size, or ``keep_fp32`` patterns that match no module.
+        proven for: another class or size, or ``keep_fp32`` / ``fp8_skip`` patterns that match
+        no module.
         A ``torch.compile(model)`` wrapper is checked by the model inside it, as tune saw it."""
         inner = inside_compile_wrapper(model)  # explicit: an empty nn.Sequential is falsy
         model = model if inner is None else inner
@@ -264,13 +265,14 @@ class Profile(BaseModel):
         if self.model is not None:
             differences = self.model.differences(ModelFingerprint.from_layers(scan_model(model)))
         names = [fqn for fqn, _ in model.named_modules() if fqn]
-        unmatched = [
-            pattern
-            for pattern in self.spec.keep_fp32
-            if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
-        ]
-        if unmatched:
-            differences.append(f"keep_fp32 patterns match no module: {', '.join(unmatched)}")
+        for field in ("keep_fp32", "fp8_skip"):  # an fp8_skip that matched nothing ran in FP8
+            unmatched = [
+                pattern
+                for pattern in getattr(self.spec, field)
+                if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
+            ]
+            if unmatched:
+                differences.append(f"{field} patterns match no module: {', '.join(unmatched)}")
         if not differences:
             return
         message = (

@@ -317,6 +317,17 @@ def test_applying_to_another_model_warns_and_strict_refuses() -> None:
         profile.apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4), strict=True)
 
 
+def test_an_fp8_skip_pattern_that_matches_nothing_is_said() -> None:
+    """Found by a hunt: an fp8_skip pattern that matched nothing was silent, and the layer it
+    meant ran in FP8; only keep_fp32 patterns were checked."""
+    from autoprec.profile import profile_for
+
+    model, _ = tiny_gpt.make_model()
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", fp8_skip=("lm_hed",))
+    with pytest.warns(ModelMismatchWarning, match="fp8_skip patterns match no module: lm_hed"):
+        profile_for(spec).apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+
+
 # dynamo reads .grad of the non-leaf tensors a graph break hands to the resumed frame
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_a_compiled_wrapper_is_converted_inside_and_stays_the_model_to_call() -> None:
