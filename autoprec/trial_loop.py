@@ -138,8 +138,12 @@ def _evaluate(
     # mode, and its nested tensors have no max. Training never takes it; neither does this pass.
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    # a train_step may differentiate by its inputs (a physics-informed loss: autograd.grad of
+    # the output by x): without grad it failed here, reported as a loss without gradients at
+    # the last training step. Nothing is stepped: the graph goes with the loss.
+    grad_mode = torch.enable_grad() if train_step is not None else torch.no_grad()
     try:
-        with torch.no_grad(), plan.autocast():
+        with grad_mode, plan.autocast():
             for batch in heldout:
                 returned.clear()
                 loss, output = forward_and_loss(plan, to_device(batch, device), loss_fn, train_step)

@@ -929,6 +929,26 @@ def test_a_function_of_the_wrong_arity_is_refused_up_front(
         )
 
 
+def test_a_physics_informed_train_step_is_judged_on_held_out_batches_too() -> None:
+    """Found by a hunt: a train_step whose loss differentiates the output by the input
+    (autograd.grad, as physics-informed nets do) trained, then failed in the held-out pass,
+    run without grad, reported as "The fp32 reference failed at step 7 ... The loss has no
+    gradient". With a train_step the held-out pass keeps grad on (nothing is stepped)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    batches = [torch.rand(32, 1) for _ in range(16)]
+
+    def pinn_step(plan, x):  # type: ignore[no-untyped-def]
+        x = x.clone().requires_grad_(True)
+        u = plan.model(x)
+        du = torch.autograd.grad(u.float().sum(), x, create_graph=True)[0]
+        return ((du - torch.cos(x)) ** 2).mean()
+
+    report = autoprec.check(model, batches, steps=8, train_step=pinn_step, modes=["amp_bf16"])
+    assert report.verdict("amp_bf16").status == "safe", report.summary()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_dataclass_batches_train_under_a_train_step() -> None:
     # "A batch must contain at least one tensor with a batch dimension; got Batch", reported
     # as autoprec's own bug
