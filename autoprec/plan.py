@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import numbers
 import types
@@ -102,6 +103,23 @@ def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."
+        )
+    refuse_closure_optimizer(optimizer)
+
+
+def refuse_closure_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer whose ``step`` needs a closure (LBFGS re-evaluates the loss within a step):
+    it passed ``apply()``, then ``plan.step`` raised torch's "missing ... 'closure'", and
+    ``check()`` blamed the batches."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss itself, "
+            "several times a step): autoprec's plans and trials step once per backward pass. "
+            "Use an optimizer whose step takes no closure (AdamW, SGD, ...)."
         )
 
 

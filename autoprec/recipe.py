@@ -32,7 +32,7 @@ from torch import nn
 from autoprec._models import FROZEN_RECORD
 from autoprec.batching import LossFn, TrainStep
 from autoprec.optim import named_groups, rebuild_optimizer
-from autoprec.plan import check_step_settings
+from autoprec.plan import check_step_settings, refuse_closure_optimizer
 
 OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 """An optimizer over the user's model (cloned per trial) or a factory ``params -> optimizer``."""
@@ -326,6 +326,8 @@ class TrainingRecipe:
         # the plan's own check, here before any batch is read (True passed as an int and a
         # number, and failed in the first trial as "autoprec's own code")
         check_step_settings(self.grad_accumulation_steps, self.clip_grad_norm)
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            refuse_closure_optimizer(self.optimizer)
         object.__setattr__(self, "grad_accumulation_steps", int(self.grad_accumulation_steps))
         for name, value, form in (
             ("loss_fn", self.loss_fn, "loss_fn(output, target) -> loss"),
@@ -378,6 +380,7 @@ class TrainingRecipe:
                 f"The optimizer factory {qualified_name(self.optimizer)} returned "
                 f"{type(made).__name__}, not a torch.optim.Optimizer."
             )
+        refuse_closure_optimizer(made)
         return made
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:

@@ -1037,3 +1037,18 @@ def test_a_frozen_bf16_base_is_not_kept_in_fp32_and_an_explicit_keep_is_refused(
     with pytest.raises(ValueError, match=r"keep_fp32 keeps 'ln' in fp32, but its weights are all"):
         autoprec.prepare(ModeSpec(mode="amp_bf16", keep_fp32=("ln",)), model, optimizer)
     assert model.ln.weight.dtype == torch.bfloat16 and CONVERTED_MARK not in model.__dict__
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_up_front() -> None:
+    """Found by a hunt: LBFGS passed apply(), then plan.step raised torch's "missing ...
+    'closure'"; check() reported "The fp32 reference failed at step 0 ... Check that the
+    loader's batches fit the model"."""
+    model = nn.Linear(4, 1)
+    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(6)]
+    with pytest.raises(TypeError, match=r"LBFGS\.step needs a closure"):
+        autoprec.prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.LBFGS(model.parameters()))
+    for optimizer in (torch.optim.LBFGS(model.parameters()), lambda p: torch.optim.LBFGS(p)):
+        with pytest.raises(TypeError, match=r"LBFGS\.step needs a closure"):
+            autoprec.check(
+                model, batches, loss_fn=nn.functional.mse_loss, optimizer=optimizer, steps=4
+            )
