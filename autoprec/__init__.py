@@ -6,6 +6,7 @@ Public API only. Optuna and rich are never imported here.
 from autoprec._version import __version__
 from autoprec.errors import (
     AutoprecError,
+    BatchError,
     BudgetTooSmallError,
     ExportError,
     HardwareMismatchWarning,
@@ -31,6 +32,7 @@ from autoprec.tuning import tune
 
 __all__ = [
     "AutoprecError",
+    "BatchError",
     "BudgetTooSmallError",
     "ExportError",
     "HardwareMismatchWarning",

@@ -58,12 +58,29 @@ def _rebuilt_dataclass(original: Any, values: dict[str, Any], keep_types: bool) 
 
 
 def _rebuilt(original: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
-    """``values`` in the mapping type of ``original`` where its class takes a dict
-    (``BatchEncoding``, ``UserDict``), else a plain dict."""
+    """``values`` in the mapping type of ``original``: ``original`` itself when no value
+    changed, else built from a dict (``BatchEncoding``, ``UserDict``) or a copy with the items
+    set. A class that takes neither is refused: it became a plain dict, and a ``train_step``
+    reading ``batch.x`` failed with "'dict' object has no attribute 'x'", blamed on the
+    batches (found by a hunt)."""
+    if all(values[key] is original[key] for key in values):
+        return original
     try:
         return type(original)(values)
     except Exception:  # noqa: BLE001 - a class that cannot be rebuilt from a dict
-        return values
+        pass
+    try:
+        rebuilt = copy.copy(original)
+        for key, value in values.items():
+            rebuilt[key] = value  # type: ignore[index]
+        return rebuilt
+    except Exception as error:  # named in the refusal
+        raise BatchError(
+            f"A batch of type {type(original).__name__} (a Mapping) cannot be rebuilt with "
+            "new tensors (copied, or moved to the device): its class takes no dict and its "
+            f"copy takes no item assignment ({type(error).__name__}: {error}). Give it a "
+            "constructor that takes a dict, or have the loader yield dicts or dataclasses."
+        ) from error
 
 
 def map_tensors(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import UserDict
+from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
@@ -40,6 +41,40 @@ def test_a_mapping_that_is_not_a_dict_is_opened_like_one() -> None:
     assert torch.equal(nested[1]["inner"]["input_ids"], batch["input_ids"] + 1)
     moved = to_device(batch, "cpu")
     assert type(moved) is UserDict and torch.equal(moved["input_ids"], batch["input_ids"])
+
+
+class _Fields(Mapping):
+    """A batch read as ``batch.x`` and ``batch["x"]``, built from two tensors (not a dict)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("x", "y"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+class _SettableFields(_Fields):
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        setattr(self, key, value)
+
+
+def test_a_mapping_whose_class_takes_no_dict_is_kept_or_refused_not_made_a_dict() -> None:
+    """Found by a hunt: such a batch became a plain dict (on the CPU too, where nothing moves),
+    and a train_step reading batch.x failed, blamed on the batches."""
+    batch = _Fields(torch.ones(2, 3), torch.zeros(2))
+    assert to_device(batch, "cpu") is batch  # nothing moved: the batch itself
+    with pytest.raises(autoprec.BatchError, match=r"type _Fields \(a Mapping\) cannot be rebuilt"):
+        map_tensors(torch.clone, batch)
+    settable = _SettableFields(torch.ones(2, 3), torch.zeros(2))
+    copied = map_tensors(lambda tensor: tensor * 2, settable)
+    assert type(copied) is _SettableFields and copied is not settable
+    assert torch.equal(copied.x, settable.x * 2) and torch.equal(settable.x, torch.ones(2, 3))
 
 
 def test_a_digest_of_mapping_batches_reads_every_value() -> None:
