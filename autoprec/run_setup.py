@@ -91,6 +91,17 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
     """What to do about a failing fp32 reference, from what failed (the trial's one-line
     message: exception type and first line)."""
     recipe, batch = setup.recipe, setup.train[0]
+    own_backward = ("backward through the graph a second time", "does not require grad")
+    if recipe.train_step is not None and any(said in message for said in own_backward):
+        # a train_step written like the apply() loop: it ran backward (or plan.step) itself,
+        # or returned the loss detached after doing so (found by a hunt: "check that the
+        # loader's batches fit the model" / "does not depend on any trainable parameter")
+        return (
+            "If your train_step runs loss.backward(), plan.step(loss) or an optimizer step "
+            "itself, leave them out: it must only compute the loss (under plan.autocast() "
+            "where it calls plan.model) and return it, and autoprec runs the backward pass and "
+            "the step. Otherwise the loss does not flow from plan.model's output."
+        )
     if "does not require grad" in message or "does not have a grad_fn" in message:
         return (
             "The loss has no gradient: it does not depend on any trainable parameter (a "

@@ -949,6 +949,24 @@ def test_a_physics_informed_train_step_is_judged_on_held_out_batches_too() -> No
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("returns", ["the loss", "the loss detached"])
+def test_a_train_step_that_runs_its_own_backward_is_told_what_a_train_step_does(
+    returns: str,
+) -> None:
+    """Found by a hunt: a train_step written like the apply() loop (loss.backward() or
+    plan.step(loss) inside) was told to check that the batches fit the model, or that the
+    loss does not depend on any trainable parameter."""
+    task = tasks.regression(lr=1e-2)
+
+    def own_backward(plan, batch):  # type: ignore[no-untyped-def]
+        loss = task.mse(plan.model(batch[0]), batch[1])
+        plan.step(loss)
+        return loss.detach() if returns.endswith("detached") else loss
+
+    with pytest.raises(ValueError, match=r"must only compute the loss .* and return it"):
+        autoprec.check(task.model, task.batches, train_step=own_backward, steps=8)
+
+
 def test_dataclass_batches_train_under_a_train_step() -> None:
     # "A batch must contain at least one tensor with a batch dimension; got Batch", reported
     # as autoprec's own bug
