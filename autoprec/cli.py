@@ -184,8 +184,39 @@ def _stepped_optimizer(model: Any, factory: Any, path: str, read: Any) -> Any:
     from autoprec.recipe import default_optimizer
 
     optimizer = (factory or default_optimizer)(model.parameters())
+    built = [dict(group) for group in optimizer.param_groups]
     load_optimizer_state(optimizer, path, read=read)
+    replaced = _replaced_settings(built, optimizer.param_groups)
+    if factory is not None and replaced:
+        logging.getLogger("autoprec.cli").warning(
+            "--optimizer-state: the checkpoint's settings replace --optimizer's, as torch's "
+            "load_state_dict does (every trial trains with them): %s",
+            "; ".join(replaced),
+        )
     return optimizer
+
+
+_NOT_SETTINGS = frozenset(
+    {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
+)
+"""Group keys a loaded checkpoint may change without a word: the lr (documented: the saved lr
+wins, ``--lr`` overrides it) and implementation flags."""
+
+
+def _replaced_settings(built: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> list[str]:
+    """``name before -> after`` for each group setting a load changed (found by a hunt: the
+    checkpoint's betas and weight decay silently replaced the --optimizer factory's)."""
+    changes = []
+    for index, (before, after) in enumerate(zip(built, loaded, strict=False)):
+        for key in sorted(set(before) - _NOT_SETTINGS):
+            old, new = before[key], after.get(key)
+            try:
+                same = bool(old == new)
+            except Exception:  # noqa: BLE001 - a tensor-valued setting: compared by identity
+                same = old is new
+            if not same:
+                changes.append(f"group {index} {key} {old!r} -> {new!r}")
+    return changes
 
 
 def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,7 +33,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="start every trial from your run's optimizer state (Adam's moments), as the run "
         "continues: the one in the --weights checkpoint (under 'optimizer', "
         "'optimizer_state_dict', 'optim' or 'optimizer_states'), or FILE (a Hugging Face "
-        "Trainer's optimizer.pt); its lr is the run's there unless --lr is given",
+        "Trainer's optimizer.pt); its settings (lr, betas, weight decay) are the run's there, "
+        "as torch's load_state_dict makes them (a warning names those that replace "
+        "--optimizer's), the lr unless --lr is given",
     )
     parser.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, target)")
     parser.add_argument(

@@ -608,6 +608,37 @@ def test_weights_start_every_trial_from_a_checkpoint(
     assert "does not fit the model: size mismatch" in capsys.readouterr().err
 
 
+def test_optimizer_state_that_replaces_the_factorys_settings_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a hunt: torch's load_state_dict replaced the --optimizer factory's betas and
+    weight decay with the checkpoint's, silently; only the recipe line showed it."""
+    from examples import raw_param_mlp
+
+    model, _ = raw_param_mlp.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # betas (0.9, 0.999), wd 0.01
+    for x, y in raw_param_mlp.make_batches()[:3]:
+        raw_param_mlp.loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt"
+    )
+    factory = tmp_path / "optimizers.py"
+    factory.write_text(
+        "import torch\n\n\ndef make(params):\n"
+        "    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)\n"
+    )
+    command = [*RAW_PARAM_CHECK, "--steps", "4", "--modes", "amp_bf16", "--json"]
+    command += ["--weights", str(tmp_path / "c.pt"), "--optimizer-state"]
+    assert main([*command, "--optimizer", f"{factory}:make"]) == 0
+    err = capsys.readouterr().err
+    assert "the checkpoint's settings replace --optimizer's" in err
+    assert "betas (0.9, 0.95) -> (0.9, 0.999)" in err and "weight_decay 0.1 -> 0.01" in err
+    assert main(command) == 0  # autoprec's default AdamW: nothing of the user's replaced
+    assert "replace" not in capsys.readouterr().err
+
+
 def test_optimizer_state_starts_every_trial_from_the_runs_adam_moments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
