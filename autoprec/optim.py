@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -225,12 +226,29 @@ def translate_group(
 
 def check_translation(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> None:
     """Raise what rebuilding ``optimizer`` for ``target`` would raise (``TypeError`` for its
-    class, ``ValueError`` for an option without an equivalent). Builds nothing."""
+    class, ``ValueError`` for an option without an equivalent or a value the target's own
+    constructor refuses). Builds each translated group once, over a placeholder tensor:
+    torch-optimi refuses SGD's ``momentum=1.0``, which torch takes, and that refusal came
+    after the model was converted (found by a hunt)."""
     groups = [
         NamedGroup((), {k: v for k, v in group.items() if k != "params"})
         for group in optimizer.param_groups
     ]
-    _translations(optimizer, groups, target)
+    _, translations = _translations(optimizer, groups, target)
+    placeholder = nn.Parameter(torch.zeros(1))
+    for constructor, translated in translations:
+        defaults = _accepted_by(constructor, translated)  # as the rebuild passes them
+        if "beta1" in translated:  # torch-optimi: constructor betas, groups beta1/beta2
+            defaults["betas"] = (translated["beta1"], translated["beta2"])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                constructor([{**translated, "params": [placeholder]}], **defaults)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{_TARGET_NAMES[target]} refuses this optimizer's settings ({error}); use "
+                "settings it takes, or another mode."
+            ) from error
 
 
 def translation_problem(optimizer: torch.optim.Optimizer, target: OptimizerTarget) -> str | None:

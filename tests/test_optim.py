@@ -614,3 +614,18 @@ def test_a_groups_own_decoupled_weight_decay_decides_its_decay(target: str) -> N
         assert refused in (translation_problem(mixed, target) or "")
         with pytest.raises(ValueError, match=refused):
             rebuild_optimizer(mixed, named_groups(mixed, model), model, target)
+
+
+def test_a_setting_the_rebuilds_own_constructor_refuses_is_refused_before_converting() -> None:
+    """Found by a hunt: SGD(momentum=1.0) is legal in torch; torch-optimi's constructor refused
+    it ("Invalid momentum") after bf16_kahan had cast the weights to bf16, so the model could
+    no longer be applied under another mode."""
+    import autoprec
+
+    pytest.importorskip("optimi")
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=1.0)
+    with pytest.raises(ValueError, match=r"torch-optimi.*refuses this optimizer's settings"):
+        autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
+    assert model.weight.dtype == torch.float32
+    autoprec.prepare(ModeSpec(mode="amp_bf16"), model, optimizer)  # still fp32, unconverted
