@@ -629,3 +629,44 @@ def test_a_setting_the_rebuilds_own_constructor_refuses_is_refused_before_conver
         autoprec.prepare(ModeSpec(mode="bf16_kahan"), model, optimizer)
     assert model.weight.dtype == torch.float32
     autoprec.prepare(ModeSpec(mode="amp_bf16"), model, optimizer)  # still fp32, unconverted
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes on a CPU
+def test_sgd8bit_resumes_with_the_momentum_the_resumed_schedule_sets() -> None:
+    """Found by a hunt: after plan.optimizer.load_state_dict the first resumed SGD8bit step
+    took the checkpoint's betas[0] (the momentum of the step before the save, 0.5223) over
+    the one OneCycleLR set (0.5847): the sync table was kept by group index, not by group."""
+    import autoprec
+
+    pytest.importorskip("bitsandbytes")
+    inputs = torch.randn(10, 4, 8, generator=torch.Generator().manual_seed(3))
+
+    def build() -> tuple[autoprec.PrecisionPlan, object, list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            sgd, max_lr=0.1, total_steps=10, base_momentum=0.5, max_momentum=0.95
+        )
+        plan = autoprec.prepare(ModeSpec(mode="fp32", optimizer_bits=8), model, sgd, schedule)
+        used: list[float] = []
+        plan.optimizer.register_step_pre_hook(  # after autoprec's own sync
+            lambda o, *_: used.append(round(o.param_groups[0]["betas"][0], 4))
+        )
+        return plan, schedule, used
+
+    def run(plan: autoprec.PrecisionPlan, schedule: object, steps: range) -> None:
+        for step in steps:
+            plan.step(plan.model(inputs[step]).pow(2).mean())
+            schedule.step()  # type: ignore[attr-defined]
+
+    plan, schedule, uninterrupted = build()
+    run(plan, schedule, range(8))
+    plan, schedule, _ = build()
+    run(plan, schedule, range(4))
+    saved = copy.deepcopy((plan.optimizer.state_dict(), schedule.state_dict()))  # type: ignore[attr-defined]
+    resumed_plan, resumed_schedule, resumed = build()
+    resumed_plan.optimizer.load_state_dict(saved[0])
+    resumed_schedule.load_state_dict(saved[1])  # type: ignore[attr-defined]
+    run(resumed_plan, resumed_schedule, range(4, 8))
+    assert resumed == uninterrupted[4:]
