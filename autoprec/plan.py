@@ -39,7 +39,7 @@ from autoprec.model_copies import (
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
-from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
+from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights, stored_values
 
 PLAN_STATE_KEYS = frozenset({"spec", "mode", "micro_step"})
 """What :meth:`PrecisionPlan.state_dict` holds."""
@@ -277,7 +277,11 @@ class PrecisionPlan:
         micro-batches itself and calls this only at a step's end (the HF Trainer's)."""
         self.mode.unscale_gradients(self.optimizer)
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if any(grad.is_sparse for grad in grads):
+            self.last_grad_norm = _clip_with_sparse(grads, max_norm)
+        else:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         return self.last_grad_norm
 
     def state_dict(self) -> dict[str, Any]:
@@ -327,6 +331,19 @@ class PrecisionPlan:
 
     def __repr__(self) -> str:
         return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"
+
+
+def _clip_with_sparse(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over gradients some of which are sparse (an
+    ``nn.Embedding(sparse=True)``), which it cannot take ("Could not run ... SparseCPU": any
+    clip_grad_norm failed in every mode, found by a hunt): the same norm over the values each
+    stores, the same clip coefficient."""
+    norms = [torch.linalg.vector_norm(stored_values(grad).float()) for grad in grads]
+    total = torch.linalg.vector_norm(torch.stack([norm.to(norms[0].device) for norm in norms]))
+    coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for grad in grads:
+        grad.mul_(coefficient)
+    return total
 
 
 def compile_model(model: nn.Module) -> None:

@@ -1052,3 +1052,24 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_up_front() -> None:
             autoprec.check(
                 model, batches, loss_fn=nn.functional.mse_loss, optimizer=optimizer, steps=4
             )
+
+
+def test_clipping_takes_a_sparse_embeddings_gradient_as_torch_clips_the_dense_one() -> None:
+    """Found by a hunt: any clip_grad_norm on a model with nn.Embedding(sparse=True) failed in
+    every mode ("Could not run ... SparseCPU"): torch's clip_grad_norm_ takes no sparse
+    gradient."""
+
+    def model(sparse: bool) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(), nn.Linear(8, 1))
+
+    tokens = torch.tensor([[1, 2], [3, 1]])
+    dense = model(False)
+    dense(tokens).pow(2).sum().mul(100).backward()
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
+    sparse = model(True)
+    plan = autoprec.prepare(ModeSpec(mode="fp32"), sparse, torch.optim.SGD(sparse.parameters()))
+    sparse(tokens).pow(2).sum().mul(100).backward()
+    assert torch.allclose(plan.clip_gradients(0.5), expected)
+    assert torch.allclose(sparse[0].weight.grad.to_dense(), dense[0].weight.grad)
+    assert torch.allclose(sparse[2].weight.grad, dense[2].weight.grad)
