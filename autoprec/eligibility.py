@@ -260,6 +260,13 @@ def _amp_fp16(situation: Situation, verdict: _Verdict) -> None:
             f"{len(layers.complex_parameters)} complex trainable parameter(s): "
             f"{_first_names(layers.complex_parameters)})"
         )
+    if situation.gpu is None and layers is not None and layers.lstm_modules:
+        verdict.reasons.append(
+            "amp_fp16 on a CPU: oneDNN has no fp16 LSTM (torch raises \"could not create a "
+            "primitive descriptor for the LSTM forward\") (found: "
+            f"{len(layers.lstm_modules)} nn.LSTM: {_first_names(layers.lstm_modules)}); "
+            "amp_bf16 runs it, and amp_fp16 on a CUDA GPU"
+        )
     if situation.gpu is None and not verdict.reasons:
         verdict.doubt(
             "PyTorch has no fast fp16 kernels on most CPUs: expect amp_fp16 to be far slower "

@@ -84,6 +84,9 @@ class LayerMix(BaseModel):
     sparse_gradient_modules: tuple[str, ...] = ()
     """Names of trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (their
     weights get sparse gradients)."""
+    lstm_modules: tuple[str, ...] = ()
+    """Names of ``nn.LSTM`` modules: oneDNN has no fp16 LSTM, so amp_fp16 fails on a CPU
+    ("could not create a primitive descriptor for the LSTM forward"; GRU and RNN run)."""
     running_buffers: tuple[str, ...] = ()
     """Floating buffers a training-mode forward changes (BatchNorm statistics, a running
     normaliser, an EMA codebook): state outside the optimizer (``autoprec.running_state``)."""

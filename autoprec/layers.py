@@ -187,6 +187,9 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             and module.sparse
             and module.weight.requires_grad
         ),
+        lstm_modules=tuple(
+            fqn for fqn, module in model.named_modules() if isinstance(module, nn.LSTM)
+        ),
         running_buffers=running,
         running_buffers_error=running_error,
     )

@@ -1073,3 +1073,26 @@ def test_clipping_takes_a_sparse_embeddings_gradient_as_torch_clips_the_dense_on
     assert torch.allclose(plan.clip_gradients(0.5), expected)
     assert torch.allclose(sparse[0].weight.grad.to_dense(), dense[0].weight.grad)
     assert torch.allclose(sparse[2].weight.grad, dense[2].weight.grad)
+
+
+def test_amp_fp16_with_an_lstm_on_a_cpu_is_refused_with_the_reason() -> None:
+    """Found by a hunt: accepted, then the first forward failed with oneDNN's "could not create
+    a primitive descriptor for the LSTM forward" (CPU autocast has no fp16 LSTM; GRU and RNN
+    run, and amp_bf16 runs the LSTM)."""
+
+    class Recurrent(nn.Module):
+        def __init__(self, cell: type[nn.Module]) -> None:
+            super().__init__()
+            self.rnn = cell(4, 8, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0])
+
+    lstm = Recurrent(nn.LSTM)
+    with pytest.raises(UnsupportedModeError, match=r"no fp16 LSTM .*found: 1 nn\.LSTM: rnn"):
+        autoprec.prepare(ModeSpec(mode="amp_fp16"), lstm, torch.optim.AdamW(lstm.parameters()))
+    gru = Recurrent(nn.GRU)
+    plan = autoprec.prepare(ModeSpec(mode="amp_fp16"), gru, torch.optim.AdamW(gru.parameters()))
+    with plan.autocast():
+        plan.step(plan.model(torch.randn(2, 3, 4)).float().pow(2).mean())
