@@ -273,14 +273,15 @@ def _scalar(loss: Any, source: str) -> torch.Tensor:
             f"{source} returned a {type(loss).__name__} of {len(loss)}, not a scalar loss: "
             "return the loss tensor alone (log the rest from your own loop or a hook)."
         )
-    found = (
-        f"a tensor of shape {tuple(loss.shape)}"
-        if isinstance(loss, torch.Tensor)
-        else type(loss).__name__
-    )
+    if not isinstance(loss, torch.Tensor):  # None, a dict: "reduce it" did not fit (a hunt)
+        keys = f" with keys {sorted(map(str, loss))[:4]}" if isinstance(loss, Mapping) else ""
+        raise LossError(
+            f"{source} returned {type(loss).__name__}{keys}, not a loss tensor: return the "
+            "scalar loss tensor itself (a forgotten return gives None)."
+        )
     raise LossError(
-        f"{source} returned {found}, not a scalar loss: reduce it to one number (e.g. "
-        "reduction='mean' in a torch.nn loss, or .mean())."
+        f"{source} returned a tensor of shape {tuple(loss.shape)}, not a scalar loss: reduce "
+        "it to one number (e.g. reduction='mean' in a torch.nn loss, or .mean())."
     )
 
 

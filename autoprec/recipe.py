@@ -381,6 +381,17 @@ class TrainingRecipe:
                 f"{type(made).__name__}, not a torch.optim.Optimizer."
             )
         refuse_closure_optimizer(made)
+        held = {id(p) for p in model.parameters()}
+        if any(id(p) not in held for group in made.param_groups for p in group["params"]):
+            # found by a hunt: lambda p: opt (the user's own) was refused as "raised by
+            # autoprec's own code: please report it"
+            raise ValueError(
+                f"The optimizer factory {qualified_name(self.optimizer)} returned an optimizer "
+                "over other parameters than the ones it was handed (your own optimizer, or one "
+                "built on your model by name): autoprec calls it once per run with that run's "
+                "copy's parameters. Build it on its argument, e.g. lambda params: "
+                "torch.optim.AdamW(params, lr=...), or pass your optimizer itself."
+            )
         return made
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:

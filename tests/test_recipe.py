@@ -287,3 +287,17 @@ def test_a_scheduler_factory_that_steps_the_users_optimizer_is_refused(built: st
     assert set(optimizer.param_groups[0]) == set(before[0])  # no initial_lr left by a build
     stepped = TrainingRecipe(optimizer=optimizer, scheduler=_cosine, total_steps=1000)
     assert len(stepped.lr_points(model)) == 2  # the factory as meant: peak and floor
+
+
+def test_an_optimizer_factory_over_other_parameters_is_refused_as_the_users_slip() -> None:
+    """Found by a hunt: ``optimizer=lambda p: opt`` (the user's own optimizer) was refused as
+    "raised by autoprec's own code ... please report it"."""
+    import autoprec
+
+    model = _model()
+    own = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(6)]
+    with pytest.raises(ValueError, match="over other parameters than the ones it was handed"):
+        autoprec.check(
+            model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda _: own, steps=4
+        )

@@ -997,6 +997,18 @@ def test_a_loss_that_is_not_one_number_is_the_users_not_autoprecs() -> None:
     assert issubclass(LossError, autoprec.AutoprecError)
 
 
+def test_a_loss_of_none_or_a_dict_is_told_to_return_the_loss_not_to_reduce_it() -> None:
+    """Found by a hunt: a loss_fn returning a dict or None (a forgotten return) was told to
+    "reduce it to one number (reduction='mean')"."""
+    from autoprec.batching import _scalar
+    from autoprec.errors import LossError
+
+    with pytest.raises(LossError, match=r"returned NoneType, not a loss tensor.*forgotten return"):
+        _scalar(None, "loss_fn(output, batch)")
+    with pytest.raises(LossError, match=r"returned dict with keys \['aux', 'loss'\]"):
+        _scalar({"loss": torch.ones(()), "aux": 1}, "loss_fn(output, batch)")
+
+
 def test_check_and_tune_raise_the_loss_error_the_readme_names() -> None:
     """Found by a hunt: the README says a per-sample loss is refused with autoprec.LossError,
     but check() and tune() raised a plain ValueError that ``except autoprec.LossError`` missed,
