@@ -262,8 +262,8 @@ def _amp_fp16(situation: Situation, verdict: _Verdict) -> None:
         )
     if situation.gpu is None and layers is not None and layers.lstm_modules:
         verdict.reasons.append(
-            "amp_fp16 on a CPU: oneDNN has no fp16 LSTM (torch raises \"could not create a "
-            "primitive descriptor for the LSTM forward\") (found: "
+            'amp_fp16 on a CPU: oneDNN has no fp16 LSTM (torch raises "could not create a '
+            'primitive descriptor for the LSTM forward") (found: '
             f"{len(layers.lstm_modules)} nn.LSTM: {_first_names(layers.lstm_modules)}); "
             "amp_bf16 runs it, and amp_fp16 on a CUDA GPU"
         )
