@@ -330,8 +330,7 @@ def rebuild_optimizer(
             {**copy.deepcopy(group.options), "params": [parameters[name] for name in group.names]}
             for group in groups
         ]
-        defaults = copy.deepcopy(_accepted_by(type(optimizer), optimizer.defaults))
-        same = type(optimizer)(new_groups, **defaults, **_constructor_extras(optimizer))
+        same = _clone(optimizer, new_groups)
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
     kind, translations = _translations(optimizer, groups, target)
     constructor, first = translations[0]
@@ -360,6 +359,43 @@ def rebuild_optimizer(
         _momentum_into_betas(rebuilt)
     _translate_added_groups(rebuilt, kind, optimizer, target, untranslatable)
     return rebuilt
+
+
+def _clone(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """``optimizer``'s class called again over ``groups`` with its defaults. A constructor that
+    needs more (a model, SAM's base optimizer) raised torch's bare TypeError from inside
+    autoprec, and one whose arguments are named otherwise gave the clone other defaults than
+    the user's (found by a hunt): both are refused, asking for a factory."""
+    name = type(optimizer).__name__
+    factory = f"optimizer=lambda params: {name}(params, ...)"
+    defaults = copy.deepcopy(_accepted_by(type(optimizer), optimizer.defaults))
+    try:
+        clone = type(optimizer)(groups, **defaults, **_constructor_extras(optimizer))
+    except TypeError as error:
+        raise TypeError(
+            f"autoprec builds a copy of your optimizer for every run by calling {name}(groups, "
+            f"**its defaults), which {name}'s constructor does not take ({error}). Pass a "
+            f"factory instead: {factory}."
+        ) from error
+    differing = sorted(
+        key
+        for key, value in optimizer.defaults.items()
+        if key in clone.defaults and not _same_setting(clone.defaults[key], value)
+    )
+    if differing:
+        raise TypeError(
+            f"A copy of your {name} built by calling {name}(groups, **its defaults) has other "
+            f"defaults ({', '.join(differing)}): its constructor names its arguments otherwise. "
+            f"Pass a factory instead: {factory}."
+        )
+    return clone
+
+
+def _same_setting(first: Any, second: Any) -> bool:
+    try:
+        return bool(first == second)
+    except Exception:  # noqa: BLE001 - a tensor lr: compared by value
+        return isinstance(first, torch.Tensor) and torch.equal(first, second)
 
 
 def _translations(

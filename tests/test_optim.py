@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -670,3 +671,33 @@ def test_sgd8bit_resumes_with_the_momentum_the_resumed_schedule_sets() -> None:
     resumed_schedule.load_state_dict(saved[1])  # type: ignore[attr-defined]
     run(resumed_plan, resumed_schedule, range(4, 8))
     assert resumed == uninterrupted[4:]
+
+
+class _WithModel(torch.optim.SGD):
+    def __init__(self, params: object, model: nn.Module, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)  # type: ignore[arg-type]
+        self.model_ref = model
+
+
+class _Renamed(torch.optim.SGD):
+    def __init__(self, params: object, learning_rate: float = 0.1, mom: float = 0.9) -> None:
+        super().__init__(params, lr=learning_rate, momentum=mom)  # type: ignore[arg-type]
+
+
+def test_an_optimizer_whose_constructor_a_copy_cannot_call_asks_for_a_factory() -> None:
+    """Found by a hunt: every run copies an optimizer instance by calling its class again.
+    A constructor needing a model ended in torch's bare TypeError from inside autoprec; one
+    naming its arguments otherwise gave the copies torch's defaults (lr 0.1, momentum 0.9 for
+    the user's 0.3 and 0.5), silently."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    for optimizer, said in [
+        (_WithModel(model.parameters(), model), "constructor does not take"),
+        (_Renamed(model.parameters(), learning_rate=0.3, mom=0.5), "other defaults (lr, momentum)"),
+    ]:
+        with pytest.raises(TypeError, match=rf"{re.escape(said)}.*optimizer=lambda params: "):
+            rebuild_optimizer(
+                optimizer, named_groups(optimizer, model), model, "same", require_fresh=False
+            )
+    plain = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5, nesterov=True)
+    clone = rebuild_optimizer(plain, named_groups(plain, model), model, "same")
+    assert clone.defaults == plain.defaults
