@@ -53,11 +53,29 @@ def collect_batches(loader: Iterable[Any]) -> list[Any]:
     ``preserved_rng``)."""
     generators = _loader_generators(loader)
     states = [generator.get_state() for generator in generators]
+    persistent = isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers
+    had_iterator = getattr(loader, "_iterator", None) is not None
     try:
         return _read_batches(loader)
     finally:
+        if persistent and not had_iterator:
+            _drop_persistent_iterator(loader)  # type: ignore[arg-type]
         for generator, state in zip(generators, states, strict=True):
             generator.set_state(state)
+
+
+def _drop_persistent_iterator(loader: torch.utils.data.DataLoader) -> None:
+    """A DataLoader with ``persistent_workers`` keeps the iterator autoprec's read made, whose
+    workers' base seed it drew from the generator: the user's first epoch then reused it and
+    drew only the shuffle, one draw off (found by a hunt: another first batch). Shut down, the
+    user's first ``iter()`` makes its own, from the restored generator."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is None:
+        return
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
+    loader._iterator = None
 
 
 def _refuse_dataset(loader: Any) -> None:

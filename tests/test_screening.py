@@ -1549,6 +1549,29 @@ def test_a_dataset_passed_as_the_loader_is_refused() -> None:
         autoprec.check(task.model, dataset, loss_fn=task.mse, steps=4, modes=["amp_bf16"])
 
 
+def test_a_seeded_loader_with_persistent_workers_keeps_its_first_epochs_order() -> None:
+    """Found by a hunt: with persistent_workers the DataLoader kept the iterator autoprec's read
+    made (its workers' base seed drawn from the generator); the user's first epoch reused it
+    and drew only the shuffle, one draw off: another first batch."""
+    from autoprec.run_inputs import collect_batches
+
+    dataset = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+
+    def loader() -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+            num_workers=1,
+            persistent_workers=True,
+        )
+
+    untouched, used = loader(), loader()
+    collect_batches(used)
+    assert torch.equal(next(iter(used))[0], next(iter(untouched))[0])
+
+
 def test_an_optimizer_instance_trains_on_a_copy_moved_to_the_device_named() -> None:
     # the trial model is a copy on `device`, which holds none of the optimizer's parameters:
     # every such run failed in its fp32 reference ("parameters that are not in the model")
