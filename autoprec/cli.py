@@ -229,7 +229,7 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
             "--optimizer-state without a FILE reads the --weights checkpoint: pass --weights, "
             "or --optimizer-state FILE."
         )
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, option="MODEL_FACTORY")
     read = None  # a checkpoint holding weights and optimizer state is read once
     if args.weights:
         read = read_checkpoint(args.weights, "--weights", "weights")

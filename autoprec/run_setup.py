@@ -313,10 +313,12 @@ def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> Non
     fix = (
         "or change the optimizer as the reason says"
         if reasons and all(reason.startswith(OPTIMIZER_REASON) for reason in reasons)
-        else "or tune where they can run (autoprec probe shows what this machine supports)"
+        else "or run them where they can (autoprec probe shows what this machine and model "
+        "allow)"
     )
     raise UnsupportedModeError(
-        f"Requested mode(s) cannot run here: {lines}. Leave {names} out of the modes, {fix}.",
+        f"Requested mode(s) cannot run on this model here: {lines}. Leave {names} out of the "
+        f"modes, {fix}.",
         tuple(reasons),
     )
 

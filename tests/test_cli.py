@@ -224,7 +224,10 @@ def test_console_script_end_to_end() -> None:
 @pytest.mark.parametrize(
     ("arguments", "expected"),
     [
-        (["--modes", "fp8_te"], "autoprec: error: Requested mode(s) cannot run here: fp8_te"),
+        (
+            ["--modes", "fp8_te"],
+            "autoprec: error: Requested mode(s) cannot run on this model here: fp8_te",
+        ),
         (["--device", "tpu:0"], "autoprec: error: autoprec tunes on 'cpu' or 'cuda:N'"),
     ],
 )
@@ -243,6 +246,22 @@ def test_tune_errors_exit_2_through_the_console_script(
     assert done.stderr.startswith(expected) and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_a_bad_model_factory_is_named_as_tune_and_check_call_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found by a hunt: tune's and check's positional MODEL_FACTORY was named "--model", an
+    option only probe has."""
+    for command in ("tune", "check"):
+        arguments = [command, "nowhere:make", "--data", "examples.tiny_gpt:make_small_batches"]
+        assert (
+            main([*arguments, *(["--out", "x.json", "--budget", "1"] if command == "tune" else [])])
+            == 2
+        )
+        assert "autoprec: error: MODEL_FACTORY: cannot import module 'nowhere'" in (
+            capsys.readouterr().err
+        )
 
 
 def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -748,7 +767,9 @@ def test_a_mode_that_cannot_run_here_is_an_error_not_an_fp32_profile(
     out = tmp_path / "new" / "p.json"
     assert main(_tune_command(out, "--modes", "fp8_te")) == 2
     line = _one_line_error(capsys)
-    assert "Requested mode(s) cannot run here: fp8_te: fp8_te needs a CUDA GPU" in line
+    assert (
+        "Requested mode(s) cannot run on this model here: fp8_te: fp8_te needs a CUDA GPU" in line
+    )
     assert not (tmp_path / "new").exists()
     assert main(_tune_command(out, "--modes", "bf16")) == 2
     assert "Unknown mode(s) ['bf16']" in _one_line_error(capsys)
