@@ -131,6 +131,8 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
                 batch = _kept(batch)
             else:
                 held[len(batches)] = pointers
+                if any(tensor.requires_grad for tensor in tensors_in(batch)):
+                    batch = _kept(batch)  # the runs' backward filled the user's own .grad
             batches.append(batch)
             if len(batches) - len(overwritten) >= MAX_BATCHES:
                 break

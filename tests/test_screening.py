@@ -978,6 +978,10 @@ def test_a_physics_informed_train_step_is_judged_on_held_out_batches_too() -> No
     report = autoprec.check(model, batches, steps=8, train_step=pinn_step, modes=["amp_bf16"])
     assert report.verdict("amp_bf16").status == "safe", report.summary()
     assert all(p.grad is None for p in model.parameters())
+    # inputs that require grad themselves: the runs' backward filled the user's own .grad
+    leaves = [x.clone().requires_grad_(True) for x in batches]
+    autoprec.check(model, leaves, steps=8, train_step=pinn_step, modes=["amp_bf16"])
+    assert all(x.grad is None and x.requires_grad for x in leaves)
 
 
 @pytest.mark.parametrize("returns", ["the loss", "the loss detached"])
