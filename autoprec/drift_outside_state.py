@@ -19,6 +19,7 @@ import math
 from autoprec.trial_records import StateDigest, TrialResult
 
 NARROW_DTYPES = ("torch.bfloat16", "torch.float16")
+WIDE_DTYPES = ("torch.float32", "torch.float64")
 
 
 def changed_state(result: TrialResult) -> list[str]:
@@ -46,7 +47,8 @@ def _narrowed(trial: TrialResult, reference: TrialResult) -> dict[str, list[str]
     narrowed: dict[str, list[str]] = {}
     for name in changed_state(reference):
         digest = held.get(name)
-        if digest is None or reference_start[name].dtype != "torch.float32":
+        # float64 state too (a running mean kept in double): held in bf16 it was not flagged
+        if digest is None or reference_start[name].dtype not in WIDE_DTYPES:
             continue
         if digest.dtype in NARROW_DTYPES:
             narrowed.setdefault(digest.dtype.removeprefix("torch."), []).append(name)

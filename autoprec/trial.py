@@ -168,12 +168,12 @@ def _train_legs(
     result.sample_indices = sample_indices(plan.model, MOVEMENT_SAMPLE_ELEMENTS)
     result.parameter_groups = parameter_group_indices(plan)
     result.leg_weights.append(sampled_weights(plan, result.sample_indices))
-    result.outside_state.append(outside_state(plan.model))
+    result.outside_state.append(outside_state(plan.model, plan.optimizer))
     before = stream_states(device)
     run.failure, run.stopped = train_in_windows(
         loop, result, run.points, inputs.legs, inputs.warmup_steps, inputs.window_steps, inputs.stop
     )
-    result.outside_state.append(outside_state(plan.model))
+    result.outside_state.append(outside_state(plan.model, plan.optimizer))
     if inputs.spec.compile:  # the held-out pass (eval mode, no grad) compiles graphs of its own
         loop.figures["graphs_after_training"] = compiled_graph_count()
     run.draws_random = drew_between(before, stream_states(device))

@@ -337,7 +337,7 @@ def settle(loop: TrainingLoop, device: torch.device) -> None:
 
     def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
         if not kept:
-            state = state_no_optimizer_steps(plan.model)
+            state = state_no_optimizer_steps(plan.model, plan.optimizer)
             kept.extend((tensor, tensor.detach().clone()) for _, tensor in state)
         batch = to_device(loop.batches[loop.order[0]], device)
         with plan.autocast():

@@ -83,20 +83,29 @@ def sample_indices(model: nn.Module, budget: int) -> dict[str, torch.Tensor]:
     return indices
 
 
-def state_no_optimizer_steps(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's buffers and frozen parameters: what a forward pass or a ``train_step`` may
-    change in place (running statistics, a teacher's EMA weights) and no optimizer steps."""
+def state_no_optimizer_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor]]:
+    """The model's buffers and the parameters ``optimizer`` does not hold: what a forward pass
+    or a ``train_step`` may change in place (running statistics, a teacher's EMA weights) and
+    no optimizer steps. Frozen or not: a mean teacher left with ``requires_grad=True`` (a
+    common oversight) escaped the check and was accepted in bf16 (found by a hunt)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return [
         *((name, b) for name, b in model.named_buffers()),
-        *((name, p) for name, p in model.named_parameters() if not p.requires_grad),
+        *(
+            (name, p)
+            for name, p in model.named_parameters()
+            if not p.requires_grad or id(p) not in held
+        ),
     ]
 
 
-def outside_state(model: nn.Module) -> dict[str, StateDigest]:
+def outside_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, StateDigest]:
     """Digests of the model's state no optimizer steps (``state_no_optimizer_steps``) that is
     floating. Two float64 reductions per tensor, no copy of it."""
     digests = {}
-    for name, tensor in state_no_optimizer_steps(model):
+    for name, tensor in state_no_optimizer_steps(model, optimizer):
         if not is_floating(tensor) or tensor.is_meta:
             continue
         values = as_real(tensor.detach())

@@ -301,6 +301,28 @@ def test_state_check_flags_only_changed_fp32_state_held_narrower() -> None:
     trial.outside_state = [_digests(a=("torch.float32", 1.0), b=("torch.bfloat16", 1.0))]
     assert outside_state_reasons(trial, reference) == []  # b never changed; a kept fp32
     assert outside_state_reasons(trial, TrialResult(record=None)) == []  # type: ignore[arg-type]
+    # float64 state held in bf16 (a running mean kept in double): found by a hunt, it passed
+    trial.outside_state = [_digests(a=("torch.float32", 1.0), c=("torch.bfloat16", 1.0))]
+    (reason,) = outside_state_reasons(trial, reference)
+    assert reason.startswith("state outside the optimizer held in bfloat16: training changes c ")
+
+
+def test_check_rejects_an_ema_teacher_left_trainable_but_out_of_the_optimizer() -> None:
+    """Found by a hunt: a mean teacher left with requires_grad=True (a common oversight), out
+    of the optimizer and moved only by train_step's EMA, escaped the state check (it digested
+    frozen parameters only) and bf16_sr was accepted holding it in bf16."""
+    model, _ = mean_teacher.make_model()
+    model.teacher.requires_grad_(True)
+    report = autoprec.check(
+        model,
+        mean_teacher.make_batches(),
+        train_step=mean_teacher.train_step,
+        optimizer=torch.optim.AdamW(model.student.parameters(), lr=1e-3),
+        steps=20,
+        modes=["bf16_sr"],
+    )
+    reasons = report.verdict("bf16_sr").reasons
+    assert any(r.startswith("state outside the optimizer held in bfloat16") for r in reasons)
 
 
 def test_trials_record_outside_state_and_the_reference_cache_keeps_it(tmp_path) -> None:
