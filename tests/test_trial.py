@@ -567,6 +567,23 @@ def test_held_out_outputs_are_kept_as_bounded_summaries() -> None:
     assert agreement == pytest.approx(exact)
 
 
+def test_an_output_summary_spans_every_row_of_an_output_just_above_its_size() -> None:
+    """Found by a hunt: the stride was rounded down and the values cut at 65536, so an
+    8 x 16000 output kept rows 0-4 only, and a mode that changed the last rows read as equal
+    (sampled error 0.0 against a true 0.61)."""
+    from autoprec.drift import _relative_error
+    from autoprec.trial_records import OUTPUT_SAMPLE_ELEMENTS, summarize_output
+
+    output = torch.randn(8, 16000, generator=torch.Generator().manual_seed(0))
+    changed = output.clone()
+    changed[5:] += 1.0
+    summary, other = summarize_output(output), summarize_output(changed)
+    assert summary.values.numel() <= OUTPUT_SAMPLE_ELEMENTS
+    full = float((changed - output).norm() / output.norm())
+    error, _ = _relative_error([other], [summary])
+    assert error == pytest.approx(full, rel=0.05)
+
+
 def test_movement_sampling_cost_does_not_grow_with_the_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
