@@ -45,7 +45,7 @@ def fp16_risks(
     if rate > limits.max_skipped_step_rate:
         reasons.append(
             f"loss scaler skipped {record.skipped_steps} of {record.steps_run} steps "
-            f"({rate:.0%} > {limits.max_skipped_step_rate:.0%})"
+            f"({rate * 100:.3g}% > {limits.max_skipped_step_rate * 100:.3g}%)"
         )
     if record.final_loss_scale is not None and record.final_loss_scale < limits.min_loss_scale:
         reasons.append(f"loss scale collapsed to {record.final_loss_scale:g}")

@@ -313,8 +313,7 @@ def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> Non
     fix = (
         "or change the optimizer as the reason says"
         if reasons and all(reason.startswith(OPTIMIZER_REASON) for reason in reasons)
-        else "or run them where they can (autoprec probe shows what this machine and model "
-        "allow)"
+        else "or run them where they can (autoprec probe shows what this machine and model allow)"
     )
     raise UnsupportedModeError(
         f"Requested mode(s) cannot run on this model here: {lines}. Leave {names} out of the "

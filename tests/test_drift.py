@@ -98,6 +98,14 @@ def test_a_second_moment_rounded_to_nearest_in_bf16_is_rejected(low_lr: dict) ->
     assert "A rule, not this trial's measurement" in verdict.reasons[0]  # and how to lift it
     lifted = judge(pure, reference, noise, DriftThresholds(max_rounded_beta2=0.9995))
     assert lifted.accepted, lifted.reasons
+    # found by a hunt: with beta2 0.9999 the advice still read 0.9995, which rejects it too
+    from autoprec.trial_records import LowPrecisionMoment
+
+    high = LowPrecisionMoment(dtype="bfloat16", beta2=0.9999, rounding="nearest", elements=1)
+    pure.record = pure.record.model_copy(update={"low_precision_moment": high})
+    [advice] = judge(pure, reference, noise).reasons
+    assert advice.endswith("DriftThresholds(max_rounded_beta2=0.9999)")
+    assert judge(pure, reference, noise, DriftThresholds(max_rounded_beta2=0.9999)).accepted
     # stochastically rounded states are exempt, bf16_kahan keeps its second moment in fp32
     # (it was rejected here until it did), and a beta2 whose steps bf16 can hold is fine
     assert low_lr["bf16_sr"].record.low_precision_moment.rounding == "stochastic"
@@ -209,6 +217,8 @@ def test_loss_scaler_health(low_lr: dict) -> None:
     )
     reasons = judge(trial, low_lr["reference"], low_lr["noise"]).reasons
     assert any(r.startswith("loss scaler skipped 40 of 150 steps") for r in reasons)
+    # found by a hunt: rounded to whole percents, 1 skip in 40 against 2% read "(2% > 2%)"
+    assert any("(26.7% > 10%)" in r for r in reasons)
     assert "loss scale collapsed to 0.25" in reasons
 
 
