@@ -195,6 +195,27 @@ def test_the_trainer_logs_the_plans_gradient_norm(mode: str, tmp_path: Path) -> 
         assert all(0 < norm < 1e3 for norm in norms[-2:]), norms
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes on a CPU
+def test_the_trainers_optimizer_adds_a_group_as_the_plans_does(tmp_path: Path) -> None:
+    """Found by a hunt: a group added through trainer.optimizer after apply_profile skipped
+    the plan optimizer's translation: torch Adam's L2 weight_decay went into bitsandbytes'
+    Adam8bit as decoupled decay; and the Trainer's backward dropped its keyword arguments."""
+    from autoprec.profile import profile_for
+
+    pytest.importorskip("bitsandbytes")
+    trainer = _gpt2_trainer(tmp_path)
+    head = nn.Linear(32, 32)
+    trainer.optimizer = torch.optim.Adam(trainer.model.parameters(), lr=1e-3)
+    apply_profile(trainer, profile_for(ModeSpec(mode="fp32", optimizer_bits=8)))
+    with pytest.raises(ValueError, match="applies weight_decay as an L2 gradient term"):
+        trainer.optimizer.add_param_group({"params": list(head.parameters()), "weight_decay": 0.5})
+    trainer.optimizer.add_param_group({"params": list(head.parameters()), "weight_decay": 0.0})
+    assert trainer.optimizer.param_groups[-1]["params"][0] is head.weight
+    loss = head(torch.randn(2, 32)).pow(2).sum()
+    trainer.accelerator.backward(loss, retain_graph=True)
+    trainer.accelerator.backward(loss)  # the graph was kept: retain_graph reached it
+
+
 def test_an_fp32_trainer_checkpoint_resumes_under_a_kahan_profile(
     hf_tuned: Any, tmp_path: Path
 ) -> None:
@@ -531,6 +552,67 @@ def test_the_plugin_trains_any_profile_under_automatic_optimization(
     plugin = trainer.precision_plugin
     assert isinstance(plugin, AutoprecPrecision) and plugin.plan is not None
     assert plugin.plan.optimizer is trainer.optimizers[0]
+
+
+class _Evaluated(_Regression):
+    """Test and predict steps that record whether they ran under bf16 autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.autocast_seen: list[bool] = []
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        return self(batch[0])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's: no validation loop, workers
+def test_the_plugin_tests_and_predicts_after_fit_under_the_plan(lightning_tuned: Any) -> None:
+    """Found by a hunt: fit() then test(), validate() or predict() on the same Trainer failed
+    with "This model was already converted by autoprec": Lightning connects the plugin again
+    with the optimizers fit kept, and the plugin applied the profile a second time."""
+    module = _Evaluated()
+    profile = _profile_for(ModeSpec(mode="amp_bf16"), lightning_tuned[1].profile)
+    trainer = _lightning_trainer([AutoprecPrecision(profile)])
+    trainer.fit(module, _loader())
+    trainer.test(module, _loader())
+    trainer.predict(module, _loader())
+    assert module.autocast_seen and all(module.autocast_seen)  # amp_bf16's autocast
+    fresh = _lightning_trainer([AutoprecPrecision(profile)])
+    with pytest.warns(UserWarning, match="AutoprecPrecision has no plan on this Trainer"):
+        fresh.test(_Evaluated(), _loader())  # never fit here: said, not silently fp32
+
+
+class _OwnBackward(_Regression):
+    """A module whose backward hook scales its loss to 0: every gradient must be 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward_calls = 0
+        self.gradient_sums: list[float] = []
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.backward_calls += 1
+        (loss * 0).backward(*args, **kwargs)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.gradient_sums.append(sum(float(p.grad.abs().sum()) for p in self.parameters()))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_plugin_runs_the_modules_own_backward_hook(lightning_tuned: Any) -> None:
+    """Found by a hunt: the plugin ran the mode's backward itself, so an overridden
+    LightningModule.backward never ran (weights moved 0.0112 where Lightning's own precision
+    plugins move them 0) and manual_backward's arguments (retain_graph) were dropped."""
+    module = _OwnBackward()
+    profile = _profile_for(ModeSpec(mode="amp_fp16"), lightning_tuned[1].profile)
+    trainer = _lightning_trainer([AutoprecPrecision(profile)], clip=None)
+    trainer.fit(module, _loader())
+    assert module.backward_calls == 12  # 6 steps x 2 micro-batches
+    assert module.gradient_sums == [0.0] * 6
 
 
 def test_a_skipped_training_step_under_amp_fp16_leaves_the_next_step_unscaled_by_it() -> None:

@@ -229,6 +229,15 @@ class PlanOptimizer(torch.optim.Optimizer):
         self.accelerator = accelerator
         self._reported_norm: torch.Tensor | None = None
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Into the plan's optimizer, which translates and refuses a group as it did the rest
+        (a callback unfreezing a head through ``trainer.optimizer`` skipped that: Adam's L2
+        decay went into bitsandbytes' Adam8bit as decoupled decay; found by a hunt)."""
+        if not hasattr(self, "plan"):  # torch's constructor adds the first groups
+            super().add_param_group(param_group)
+            return
+        self.plan.optimizer.add_param_group(param_group)
+
     def grad_norm_to_report(self, _model: Any = None, grad_norm: Any = None) -> torch.Tensor:
         """The Trainer's ``_get_grad_norm``: it reads ``.grad`` before ``step()``, where the
         gradients are still loss-scaled (fp16) or not yet written back (pure bf16 with
@@ -355,5 +364,15 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     trainer.args.max_grad_norm = 0.0
     trainer._get_grad_norm = trainer.optimizer.grad_norm_to_report  # the plan's, after the step
     _with_autocast(trainer, plan)
-    trainer.accelerator.backward = lambda loss, **_: plan.mode.backward(loss)
+    trainer.accelerator.backward = _plan_backward(plan)
     return plan
+
+
+def _plan_backward(plan: PrecisionPlan) -> Callable[..., None]:
+    """Accelerate's ``backward(loss, **kwargs)`` as the plan takes it: its keyword arguments
+    (``retain_graph``, a Trainer subclass's) reach the backward pass (they were dropped)."""
+
+    def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+        plan.mode.backward(loss, lambda scaled: scaled.backward(**kwargs))
+
+    return backward

@@ -216,7 +216,20 @@ class AutoprecPrecision(Precision):
         self._pending_state: dict[str, Any] | None = None
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
-        if not optimizers:  # validate / test / predict: nothing to train
+        if self.plan is not None and list(optimizers) == [self.plan.optimizer]:
+            # validate / test / predict after fit on this Trainer: connected with the
+            # optimizers fit kept (applying again was refused: "already converted")
+            return model, optimizers, lr_schedulers
+        if not optimizers:  # validate / test / predict without fit: nothing to convert
+            if self.plan is None:
+                warnings.warn(
+                    f"AutoprecPrecision has no plan on this Trainer (validate, test or predict "
+                    f"before any fit): the module runs as it is, not under "
+                    f"{self.profile.spec.label}'s autocast. Evaluate with the Trainer that fit "
+                    "it, or apply the profile to the module first.",
+                    UserWarning,
+                    stacklevel=2,
+                )
             return model, optimizers, lr_schedulers
         if len(optimizers) != 1 or len(lr_schedulers) > 1:
             raise ValueError(
@@ -251,7 +264,9 @@ class AutoprecPrecision(Precision):
         if self.plan is None:
             super().backward(tensor, model, optimizer, *args, **kwargs)
             return
-        self.plan.mode.backward(tensor)
+        # through the module's own backward hook, with manual_backward's arguments (both were
+        # skipped: an overridden LightningModule.backward never ran, retain_graph was dropped)
+        self.plan.mode.backward(tensor, lambda scaled: model.backward(scaled, *args, **kwargs))
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
         if self.plan is None:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.base import BackwardRunner, PrecisionMode, override, tensor_backward
 from autoprec.modes.islands import install_fp32_islands
 from autoprec.weight_dtypes import stored_values
 
@@ -106,8 +106,8 @@ class AmpFp16Mode(AmpBf16Mode):
         return self.scaler
 
     @override
-    def backward(self, loss: torch.Tensor) -> None:
-        self._require_scaler().scale(loss).backward()
+    def backward(self, loss: torch.Tensor, run: BackwardRunner = tensor_backward) -> None:
+        run(self._require_scaler().scale(loss))
 
     @override
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:

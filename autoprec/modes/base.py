@@ -80,6 +80,14 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
             field.fp32_precision = value
 
 
+BackwardRunner = Callable[[torch.Tensor], None]
+"""Runs the backward pass of a (scaled) loss: ``Tensor.backward`` unless a trainer has its own."""
+
+
+def tensor_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
 class PrecisionMode:
     """Full fp32 training, TF32 off: the reference every other mode is measured against."""
 
@@ -213,9 +221,12 @@ class PrecisionMode:
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return float32_matmul_precision(tf32=False)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, run: BackwardRunner = tensor_backward) -> None:
+        """The backward pass of ``loss`` as the mode takes it (fp16: scaled; pure bf16 with
+        accumulation: summed in fp32 after), the pass itself by ``run`` (a trainer's own:
+        Lightning's ``LightningModule.backward`` hook, ``manual_backward``'s arguments)."""
         with float32_matmul_precision(tf32=False):
-            loss.backward()
+            run(loss)
 
     def settle(self, compute_loss: Callable[[], torch.Tensor], model: nn.Module) -> None:
         """Calibrate before training starts, without stepping (amp_fp16: the loss scale)."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autoprec.eligibility import Situation
-from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.base import BackwardRunner, PrecisionMode, override, tensor_backward
 from autoprec.modes.islands import install_autocast_islands, install_fp32_islands
 from autoprec.modes.root_inputs import (
     InputsToBf16,
@@ -63,8 +63,8 @@ class Bf16PureMode(PrecisionMode):
         return sum(4 * p.numel() for p in self._parameters) if self.fp32_accumulation else 0
 
     @override
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
+    def backward(self, loss: torch.Tensor, run: BackwardRunner = tensor_backward) -> None:
+        super().backward(loss, run)
         if not self.fp32_accumulation:
             return
         for parameter in self._parameters:

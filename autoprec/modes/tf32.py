@@ -6,7 +6,13 @@ import contextlib
 
 import torch
 
-from autoprec.modes.base import PrecisionMode, float32_matmul_precision, override
+from autoprec.modes.base import (
+    BackwardRunner,
+    PrecisionMode,
+    float32_matmul_precision,
+    override,
+    tensor_backward,
+)
 
 
 class Tf32Mode(PrecisionMode):
@@ -19,6 +25,6 @@ class Tf32Mode(PrecisionMode):
         return float32_matmul_precision(tf32=True)
 
     @override
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, run: BackwardRunner = tensor_backward) -> None:
         with float32_matmul_precision(tf32=True):
-            loss.backward()
+            run(loss)
