@@ -111,7 +111,11 @@ def test_bf16_pure_proven_with_accumulation_is_not_bf16_true() -> None:
         ({"mode": "bf16_sr"}, "to_accelerate", "no mixed_precision setting for bf16_sr"),
         ({"mode": "bf16_pure"}, "to_hf_training_args", "adamw_anyprecision"),
         ({"mode": "fp8_torchao"}, "to_hf_training_args", "has no FP8 flag"),
-        ({"mode": "amp_fp16"}, "to_fsdp2", "ShardedGradScaler"),
+        (
+            {"mode": "amp_fp16"},
+            "to_fsdp2",
+            r"param_dtype=torch\.float32.*dtype=torch\.float16\).*ShardedGradScaler",
+        ),
         ({"mode": "amp_bf16"}, "to_fsdp2", r"norms, softmax and the loss .*torch\.autocast"),
         ({"mode": "fp32", "compile": True}, "to_fsdp2", "proven compiled"),
         ({"mode": "amp_bf16", "optimizer_bits": 8}, "to_lightning", "configure_optimizers"),

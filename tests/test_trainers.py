@@ -733,3 +733,23 @@ def test_a_step_the_plans_loss_scaler_skips_holds_the_trainers_schedule(tmp_path
     assert plan.mode.skipped_steps == plan.mode.steps == 8
     assert trainer.lr_scheduler.last_epoch == 0
     assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+class _Manual(_Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad()  # type: ignore[union-attr]
+
+
+def test_tune_module_refuses_manual_optimization_with_the_way_out() -> None:
+    """Found by a hunt: the first trial failed with "Manual is not attached to a Trainer ...
+    Check that the loader's batches fit the model"."""
+    with pytest.raises(ValueError, match=r"manual optimization .*train_step="):
+        tune_module(_Manual(), _loader(), budget_minutes=0.2, trainer=_lightning_trainer())

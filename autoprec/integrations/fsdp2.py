@@ -54,9 +54,13 @@ def fsdp2_policy_args(
         )
     if spec.mode == "amp_fp16":
         raise ExportError(
-            "MixedPrecisionPolicy has no loss scaling, which fp16 needs: use "
-            "param_dtype=torch.float16, reduce_dtype=torch.float32 together with "
-            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler in your loop."
+            "MixedPrecisionPolicy has no loss scaling, which fp16 needs, and its "
+            "param_dtype=torch.float16 would run every op in fp16 (norms, softmax and the loss "
+            "included), which amp_fp16's autocast keeps in fp32: not what this profile proved. "
+            "Use MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32), "
+            "run forward and loss under torch.autocast(device, dtype=torch.float16), and scale "
+            "with torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, as the trials "
+            "did (found by a hunt: it advised param_dtype=torch.float16)."
         )
     if spec.mode == "tf32":
         raise ExportError(

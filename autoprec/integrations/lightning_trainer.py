@@ -129,6 +129,16 @@ def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any)
     """The keyword arguments of :func:`autoprec.tune` that reproduce the module's training
     (optimizer, scheduler, total steps, accumulation, clipping, ``train_step``); ``options``
     override any of them."""
+    if not getattr(module, "automatic_optimization", True):
+        # its training_step steps optimizers itself (manual_backward, opt.step()): a trial
+        # failed at its first step with "Manual is not attached to a Trainer", blamed on the
+        # batches (found by a hunt)
+        raise ValueError(
+            f"{type(module).__name__} uses manual optimization (automatic_optimization=False): "
+            "its training_step runs backward and steps optimizers itself, which autoprec's "
+            "trials cannot reproduce. Tune with autoprec.tune(module, loader, train_step=...) "
+            "and a train_step that returns the loss, as your training_step computes it."
+        )
     optimizer, config = _single_optimizer(module)
     recipe: dict[str, Any] = {"optimizer": optimizer, "train_step": _training_step}
     if config is not None:
