@@ -471,6 +471,24 @@ def test_bf16_weights_keep_no_decay_below_half_an_ulp(
     assert torch.equal(with_decay, without_decay) == lost
 
 
+def test_the_decay_note_reads_the_group_whose_decay_rounds_away() -> None:
+    """Found by a hunt: the largest lr x weight_decay of the groups was read, so a body at 1e-3
+    x 0.01 (never decayed) beside a head at 1e-2 x 0.5 got no note."""
+    from autoprec.plan import prepare
+    from autoprec.trial_measures import nearest_rounded_decay
+
+    body, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    model = torch.nn.Sequential(body, head)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": body.parameters(), "lr": 1e-3, "weight_decay": 0.01},
+            {"params": head.parameters(), "lr": 1e-2, "weight_decay": 0.5},
+        ]
+    )
+    plan = prepare(ModeSpec(mode="bf16_pure"), model, optimizer)
+    assert nearest_rounded_decay(plan) == pytest.approx(1e-5)
+
+
 def test_weight_decay_that_rounds_away_is_noted(low_lr: dict) -> None:
     """AdamW's default decay at lr 1e-4 multiplies each weight by 1 - 1e-6 a step, which bf16
     rounded to nearest returns unchanged: pure bf16's verdict notes it; the stochastically
