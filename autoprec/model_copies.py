@@ -161,6 +161,26 @@ class UserModelWatch:
                 names.append(name)
         return names
 
+    def changed_values(self) -> list[str]:
+        """Names of the copied weights and buffers whose values are not what they were, and
+        ``"optimizer state"`` when the watched optimizer's state changed: a ``train_step``
+        that steps the user's model and optimizer and zeroes their gradients (to None) left
+        no gradient behind, and the user's model came back trained (found by a hunt)."""
+        names = [
+            name
+            for name, tensor in _weights_and_buffers(self.model)
+            if (saved := self.tensors.get(name)) is not None
+            and not torch.equal(tensor.detach().cpu(), saved)
+        ]
+        if self.optimizer is not None and self.optimizer_state is not None:
+            now = self.optimizer.state_dict()["state"]
+            before = self.optimizer_state["state"]
+            if now.keys() != before.keys() or any(
+                not _same_state(now[key], before[key]) for key in now
+            ):
+                names.append("optimizer state")
+        return names
+
     def restore(self) -> list[str]:
         """Put gradients, weights, buffers and the optimizer's state back; returns the names of
         the weights and buffers that had changed."""
@@ -181,6 +201,20 @@ class UserModelWatch:
         if self.optimizer is not None and self.optimizer_state is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
         return changed
+
+
+def _same_state(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """One parameter's optimizer state, the same keys and values (tensors by value)."""
+    if first.keys() != second.keys():
+        return False
+    for key, value in first.items():
+        other = second[key]
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
+            if value.shape != other.shape or not torch.equal(value.cpu(), other.cpu()):
+                return False
+        elif value != other:
+            return False
+    return True
 
 
 def _weights_and_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -196,7 +196,9 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _trained_the_users_model(names: list[str], stepped: list[str], setup: RunSetup) -> ValueError:
+def _trained_the_users_model(
+    names: list[str], moved: list[str], stepped: list[str], setup: RunSetup
+) -> ValueError:
     source = "train_step" if setup.recipe.train_step is not None else "loss_fn"
     use = "plan.model" if source == "train_step" else "the output it is given"
     if stepped and source == "loss_fn":  # its forwards moved buffers (BatchNorm statistics)
@@ -211,12 +213,19 @@ def _trained_the_users_model(names: list[str], stepped: list[str], setup: RunSet
             "state of the optimizer passed to autoprec; an optimizer of your own that it "
             "stepped keeps what those steps gave it."
         )
+    elif "optimizer state" in moved:
+        aftermath = "The optimizer passed to autoprec was put back as it was."
     else:
         aftermath = "Your model's gradients were put back as they were."
+    what = (
+        f"put gradients on your own model's parameters ({_names(names)})"
+        if names
+        else "changed your own model without leaving a gradient on it"
+    )
     return ValueError(
-        f"Training the fp32 reference put gradients on your own model's parameters "
-        f"({_names(names)}): your {source} calls the model it closes over, not the copy each "
-        f"run trains, so no run would measure its mode. Use {use} in {source}. {aftermath}"
+        f"Training the fp32 reference {what}: your {source} calls the model it closes over, "
+        f"not the copy each run trains, so no run would measure its mode. Use {use} in "
+        f"{source}. {aftermath}"
     )
 
 
@@ -424,16 +433,20 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
         optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
         copy_weights=setup.recipe.train_step is not None,
     )
-    calibration = setup.run(
-        setup.reference_spec,
-        CALIBRATION_STEPS,
-        batches=watched,
-        eval_fn=setup.eval_fn,  # a broken eval_fn is found now, not after the fp32 reference
-        stop=setup.events.watch(None, "calibration (fp32)"),
-    )
-    touched = user.changed()
-    if touched:
-        raise _trained_the_users_model(touched, user.restore(), setup)
+    try:
+        calibration = setup.run(
+            setup.reference_spec,
+            CALIBRATION_STEPS,
+            batches=watched,
+            eval_fn=setup.eval_fn,  # a broken eval_fn is found now, not after the reference
+            stop=setup.events.watch(None, "calibration (fp32)"),
+        )
+    except BaseException:  # Ctrl-C, a stop: whatever user code did to the model goes back
+        user.restore()
+        raise
+    touched, moved = user.changed(), user.changed_values()
+    if touched or moved:
+        raise _trained_the_users_model(touched, moved, user.restore(), setup)
     del user  # its host copy of the weights
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)
