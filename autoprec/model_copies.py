@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.weight_dtypes import same_values
+
 
 class CompiledForward:
     """``torch.compile`` of a model's forward, set as the model's ``forward`` attribute (the
@@ -157,7 +159,7 @@ class UserModelWatch:
         names = []
         for name, p in self.model.named_parameters():
             grad, values = self.grads.get(name, (None, None))
-            if p.grad is not grad or (values is not None and not torch.equal(p.grad, values)):
+            if p.grad is not grad or (values is not None and not same_values(p.grad, values)):
                 names.append(name)
         return names
 
@@ -170,7 +172,7 @@ class UserModelWatch:
             name
             for name, tensor in _weights_and_buffers(self.model)
             if (saved := self.tensors.get(name)) is not None
-            and not torch.equal(tensor.detach().cpu(), saved)
+            and not same_values(tensor.detach().cpu(), saved)  # a NaN fill value stays put
         ]
         if self.optimizer is not None and self.optimizer_state is not None:
             now = self.optimizer.state_dict()["state"]
@@ -195,7 +197,7 @@ class UserModelWatch:
         with torch.no_grad():
             for name, tensor in _weights_and_buffers(self.model):
                 saved = self.tensors.get(name)
-                if saved is not None and not torch.equal(tensor.detach().cpu(), saved):
+                if saved is not None and not same_values(tensor.detach().cpu(), saved):
                     tensor.copy_(saved)
                     changed.append(name)
         if self.optimizer is not None and self.optimizer_state is not None:
@@ -210,7 +212,7 @@ def _same_state(first: dict[str, Any], second: dict[str, Any]) -> bool:
     for key, value in first.items():
         other = second[key]
         if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
-            if value.shape != other.shape or not torch.equal(value.cpu(), other.cpu()):
+            if not same_values(value.cpu(), other.cpu()):
                 return False
         elif value != other:
             return False
