@@ -355,7 +355,8 @@ def _checks_not_run(
     if not reference.record.heldout_losses:
         return (
             "no held-out batches: held-out loss and outputs not compared (the late training "
-            "loss stands in)",
+            "loss stands in), and neither the forward cost nor the fp16 activation range is "
+            "read (both read the held-out pass); give the loader two or more batches",
         )
     notes = []
     if not outputs_compared:

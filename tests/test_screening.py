@@ -1654,3 +1654,15 @@ def test_check_names_bad_recipe_numbers_by_their_flags(
 ) -> None:
     assert main([*RAW_PARAM_CHECK, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_single_batch_says_which_checks_it_leaves_out() -> None:
+    """Found by a hunt: with one batch (no held-out batch) amp_fp16 on a model whose
+    activations reach half of fp16's range passed; the note named the held-out loss and
+    outputs only, not the fp16 range and forward-cost checks that need the held-out pass."""
+    task = tasks.regression(lr=1e-3)
+    report = autoprec.check(
+        task.model, task.batches[:1], loss_fn=task.mse, steps=8, modes=["amp_bf16"]
+    )
+    notes = " ".join(report.checks_not_run + report.verdict("amp_bf16").notes)
+    assert "neither the forward cost nor the fp16 activation range is read" in notes
