@@ -36,11 +36,14 @@ class LegMovement(NamedTuple):
         """Where this figure was taken, for a message (empty for a single leg and class)."""
         if self.point is None or (legs == 1 and classes == 1):
             return ""
+        # the judged groups' own lr: group 0's was quoted (a frozen backbone's 0.01, or a
+        # backbone's 0, for a head trained at 1e-5; found by a hunt)
+        at = self.point.describe(self.groups[0] if self.groups else 0)
         if self.groups is None or classes == 1:
-            return f" at {self.point.describe()}"
+            return f" at {at}"
         named = ", ".join(str(group) for group in self.groups)
         plural = "s" if len(self.groups) > 1 else ""
-        return f" in parameter group{plural} {named} at {self.point.describe(self.groups[0])}"
+        return f" in parameter group{plural} {named} at {at}"
 
 
 def _movement(
@@ -85,8 +88,9 @@ def _lr_classes(
     for name in names:
         if name in groups:
             by_lr.setdefault(point.lrs[groups[name]], []).append(name)
-    if len(by_lr) <= 1:
-        return [(None, names)]
+    if len(by_lr) <= 1:  # one class: its groups still say whose lr it trained at
+        held = tuple(sorted({groups[name] for name in names if name in groups}))
+        return [(held or None, names)]
     return [
         (tuple(sorted({groups[name] for name in members})), members)
         for _, members in sorted(by_lr.items())

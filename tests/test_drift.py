@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -573,3 +575,42 @@ def test_fp8_at_a_converged_loss_is_rejected_for_its_forward_cost() -> None:
     assert verdicts["fp8_torchao"].metrics.forward_cost > 0.05
     assert any("forward pass alone" in r for r in verdicts["fp8_torchao"].reasons)
     assert abs(verdicts["amp_bf16"].metrics.forward_cost) < 0.005
+
+
+def test_the_movement_reason_quotes_the_judged_groups_lr() -> None:
+    """Found by a hunt: with a frozen backbone in group 0 (lr 1e-2) and the head in group 1 at
+    1e-5, the one lr class left was judged, but the reason and update_fraction_lr quoted group
+    0's lr ("updates lost to rounding at lr 0.01")."""
+    import autoprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(12 * 32, 16, generator=generator)
+    y = torch.sin(x[:, :8])
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, len(x), 32)]
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 1e-2},
+            {"params": model[2].parameters(), "lr": 1e-5},
+        ]
+    )
+    report = autoprec.check(
+        model,
+        batches,
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=optimizer,
+        scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=100),
+        total_steps=100,
+        steps=20,
+        modes=["bf16_pure"],
+        thresholds={"max_rounded_beta2": 0.9995},
+    )
+    verdict = report.verdict("bf16_pure")
+    legs = [r for r in verdict.reasons if r.startswith("updates lost to rounding")]
+    assert legs and all(r.startswith("updates lost to rounding at lr ") for r in legs)
+    assert not any(r.startswith("updates lost to rounding at lr 0.01") for r in legs), legs
+    assert any(r.startswith("updates lost to rounding at lr 1e-05") for r in legs), legs
+    floor = 1e-5 * (1 + math.cos(math.pi * 89 / 100)) / 2  # the leg judged weakest
+    assert verdict.drift["update_fraction_lr"] in (pytest.approx(1e-5), pytest.approx(floor))
