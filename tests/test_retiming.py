@@ -345,3 +345,21 @@ def test_the_table_marks_the_speeds_that_come_from_re_timings() -> None:
     console = Console(width=120, record=True, file=io.StringIO())
     console.print(tune_table(unmarked))
     assert RETIMED_MARK not in console.export_text() and "re-timed" not in console.export_text()
+
+
+def test_without_re_timing_the_speed_choice_keeps_the_measured_trial_noise_and_says_so() -> None:
+    """Found by a hunt: with no time left to re-time, the choice compared one trial each with
+    no margin: bf16_kahan at 455 samples/s won over amp_bf16 at 426, and nothing said why."""
+    from autoprec.choice import choose
+    from autoprec.tune_result import UNRETIMED_SPEED_MARGIN, _unretimed_margin
+
+    reference = _outcome("fp32", 100.0)
+    amp, kahan = _outcome("amp_bf16", 426.0), _outcome("bf16_kahan", 455.0)
+    margin, note = _unretimed_margin("speed", reference, [amp, kahan])
+    assert margin == UNRETIMED_SPEED_MARGIN and "speeds not re-timed" in note[0]
+    assert choose([amp, kahan], reference, "speed", margin).spec.mode == "amp_bf16"
+    far = _outcome("bf16_kahan", 480.0)  # 12.7% faster: beyond the measured noise
+    assert choose([amp, far], reference, "speed", margin).spec.mode == "bf16_kahan"
+    retimed = [o.model_copy(update={"retimed": True}) for o in (amp, kahan)]
+    assert _unretimed_margin("speed", reference, retimed) == (0.0, ())
+    assert _unretimed_margin("memory", reference, [amp, kahan]) == (0.0, ())
