@@ -115,13 +115,15 @@ def confirm_speed(
     clock: Callable[[], float],
     time_spec: Callable[[ModeSpec], Any],
     objective: Objective = "speed",
+    run_overhead: float = 0.0,
 ) -> tuple[list[TrialOutcome], TrialOutcome, float | None]:
     """Re-time the fastest accepted modes side by side (ABC then CBA) and keep the means.
     Also returns the timing noise it measured (``_round_noise``; None when nothing was
     re-timed). When a contender lies within that noise of the fastest and the budget allows,
     a second round (ABC, CBA) runs and the four re-timings decide. On our 2-core CPU machines
     one round left ``make demo`` on fp32 in 4 of 25 fresh runs by one slow re-timing (11-24%
-    noise) where amp_bf16 usually runs 1.1-1.3x faster."""
+    noise) where amp_bf16 usually runs 1.1-1.3x faster. ``run_overhead``: a run's fixed cost
+    beyond its steps (calibration's), counted in the budget check once per re-timing run."""
     accepted = [
         o
         for o in [reference, *outcomes]
@@ -131,8 +133,14 @@ def confirm_speed(
         return outcomes, reference, None
     contenders = _contenders(accepted, reference, objective)
 
-    def needed() -> float:  # two orders, and half again for a run's overhead
-        return 2.5 * sum(CONFIRM_STEPS * (o.median_step_seconds or 0.0) for o in contenders)
+    def needed() -> float:
+        # two orders, half again, and each run's fixed cost (``run_overhead``: copying,
+        # converting, warm-up), which a round started with half of it left could not finish
+        # (found by a hunt: 0.16 s estimated per re-timing run, 0.3-0.36 s taken)
+        return sum(
+            2.5 * CONFIRM_STEPS * (o.median_step_seconds or 0.0) + 2 * run_overhead
+            for o in contenders
+        )
 
     while len(contenders) > 2 and clock() + needed() > deadline:
         # the lowest scored: those left out lost to every contender in the trials (the

@@ -277,6 +277,9 @@ class RunSetup:
     fresh_batches: bool = False
     """The model (or loss / train_step) changed its input batch in place in calibration:
     every run then reads a fresh copy of each batch (:class:`FreshBatches`)."""
+    run_overhead_seconds: float = 0.0
+    """What a run costs beyond its steps (copying, converting, warming up), as calibration
+    measured it: the re-timing's budget check counts it once per re-timing run."""
 
     @property
     def reference_spec(self) -> ModeSpec:
@@ -464,6 +467,7 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     trials = len(setup.candidates.specs) + (2 if draws_random else 1)
     # what a run costs beyond its steps (copying, converting, compiling): as calibration's
     overhead = max(0.0, calibration_seconds - CALIBRATION_STEPS * step_seconds)
+    setup.run_overhead_seconds = overhead
     available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
     if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:

@@ -355,6 +355,7 @@ def _confirmed_speed(
         setup.clock,
         lambda spec: _retime(setup, spec, min(steps, CONFIRM_STEPS), budget_only),
         objective,
+        setup.run_overhead_seconds,
     )
 
 

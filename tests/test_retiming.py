@@ -363,3 +363,17 @@ def test_without_re_timing_the_speed_choice_keeps_the_measured_trial_noise_and_s
     retimed = [o.model_copy(update={"retimed": True}) for o in (amp, kahan)]
     assert _unretimed_margin("speed", reference, retimed) == (0.0, ())
     assert _unretimed_margin("memory", reference, [amp, kahan]) == (0.0, ())
+
+
+def test_the_re_timing_budget_counts_each_runs_fixed_cost() -> None:
+    """Found by a hunt: a round's estimate left out each run's copy, conversion and warm-up
+    (0.16 s estimated per re-timing run, 0.3-0.36 s taken), so a round started that the
+    budget then cut: its time wasted, the choice on trial figures."""
+    reference, amp = _outcome("fp32", 100.0), _outcome("amp_bf16", 110.0)
+    steps = 2.5 * 30 * (reference.median_step_seconds + amp.median_step_seconds)
+    timer = FakeTimer({"fp32": [100.0] * 2, "amp_bf16": [110.0] * 2})
+    confirm_speed([amp], reference, steps + 1.0, lambda: 0.0, timer)
+    assert len(timer.asked) == 4  # room for the steps alone: re-timed
+    timer = FakeTimer({"fp32": [100.0] * 2, "amp_bf16": [110.0] * 2})
+    confirm_speed([amp], reference, steps + 1.0, lambda: 0.0, timer, run_overhead=1.0)
+    assert timer.asked == []  # four runs of 1 s fixed cost do not fit: not started
