@@ -450,6 +450,7 @@ def search(
     objective: Objective,
     deadline: float,
     expected_trial_seconds: float,
+    run_overhead_seconds: float = 0.0,
     events: EventSink | None = None,
     accepted: Sequence[TrialOutcome] = (),
     choices: Sequence[str] | None = None,
@@ -462,7 +463,11 @@ def search(
         accepted: outcomes already known to pass (the fp32 reference), for pruning.
         choices: every label of the study's categorical "candidate" parameter (the same in
             every trial of a study; default: the candidates' labels).
-        expected_trial_seconds: no new trial starts with less than half of this left.
+        expected_trial_seconds: no new trial starts with less than half of this (its steps at
+            fp32's step time: a faster mode needs less) and ``run_overhead_seconds`` left.
+        run_overhead_seconds: a run's fixed cost beyond its steps (calibration's): without
+            it a trial started that the budget then cut (found by a hunt: a 10 s trial with
+            5 s left), pruned for the budget and re-run by a resumed study.
     """
     import optuna
 
@@ -490,10 +495,10 @@ def search(
             outcomes.append(previous[label])
             sink.emit("skip", label, outcome=previous[label], **where)
             continue
-        if deadline - clock() < 0.5 * expected_trial_seconds:
+        if deadline - clock() < 0.5 * expected_trial_seconds + run_overhead_seconds:
             reason = (
                 f"budget: {max(deadline - clock(), 0):.3g} s left, a trial takes about "
-                f"{expected_trial_seconds:.3g} s"
+                f"{expected_trial_seconds + run_overhead_seconds:.3g} s"
             )
             outcome = TrialOutcome(spec=spec, status="pruned", reasons=(reason,))
             outcomes.append(outcome)

@@ -1,8 +1,9 @@
 """tune(): probe -> candidates -> search (trial + drift gate) -> choice -> Profile.
 
 The budget is a hard wall: a short fp32 calibration measures the step time, trial lengths are
-planned from it, every trial stops when it would pass the deadline, and no trial starts that
-cannot finish. The user's model is never touched: every trial trains a deep copy.
+planned from it, every trial stops when it would pass the deadline, and a trial starts only
+with half its expected time and a run's fixed cost left (one the budget then cuts is pruned).
+The user's model is never touched: every trial trains a deep copy.
 """
 
 from __future__ import annotations
@@ -329,6 +330,7 @@ def _search_candidates(
         objective=objective,
         deadline=setup.deadline,
         expected_trial_seconds=steps[0] * steps[1],
+        run_overhead_seconds=setup.run_overhead_seconds,
         events=setup.events,
         accepted=[reference],
         choices=[spec.label for spec in specs],

@@ -115,6 +115,19 @@ def test_budget_stops_launching_trials() -> None:
     )
     assert log == ["amp_bf16", "bf16_kahan"]  # at t=20, 4 s left < half a trial
     assert outcomes[2].status == "pruned" and outcomes[2].reasons[0].startswith("budget: 4 s left")
+    # a run's fixed cost counts too (found by a hunt: a 10 s trial started with 5 s left)
+    clock, log = FakeClock(), []
+    search(
+        SPECS,
+        fake_runner(clock, log),
+        study=create_study(None, None),
+        objective="speed",
+        deadline=26,
+        expected_trial_seconds=10,
+        run_overhead_seconds=2,
+        clock=clock,
+    )
+    assert log == ["amp_bf16", "bf16_kahan"]  # 6 s left < 5 + 2: the third is not started
 
 
 def windows(times: list[float], warmup: int = 2) -> tuple[StepWindow, ...]:
