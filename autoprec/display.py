@@ -156,8 +156,11 @@ def print_profile(
         drift = ", ".join(f"{name} {value:.4g}" for name, value in evidence.drift.items())
         table.add_row("drift", drift or "—")
         budget = f"{evidence.trial_count} trials of {evidence.trial_steps} steps"
+        if evidence.trials_from_study:
+            budget += f" ({evidence.trials_from_study} from an earlier run of the study)"
         if evidence.budget_used_seconds is not None:
             budget += f", {evidence.budget_used_seconds:.0f} s used"
+            budget += " by the last run" if evidence.trials_from_study else ""
         table.add_row("search", budget)
         for spot in evidence.blind_spots:
             table.add_row("not seen by a short trial", Text(spot, style="yellow"))

@@ -198,8 +198,13 @@ class Evidence(BaseModel):
 
     trial_steps: int = Field(ge=1)
     trial_count: int = Field(ge=1)
+    """Every trial the choice rests on, those a resumed study held included."""
+    trials_from_study: int = Field(0, ge=0)
+    """Of ``trial_count``, the trials an earlier run of the study ran: ``budget_used_seconds``
+    is the last run's time only (a resumed profile read "11 trials, 2 s used")."""
     budget_seconds: float | None = None
     budget_used_seconds: float | None = None
+    """Seconds the last run used (of its ``budget_seconds``)."""
     reference: TrialFigures
     chosen: TrialFigures
     drift: dict[str, float] = Field(default_factory=dict)

@@ -293,6 +293,7 @@ def build_result(
     evidence = Evidence(
         trial_steps=budget.trial_steps,
         trial_count=budget.trials_run + budget.trials_from_study,  # all it rests on
+        trials_from_study=budget.trials_from_study,
         budget_seconds=budget.budget_seconds,
         budget_used_seconds=budget.used_seconds,
         reference=trial_figures(reference_outcome),

@@ -70,6 +70,17 @@ def test_round_trip_with_evidence(tmp_path: Path) -> None:
     print_profile(load_profile(path), console=console)
     shown = console.export_text()
     assert "not seen by a short trial" in shown and "fp16's range was checked" in shown
+    # found by a hunt: a resumed run's profile read "11 trials of 300 steps, 2 s used"
+    assert profile.evidence is not None
+    resumed_evidence = profile.evidence.model_copy(
+        update={"trial_count": 11, "trials_from_study": 7, "budget_used_seconds": 2.0}
+    )
+    resumed = profile.model_copy(update={"evidence": resumed_evidence})
+    console = Console(width=240, record=True)
+    print_profile(load_profile(resumed.save(tmp_path / "resumed.json")), console=console)
+    shown = console.export_text()
+    assert "11 trials of " in shown
+    assert "(7 from an earlier run of the study), 2 s used by the last run" in shown
 
 
 def test_infinite_figures_survive_the_file(tmp_path: Path) -> None:
