@@ -24,8 +24,9 @@ class SearchEvent(BaseModel):
 
     ``kind`` is one of:
 
-    - ``"phase"``: work before the search (``label``: "calibration", "fp32 reference",
-      "fp32 noise run"), with ``steps`` planned;
+    - ``"phase"``: work outside a candidate's trial (``label``: "calibration (fp32)", "fp32
+      reference", "fp32 noise run", "fp32 paired noise run", "re-timing <mode label>"), with
+      ``steps`` planned;
     - ``"start"``: candidate ``index`` of ``total`` (``label``) starts;
     - ``"step"``: ``step`` of ``steps`` optimizer steps done in the current phase or trial;
     - ``"done"``: the candidate ended; ``outcome`` holds its status, figures and reasons;

@@ -190,7 +190,8 @@ def tune(
             recompiles after warm-up are reported; a mode that fails to compile is a failed
             trial with the compiler's message.
         storage / study_name: an Optuna storage URL to persist (and resume) the study;
-            without a name, the storage's only study (a new one is named "autoprec").
+            without a name, the storage's study named "autoprec", else its one autoprec
+            study, else a new one named "autoprec" (several, none named so: refused).
         on_event: called with a :class:`~autoprec.search_events.SearchEvent` for every phase (fp32
             calibration, reference and noise runs), every trial's start and end, and its step
             count about once a second: ``event.kind``, ``.label``, ``.step`` / ``.steps``,
