@@ -368,9 +368,17 @@ class Profile(BaseModel):
             cudnn_kinds=self._cudnn_kinds,
         )
 
-    def to_hf_training_args(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
-        """``TrainingArguments(..., **profile.to_hf_training_args())`` fields."""
-        return hf_training_args(self.spec, ignore_keep_fp32=ignore_keep_fp32, recipe=self.recipe)
+    def to_hf_training_args(
+        self, *, ignore_keep_fp32: bool = False, no_embeddings: bool = False
+    ) -> dict[str, Any]:
+        """``TrainingArguments(..., **profile.to_hf_training_args())`` fields; an 8-bit
+        profile needs ``no_embeddings=True`` (the Trainer keeps embeddings' states 32-bit)."""
+        return hf_training_args(
+            self.spec,
+            ignore_keep_fp32=ignore_keep_fp32,
+            recipe=self.recipe,
+            no_embeddings=no_embeddings,
+        )
 
     def to_fsdp2(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``MixedPrecisionPolicy(**profile.to_fsdp2())`` arguments."""

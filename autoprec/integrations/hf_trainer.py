@@ -17,10 +17,27 @@ _FLAGS = {
 }
 
 
+EMBEDDING_STATES = (
+    "TrainingArguments(optim='adamw_bnb_8bit') is not this profile's recipe for a model with "
+    "embeddings: Trainer.create_optimizer registers a bitsandbytes override that keeps every "
+    "nn.Embedding weight's Adam states in 32 bits (process-wide, for later 8-bit optimizers "
+    "too), and autoprec's 8-bit trials kept them 8-bit (found by a hunt: a GPT-2's wte states "
+    "took 131072 bytes under the export, 35328 as proven). Use "
+    "autoprec.integrations.hf.apply_profile(trainer, profile); for a model without "
+    "nn.Embedding pass to_hf_training_args(no_embeddings=True)."
+)
+
+
 def hf_training_args(
-    spec: ModeSpec, *, ignore_keep_fp32: bool = False, recipe: RecipeSummary | None = None
+    spec: ModeSpec,
+    *,
+    ignore_keep_fp32: bool = False,
+    recipe: RecipeSummary | None = None,
+    no_embeddings: bool = False,
 ) -> dict[str, Any]:
-    """TrainingArguments fields (bf16, fp16, tf32, optim, torch_compile) for the spec."""
+    """TrainingArguments fields (bf16, fp16, tf32, optim, torch_compile) for the spec.
+    ``no_embeddings``: the model has no ``nn.Embedding``, whose optimizer states the
+    Trainer's 8-bit optimizer keeps in 32 bits (see ``EMBEDDING_STATES``)."""
     refuse_keep_fp32(spec, "TrainingArguments", ignore_keep_fp32)
     if spec.mode not in _FLAGS:
         hint = (
@@ -56,5 +73,7 @@ def hf_training_args(
                 "the same hyper-parameters, or use "
                 "autoprec.integrations.hf.apply_profile(trainer, profile)."
             )
+        if not no_embeddings:
+            raise ExportError(EMBEDDING_STATES)
         args["optim"] = "adamw_bnb_8bit"  # the Trainer's default optimizer is AdamW
     return args
