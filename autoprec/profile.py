@@ -296,6 +296,7 @@ class Profile(BaseModel):
         grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | Literal["recipe"] | None = "recipe",
         strict: bool = False,
+        total_steps: int | None = None,
     ) -> PrecisionPlan:
         """Set ``model``, ``optimizer`` and ``scheduler`` up for this profile (see
         ``plan.prepare``): the scheduler is rebound to ``plan.optimizer`` when the mode rebuilds
@@ -310,6 +311,10 @@ class Profile(BaseModel):
                 for (``ModelMismatchWarning``), or another optimizer class, group
                 hyper-parameters (lr, betas, ...), accumulation or clipping than the recipe it
                 was tuned under (``RecipeMismatchWarning``), instead of warning.
+            total_steps: the scheduler's steps over the run you apply it to (default: the
+                proven run's): the schedule is compared over that length, and another length
+                is said (a run 10x longer ends at another lr than the one proven; the trainer
+                integrations pass their own).
         """
         check_model_and_optimizer(model, optimizer)
         recipe = self.recipe
@@ -326,6 +331,7 @@ class Profile(BaseModel):
                 scheduler,
                 grad_accumulation_steps=grad_accumulation_steps,
                 clip_grad_norm=clip_grad_norm,
+                total_steps=total_steps,
             )
             if differences:
                 message = (

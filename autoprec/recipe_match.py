@@ -35,9 +35,10 @@ def recipe_differences(
     *,
     grad_accumulation_steps: int,
     clip_grad_norm: float | None,
+    total_steps: int | None = None,
 ) -> list[str]:
-    """Each way ``optimizer`` (driven by ``scheduler``, if given) and the step settings differ
-    from ``recipe``, as short phrases."""
+    """Each way ``optimizer`` (driven by ``scheduler``, if given, over ``total_steps``: the
+    proven run's when None) and the step settings differ from ``recipe``, as short phrases."""
     differences = []
     applied = qualified_name(type(optimizer)) or type(optimizer).__name__
     if applied != recipe.optimizer:
@@ -52,7 +53,7 @@ def recipe_differences(
         groups = optimizer.param_groups
         differences += _group_differences(recipe.optimizer_groups, groups, scheduled)
         if scheduler is not None:
-            differences += _schedule_differences(recipe, optimizer, scheduler)
+            differences += _schedule_differences(recipe, optimizer, scheduler, total_steps)
     if grad_accumulation_steps != recipe.grad_accumulation_steps:
         differences.append(
             f"grad_accumulation_steps: proven at {recipe.grad_accumulation_steps}, "
@@ -97,19 +98,32 @@ def _group_differences(
 
 
 def _schedule_differences(
-    recipe: RecipeSummary, optimizer: torch.optim.Optimizer, scheduler: Any
+    recipe: RecipeSummary,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    total_steps: int | None = None,
 ) -> list[str]:
     """Step a copy of the scheduler (and its optimizer, parameters shared) through the rest of
-    the run and compare the lr points it reaches with the proven ones still ahead of it."""
+    the run (``total_steps``: the applied run's length, the proven one's when None) and compare
+    the lr points it reaches with the proven ones still ahead of it. A run of another length is
+    said: only its first proven-length steps were stepped before, and a 10x longer run ending
+    near lr 0 passed unnamed (found by a hunt)."""
     proven = recipe.lr_points
     shown = "; ".join(point.describe() for point in proven)
     if recipe.scheduler is None or recipe.total_steps is None:
         return [f"schedule: proven without one ({shown}), applied with {type(scheduler).__name__}"]
+    length = recipe.total_steps if total_steps is None else total_steps
+    found = (
+        [f"total_steps: proven over {recipe.total_steps}, applied over {length}"]
+        if length != recipe.total_steps
+        else []
+    )
     position = _schedule_position(scheduler)
-    if position >= recipe.total_steps:
+    if position >= length:
         return [
+            *found,
             f"schedule: the applied {type(scheduler).__name__} is at step {position}, past the "
-            f"proven run's {recipe.total_steps} steps"
+            f"{'proven ' if total_steps is None else ''}run's {length} steps",
         ]
     # shared, not copied: the parameters, and the optimizer's state (a schedule reads only the
     # groups; a mid-run switch's Adam moments would double on their device)
@@ -117,23 +131,24 @@ def _schedule_differences(
     shared[id(optimizer.state)] = collections.defaultdict(dict)
     try:
         optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, scheduler), shared)
-        lrs, momenta = step_schedule(optimizer_copy, scheduler_copy, recipe.total_steps - position)
+        lrs, momenta = step_schedule(optimizer_copy, scheduler_copy, length - position)
         if position == 0:  # momenta as the proven points carry them (a constant one included)
             carried = any(point.momenta is not None for point in proven)
             varying = momenta if carried or any(m != momenta[0] for m in momenta) else None
-            applied = schedule_points(lrs, varying, recipe.total_steps)  # type: ignore[arg-type]
+            applied = schedule_points(lrs, varying, length)  # type: ignore[arg-type]
         else:  # a run resumed or switched mid-way: the points it has passed are history
             proven, applied = _points_ahead(proven, position, lrs, momenta)
     except Exception as error:  # noqa: BLE001 - a scheduler that cannot be read apart
         return [
+            *found,
             f"learning rates: proven at {shown}; the applied {type(scheduler).__name__} could "
             f"not be stepped on a copy ({type(error).__name__}: {error}), so whether it reaches "
-            "them is unknown"
+            "them is unknown",
         ]
     if _same_points(proven, applied):
-        return []
+        return found
     reached = "; ".join(point.describe() for point in applied)
-    return [f"learning rates: proven at {shown}; the applied schedule reaches {reached}"]
+    return [*found, f"learning rates: proven at {shown}; the applied schedule reaches {reached}"]
 
 
 def _schedule_position(scheduler: Any) -> int:
@@ -160,6 +175,8 @@ def _points_ahead(
         if point.schedule_step is None or point.schedule_step < position:
             continue
         index = point.schedule_step - position
+        if index >= len(lrs):  # a shorter run never reaches it (its length is said apart)
+            continue
         momentum = None if point.momenta is None else momenta[index]
         ahead.append(point)
         applied.append(point.model_copy(update={"lrs": lrs[index], "momenta": momentum}))

@@ -532,6 +532,35 @@ def test_a_scheduler_applied_mid_run_is_compared_from_where_it_stands() -> None:
         cosine.apply(model, optimizer, scheduler)
 
 
+def test_apply_compares_the_schedule_over_the_runs_own_length() -> None:
+    """Found by a hunt: the schedule was stepped through the proven run's length only, so a run
+    10x longer (a trainer's max_steps), ending near lr 0 against the proven floor, passed
+    unnamed. apply(total_steps=...) steps it through the run's own length and says it."""
+    import torch
+    from torch.optim.lr_scheduler import CosineAnnealingLR
+
+    def cosine(optimizer: torch.optim.Optimizer, total_steps: int) -> CosineAnnealingLR:
+        return CosineAnnealingLR(optimizer, T_max=total_steps)
+
+    profile = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=cosine,
+        total_steps=200,
+    )
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the proven length: nothing to say
+        profile.apply(model, optimizer, cosine(optimizer, 200), total_steps=200)
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # a schedule built for 200 steps run for 2000: it cycles back up, the run's own floor moves
+    with pytest.warns(
+        RecipeMismatchWarning, match="total_steps: proven over 200, applied over 2000"
+    ):
+        profile.apply(model, optimizer, cosine(optimizer, 200), total_steps=2000)
+
+
 def _small_model() -> nn.Module:
     import torch
 

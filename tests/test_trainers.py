@@ -554,6 +554,23 @@ def test_the_plugin_trains_any_profile_under_automatic_optimization(
     assert plugin.plan.optimizer is trainer.optimizers[0]
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's: workers, no validation
+def test_the_plugin_compares_the_schedule_over_the_trainers_run(lightning_tuned: Any) -> None:
+    """Found by a hunt: tuned with max_steps=6 and trained with max_steps=60, the run's StepLR
+    ends far below the proven floor, and nothing was said: the schedule was stepped through
+    the proven 6 steps only."""
+    profile = _profile_for(ModeSpec(mode="amp_bf16"), lightning_tuned[1].profile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _lightning_trainer([AutoprecPrecision(profile)], max_steps=60).fit(_Regression(), _loader())
+    said = [str(w.message) for w in caught if issubclass(w.category, RecipeMismatchWarning)]
+    assert any("total_steps: proven over 6, applied over 60" in message for message in said)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _lightning_trainer([AutoprecPrecision(profile)]).fit(_Regression(), _loader())
+    assert not [w for w in caught if issubclass(w.category, RecipeMismatchWarning)]
+
+
 class _Evaluated(_Regression):
     """Test and predict steps that record whether they ran under bf16 autocast."""
 

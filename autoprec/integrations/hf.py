@@ -341,10 +341,9 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
         raise ValueError("The Trainer has an LR scheduler but no optimizer to rebind it from.")
     optimizer = trainer.create_optimizer()  # the one it was given, or the one it would build
     scheduler = trainer.lr_scheduler
+    run_steps = max_steps(trainer, _train_loader(trainer))
     if scheduler is None:
-        scheduler = scheduler_factory(trainer)(
-            optimizer, max_steps(trainer, _train_loader(trainer))
-        )
+        scheduler = scheduler_factory(trainer)(optimizer, run_steps)
     if profile.spec.compile and args.torch_compile:  # the Trainer compiles the model itself
         spec = profile.spec.model_copy(update={"compile": False})
         profile = profile.model_copy(update={"spec": spec})
@@ -354,6 +353,7 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
         scheduler,
         grad_accumulation_steps=args.gradient_accumulation_steps,
         clip_grad_norm=args.max_grad_norm or None,
+        total_steps=run_steps,  # the schedule compared over this run, not the proven one's
     )
     trainer.model = trainer.model_wrapped = plan.model
     trainer.optimizer = PlanOptimizer(plan, trainer.accelerator)
