@@ -107,4 +107,6 @@ class DriftThresholds(BaseModel):
     times the noise run's difference..."""
     eval_floor_relative: float = Field(0.02, ge=0)
     """...and by more than 2% of the reference's score. Against the ground truth (the U-Net's
-    sample score is its eval_fn) 2-5 units, 1-5% or the check off give the same verdicts."""
+    sample score is its eval_fn) 2-5 units, 1-5% or the check off give the same verdicts. No
+    absolute floor (the loss checks have ``loss_floor_absolute``): eval_fn's units are the
+    user's, so a near-zero score of a deterministic model is judged by this 2% alone."""
