@@ -239,9 +239,10 @@ def _forward_cost_check(
         metrics["forward_cost"] = difference / abs(read_mean)
         cost = f"{difference / abs(read_mean):+.2%} ({cost})"
     allowed = max(limits.max_forward_cost * abs(read_mean), limits.loss_floor_absolute)
-    if difference <= allowed:
+    if math.isfinite(difference) and difference <= allowed:
         return []
-    if not math.isfinite(difference):
+    if not math.isfinite(difference):  # an fp32 read of +inf gave -inf: it passed (a hunt)
+        metrics["forward_cost"] = None
         return [
             f"held-out loss read by the mode's forward ({own_mean:.5g}) or by fp32 from the same "
             f"trained weights ({read_mean:.5g}) is not finite"

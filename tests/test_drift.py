@@ -546,6 +546,10 @@ def test_a_forward_pass_costing_more_than_one_percent_is_rejected(low_lr: dict) 
     )
     assert zero.metrics.forward_cost is None
     assert any("forward pass alone costs +0.0002 " in r for r in zero.reasons)
+    # found by a hunt: an fp32 read of +inf gave a difference of -inf, accepted
+    infinite = _with_fp32_read(reference, losses, (math.inf,) * len(losses))
+    verdict = judge(infinite, reference, noise)
+    assert not verdict.accepted and any("is not finite" in r for r in verdict.reasons)
 
 
 def test_fp8_at_a_converged_loss_is_rejected_for_its_forward_cost() -> None:
