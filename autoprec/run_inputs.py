@@ -265,7 +265,7 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
                 "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
             )
     _refuse_keeping_everything(model, patterns)
-    return tuple(dict.fromkeys(patterns))
+    return tuple(sorted(dict.fromkeys(patterns)))  # in any order: the same study (a hunt)
 
 
 def _refuse_keeping_everything(model: nn.Module, patterns: tuple[str, ...]) -> None:

@@ -963,3 +963,14 @@ def test_the_fp32_fallback_note_names_every_candidate_and_what_became_of_it() ->
     assert note is not None and "amp_bf16: rejected (drift)" in note and "bf16_sr: pruned" in note
     accepted = [outcome("amp_bf16", "accepted", "")]
     assert fallback_note(reference, reference, accepted) is None  # accepted but slower
+
+
+def test_keep_fp32_patterns_in_another_order_are_the_same_setting() -> None:
+    """Found by a hunt: keep_fp32 was fingerprinted in the order given, so resuming a study
+    with the same names reordered was refused as another run."""
+    from autoprec.run_inputs import checked_keep_fp32
+
+    model, _ = tiny_gpt.make_small_model()
+    assert checked_keep_fp32(model, ["ln_f", "blocks.0"]) == checked_keep_fp32(
+        model, ["blocks.0", "ln_f", "ln_f"]
+    )
