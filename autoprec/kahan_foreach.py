@@ -12,7 +12,8 @@ op, the others its fused one.
 
 The denominator is a new fp32 tensor per weight, as in the loop; the loop holds one at a time,
 a list op one per tensor of its list, so the lists are cut into chunks of at most
-``CHUNK_ELEMENTS`` (a tensor larger than that is a chunk of its own, as in the loop).
+``CHUNK_ELEMENTS`` (a tensor larger than that is a chunk of its own, as in the loop). Imported only
+where torch-optimi is (its bias correction, ``optimi.utils.debias_beta``, is the loop's own).
 """
 
 from __future__ import annotations
@@ -21,18 +22,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from optimi.utils import debias_beta
 from torch import Tensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 CHUNK_ELEMENTS = 2**24
 """At most this many weight elements per list op: the fp32 denominators of a chunk take 64 MiB."""
-
-
-def debiased(beta: float, step: int) -> float:
-    """torch-optimi's Adam-style bias correction folded into beta (``optimi.utils.debias_beta``:
-    ``beta * (1 - beta**(step - 1)) / (1 - beta**step)``)."""
-    return (beta**step - beta) / (beta**step - 1)
 
 
 def _chunks(indices: list[int], sizes: list[int]) -> Iterator[list[int]]:
@@ -65,8 +61,8 @@ def foreach_adam_step(
     group["step"].add_(1)
     step = int(group["step"].item())
     lr, eps = float(group["lr"]), float(group["eps"])
-    beta1_comp = 1 - debiased(group["beta1"], step)
-    beta2_hat = debiased(group["beta2"], step)
+    beta1_comp = 1 - debias_beta(group["beta1"], step)  # the loop's own correction
+    beta2_hat = debias_beta(group["beta2"], step)
     decay = float(group["weight_decay"])
     decoupled = bool(group["decouple_wd"] or group["decouple_lr"])
     if decay and group["decouple_lr"]:
