@@ -893,13 +893,28 @@ def test_a_train_step_training_the_users_own_model_is_named_and_its_grads_put_ba
     assert all(p.grad is None for p in task.model.parameters())
 
 
+def _refused_and_put_back(task: tasks.Task, closure_step: Any, said: str) -> None:
+    """check() with a train_step that touches the user's own model and optimizer: refused
+    with ``said``, the model's state and the optimizer's put back."""
+    weights = copy.deepcopy(task.model.state_dict())
+    with pytest.raises(ValueError, match=said):
+        autoprec.check(
+            task.model,
+            task.batches + task.heldout,
+            train_step=closure_step,
+            optimizer=task.optimizer,
+            steps=20,
+        )
+    assert all(torch.equal(p, weights[n]) for n, p in task.model.state_dict().items())
+    assert not task.optimizer.state
+
+
 @pytest.mark.parametrize("zeroes", ["to None", "an EMA, no gradient"])
 def test_a_train_step_changing_the_users_model_without_gradients_is_refused(zeroes: str) -> None:
     """Found by a hunt: only gradients were compared, so a train_step that stepped the user's
     own model and optimizer and zeroed the gradients (to None), or pulled the user's teacher
     towards the student, ran to the end and left the user's model changed."""
     task = tasks.regression(lr=1e-2)
-    weights = copy.deepcopy(task.model.state_dict())
 
     def closure_step(plan, batch):  # type: ignore[no-untyped-def]
         if zeroes == "to None":
@@ -913,23 +928,13 @@ def test_a_train_step_changing_the_users_model_without_gradients_is_refused(zero
                     mine.lerp_(theirs, 0.5)
         return task.mse(plan.model(batch[0]), batch[1])
 
-    with pytest.raises(ValueError, match=r"changed your own model without leaving a gradient"):
-        autoprec.check(
-            task.model,
-            task.batches + task.heldout,
-            train_step=closure_step,
-            optimizer=task.optimizer,
-            steps=20,
-        )
-    assert all(torch.equal(p, weights[n]) for n, p in task.model.state_dict().items())
-    assert not task.optimizer.state
+    _refused_and_put_back(task, closure_step, r"changed your own model without leaving a gradient")
 
 
 def test_a_train_step_stepping_the_users_own_optimizer_leaves_the_model_as_it_was() -> None:
     # only the gradients were put back: the weights kept the closure's steps, and the
     # optimizer passed to check() its state, while the error read as if nothing else changed
     task = tasks.regression(lr=1e-2)
-    weights = copy.deepcopy(task.model.state_dict())
 
     def closure_step(plan, batch):  # type: ignore[no-untyped-def]
         task.optimizer.zero_grad()
@@ -938,16 +943,8 @@ def test_a_train_step_stepping_the_users_own_optimizer_leaves_the_model_as_it_wa
         task.optimizer.step()
         return loss.detach().requires_grad_()
 
-    with pytest.raises(ValueError, match=r"Use plan\.model.*changed \d+ of the model's weights"):
-        autoprec.check(
-            task.model,
-            task.batches + task.heldout,
-            train_step=closure_step,
-            optimizer=task.optimizer,
-            steps=20,
-        )
-    assert all(torch.equal(p, weights[n]) for n, p in task.model.state_dict().items())
-    assert not task.optimizer.state
+    said = r"Use plan\.model.*changed \d+ of the model's weights"
+    _refused_and_put_back(task, closure_step, said)
     assert all(p.grad is None for p in task.model.parameters())
 
 
