@@ -223,9 +223,13 @@ class StudyFingerprint(BaseModel):
             elif name == "functions":
                 keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
                 found.append(f"what {', '.join(keys)} computes with")
-            elif name == "recipe":
+            elif name in ("recipe", "thresholds"):
                 keys = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
-                found.append(f"recipe ({', '.join(keys)})")
+                found.append(f"{name} ({', '.join(keys)})")
+            elif name == "candidates":
+                added, dropped = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+                change = [f"+{c}" for c in added] + [f"-{c}" for c in dropped]
+                found.append(f"candidates ({', '.join(change) or 'order'})")
             elif name == "keep_fp32":
                 found.append(f"keep_fp32 ({list(theirs)} -> {list(ours)})")
             elif isinstance(ours, str | int | float) and len(str(ours)) < 40:

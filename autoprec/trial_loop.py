@@ -383,13 +383,21 @@ def _eval_score(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> floa
         raise EvalFnError(
             f"eval_fn(model) raised {type(error).__name__}: {first_line(error)}"
         ) from error
-    if isinstance(score, torch.Tensor) and score.numel() == 1:
-        return float(score.detach().float().item())
+    if (
+        isinstance(score, torch.Tensor)
+        and score.numel() == 1
+        and not (score.dtype == torch.bool or score.is_complex())
+    ):
+        return float(score.detach().float().item())  # a bool or complex one stays refused
     if type(score).__module__ == "numpy" and getattr(score, "size", None) == 1:
         score = score.item()  # a 0-d or one-element array: its number (a bool stays refused)
     if isinstance(score, bool) or not isinstance(score, numbers.Real):
         shape = f" of shape {tuple(score.shape)}" if isinstance(score, torch.Tensor) else ""
-        raise EvalFnError(f"eval_fn(model) returned {type(score).__name__}{shape}, not one number")
+        dtype = f" ({score.dtype})" if isinstance(score, torch.Tensor) else ""
+        raise EvalFnError(
+            f"eval_fn(model) returned {type(score).__name__}{shape}{dtype}, not one real number"
+            " (lower is better): return a loss or an error rate, such as 1 - accuracy"
+        )
     return float(score)
 
 

@@ -79,6 +79,19 @@ def test_differences_name_what_changed() -> None:
     ]
 
 
+def test_differences_name_the_thresholds_and_candidates_that_changed() -> None:
+    """A resume refused for other thresholds or candidates says which (it said "thresholds")."""
+    stored = _fingerprint()
+    found = _fingerprint(
+        thresholds={"max_loss_gap_units": 2.0, "max_rounded_beta2": 0.9995},
+        candidates=("fp32", "bf16_sr"),
+    ).differences(stored)
+    assert found == [
+        "thresholds (max_loss_gap_units, max_rounded_beta2)",
+        "candidates (+bf16_sr, -amp_bf16)",
+    ]
+
+
 def test_check_study_records_then_refuses_another_run() -> None:
     study = optuna.create_study(directions=["maximize", "minimize"])
     assert check_study(study, _fingerprint(), "'s' in memory")

@@ -333,7 +333,9 @@ def _check_with_eval(eval_fn: object, modes: list[str]) -> autoprec.QualityRepor
         # used to read "The fp32 reference failed at step 7: ... Check that the loader's
         # batches fit the model", blaming the data for eval_fn's error
         (_raising_eval, r"reference failed: eval_fn\(model\) raised RuntimeError: no validation"),
-        (lambda model: torch.ones(3), r"eval_fn\(model\) returned Tensor of shape \(3,\), not one"),
+        (lambda model: torch.ones(3), r"eval_fn\(model\) returned Tensor of shape \(3,\) \("),
+        # a "passed" flag was read as the score 1.0 (a bool tensor is not a lower-is-better number)
+        (lambda model: torch.tensor(True), r"Tensor of shape \(\) \(torch.bool\), not one"),
         # used to judge every mode unsafe with "eval_fn nan vs fp32 nan (worse by nan ...)"
         (lambda model: float("nan"), r"eval_fn returned nan for the fp32 reference"),
     ],

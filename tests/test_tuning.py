@@ -974,3 +974,16 @@ def test_keep_fp32_patterns_in_another_order_are_the_same_setting() -> None:
     assert checked_keep_fp32(model, ["ln_f", "blocks.0"]) == checked_keep_fp32(
         model, ["blocks.0", "ln_f", "ln_f"]
     )
+
+
+def test_a_keep_fp32_pattern_naming_a_second_name_points_at_the_first() -> None:
+    """A module registered twice (``head = blocks[-1]``) is listed once by named_modules(),
+    under its first name: keep_fp32 ``head`` matched nothing, and the refusal listed names
+    without saying which one was meant."""
+    from autoprec.run_inputs import checked_keep_fp32
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model.add_module("head", model[1])
+    with pytest.raises(ValueError, match=r"'head', a second name of the module '1'.* Use '1'"):
+        checked_keep_fp32(model, ["head"])
+    assert checked_keep_fp32(model, ["1"]) == ("1",)
