@@ -199,6 +199,8 @@ _UNFIT_CAUSES = {
     "bnb_4bit": "bitsandbytes 4-bit, which FP8 does not convert",
     "computed_weight": "with a computed weight (weight_norm, spectral_norm), which a swap "
     "cannot take",
+    "swap_drops": "with a forward, tensors or hooks of its own (a LoRA Linear), which a swap "
+    "would drop",
 }
 """``LinearInfo`` flags that keep a Linear out of FP8 whatever its dimensions, as said."""
 

@@ -15,6 +15,7 @@ from autoprec.layer_kinds import (
     is_bnb_4bit,
     is_uncalled_linear,
     module_kind,
+    swap_would_drop,
 )
 from autoprec.layer_mix import KeepFp32
 
@@ -94,6 +95,12 @@ def default_keep_fp32(
                 "Linear with a computed weight (weight_norm, spectral_norm or another "
                 "parametrization): FP8 module swaps cannot take it",
             )
+        elif (
+            isinstance(module, nn.Linear)
+            and not is_uncalled_linear(module)
+            and (dropped := swap_would_drop(module)) is not None
+        ):
+            keep.setdefault(fqn, f"Linear whose {dropped}: an FP8 module swap would drop it")
         elif (
             isinstance(module, nn.Linear)
             and not is_uncalled_linear(module)

@@ -121,17 +121,38 @@ def computes_weight(module: nn.Module) -> bool:
     return not isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
+def swap_would_drop(module: nn.Module) -> str | None:
+    """What an FP8 module swap (torchao's ``Float8Linear.from_float``, Transformer Engine's
+    Linear) would drop from this Linear, or None: it keeps ``weight`` and ``bias`` and runs
+    ``nn.Linear``'s own forward, so a subclass's forward (LoRA's adapters, a scale, dropout),
+    its other parameters, buffers or submodules, and forward hooks registered on it were lost
+    without a word (found by a hunt: a LoRA Linear failed with the model half converted; a
+    subclass scaling its output by 10 trained unscaled, called safe)."""
+    if type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} has its own forward"
+    extra = [n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    extra += [n for n, _ in module.named_buffers(recurse=False)]
+    extra += [n for n, _ in module.named_children()]
+    if extra:
+        return f"{type(module).__name__} holds {', '.join(extra)} beside weight and bias"
+    if module._forward_hooks or module._forward_pre_hooks:
+        return "forward hooks are registered on it"
+    return None
+
+
 def fp8_linear_fits(module: nn.Module) -> bool:
     """An nn.Linear whose both dimensions FP8 GEMM kernels take (an HF Conv1D is not: FP8
     module swaps convert nn.Linear only; nor is a bitsandbytes 4-bit Linear, whose packed
     uint8 weight a Float8Linear would multiply as it is; nor a Linear whose weight is computed,
     which a swap cannot take: torchao raised TypeError with the model half converted; nor
-    nn.MultiheadAttention's out_proj, which its owner never calls)."""
+    nn.MultiheadAttention's out_proj, which its owner never calls; nor one whose forward,
+    other tensors or hooks a swap would drop: :func:`swap_would_drop`)."""
     return (
         isinstance(module, nn.Linear)
         and not is_uncalled_linear(module)
         and not is_bnb_4bit(module)
         and not computes_weight(module)
+        and swap_would_drop(module) is None
         and module.in_features % FP8_DIM_MULTIPLE == 0
         and module.out_features % FP8_DIM_MULTIPLE == 0
     )

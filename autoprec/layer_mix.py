@@ -42,6 +42,9 @@ class LinearInfo(BaseModel):
     computed_weight: bool = False
     """Its weight is computed (weight_norm, spectral_norm, a parametrization): an FP8 swap
     cannot take it (not compatible)."""
+    swap_drops: bool = False
+    """An FP8 swap would drop part of it: a subclass's own forward, tensors beside weight and
+    bias, or forward hooks (not compatible; ``layer_kinds.swap_would_drop``)."""
     fp8_worthwhile: bool
     """Compatible and big enough that FP8 is likely to gain (torchao's auto-filter rule)."""
 

@@ -37,6 +37,7 @@ from autoprec.layer_kinds import (
     linear_dims,
     module_kind,
     refuse_lazy,
+    swap_would_drop,
 )
 from autoprec.layer_mix import KindShare, LayerMix, LinearInfo
 from autoprec.running_state import running_buffers
@@ -129,6 +130,7 @@ def _linear_infos(model: nn.Module, attribution: FlopAttribution | None) -> tupl
                 hf_conv1d=is_hf_conv1d(module),
                 bnb_4bit=is_bnb_4bit(module),
                 computed_weight=computes_weight(module),
+                swap_drops=swap_would_drop(module) is not None,
             )
         )
     return tuple(infos)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.layer_keep import FP8_SKIP_REASONS
 from autoprec.layers import scan_model
 from autoprec.modes.amp import AmpFp16Mode
@@ -216,6 +216,65 @@ def test_fp8_leaves_a_linear_whose_weight_is_computed_out_of_fp8() -> None:
         loss = plan.model(torch.randn(4, 32)).float().pow(2).mean()
     plan.step(loss)
     assert torch.isfinite(loss)
+
+
+class _LoRALinear(nn.Linear):
+    """loralib's pattern: adapters beside the weight, and a forward of its own."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features, features)
+        self.lora_a = nn.Parameter(torch.randn(4, features) * 0.01)
+        self.lora_b = nn.Parameter(torch.zeros(features, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 10.0
+
+
+def test_fp8_leaves_linears_a_swap_would_change_out_of_fp8() -> None:
+    """Found by a hunt: torchao's swap keeps weight and bias and runs nn.Linear's forward. A
+    LoRA Linear failed with the user's model half converted; a subclass scaling its output by
+    10 trained unscaled (relative output error 0.89), and a hooked Linear lost its hooks."""
+    torch.manual_seed(0)
+    hooked = nn.Linear(32, 32)
+    calls: list[int] = []
+    hooked.register_forward_hook(lambda module, args, out: calls.append(1))
+    model = nn.Sequential(
+        nn.Linear(32, 32), _LoRALinear(32), _ScaledLinear(32, 32), hooked, nn.Linear(32, 32)
+    )
+    reasons = {keep.fqn: keep.reason for keep in scan_model(model).keep_fp32}
+    assert reasons["1"] == (
+        "Linear whose _LoRALinear has its own forward: an FP8 module swap would drop it"
+    )
+    assert reasons["3"].startswith("Linear whose forward hooks are registered on it")
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        expected = model(x)
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert plan.mode.fp8_modules(plan.model) == ("0", "4")
+    calls.clear()
+    with torch.no_grad(), plan.autocast():
+        out = plan.model(x).float()
+    assert calls == [1]
+    assert float((out - expected).norm() / expected.norm()) < 0.05  # FP8 error, not x10
+
+
+def test_fp8_refuses_a_model_it_would_convert_nothing_of() -> None:
+    """A root Linear (torchao returns a new module for it, which was dropped) or a model whose
+    Linears all stay out: it trained as bf16 autocast labelled FP8, without a word."""
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    root = nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"would run no layer of Linear in FP8.*use amp_bf16"):
+        prepare(spec, root, torch.optim.AdamW(root.parameters(), lr=1e-3))
+    subclass = nn.Sequential(_ScaledLinear(64, 64))
+    with pytest.raises(UnsupportedModeError, match=r"1 with a forward, tensors or hooks of its"):
+        prepare(spec, subclass, torch.optim.AdamW(subclass.parameters(), lr=1e-3))
+    assert type(subclass[0]) is _ScaledLinear
 
 
 @pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_pure"])

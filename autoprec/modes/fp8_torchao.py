@@ -33,8 +33,9 @@ class Fp8TorchaoMode(PrecisionMode):
 
     @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
-        # torchao on CPU does not enforce the multiple-of-16 rule; autoprec does.
-        if not fp8_linear_fits(module) or self.keeps_fp32(fqn) or self.skips_fp8(fqn):
+        # torchao on CPU does not enforce the multiple-of-16 rule; autoprec does. The root
+        # cannot be swapped in place (torchao returns a new module for a root Linear).
+        if not fqn or not fp8_linear_fits(module) or self.keeps_fp32(fqn) or self.skips_fp8(fqn):
             return False
         if self.spec.fp8_layers == "all":
             return True
@@ -55,6 +56,14 @@ class Fp8TorchaoMode(PrecisionMode):
     @override
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
+        if not any(self.module_filter_fn(m, fqn) for fqn, m in model.named_modules()):
+            raise ValueError(
+                f"{self.spec.label} would run no layer of {type(model).__name__} in FP8: no "
+                "Linear below the model's root fits FP8 kernels (both dimensions divisible by "
+                f"16, a plain nn.Linear) outside keep_fp32 {list(self.spec.keep_fp32)} and "
+                f"fp8_skip {list(self.spec.fp8_skip)}. It would train as amp_bf16 under an FP8 "
+                "label: use amp_bf16."
+            )
         float8 = require("torchao").float8
         float8.convert_to_float8_training(  # the filter leaves keep_fp32 and fp8_skip out
             model, config=self.float8_config(), module_filter_fn=self.module_filter_fn
