@@ -315,19 +315,28 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
     )
 
 
-def save_references(path: Path, fingerprint: StudyFingerprint, references: Fp32Runs) -> None:
-    """Write the fp32 reference and noise runs atomically (a temporary file, then a rename)."""
+def save_references(
+    path: Path, fingerprint: StudyFingerprint, references: Fp32Runs, steps: int | None = None
+) -> None:
+    """Write the fp32 reference and noise runs of ``steps`` steps atomically (a temporary file,
+    then a rename)."""
     runs = [references.reference, references.noise]
     if references.paired is not None:
         runs.append(references.paired)
-    data = {"fingerprint": fingerprint.digest(), "runs": [_pack(r) for r in runs]}
+    data = {"fingerprint": fingerprint.digest(), "steps": steps, "runs": [_pack(r) for r in runs]}
     # write_atomically removes its temporary on any error or Ctrl-C (one named by the pid
     # stayed behind, one more each interrupted run) and fsyncs before the rename
     write_atomically(path, lambda temporary: torch.save(data, temporary))
 
 
-def load_references(path: Path | None, fingerprint: StudyFingerprint) -> Fp32Runs | None:
-    """The stored fp32 reference and noise runs when they match ``fingerprint``, else None."""
+def load_references(
+    path: Path | None, fingerprint: StudyFingerprint, steps: int | None = None
+) -> Fp32Runs | None:
+    """The stored fp32 reference and noise runs when they match ``fingerprint`` and ran
+    ``steps`` steps, else None. The trial length is planned from timing, which no fingerprint
+    holds: a cache left by a deleted study of the same run, measured at another length, was
+    read by a new one stopped before it rewrote the cache (294-step trials judged against
+    53-step references; found by a hunt)."""
     if path is None or not path.exists():
         return None
     try:
@@ -335,6 +344,8 @@ def load_references(path: Path | None, fingerprint: StudyFingerprint) -> Fp32Run
     except Exception:  # noqa: BLE001 - an unreadable cache is re-measured, never trusted
         return None
     if not isinstance(data, dict) or data.get("fingerprint") != fingerprint.digest():
+        return None
+    if data.get("steps") != steps:
         return None
     return Fp32Runs(*(_unpack(run) for run in data["runs"]))
 

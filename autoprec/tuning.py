@@ -265,7 +265,9 @@ def _measured_references(
     new_run = check_study(study, fingerprint, where)
     cache = references_path(storage, study.study_name)
     attrs = {} if new_run else study.user_attrs  # a stopped run's attributes are not this run's
-    stored = load_references(cache, fingerprint) if "fp32_step_seconds" in attrs else None
+    stored = None
+    if "fp32_step_seconds" in attrs:
+        stored = load_references(cache, fingerprint, int(attrs["trial_steps"]))
     if stored is not None:  # a resumed run: the same fp32 runs, measured before
         logger.info("reusing the fp32 reference runs stored in %s", cache)
         steps, step_seconds = int(attrs["trial_steps"]), float(attrs["fp32_step_seconds"])
@@ -282,7 +284,7 @@ def _measured_references(
     study.set_user_attr("noise_runs", runs.noise_runs)  # autoprec report counts them
     study.set_user_attr("fresh_batches", setup.fresh_batches)  # for a resumed run
     if cache is not None:
-        save_references(cache, fingerprint, runs)
+        save_references(cache, fingerprint, runs, steps)
     return runs, steps, step_seconds, False
 
 

@@ -155,6 +155,11 @@ def test_reference_runs_round_trip_only_under_their_fingerprint(tmp_path: Path) 
             assert torch.equal(x.values, y.values) and x.top1 is not None
             assert y.top1 is not None and torch.equal(x.top1, y.top1)
     assert load_references(path, _fingerprint(seed=1)) is None
+    # runs of another length (a deleted study's cache, its trials planned shorter) are not
+    # this study's references, whatever the fingerprint
+    save_references(path, _fingerprint(), Fp32Runs(*runs), steps=53)
+    assert load_references(path, _fingerprint(), steps=53) is not None
+    assert load_references(path, _fingerprint(), steps=294) is None
     path.write_bytes(b"not a torch file")
     assert load_references(path, _fingerprint()) is None
 
