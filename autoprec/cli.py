@@ -177,15 +177,26 @@ def _thresholds(settings: list[str]) -> Any:
         raise ValueError(f"--threshold: {field_errors(error)}.") from None
 
 
-def _stepped_optimizer(model: Any, factory: Any, path: str, read: Any) -> Any:
+def _stepped_optimizer(
+    model: Any, factory: Any, path: str, read: Any, lr_given: bool = False
+) -> Any:
     """The run's optimizer: ``factory`` (None: autoprec's default) over ``model``, its state
-    loaded from ``path`` (``read``: that file already read, or None)."""
+    loaded from ``path`` (``read``: that file already read, or None). ``lr_given``: ``--lr``
+    was given, and each group keeps the lr the factory gives it (over the checkpoint's, and as
+    a scheduler's base: ``initial_lr``). It set one lr for every group, flattening a factory's
+    10x head, and a scheduler rebuilt the lrs from the checkpoint's ``initial_lr``, so --lr did
+    nothing while the report recorded it (found by a hunt)."""
     from autoprec.factories import load_optimizer_state
     from autoprec.recipe import default_optimizer
 
     optimizer = (factory or default_optimizer)(model.parameters())
     built = [dict(group) for group in optimizer.param_groups]
     load_optimizer_state(optimizer, path, read=read)
+    if lr_given:  # the lr the run ends at, over the one saved with the state
+        for group, before in zip(optimizer.param_groups, built, strict=False):
+            group["lr"] = before["lr"]
+            if "initial_lr" in group:
+                group["initial_lr"] = before["lr"]
     replaced = _replaced_settings(built, optimizer.param_groups)
     if factory is not None and replaced:
         logging.getLogger("autoprec.cli").warning(
@@ -238,10 +249,9 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
     if args.optimizer_state is not None:
         own_file = args.optimizer_state != ""
         path = args.optimizer_state if own_file else args.weights
-        optimizer = _stepped_optimizer(model, optimizer, path, None if own_file else read)
-        if args.lr is not None:  # the lr the run ends at, over the one saved with the state
-            for group in optimizer.param_groups:
-                group["lr"] = args.lr
+        optimizer = _stepped_optimizer(
+            model, optimizer, path, None if own_file else read, lr_given=args.lr is not None
+        )
     return {
         "model": model,
         "loader": _loader(args.data),

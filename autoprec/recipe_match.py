@@ -48,12 +48,19 @@ def recipe_differences(
         # momentum (beta1) when the proven schedule cycled it
         cycled = any(point.momenta is not None for point in recipe.lr_points)
         scheduled = set()
-        if scheduler is not None:
-            scheduled = {"lr", "momentum", "beta1"} if cycled else {"lr"}
         groups = optimizer.param_groups
+        unscheduled = scheduler is None and _schedule_dropped(recipe, groups)
+        if scheduler is not None or unscheduled:
+            scheduled = {"lr", "momentum", "beta1"} if cycled else {"lr"}
         differences += _group_differences(recipe.optimizer_groups, groups, scheduled)
         if scheduler is not None:
             differences += _schedule_differences(recipe, optimizer, scheduler, total_steps)
+        elif unscheduled:
+            shown = "; ".join(point.describe() for point in recipe.lr_points)
+            differences.append(
+                f"schedule: proven with {recipe.scheduler} ({shown}), applied without one "
+                "(pass your scheduler to apply() to compare its lr)"
+            )
     if grad_accumulation_steps != recipe.grad_accumulation_steps:
         differences.append(
             f"grad_accumulation_steps: proven at {recipe.grad_accumulation_steps}, "
@@ -65,6 +72,14 @@ def recipe_differences(
             f"{_clipping(clip_grad_norm)}"
         )
     return differences
+
+
+def _schedule_dropped(recipe: RecipeSummary, groups: list[dict[str, Any]]) -> bool:
+    """The recipe was proven under a scheduler, and none was passed nor built on this optimizer
+    (no group has an ``initial_lr``): the run trains at a constant lr. Its constructor lr was
+    compared with the proven constructor lr, which a OneCycleLR run never trains at: a run
+    100x above the proven peak passed, one exactly at it was warned about (found by a hunt)."""
+    return recipe.scheduler is not None and not any("initial_lr" in g for g in groups)
 
 
 def _clipping(norm: float | None) -> str:

@@ -492,6 +492,33 @@ def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reache
         constant.apply(model, optimizer, LambdaLR(optimizer, lambda step: 0.5**step))
 
 
+def test_a_scheduled_profile_applied_without_a_schedule_says_so() -> None:
+    """Found by a hunt: without a scheduler, apply() compared the optimizer's lr with the proven
+    optimizer's constructor lr, which a OneCycleLR run never trains at. A constant lr 100x the
+    proven peak passed; one exactly at the peak was warned about."""
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    profile = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        scheduler=lambda optimizer: OneCycleLR(optimizer, 1e-4, total_steps=1000),
+        total_steps=1000,
+    )
+    for lr in (1e-2, 1e-4):
+        model, _ = tiny_gpt.make_model()
+        with pytest.warns(RecipeMismatchWarning) as caught:
+            profile.apply(model, torch.optim.AdamW(model.parameters(), lr=lr))
+        message = str(caught[0].message)
+        assert "schedule: proven with" in message and "applied without one" in message
+        assert "lr: proven at 0.01" not in message
+    model, _ = tiny_gpt.make_model()  # a scheduler built on it before apply(): not this case
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    OneCycleLR(optimizer, 1e-4, total_steps=1000)
+    with warnings.catch_warnings(record=True) as caught_all:
+        warnings.simplefilter("always")
+        profile.apply(model, optimizer)
+    assert not any("applied without one" in str(w.message) for w in caught_all)
+
+
 def test_a_scheduler_applied_mid_run_is_compared_from_where_it_stands() -> None:
     import torch
     from torch.optim.lr_scheduler import CosineAnnealingLR

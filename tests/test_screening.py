@@ -641,6 +641,40 @@ def test_optimizer_state_that_replaces_the_factorys_settings_says_so(
     assert "replace" not in capsys.readouterr().err
 
 
+def test_lr_over_a_loaded_state_keeps_the_factorys_group_ratios(tmp_path: Path) -> None:
+    """Found by a hunt: --lr with --optimizer-state set one lr for every group (a factory's
+    10x head trained at 1x), and under a scheduler the checkpoint's initial_lr rebuilt the
+    lrs, so --lr changed nothing that trained while the report recorded it."""
+    import functools
+
+    from autoprec.cli import _stepped_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+    def make(params: object, lr: float = 1e-3) -> torch.optim.Optimizer:
+        del params
+        return torch.optim.AdamW(
+            [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": lr * 10}],
+            lr=lr,
+        )
+
+    saved = make(None)
+    scheduler = torch.optim.lr_scheduler.LinearLR(saved, 1.0, 0.1, total_iters=10)
+    model(torch.randn(2, 4)).sum().backward()
+    saved.step()
+    scheduler.step()
+    torch.save(saved.state_dict(), tmp_path / "optimizer.pt")
+    loaded = _stepped_optimizer(
+        model, functools.partial(make, lr=1e-4), str(tmp_path / "optimizer.pt"), None, True
+    )
+    assert [g["lr"] for g in loaded.param_groups] == pytest.approx([1e-4, 1e-3])
+    assert [g["initial_lr"] for g in loaded.param_groups] == pytest.approx([1e-4, 1e-3])
+    rebuilt = torch.optim.lr_scheduler.LinearLR(loaded, 1.0, 0.1, total_iters=10)
+    assert rebuilt.get_last_lr() == pytest.approx([1e-4, 1e-3])  # a scheduler starts from it
+    kept = _stepped_optimizer(model, make, str(tmp_path / "optimizer.pt"), None)
+    assert [g["lr"] for g in kept.param_groups] == pytest.approx([9.1e-4, 9.1e-3])  # saved
+
+
 def test_optimizer_state_starts_every_trial_from_the_runs_adam_moments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
