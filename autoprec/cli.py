@@ -89,9 +89,12 @@ def _optimizer_factory(reference: str | None, lr: float | None) -> Any:
     if lr is None:
         return factory
     try:
-        takes_lr = "lr" in inspect.signature(factory).parameters
+        parameters = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
-        takes_lr = False
+        parameters = []  # type: ignore[assignment]
+    takes_lr = any(  # lr by name, or **options (found by a hunt: refused though it takes lr)
+        p.name == "lr" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+    )
     if not takes_lr:
         raise ValueError(
             f"--lr: the --optimizer factory {reference!r} takes no lr argument; set the lr "
@@ -178,7 +181,12 @@ def _thresholds(settings: list[str]) -> Any:
 
 
 def _stepped_optimizer(
-    model: Any, factory: Any, path: str, read: Any, lr_given: bool = False
+    model: Any,
+    factory: Any,
+    path: str,
+    read: Any,
+    lr_given: bool = False,
+    own_factory: bool = True,
 ) -> Any:
     """The run's optimizer: ``factory`` (None: autoprec's default) over ``model``, its state
     loaded from ``path`` (``read``: that file already read, or None). ``lr_given``: ``--lr``
@@ -198,7 +206,7 @@ def _stepped_optimizer(
             if "initial_lr" in group:
                 group["initial_lr"] = before["lr"]
     replaced = _replaced_settings(built, optimizer.param_groups)
-    if factory is not None and replaced:
+    if own_factory and factory is not None and replaced:  # --lr alone: autoprec's AdamW
         logging.getLogger("autoprec.cli").warning(
             "--optimizer-state: the checkpoint's settings replace --optimizer's, as torch's "
             "load_state_dict does (every trial trains with them): %s",
@@ -250,7 +258,12 @@ def _training_inputs(args: argparse.Namespace) -> dict[str, Any]:
         own_file = args.optimizer_state != ""
         path = args.optimizer_state if own_file else args.weights
         optimizer = _stepped_optimizer(
-            model, optimizer, path, None if own_file else read, lr_given=args.lr is not None
+            model,
+            optimizer,
+            path,
+            None if own_file else read,
+            lr_given=args.lr is not None,
+            own_factory=args.optimizer is not None,
         )
     return {
         "model": model,

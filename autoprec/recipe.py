@@ -335,6 +335,14 @@ class TrainingRecipe:
         ):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be a function {form}, not {type(value).__name__}.")
+            if isinstance(value, type) and issubclass(value, nn.Module):
+                # MSELoss(size_average, reduce) takes two arguments: it passed the arity check
+                # and failed at the first step on the data ("Boolean value of Tensor ...")
+                raise TypeError(
+                    f"{name} is the class {qualified_name(value)}, not a loss: pass an instance, "
+                    f"{value.__name__}() (on the command line, a function of yours returning "
+                    "the loss, or torch.nn.functional's, e.g. torch.nn.functional:mse_loss)."
+                )
             if value is not None:
                 refuse_wrong_arity(name, value, form, 2)
         if self.loss_fn is not None and self.train_step is not None:
@@ -456,7 +464,18 @@ class TrainingRecipe:
             scheduler = self.make_scheduler(optimizer)
             _require_readable(scheduler)
         steps = (self.total_steps or 1) if scheduler is not None else 1
-        lrs, momenta = step_schedule(optimizer, scheduler, steps)
+        try:
+            lrs, momenta = step_schedule(optimizer, scheduler, steps)
+        except Exception as error:
+            factory = qualified_name(self.scheduler) or "your factory"
+            said = (str(error).splitlines() or [""])[0]
+            raise ValueError(
+                f"Stepping the scheduler from {factory} through the run's total_steps={steps} "
+                f"(--total-steps; to read the lrs trials train at) raised "
+                f"{type(error).__name__}: {said}. total_steps counts optimizer steps, not "
+                "micro-batches: give the length your scheduler was built for, and a scheduler "
+                "whose step() takes no argument (as torch's do)."
+            ) from error
         scheduled = momenta if own is not None and any(m != own for m in momenta) else None
         self._cache[key] = (lrs, scheduled)
         return lrs, scheduled

@@ -148,6 +148,35 @@ def test_an_lr_already_zeroed_by_a_warmup_scheduler_is_refused() -> None:
     assert recipe.lr_points(model)[0].lr == pytest.approx(3e-4)
 
 
+def test_a_scheduler_that_fails_when_stepped_is_named_with_the_run_length() -> None:
+    """Found by a hunt: torch's "Tried to step 101 times" (a OneCycleLR built for 100 steps, a
+    run of 1000: micro-batches counted) and a timm-style step(epoch) escaped raw, naming
+    neither the factory nor total_steps."""
+
+    class EpochScheduler:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        def step(self, epoch: int) -> None:
+            del epoch
+
+    model = _model()
+    for factory, said in [
+        (
+            lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1e-3, total_steps=100),
+            r"total_steps=1000 .*raised ValueError: Tried to step 101 times.*not micro-batches",
+        ),
+        (EpochScheduler, r"raised TypeError: .*step\(\) missing 1 required positional"),
+    ]:
+        recipe = TrainingRecipe(
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+            scheduler=factory,
+            total_steps=1000,
+        )
+        with pytest.raises(ValueError, match=said):
+            recipe.lr_points(model)
+
+
 def test_a_plateau_schedule_is_refused_with_what_to_do_instead() -> None:
     # its lrs follow the run's validation metric: stepping it blind used to raise
     # "ReduceLROnPlateau.step() missing 1 required positional argument: 'metrics'"

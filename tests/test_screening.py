@@ -675,6 +675,51 @@ def test_lr_over_a_loaded_state_keeps_the_factorys_group_ratios(tmp_path: Path) 
     assert [g["lr"] for g in kept.param_groups] == pytest.approx([9.1e-4, 9.1e-3])  # saved
 
 
+def test_lr_alone_over_a_loaded_state_blames_no_optimizer_flag(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--lr without --optimizer builds autoprec's AdamW at that lr: the checkpoint's betas
+    replacing its defaults were reported as replacing "--optimizer's" (found by a hunt)."""
+    import functools
+
+    from autoprec.cli import _optimizer_factory, _stepped_optimizer
+
+    model = torch.nn.Linear(4, 2)
+    saved = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    torch.save(saved.state_dict(), tmp_path / "optimizer.pt")
+    path = str(tmp_path / "optimizer.pt")
+    factory = _optimizer_factory(None, 1e-4)
+    with caplog.at_level("WARNING", logger="autoprec.cli"):
+        loaded = _stepped_optimizer(model, factory, path, None, True, own_factory=False)
+    assert loaded.param_groups[0]["betas"] == (0.9, 0.95) and "replace" not in caplog.text
+    with caplog.at_level("WARNING", logger="autoprec.cli"):
+        own = functools.partial(torch.optim.AdamW, lr=1e-4)
+        _stepped_optimizer(model, own, path, None, True, own_factory=True)
+    assert "the checkpoint's settings replace --optimizer's" in caplog.text
+
+
+def test_an_optimizer_factory_taking_options_takes_lr(tmp_path: Path) -> None:
+    """--lr was refused for a factory(params, **options) that takes lr (found by a hunt)."""
+    from autoprec.cli import _optimizer_factory
+
+    (tmp_path / "kwargs_factory.py").write_text(
+        "import torch\n\n\ndef make(params, **options):\n"
+        "    return torch.optim.AdamW(params, **options)\n"
+    )
+    factory = _optimizer_factory(f"{tmp_path / 'kwargs_factory.py'}:make", 1e-4)
+    assert factory(torch.nn.Linear(2, 2).parameters()).param_groups[0]["lr"] == 1e-4
+
+
+def test_a_loss_class_is_refused_as_a_class() -> None:
+    """--loss torch.nn:MSELoss (the class): MSELoss(size_average, reduce) passed the arity
+    check and failed at the first step blaming the batches (found by a hunt)."""
+    from autoprec.recipe import TrainingRecipe
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"the class torch.nn.*MSELoss, not a loss.*MSELoss\(\)"):
+        TrainingRecipe(optimizer=torch.optim.AdamW(model.parameters()), loss_fn=torch.nn.MSELoss)
+
+
 def test_optimizer_state_starts_every_trial_from_the_runs_adam_moments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
