@@ -111,7 +111,7 @@ def read_json(
 ) -> Any:
     """The JSON in ``path``, or ``error`` with one line naming ``what`` and what is wrong."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is no error
     except FileNotFoundError:
         raise error(f"{what} {str(path)!r} does not exist.") from None
     except UnicodeDecodeError:

@@ -61,9 +61,9 @@ def _show(args: argparse.Namespace) -> int:
 def _schema(args: argparse.Namespace) -> int:
     import json
 
-    from autoprec.profile import Profile
+    from autoprec.profile import published_schema
 
-    sys.stdout.write(json.dumps(Profile.model_json_schema(), indent=2) + "\n")
+    sys.stdout.write(json.dumps(published_schema(), indent=2) + "\n")
     return EXIT_OK
 
 

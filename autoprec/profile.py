@@ -317,6 +317,7 @@ class Profile(BaseModel):
                 integrations pass their own).
         """
         check_model_and_optimizer(model, optimizer)
+        _check_total_steps(total_steps, scheduler)
         recipe = self.recipe
         if grad_accumulation_steps is None:
             grad_accumulation_steps = recipe.grad_accumulation_steps if recipe else 1
@@ -469,3 +470,47 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
         ) from None
     profile.check_hardware(strict=strict)
     return profile
+
+
+def _check_total_steps(total_steps: object, scheduler: object) -> None:
+    """Refuse a ``total_steps`` that is not a positive int (a "200" from a config file raised
+    a bare TypeError; 0 or -5 were blamed on the scheduler: found by a hunt), and say when it
+    is given without a scheduler, whose schedule it is the length of."""
+    if total_steps is None:
+        return
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(
+            f"total_steps must be a positive int (the optimizer steps of the run you apply "
+            f"the profile to) but got {total_steps!r}."
+        )
+    if scheduler is None:
+        warnings.warn(
+            f"total_steps={total_steps} is the length of a schedule, and no scheduler was "
+            "passed to apply(): nothing is compared over it. Pass your scheduler too.",
+            RecipeMismatchWarning,
+            stacklevel=3,
+        )
+
+
+NON_FINITE = {"enum": ["Infinity", "-Infinity", "NaN"]}
+"""How a profile writes a non-finite float (``ser_json_inf_nan="strings"``)."""
+
+
+def _allowing_non_finite(schema: Any) -> Any:
+    """``schema`` with every number also allowing the strings a profile writes for inf and nan:
+    a profile tuned with ``clip_grad_norm=inf`` (measure only) or holding an inf drift figure
+    failed validation against the schema autoprec publishes (found by a hunt)."""
+    if isinstance(schema, list):
+        return [_allowing_non_finite(each) for each in schema]
+    if not isinstance(schema, dict):
+        return schema
+    walked = {key: _allowing_non_finite(value) for key, value in schema.items()}
+    if walked.get("type") == "number":
+        return {"anyOf": [walked, NON_FINITE]}
+    return walked
+
+
+def published_schema() -> dict[str, Any]:
+    """The profile's JSON schema as ``autoprec schema`` prints it (profiles/profile.schema.json):
+    pydantic's, with the strings a profile writes for non-finite floats allowed."""
+    return _allowing_non_finite(Profile.model_json_schema())  # type: ignore[no-any-return]

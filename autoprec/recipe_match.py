@@ -207,12 +207,21 @@ def _same_points(proven: tuple[LrPoint, ...], applied: tuple[LrPoint, ...]) -> b
     )
 
 
+_JSON_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+"""How a profile file writes non-finite floats (``ser_json_inf_nan="strings"``): a group
+option read back from a file (Prodigy's ``growth_rate=inf``) is such a string."""
+
+
 def _same(proven: Any, applied: Any) -> bool:
     if isinstance(proven, list) and isinstance(applied, list):
         return len(proven) == len(applied) and all(map(_same, proven, applied))
+    if isinstance(proven, str) and proven in _JSON_FLOATS:
+        proven = _JSON_FLOATS[proven]  # inf read back from a file was "Infinity" vs inf
     if isinstance(proven, bool) or isinstance(applied, bool):
         return proven == applied
     if isinstance(proven, int | float) and isinstance(applied, int | float):
+        if math.isnan(proven) or math.isnan(applied):
+            return math.isnan(proven) and math.isnan(applied)
         return math.isclose(proven, applied, rel_tol=1e-6, abs_tol=0.0)
     return proven == applied
 

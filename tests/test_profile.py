@@ -33,6 +33,7 @@ from autoprec.profile import (
     TrialFigures,
     load_profile,
     profile_for,
+    published_schema,
 )
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
@@ -280,10 +281,18 @@ def test_bundled_profiles_are_valid(path: Path) -> None:
 
 def test_schema_file_is_fresh() -> None:
     on_disk = json.loads((PROFILES / "profile.schema.json").read_text())
-    assert on_disk == Profile.model_json_schema(), (
+    assert on_disk == published_schema(), (
         "profiles/profile.schema.json is stale: "
         "run `autoprec schema > profiles/profile.schema.json`"
     )
+
+
+def test_the_schema_allows_what_a_profile_writes_for_non_finite_floats() -> None:
+    """A profile tuned with clip_grad_norm=inf (measure only) holds "Infinity", which the
+    published schema refused (only a number): found by a hunt."""
+    clip = published_schema()["$defs"]["RecipeSummary"]["properties"]["clip_grad_norm"]
+    allowed = json.dumps(clip)
+    assert '"Infinity"' in allowed and '"type": "number"' in allowed
 
 
 def test_apply_returns_a_plan() -> None:
@@ -557,6 +566,46 @@ def test_a_scheduler_applied_mid_run_is_compared_from_where_it_stands() -> None:
     model, optimizer, scheduler = stepped(2000, 2500)
     with pytest.warns(RecipeMismatchWarning, match="at step 2500, past the proven run's 2000"):
         cosine.apply(model, optimizer, scheduler)
+
+
+def test_apply_refuses_a_total_steps_that_is_not_a_run_length() -> None:
+    """Found by a hunt: total_steps="200" (from a config file) raised a bare TypeError, 0 and -5
+    were blamed on the scheduler, and one given without a scheduler was dropped unsaid."""
+    profile = _profile(mode="amp_bf16")
+    for wrong in ("200", 0, -5, 2.5, True):
+        model, _ = tiny_gpt.make_model()
+        optimizer = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ValueError, match=r"total_steps must be a positive int .* but got"):
+            profile.apply(model, optimizer, total_steps=wrong)  # type: ignore[arg-type]
+    model, _ = tiny_gpt.make_model()
+    with pytest.warns(RecipeMismatchWarning, match="no scheduler was passed"):
+        profile.apply(model, torch.optim.AdamW(model.parameters()), total_steps=20000)
+
+
+def test_a_non_finite_group_option_matches_itself_after_a_file_round_trip() -> None:
+    """Prodigy's growth_rate=inf is written "Infinity" and read back as that string: apply()
+    of the loaded profile with the very optimizer warned "proven at Infinity, applied with
+    inf", and strict=True refused it; a NaN option never matched (found by a hunt)."""
+    from autoprec.recipe_match import _group_differences
+
+    proven = ({"lr": 1e-3, "growth_rate": "Infinity", "d_coef": math.nan},)
+    applied = [{"lr": 1e-3, "growth_rate": math.inf, "d_coef": math.nan}]
+    assert _group_differences(proven, applied, set()) == []
+    applied[0]["growth_rate"] = 10.0
+    assert _group_differences(proven, applied, set()) == [
+        "growth_rate: proven at Infinity, applied with 10"
+    ]
+
+
+def test_a_profile_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """An editor's UTF-8 byte-order mark was called "not valid JSON ... it may be truncated.
+    Re-run autoprec tune", throwing the edit away (found by a hunt)."""
+    path = tmp_path / "edited.json"
+    _profile(mode="amp_bf16").save(path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_profile(path).spec.mode == "amp_bf16"
 
 
 def test_apply_compares_the_schedule_over_the_runs_own_length() -> None:
