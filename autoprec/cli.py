@@ -104,9 +104,12 @@ def _optimizer_factory(reference: str | None, lr: float | None) -> Any:
 
 
 def _check_tune_numbers(args: argparse.Namespace) -> None:
-    if not args.budget > 0 or not math.isfinite(args.budget):
+    from autoprec.run_inputs import MAX_BUDGET_MINUTES
+
+    if not 0 < args.budget <= MAX_BUDGET_MINUTES:  # nan fails both
         raise ValueError(
-            f"--budget must be a positive, finite number of minutes, not {args.budget:g} "
+            f"--budget must be a positive, finite number of minutes up to "
+            f"{MAX_BUDGET_MINUTES:g}, not {args.budget:g} "
             "(`autoprec check` screens every mode without a budget)."
         )
     _check_recipe_numbers(args)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
+import numbers
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -316,18 +318,38 @@ def check_seed(seed: Any) -> None:
         )
 
 
+MAX_BUDGET_MINUTES = 1e7
+"""About 19 years: a larger budget overflowed the step planning (``budget_minutes=1e307``
+raised OverflowError; found by a hunt)."""
+
+
 def check_budget(budget_minutes: Any, objective: Any) -> None:
     if (
-        not isinstance(budget_minutes, int | float)
+        isinstance(budget_minutes, bool)
+        or not isinstance(budget_minutes, numbers.Real)  # NumPy's numbers too (a hunt)
         or not budget_minutes > 0
         or not math.isfinite(budget_minutes)
+        or budget_minutes > MAX_BUDGET_MINUTES
     ):
         raise ValueError(
-            f"budget_minutes must be a positive, finite number but got {budget_minutes!r} "
-            "(autoprec.check screens every mode without a budget)."
+            f"budget_minutes must be a positive, finite number of minutes up to "
+            f"{MAX_BUDGET_MINUTES:g} but got {budget_minutes!r} (autoprec.check screens every "
+            "mode without a budget)."
         )
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} but got {objective!r}.")
+
+
+def checked_storage(storage: Any) -> str | None:
+    """``storage`` as a string: a ``pathlib.Path`` is a journal or SQLite file path (it
+    failed after calibration with a bare TypeError; found by a hunt)."""
+    if storage is None or isinstance(storage, str):
+        return storage
+    if isinstance(storage, os.PathLike):
+        return os.fspath(storage)  # type: ignore[return-value]
+    raise TypeError(
+        f"storage must be an Optuna storage URL or a file path, not {type(storage).__name__}."
+    )
 
 
 def uncompiled_model(model: Any) -> tuple[Any, bool]:

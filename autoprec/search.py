@@ -276,6 +276,7 @@ def optuna_storage(storage: str | None) -> Any:
     if path.is_file():
         with path.open("rb") as file:
             if file.read(len(SQLITE_HEADER)) == SQLITE_HEADER:
+                refuse_foreign_sqlite(path)
                 return sqlite_url(path)
         _refuse_non_journal(path)
     from optuna.storages import JournalStorage
@@ -303,6 +304,34 @@ def is_journal_file(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and "op_code" in record
+
+
+OPTUNA_TABLES = frozenset({"studies", "version_info"})
+"""Tables every Optuna RDB storage has: an SQLite file with tables but not these is another
+application's database."""
+
+
+def refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse an SQLite database that holds tables but not Optuna's: Optuna created its own
+    tables inside another application's database (an inventory.db gained 12; found by a hunt).
+    A database that cannot be read is left to the open, which names it as damaged."""
+    import contextlib
+    import sqlite3
+
+    try:
+        uri = path.resolve().as_uri() + "?mode=ro"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as database:
+            rows = database.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            tables = {str(row[0]) for row in rows}
+    except sqlite3.Error:
+        return
+    if tables and not tables >= OPTUNA_TABLES:
+        shown = ", ".join(sorted(tables)[:6]) + (", ..." if len(tables) > 6 else "")
+        raise StorageRefused(
+            f"{str(path)!r} is an SQLite database of another application (its tables: "
+            f"{shown}), not an Optuna study storage; nothing was written to it. Give a new file "
+            "name or an existing study storage (--storage / storage=)."
+        )
 
 
 def _refuse_non_journal(path: Path) -> None:
@@ -393,6 +422,8 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
 
     try:
         file = None if storage is None else sqlite_file(storage)
+        if file is not None and file.is_file():
+            refuse_foreign_sqlite(file)
         if file is not None:
             file.parent.mkdir(parents=True, exist_ok=True)
         return _retried(lambda: _open_study(storage, study_name))

@@ -48,6 +48,7 @@ from autoprec.run_inputs import (
     check_budget,
     checked_keep_fp32,
     checked_model,
+    checked_storage,
     preserved_rng,
     resolve_thresholds,
 )
@@ -206,6 +207,7 @@ def tune(
     """
     model, use_compile = checked_model(model, device, compile)
     check_budget(budget_minutes, objective)
+    storage = checked_storage(storage)
     thresholds = resolve_thresholds(thresholds)
     kept = checked_keep_fp32(model, keep_fp32)
     recipe = TrainingRecipe(

@@ -649,8 +649,9 @@ def test_a_trials_path_that_cannot_be_written_is_refused_before_the_run(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--budget", "0"], "--budget must be a positive, finite number of minutes, not 0"),
-        (["--budget", "inf"], "finite number of minutes, not inf (`autoprec check` screens"),
+        (["--budget", "0"], "--budget must be a positive, finite number of minutes up to 1e+07"),
+        (["--budget", "inf"], "finite number of minutes up to 1e+07, not inf (`autoprec check`"),
+        (["--budget", "1e306"], "up to 1e+07, not 1e+306"),  # a traceback (OverflowError)
         (["--budget", "1", "--grad-accum", "0"], "--grad-accum must be >= 1, not 0"),
         (["--budget", "1", "--total-steps", "0"], "--total-steps must be >= 1, not 0"),
         (["--budget", "1", "--clip", "-1"], "--clip must be a positive norm, not -1"),

@@ -183,13 +183,13 @@ def test_resume_skips_finished_candidates(tmp_path: Path, kind: str) -> None:
         (
             lambda m, b: tune(m, b, budget_minutes=0),
             ValueError,
-            "budget_minutes must be a positive, finite number but got 0",
+            r"budget_minutes must be a positive, finite number of minutes up to 1e\+07 but got 0",
         ),
         (lambda m, b: tune(m, b, budget_minutes=-2), ValueError, "must be a positive"),
         (  # it crashed converting infinity to an int
             lambda m, b: tune(m, b, budget_minutes=math.inf),
             ValueError,
-            "finite number but got inf",
+            "finite number of minutes up to 1e\\+07 but got inf",
         ),
         (  # torch's bare "Overflow when unpacking long long"; a float seed reached the profile
             lambda m, b: tune(m, b, budget_minutes=1, seed=2**64 - 1),
@@ -963,6 +963,43 @@ def test_the_fp32_fallback_note_names_every_candidate_and_what_became_of_it() ->
     assert note is not None and "amp_bf16: rejected (drift)" in note and "bf16_sr: pruned" in note
     accepted = [outcome("amp_bf16", "accepted", "")]
     assert fallback_note(reference, reference, accepted) is None  # accepted but slower
+
+
+def test_budgets_of_numpy_numbers_and_paths_as_storage_are_taken(tmp_path: Path) -> None:
+    """Found by a hunt: np.float32(0.5) minutes was refused ("must be a positive, finite
+    number", which it is) while True passed as 1 minute; budget_minutes=1e307 overflowed; a
+    pathlib.Path storage failed after calibration with a bare TypeError."""
+    import numpy as np
+
+    from autoprec.run_inputs import check_budget, checked_storage
+
+    check_budget(np.float32(0.5), "speed")
+    check_budget(np.int64(2), "speed")
+    for wrong in (True, 1e307, float("nan")):
+        with pytest.raises(ValueError, match="budget_minutes must be a positive"):
+            check_budget(wrong, "speed")
+    assert checked_storage(tmp_path / "s.journal") == str(tmp_path / "s.journal")
+    with pytest.raises(TypeError, match="storage must be an Optuna storage URL or a file path"):
+        checked_storage(3)
+
+
+def test_a_foreign_sqlite_database_is_refused_untouched(tmp_path: Path) -> None:
+    """Optuna created its 12 tables inside another application's SQLite database (found by a
+    hunt): such a database is refused before anything is written."""
+    import sqlite3
+
+    from autoprec.search import StorageRefused, create_study
+
+    path = tmp_path / "inventory.db"
+    with sqlite3.connect(path) as database:
+        database.execute("CREATE TABLE items (name TEXT)")
+    before = path.read_bytes()
+    for storage in (str(path), f"sqlite:///{path}"):
+        with pytest.raises(StorageRefused, match=r"another application \(its tables: items\)"):
+            create_study(storage, None)
+        assert path.read_bytes() == before
+    create_study(f"sqlite:///{tmp_path / 'new.db'}", None)  # a new file: a new study
+    create_study(f"sqlite:///{tmp_path / 'new.db'}", None)  # and Optuna's own resumes
 
 
 def test_keep_fp32_patterns_in_another_order_are_the_same_setting() -> None:
