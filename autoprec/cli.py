@@ -304,6 +304,25 @@ def _modes(given: str | None) -> list[str] | None:
     return modes
 
 
+def _refuse_replacing_other_files(out: Path) -> None:
+    """Refuse an existing ``--out`` that is not an autoprec profile: ``--out train.py`` replaced
+    the model's own script with a profile, exit 0 (found by a hunt). An earlier profile is
+    replaced, as a re-run expects."""
+    import json
+
+    if not out.is_file() or out.stat().st_size == 0:
+        return
+    try:
+        data = json.loads(out.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and "schema_version" in data):
+        raise ValueError(
+            f"--out {str(out)!r} exists and is not an autoprec profile: it would be replaced. "
+            "Give another file name, or move that file aside first."
+        )
+
+
 def _tune(args: argparse.Namespace) -> int:
 
     from rich.console import Console
@@ -323,6 +342,7 @@ def _tune(args: argparse.Namespace) -> int:
             f"{str(out / 'profile.json')!r})."
         )
     check_writable(out)  # /dev/null, a pipe, /proc/p.json: refused before any trial, not after
+    _refuse_replacing_other_files(out)
     trials = beside_profile(out, ".trials.json")
     check_writable(trials)  # written beside it, after the run
     # No folder is made here: tune() creates the study's (an SQLite file's folder) only after
@@ -344,7 +364,9 @@ def _tune(args: argparse.Namespace) -> int:
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
     print_profile(result.profile, console=console)
     shown = shown_storage(storage)
-    console.print(f"wrote {out}\n  every trial: {trials}\n  study: {shown}", soft_wrap=True)
+    console.print(  # paths as they are: "sweep[lr]/p.json" is no rich markup
+        f"wrote {out}\n  every trial: {trials}\n  study: {shown}", soft_wrap=True, markup=False
+    )
     return EXIT_OK
 
 

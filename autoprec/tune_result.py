@@ -17,6 +17,7 @@ from autoprec.drift_blind_spots import blind_spots
 from autoprec.outcomes import MemoryKind, Objective, TrialOutcome
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import RecipeSummary
+from autoprec.retiming import CONFIRM_WITHIN
 from autoprec.run_setup import RunSetup
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import TrialResult
@@ -269,6 +270,10 @@ def _unretimed_margin(
     ]
     if objective != "speed" or len(accepted) < 2 or any(o.retimed for o in accepted):
         return 0.0, ()
+    fastest = max(o.samples_per_second or 0.0 for o in accepted)
+    close = [o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)]
+    if len(close) < 2:  # the fastest led by more than re-timing looks at: nothing to re-time
+        return 0.0, ()  # (the note said "the budget left no time" with 80% of it left)
     return UNRETIMED_SPEED_MARGIN, (
         "speeds not re-timed (the budget left no time for it): the choice compares one trial "
         f"each and counts modes within {UNRETIMED_SPEED_MARGIN:.1%} of the fastest as equally "

@@ -635,6 +635,18 @@ def test_an_out_path_naming_a_folder_is_refused(
     assert not (tmp_path / "new").exists()
 
 
+def test_an_out_path_holding_another_file_is_refused_and_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a hunt: `--out train.py` replaced the model's own script with a profile."""
+    script = tmp_path / "train.py"
+    script.write_text("print('my training script')\n")
+    assert main(_tune_command(script)) == 2
+    assert "exists and is not an autoprec profile: it would be replaced" in _one_line_error(capsys)
+    assert script.read_text() == "print('my training script')\n"
+    assert not (tmp_path / "train.study.db").exists()
+
+
 def test_a_trials_path_that_cannot_be_written_is_refused_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
