@@ -156,6 +156,16 @@ def test_stop_check() -> None:
     assert stop(progress([1.0, 1.0, 0.02, 0.02, 0.02])).startswith("slower than amp_bf16")
     clock.now = 99.8
     assert stop(progress([1.0, 1.0, 0.01, 0.01, 0.01])).startswith("budget: 45 more steps")
+    # one stalled first timed step does not project the run (found by a hunt: a 2.8 s stall
+    # of a 10 ms step ended the fp32 reference with "--budget too small", 117 s left); more
+    # windows do, and a deadline passed stops it whatever was measured
+    clock.now = 0.0
+    lone = make_stop_check(None, "speed", deadline=100, clock=clock)
+    assert lone(progress([1.0, 1.0, 2.8], steps=80)) is None
+    assert lone(progress([1.0, 1.0, 2.8, 0.01, 0.01], steps=80)) is None
+    assert lone(progress([1.0, 1.0, 2.8, 2.8, 2.8], steps=80)).startswith("budget: 75 more")
+    clock.now = 100.0
+    assert lone(progress([1.0, 1.0, 2.8], steps=80)).startswith("budget: the deadline passed")
     memory_stop = make_stop_check(best, "memory", deadline=100, clock=FakeClock())
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000)).startswith("larger than")
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=900)) is None
