@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import ModelLoadError
+from autoprec.model_copies import inside_compile_wrapper
 from autoprec.optim import source_kind
 from autoprec.recipe import USER_MODULE_PREFIX
 from autoprec.torch_state_form import state_writer, torch_optimizer_state
@@ -329,6 +330,9 @@ def load_weights(
     made), every key matched: a late checkpoint of your run to start trials from. The file is
     read with ``weights_only=True`` (no code runs; or ``read``, the file already read) and
     never written."""
+    # a factory returning torch.compile(model): its keys carry "_orig_mod.", which the
+    # checkpoint's lose below; the model inside takes them (found by a hunt)
+    model = inside_compile_wrapper(model) or model
     path, loaded = read or read_checkpoint(path_text, option, "weights")
     state = _state_dict_in(loaded, path, option)
     if all(key.startswith(COMPILED_PREFIX) for key in state):

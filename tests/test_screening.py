@@ -564,6 +564,21 @@ def test_the_quality_table_prints_a_modes_own_notes_and_kept_modules_under_it() 
     assert report.summary().count("    kept in fp32: norm, head") == 1
 
 
+def test_weights_load_into_a_model_the_factory_returns_compiled(tmp_path: Path) -> None:
+    """Found by a hunt: a factory returning torch.compile(model) refused every checkpoint,
+    its own included ("missing ['_orig_mod.0.bias', ...]")."""
+    from autoprec.factories import load_weights
+
+    source = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    compiled_source = torch.compile(source)
+    torch.save(compiled_source.state_dict(), tmp_path / "wrapper.pt")  # _orig_mod. keys
+    torch.save(source.state_dict(), tmp_path / "plain.pt")
+    for name in ("wrapper.pt", "plain.pt"):
+        target = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+        load_weights(target, str(tmp_path / name))
+        assert torch.equal(target._orig_mod[0].weight, source[0].weight)
+
+
 def test_weights_start_every_trial_from_a_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -610,6 +610,16 @@ def test_fp8_that_lost_on_speed_eager_gets_compile_advice() -> None:
     compiled = fp8.model_copy(update={"compile": True})
     assert eager_fp8_advice([outcome(compiled, "pruned", slower)]) == ()
     assert eager_fp8_advice([outcome(fp8, "rejected", "held-out loss +0.1 worse")]) == ()
+    # accepted, and slower than the chosen mode (the README's first H100 figures: 524
+    # samples/s against amp_bf16's 1417) got no advice; found by a hunt
+    accepted = outcome(fp8, "accepted", "").model_copy(update={"samples_per_second": 524.0})
+    winner = outcome(ModeSpec(mode="amp_bf16"), "accepted", "")
+    winner = winner.model_copy(update={"samples_per_second": 1417.0})
+    (advice,) = eager_fp8_advice([accepted, winner], winner)
+    assert "fp8_torchao+tensorwise ran eager and lost on speed" in advice
+    assert eager_fp8_advice([accepted, winner], accepted) == ()  # it won
+    te = outcome(ModeSpec(mode="fp8_te"), "pruned", slower)
+    assert eager_fp8_advice([te]) == ()  # Transformer Engine fuses its own casts
 
 
 def test_an_eval_fn_failing_in_one_mode_is_a_failed_trial_not_a_rejection() -> None:
