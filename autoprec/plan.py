@@ -467,6 +467,23 @@ def _rebind_scheduler(
     new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
 
 
+def _refuse_islands_under_fullgraph(spec: ModeSpec, wrapper: Any, inner: nn.Module) -> None:
+    """``torch.compile(model, fullgraph=True)`` cannot run the fp32 islands of kept modules
+    (their hooks leave the graph on purpose): the first forward failed inside dynamo with a
+    hint to remove autoprec's own ``torch.compiler.disable`` (found by a hunt)."""
+    if not getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False):
+        return
+    roots = mode_for(spec).kept_roots(inner)
+    if spec.mode in ("fp32", "tf32") or not roots:
+        return
+    raise ValueError(
+        f"{spec.label} keeps {', '.join(roots[:4])}{', ...' if len(roots) > 4 else ''} in fp32 "
+        "through hooks that run outside the compiled graph, which torch.compile(model, "
+        "fullgraph=True) refuses. Compile without fullgraph=True, or use a profile that keeps "
+        "nothing in fp32."
+    )
+
+
 def prepare(
     spec: ModeSpec,
     model: nn.Module,
@@ -528,6 +545,8 @@ def prepare(
                     "to apply(): build it on that optimizer, or pass scheduler=None."
                 )
     inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
+    if inner is not None:
+        _refuse_islands_under_fullgraph(spec, model, inner)
     plan = build_plan(
         spec,
         model if inner is None else inner,

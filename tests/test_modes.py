@@ -277,6 +277,24 @@ def test_fp8_refuses_a_model_it_would_convert_nothing_of() -> None:
     assert type(subclass[0]) is _ScaledLinear
 
 
+def test_fp32_islands_under_a_fullgraph_compile_are_refused_up_front() -> None:
+    """Found by a hunt: apply() on torch.compile(model, fullgraph=True) with keep_fp32 failed
+    at the first forward inside dynamo, hinting to remove autoprec's own
+    torch.compiler.disable; tune's trials (compiled without fullgraph) had accepted it."""
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+
+    kept = ModeSpec(mode="amp_bf16", keep_fp32=("1",))
+    wrapped = torch.compile(model(), fullgraph=True)
+    with pytest.raises(ValueError, match=r"keeps 1 in fp32 .* fullgraph=True"):
+        prepare(kept, wrapped, torch.optim.AdamW(wrapped.parameters()))
+    assert not hasattr(wrapped._orig_mod, "_autoprec_converted_for")  # nothing converted
+    for spec, fullgraph in ((kept, False), (ModeSpec(mode="amp_bf16"), True)):
+        wrapper = torch.compile(model(), fullgraph=fullgraph)
+        prepare(spec, wrapper, torch.optim.AdamW(wrapper.parameters()))
+
+
 @pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_pure"])
 def test_8bit_optimizer_states(mode: str, tmp_path: Path) -> None:
     plan, _, losses = train(ModeSpec(mode=mode, optimizer_bits=8), tmp_path)
