@@ -11,7 +11,7 @@ off, which otherwise rejects every pure-bf16 mode first and hides what the other
 check first re-judges at the defaults and must reproduce every recorded verdict.
 
 This is a sensitivity measurement, not a fit: the defaults were set before it ran (README,
-"Trials and the drift gate"), and a value that scores better on these 106 pairs would be chosen
+"Trials and the drift gate"), and a value that scores better on these 114 pairs would be chosen
 on the same pairs it is scored on.
 
     python -m benchmarks.threshold_sweep [--tasks a,b] [--steps 2000] [--trial-steps 200]

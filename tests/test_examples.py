@@ -238,6 +238,66 @@ def test_ground_truth_judges_every_mode_on_the_mean_of_its_seeds(
     assert hurts(metric, fp32, runs)
 
 
+def test_ground_truth_lists_each_error_against_its_truths_line() -> None:
+    """A false reject against a truth that cannot see a +90% harm reads differently from one
+    against a line at +1%: the summary gives each error its task's line."""
+    from benchmarks.ground_truth import Pair, confusion
+
+    def pair(task: str, hurts: bool, gate: str, metric: float, line: float) -> Pair:
+        return Pair(task, "bf16_pure", hurts, metric, 1.0, 0.1, gate, "", line=line)
+
+    pairs = [
+        pair("noisy", False, "unsafe", 0.7, 0.9),
+        pair("tight", True, "safe", 1.02, 0.01),
+        pair("tight", True, "unsafe", 1.5, 0.01),
+    ]
+    summary = confusion(pairs)
+    assert "false accepts 1, false rejects 1" in summary
+    assert "FALSE REJECT noisy bf16_pure: -30.0% against a line at +90.0%" in summary
+    assert "FALSE ACCEPT tight bf16_pure: +2.0% against a line at +1.0%" in summary
+    assert "tight bf16_pure: +50.0%" not in summary  # a right verdict is not listed
+
+
+def test_ground_truth_paired_reading_judges_each_run_against_fp32s_run_of_its_seed() -> None:
+    """A mode's run at seed s shares fp32 seed s's weights, batch order and draws (found by a
+    hunt: their deviations follow each other at r = 0.86). Judged on its paired differences, a
+    mode worse than fp32 at every seed by less than the seeds' spread hurts; the unpaired line
+    calls it fine."""
+    from benchmarks.ground_truth import LongRun, Pair, hurts, paired_differences, paired_line
+
+    fp32 = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.05, 0.95]  # mean 1.0, sd 0.12
+
+    def pair(label: str, metrics: list[float]) -> Pair:
+        runs = [LongRun(m, 0.0, 1.0) for m in metrics]
+        mean = sum(metrics) / 3
+        return Pair(
+            "t",
+            label,
+            hurts(mean, fp32, 3),
+            mean,
+            1.0,
+            0.12,
+            "safe",
+            "",
+            runs=3,
+            paired=paired_differences(runs, fp32),
+        )
+
+    worse = pair("worse", [1.09, 1.29, 0.89])  # +0.09 at every seed
+    alike = [pair(f"same{i}", [1.0 + e, 1.2 - e, 0.8 + e]) for i, e in enumerate((0.01, -0.01))]
+    assert worse.paired == pytest.approx((0.09, 0.09, 0.09))
+    assert not worse.truth_hurts  # +0.09 is within 3 standard errors as if independent
+    line = paired_line([worse, *alike])
+    # pooled over 6 degrees of freedom: worse's differences do not spread; each alike mode's
+    # (e, -e, e) lie (2e/3, -4e/3, 2e/3) about their mean, 8/3 e^2 of squares each
+    assert line == pytest.approx(3 * (16 / 3 * 0.01**2 / 6) ** 0.5 / 3**0.5, rel=1e-6)
+    assert line < 0.09
+    judged = dataclasses.replace(worse, paired_hurts=True, paired_line=line).under_paired_truth()
+    assert judged.truth_hurts and judged.metric == pytest.approx(1.09) and judged.line == line
+    failed = paired_differences([LongRun(1.0, 0.0, 1.0), LongRun(math.inf, 0.0, 0.0, "boom")], fp32)
+    assert failed == ()
+
+
 def test_fp8_cost_split_reads_each_trained_model_in_both_forwards(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
