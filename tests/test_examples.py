@@ -256,6 +256,10 @@ def test_ground_truth_lists_each_error_against_its_truths_line() -> None:
     assert "FALSE REJECT noisy bf16_pure: -30.0% against a line at +90.0%" in summary
     assert "FALSE ACCEPT tight bf16_pure: +2.0% against a line at +1.0%" in summary
     assert "tight bf16_pure: +50.0%" not in summary  # a right verdict is not listed
+    # a failed gate trial is no verdict: its row said FALSE REJECT, the matrix counted none
+    failed = pair("noisy", False, "failed", 0.7, 0.9)
+    assert failed.outcome == "gate failed"
+    assert "false rejects 1" in confusion([*pairs, failed])
 
 
 def test_ground_truth_paired_reading_judges_each_run_against_fp32s_run_of_its_seed() -> None:
