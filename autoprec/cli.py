@@ -486,6 +486,25 @@ def _configure_logging(debug: bool) -> None:
     demote_import_chatter(not debug)
 
 
+CLI_WORDS: tuple[tuple[str, str], ...] = (
+    ("keep_fp32 pattern ", "--keep-fp32 pattern "),
+    ("keep_fp32 holds ", "--keep-fp32 holds "),
+    ("keep_fp32 [", "--keep-fp32 ["),
+    ("modes=[", "--modes ["),
+    ("or pass None for every mode", "or leave --modes out for every mode"),
+    ("Pass scheduler=None (tune_module and tune_trainer take it too)", "Leave --scheduler out"),
+    ("budget_minutes (", "--budget ("),
+)
+"""Phrases of the Python API's errors in the command line's terms (found by a hunt: a CLI user
+was told to "pass None for every mode" or about "keep_fp32 pattern")."""
+
+
+def in_cli_words(message: str) -> str:
+    for python, flag in CLI_WORDS:
+        message = message.replace(python, flag)
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -496,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         said = error.naming("--budget") if isinstance(error, BudgetTooSmallError) else error
-        sys.stderr.write(f"autoprec: error: {said}\n")
+        sys.stderr.write(f"autoprec: error: {in_cli_words(str(said))}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
         resume = (

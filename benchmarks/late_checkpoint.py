@@ -59,6 +59,9 @@ class Checkpoint:
     """Every parameter group's learning rate for the next step (the task's schedule there)."""
     optimizer_state: dict[str, Any]
     """The fp32 run's optimizer state there (its ``state_dict()``)."""
+    scheduled: tuple[dict[str, Any], ...] = ()
+    """Every group's momentum there as the schedule set it (``betas`` or ``momentum``: a
+    OneCycleLR cycles them; the factory's default was used, found by a hunt)."""
 
 
 def fp32_checkpoint(task: GroundTask, steps: int) -> Checkpoint:
@@ -67,19 +70,34 @@ def fp32_checkpoint(task: GroundTask, steps: int) -> Checkpoint:
     plans: list[PrecisionPlan] = []
     long_run(task, ModeSpec(mode="fp32"), 0, steps, plans.append)
     (plan,) = plans
-    lrs = tuple(float(group["lr"]) for group in plan.optimizer.param_groups)
+    groups = plan.optimizer.param_groups
+    lrs = tuple(float(group["lr"]) for group in groups)
+    scheduled = tuple(
+        {key: copy.deepcopy(group[key]) for key in ("betas", "momentum") if key in group}
+        for group in groups
+    )
     return Checkpoint(
-        copy.deepcopy(plan.model.state_dict()), lrs, copy.deepcopy(plan.optimizer.state_dict())
+        copy.deepcopy(plan.model.state_dict()),
+        lrs,
+        copy.deepcopy(plan.optimizer.state_dict()),
+        scheduled,
     )
 
 
-def at_lrs(factory: Callable[..., torch.optim.Optimizer], lrs: tuple[float, ...]) -> Any:
-    """The task's optimizer factory with every group at the checkpoint's lr."""
+def at_lrs(
+    factory: Callable[..., torch.optim.Optimizer],
+    lrs: tuple[float, ...],
+    scheduled: tuple[dict[str, Any], ...] = (),
+) -> Any:
+    """The task's optimizer factory with every group at the checkpoint's lr (and its scheduled
+    momentum, ``scheduled``)."""
 
     def late(params: Any) -> torch.optim.Optimizer:
         optimizer = factory(params)
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        for index, (group, lr) in enumerate(zip(optimizer.param_groups, lrs, strict=True)):
             group["lr"] = lr
+            if index < len(scheduled):
+                group.update(copy.deepcopy(scheduled[index]))
         return optimizer
 
     return late
@@ -91,7 +109,7 @@ def check_from(
     model = copy.deepcopy(task.model)
     model.load_state_dict(checkpoint.weights)
     recipe = task.recipe
-    optimizer: Any = at_lrs(recipe.optimizer, checkpoint.lrs)
+    optimizer: Any = at_lrs(recipe.optimizer, checkpoint.lrs, checkpoint.scheduled)
     if with_state:  # the run's own optimizer, stepped: check() starts every trial from its state
         optimizer = optimizer(model.parameters())  # its saved groups hold checkpoint.lrs
         optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer_state))
@@ -160,6 +178,17 @@ def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], bool, lis
     return fractions, known.with_state, rest
 
 
+def refuse_empty_checkpoints(fractions: list[float], steps: int) -> None:
+    """A fraction whose checkpoint has no step (``--at 0.001`` of a 300-step run) ended in a
+    StatisticsError after the fp32 truth runs had trained (found by a hunt)."""
+    empty = [f for f in fractions if int(f * steps) < 1]
+    if empty:
+        raise SystemExit(
+            f"--at {', '.join(f'{f:g}' for f in empty)}: no step of a {steps}-step run; give "
+            f"fractions of at least {1 / steps:.2g}"
+        )
+
+
 def task_rows(
     task: GroundTask,
     at: float,
@@ -201,6 +230,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     names, steps, trial_steps, cache = scoring_arguments(
         __doc__ or "", rest, more_options=checkpoint_options, known=ALL_TASKS
     )
+    refuse_empty_checkpoints(fractions, steps)  # before any fp32 truth run trains
     rows: list[Row] = []
     for name in names:  # each task and its fp32 truth built once, for every fraction
         task = ALL_TASKS[name](steps)

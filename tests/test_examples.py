@@ -648,6 +648,8 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     for wrong in ("1.5", "half", "0"):
         with pytest.raises(SystemExit, match="--at: fractions of the run in"):
             late_checkpoint.checkpoint_fractions(["--at", wrong])
+    with pytest.raises(SystemExit, match=r"--at 0.001: no step of a 300-step run"):
+        late_checkpoint.refuse_empty_checkpoints([0.001, 0.9], 300)
     by_line = [late_checkpoint.confusion_by_line(rows, line) for line in late_checkpoint.LINES]
     assert [fr for _, fr in by_line] == sorted((fr for _, fr in by_line), reverse=True)
     assert [fa for fa, _ in by_line] == sorted(fa for fa, _ in by_line)
@@ -656,6 +658,19 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     large = dataclasses.replace(small, forward_cost_absolute=0.0003)
     assert late_checkpoint.confusion_by_line([small], 0.01) == (0, 0)
     assert late_checkpoint.confusion_by_line([large], 0.01) == (0, 1)
+
+
+def test_a_late_checkpoint_carries_the_schedules_momentum() -> None:
+    """Found by a hunt: the late optimizer took the checkpoint's lr and the factory's default
+    beta1 (0.9), where OneCycleLR had set 0.945 there."""
+    from benchmarks.late_checkpoint import at_lrs
+
+    def factory(params: object) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3)  # type: ignore[arg-type]
+
+    late = at_lrs(factory, (1.47e-4,), ({"betas": (0.945, 0.999)},))
+    group = late(torch.nn.Linear(2, 2).parameters()).param_groups[0]
+    assert group["lr"] == 1.47e-4 and group["betas"] == (0.945, 0.999)
 
 
 def test_late_checkpoint_example_rejects_fp8_only_from_the_checkpoint(tmp_path: Path) -> None:

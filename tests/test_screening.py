@@ -455,7 +455,10 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "head" not in ruled["spec"]["keep_fp32"]  # the probe keeps the norm alone
     assert kept["spec"]["keep_fp32"] == [*ruled["spec"]["keep_fp32"], "head"]
     assert main([*pure, "--keep-fp32", "haed"]) == 2
-    assert "keep_fp32 pattern 'haed' matches no module of" in capsys.readouterr().err
+    assert "--keep-fp32 pattern 'haed' matches no module of" in capsys.readouterr().err
+    assert main([*command[:8], "--modes", "fp32"]) == 2  # in the command line's words
+    assert "--modes ['fp32'] leaves nothing to check" in (err := capsys.readouterr().err)
+    assert "or leave --modes out for every mode" in err and "pass None" not in err
     for bad, said in [
         ("max_rounded_beta=0.9", "no threshold 'max_rounded_beta'; known: max_loss_gap_units"),
         ("max_loss_gap_units=lots", "'lots' is not a number"),
