@@ -460,7 +460,19 @@ _COMMANDS = {
 
 
 class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The CLI's own handlers (replaced, not stacked, when main() runs again in one process)."""
+    """The CLI's own handlers (replaced, not stacked, when main() runs again in one process).
+    Each record goes to ``sys.stderr`` as it is then: the live progress display redirects it
+    to print above its status line, and a handler holding the stderr of its creation glued
+    warnings onto that line ("...probing the model...autoprec: WARNING: ..."; found by a
+    hunt)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        del value  # always the current sys.stderr
 
 
 def _install(logger: logging.Logger, form: str, *, others_only: bool = False) -> None:

@@ -879,6 +879,27 @@ def test_only_autoprecs_records_are_formatted_as_its_own(
         _configure_logging(debug=False)
 
 
+def test_log_records_go_to_stderr_as_it_is_when_they_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The live display redirects stderr to print above its status line; a handler holding
+    the stderr of its creation glued warnings onto that line (found by a hunt)."""
+    import io
+    import logging
+
+    from autoprec.cli import _configure_logging
+
+    try:
+        _configure_logging(debug=False)
+        redirected = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", redirected)  # what rich's Live does
+        logging.getLogger("autoprec.tuning").warning("while live")
+        assert "autoprec: WARNING: while live" in redirected.getvalue()
+    finally:
+        monkeypatch.undo()
+        _configure_logging(debug=False)
+
+
 @pytest.mark.parametrize("command", ["tune", "check"])
 def test_compile_is_a_training_flag_of_tune_and_check(command: str) -> None:
     from autoprec.cli_parser import build_parser
