@@ -176,6 +176,8 @@ def cached_long_run(
         return LongRun(**json.loads(path.read_text()))
     try:
         run = long_run(task, spec, seed, steps)
+    except (MemoryError, OSError):
+        raise  # the machine's, not the mode's: never cached as the mode's failure (a hunt)
     except Exception as error:  # noqa: BLE001 - a mode that crashes in a real run hurts
         run = LongRun(math.inf, math.inf, 0.0, failure=f"{type(error).__name__}: {error}")
     path.parent.mkdir(parents=True, exist_ok=True)

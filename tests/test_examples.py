@@ -660,6 +660,24 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     assert late_checkpoint.confusion_by_line([large], 0.01) == (0, 1)
 
 
+def test_a_long_run_that_ran_out_of_memory_is_not_cached_as_the_modes_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt: any exception was cached as the mode's failure, and a re-score after
+    the machine recovered still read "MemoryError" and called the mode harmful."""
+    from benchmarks import ground_truth
+    from benchmarks.ground_truth_tasks import TASKS
+
+    def out_of_memory(*args: object) -> None:
+        raise MemoryError("transient")
+
+    monkeypatch.setattr(ground_truth, "long_run", out_of_memory)
+    task = TASKS["digits_mlp"](30)
+    with pytest.raises(MemoryError):
+        ground_truth.cached_long_run(tmp_path, task, ModeSpec(mode="amp_bf16"), 0, 30)
+    assert not list(tmp_path.rglob("*.json"))
+
+
 def test_a_late_checkpoint_carries_the_schedules_momentum() -> None:
     """Found by a hunt: the late optimizer took the checkpoint's lr and the factory's default
     beta1 (0.9), where OneCycleLR had set 0.945 there."""
