@@ -201,7 +201,23 @@ class PrecisionPlan:
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Context for the forward pass (and the loss): the mode's precision."""
+        self._refuse_a_moved_model()
         return self.mode.forward_context()
+
+    def _refuse_a_moved_model(self) -> None:
+        """The mode set autocast (and fp16's loss scaler) up for the device the model was on
+        at ``apply()``: a model moved afterwards (``apply()`` then ``.cuda()``) would run its
+        CUDA ops outside a CPU autocast, in fp32, without a word (found by a hunt)."""
+        if self.mode.name in ("fp32", "tf32"):
+            return
+        parameter = next(iter(self.model.parameters()), None)
+        if parameter is not None and parameter.device.type != self.mode.device_type:
+            raise RuntimeError(
+                f"The model is on {parameter.device} but this {self.mode.spec.label} plan was "
+                f"set up for {self.mode.device_type} (the model's device at apply()): its "
+                "autocast and loss scaling would not reach the model. Move the model to its "
+                "device before apply() (or prepare())."
+            )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass; the loss is divided by ``grad_accumulation_steps`` and scaled if the

@@ -12,7 +12,7 @@ import autoprec
 from autoprec.eligibility import Situation
 from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
 from autoprec.layers import scan_model
-from autoprec.plan import CONVERTED_MARK, build_plan
+from autoprec.plan import CONVERTED_MARK, build_plan, prepare
 from autoprec.specs import ModeSpec
 from tests.conftest import make_backends, make_hardware
 
@@ -1096,3 +1096,20 @@ def test_amp_fp16_with_an_lstm_on_a_cpu_is_refused_with_the_reason() -> None:
     plan = autoprec.prepare(ModeSpec(mode="amp_fp16"), gru, torch.optim.AdamW(gru.parameters()))
     with plan.autocast():
         plan.step(plan.model(torch.randn(2, 3, 4)).float().pow(2).mean())
+
+
+def test_a_model_moved_after_apply_is_refused_at_its_first_forward() -> None:
+    """Found by a hunt (by reading: no GPU here): the mode sets autocast up for the model's
+    device at apply(); a model moved afterwards (apply() then .cuda()) ran outside it, in
+    fp32. The meta device stands in for the GPU."""
+    model = torch.nn.Linear(4, 4)
+    plan = prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters()))
+    with plan.autocast():
+        plan.model(torch.randn(2, 4))
+    plan.model.to("meta")
+    with pytest.raises(RuntimeError, match=r"on meta but this amp_bf16 plan was set up for cpu"):
+        plan.autocast()
+    fp32 = torch.nn.Linear(4, 4)
+    plan = prepare(ModeSpec(mode="fp32"), fp32, torch.optim.AdamW(fp32.parameters()))
+    plan.model.to("meta")
+    plan.autocast()  # fp32 sets nothing up for a device
