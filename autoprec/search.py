@@ -125,8 +125,11 @@ def make_stop_check(
         # projected from MIN_MEASURED_WINDOWS windows at least: one stalled first step (2.8 s
         # of a 10 ms step on a busy machine) ended the fp32 reference with "--budget too
         # small" and 117 s left (found by a hunt)
+        # Fewer windows project only a run far past it (twice the time left): a very slow
+        # mode still stops after its first timed step, not a whole window later.
         projected = len(measured) >= MIN_MEASURED_WINDOWS
-        if remaining > 0 and projected and clock() + remaining * per_step > deadline:
+        needed, left = remaining * per_step, deadline - clock()
+        if remaining > 0 and (needed > left if projected else needed > 2 * left):
             return f"budget: {remaining} more steps of {per_step:.3g} s would pass the deadline"
         if best is None or not projected:
             return None

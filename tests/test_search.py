@@ -161,8 +161,10 @@ def test_stop_check() -> None:
     # windows do, and a deadline passed stops it whatever was measured
     clock.now = 0.0
     lone = make_stop_check(None, "speed", deadline=100, clock=clock)
-    assert lone(progress([1.0, 1.0, 2.8], steps=80)) is None
-    assert lone(progress([1.0, 1.0, 2.8, 0.01, 0.01], steps=80)) is None
+    assert lone(progress([1.0, 1.0, 2.8], steps=60)) is None  # 57 x 2.8 s: 160 of 100 s
+    # a mode far too slow for the time left (over twice it) stops after its lone first step
+    assert lone(progress([1.0, 1.0, 2.8], steps=200)).startswith("budget: 197 more steps")
+    assert lone(progress([1.0, 1.0, 2.8, 0.01, 0.01], steps=60)) is None
     assert lone(progress([1.0, 1.0, 2.8, 2.8, 2.8], steps=80)).startswith("budget: 75 more")
     clock.now = 100.0
     assert lone(progress([1.0, 1.0, 2.8], steps=80)).startswith("budget: the deadline passed")
