@@ -41,14 +41,18 @@ def check_cpu_autocast(dtype: Literal["bfloat16", "float16"]) -> AutocastCheck:
     """Run a tiny autocast matmul forward and backward on the CPU in ``dtype``."""
     torch_dtype = getattr(torch, dtype)
     try:
-        weight = torch.ones(8, 8, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch_dtype):
-            out = torch.ones(4, 8) @ weight
+        # the caller's no_grad / default dtype / default device (meta, to build a big model)
+        # made the check fail and every autocast mode read as impossible (found by a hunt)
+        with torch.inference_mode(False), torch.enable_grad():
+            weight = torch.ones(8, 8, dtype=torch.float32, device="cpu", requires_grad=True)
+            with torch.autocast("cpu", dtype=torch_dtype):
+                out = torch.ones(4, 8, dtype=torch.float32, device="cpu") @ weight
+            if out.dtype == torch_dtype:
+                out.float().sum().backward()
         if out.dtype != torch_dtype:
             return AutocastCheck(
                 dtype=dtype, works=False, error=f"autocast produced {out.dtype}, not {torch_dtype}"
             )
-        out.float().sum().backward()
         if weight.grad is None or not bool(torch.isfinite(weight.grad).all()):
             return AutocastCheck(dtype=dtype, works=False, error="backward gave no finite gradient")
     except Exception as error:  # noqa: BLE001 - whatever fails, the dtype does not work here

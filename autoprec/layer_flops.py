@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from autoprec.layer_kinds import LAYER_KINDS, LayerKind, is_bnb_4bit, module_kind
+from autoprec.random_streams import kept_streams
 
 _BNB_4BIT_MATMULS = frozenset({"bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit"})
 """bitsandbytes' own ops for a 4-bit Linear's matmul (its CPU path; on CUDA it dequantizes and
@@ -189,11 +190,22 @@ def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttributi
     # out-projection counted 0. Training never takes it, so the scan does not either.
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    # a forward that draws noise (a VAE) moved the caller's RNG, and a module updating its
+    # buffers on every call (an observation normaliser) kept the scan's update (found by a
+    # hunt): both are put back
+    cuda = sorted({b.device for b in (*model.parameters(), *model.buffers())}, key=str)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         tracked = attribution.tracking(model)
-        with torch.no_grad(), renormed_weights_kept(model), tracked, attribution:
+        streams = kept_streams([d for d in cuda if d.type == "cuda"])
+        with streams, torch.no_grad(), renormed_weights_kept(model), tracked, attribution:
             call_model(model, example_input)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         for module, training in modes.items():
             module.training = training
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                kept = buffers.get(name)
+                if kept is not None and kept.shape == buffer.shape:
+                    buffer.copy_(kept)

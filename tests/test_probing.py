@@ -116,3 +116,50 @@ def test_a_rocm_build_claims_fp16_and_bf16_only(monkeypatch: pytest.MonkeyPatch)
     console = Console(record=True, width=200)
     print_probe_report(report, console=console)
     assert "ROCm/HIP runtime: 6.4.43482" in console.export_text()
+
+
+def test_the_probe_leaves_the_callers_rng_and_buffers_as_they_were() -> None:
+    """Found by a hunt: a forward that draws noise (a VAE) moved the caller's RNG, and a module
+    updating its buffers on every call kept the eval-mode scan's update."""
+
+    class Normaliser(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(4))
+            self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.count += 1
+                self.mean += 0.05 * (x.mean(0) - self.mean)
+            return x - self.mean
+
+    class Noisy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.fc = Normaliser(), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(x)) + torch.randn_like(x)
+
+    model = Noisy()
+    example = torch.ones(2, 4)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    autoprec.probe(model, example)
+    assert torch.equal(torch.rand(3), expected)
+    assert int(model.norm.count) == 0 and torch.equal(model.norm.mean, torch.zeros(4))
+
+
+def test_the_cpu_autocast_check_ignores_the_callers_grad_mode_and_defaults() -> None:
+    """Found by a hunt: under no_grad / inference_mode (a notebook cell) or a meta default
+    device, the check failed and every autocast mode read as impossible."""
+    from autoprec.cpu_info import check_cpu_autocast
+
+    with torch.no_grad():
+        assert check_cpu_autocast("bfloat16").works
+    with torch.inference_mode():
+        assert check_cpu_autocast("bfloat16").works
+    with torch.device("meta"):
+        assert check_cpu_autocast("bfloat16").works
