@@ -111,7 +111,8 @@ class QualityReport(BaseModel):
         lines = [f"quality screen: {self.steps} steps per mode on {self.device}"]
         for verdict in self.verdicts:
             cost = verdict.drift.get("forward_cost")
-            forward = "" if cost is None else f" (forward cost {cost:+.2%})"
+            shown = 0.0 if cost is not None and round(cost * 100, 2) == 0 else cost
+            forward = "" if shown is None else f" (forward cost {shown:+.2%})"  # not -0.00%
             lines.append(f"{verdict.label:42} {verdict.status}{forward}")
             if verdict.spec.keep_fp32:
                 lines.append(f"    kept in fp32: {', '.join(verdict.spec.keep_fp32)}")

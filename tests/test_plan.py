@@ -1113,3 +1113,17 @@ def test_a_model_moved_after_apply_is_refused_at_its_first_forward() -> None:
     plan = prepare(ModeSpec(mode="fp32"), fp32, torch.optim.AdamW(fp32.parameters()))
     plan.model.to("meta")
     plan.autocast()  # fp32 sets nothing up for a device
+
+
+def test_amp_fp16_steps_nothing_when_no_weight_got_a_gradient() -> None:
+    """Found by a hunt: a loss that reached no weight made amp_fp16's step raise a bare
+    AssertionError; the other modes step nothing and return True. The next step runs as usual."""
+    model = torch.nn.Linear(4, 4)
+    plan = prepare(ModeSpec(mode="amp_fp16"), model, torch.optim.AdamW(model.parameters()))
+    detached_input = torch.randn(2, 4, requires_grad=True)
+    assert plan.step(detached_input.square().sum()) is True
+    before = model.weight.detach().clone()
+    with plan.autocast():
+        loss = plan.model(torch.randn(2, 4)).float().square().mean()
+    assert plan.step(loss) is True
+    assert not torch.equal(model.weight, before)

@@ -347,6 +347,19 @@ def test_an_eval_fn_that_fails_on_the_reference_is_named(eval_fn: object, messag
     assert "must return one finite number" in str(raised.value)
 
 
+def test_the_summary_shows_a_tiny_negative_forward_cost_as_zero() -> None:
+    """Found by a hunt: -1.09e-05 printed "(forward cost -0.00%)"."""
+    from autoprec.screening import QualityReport, ScreenVerdict
+
+    verdict = ScreenVerdict(
+        spec=ModeSpec(mode="amp_fp16"), status="safe", drift={"forward_cost": -1.09e-05}
+    )
+    report = QualityReport.model_construct(
+        verdicts=(verdict,), steps=4, device="cpu", not_checked=(), checks_not_run=()
+    )
+    assert "(forward cost +0.00%)" in report.summary()
+
+
 def test_an_eval_fn_failing_in_one_mode_fails_that_mode_alone() -> None:
     def eval_fn(model: torch.nn.Module) -> torch.Tensor:
         if next(model.parameters()).dtype != torch.float32:

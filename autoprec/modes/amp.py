@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -123,7 +124,17 @@ class AmpFp16Mode(AmpBf16Mode):
         always called, so this returns True). ``skipped_steps`` counts exactly on the device."""
         scaler = self._require_scaler()
         self.unscale_gradients(optimizer)  # what scaler.step would do first: the inf check
-        found = sum(scaler._found_inf_per_device(optimizer).values())  # device tensors
+        per_device = scaler._found_inf_per_device(optimizer)
+        if not per_device:  # no weight got a gradient: nothing to step, nothing to check
+            # (a bare AssertionError before; the other modes step nothing and return True;
+            # found by a hunt). The scaler forgets this step's unscale, as update() would.
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+            scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+            self._unscaled = False
+            self.steps += 1
+            return True
+        found = sum(per_device.values())  # device tensors
         assert isinstance(found, torch.Tensor)
         self._skipped = found.clone() if self._skipped is None else self._skipped + found
         stepped = _stepping(optimizer, lambda: scaler.step(optimizer))
