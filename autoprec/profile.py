@@ -24,6 +24,7 @@ from autoprec._files import read_json, write_text_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec._version import __version__
 from autoprec.errors import (
+    ExportError,
     HardwareMismatchWarning,
     ModelMismatchWarning,
     ProfileError,
@@ -356,8 +357,22 @@ class Profile(BaseModel):
 
     # -- exports ------------------------------------------------------------------------------
 
+    def _refuse_cpu_fp16(self, target: str, instead: str) -> None:
+        """amp_fp16 proven on a CPU exports to flags that train otherwise there: Lightning's
+        "16-mixed" runs bf16 on a CPU, Accelerate and the HF Trainer run fp32 (found by a
+        hunt; the exports promise nothing approximated silently)."""
+        if self.spec.mode == "amp_fp16" and self.hardware.device_kind == "cpu":
+            raise ExportError(
+                f"This amp_fp16 profile was proven on a CPU, where {target} does not run fp16 "
+                f"autocast with loss scaling as the profile did. Use {instead}, which runs it "
+                "as proven."
+            )
+
     def to_lightning(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Trainer(**profile.to_lightning())`` or ``Fabric(**...)`` arguments."""
+        self._refuse_cpu_fp16(
+            "Lightning's '16-mixed' (bf16 on a CPU)", "AutoprecPrecision(profile)"
+        )
         return lightning_settings(
             self.spec,
             ignore_keep_fp32=ignore_keep_fp32,
@@ -368,6 +383,9 @@ class Profile(BaseModel):
 
     def to_accelerate(self, *, ignore_keep_fp32: bool = False) -> dict[str, Any]:
         """``Accelerator(**profile.to_accelerate())`` arguments."""
+        self._refuse_cpu_fp16(
+            "Accelerate's fp16 (fp32 on a CPU)", "profile.apply(model, optimizer)"
+        )
         return accelerate_settings(
             self.spec,
             ignore_keep_fp32=ignore_keep_fp32,
@@ -380,6 +398,9 @@ class Profile(BaseModel):
     ) -> dict[str, Any]:
         """``TrainingArguments(..., **profile.to_hf_training_args())`` fields; an 8-bit
         profile needs ``no_embeddings=True`` (the Trainer keeps embeddings' states 32-bit)."""
+        self._refuse_cpu_fp16(
+            "the Trainer's fp16=True (fp32 on a CPU)", "apply_profile(trainer, profile)"
+        )
         return hf_training_args(
             self.spec,
             ignore_keep_fp32=ignore_keep_fp32,

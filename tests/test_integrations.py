@@ -14,6 +14,7 @@ from autoprec.errors import ExportError, MissingBackendError
 from autoprec.profile import Profile, profile_for
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
+from tests.conftest import make_hardware
 
 
 def _profile(**spec: object):
@@ -29,7 +30,8 @@ def _profile(**spec: object):
     ],
 )
 def test_expressible_modes(mode: str, lightning: str, accelerate: str, hf: dict) -> None:
-    profile = _profile(mode=mode)
+    # proven on a GPU: a CPU-proven amp_fp16 is refused (its flags train otherwise there)
+    profile = profile_for(ModeSpec(mode=mode), hardware=make_hardware("A100"))  # type: ignore[arg-type]
     assert profile.to_lightning() == {"precision": lightning}
     assert profile.to_accelerate() == {"mixed_precision": accelerate}
     assert profile.to_hf_training_args() == hf

@@ -935,3 +935,19 @@ def test_a_clip_at_plan_step_is_compared_with_the_proven_recipe() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecipeMismatchWarning)
         step(math.inf)
+
+
+def test_a_cpu_proven_amp_fp16_profile_is_not_exported_to_flags_that_train_otherwise() -> None:
+    """Found by a hunt: on a CPU, Lightning's "16-mixed" runs bf16 and Accelerate's and the HF
+    Trainer's fp16 run fp32; the exports promise nothing approximated silently."""
+    from autoprec.errors import ExportError
+
+    profile = _profile(mode="amp_fp16")
+    assert profile.hardware.device_kind == "cpu"
+    for export, said in [
+        (profile.to_lightning, "AutoprecPrecision"),
+        (profile.to_accelerate, r"profile.apply"),
+        (profile.to_hf_training_args, "apply_profile"),
+    ]:
+        with pytest.raises(ExportError, match=f"proven on a CPU.*{said}"):
+            export()
