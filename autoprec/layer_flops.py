@@ -193,11 +193,12 @@ def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttributi
     # a forward that draws noise (a VAE) moved the caller's RNG, and a module updating its
     # buffers on every call (an observation normaliser) kept the scan's update (found by a
     # hunt): both are put back
-    cuda = sorted({b.device for b in (*model.parameters(), *model.buffers())}, key=str)
+    tensors = (*model.parameters(), *model.buffers())
+    cuda = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         tracked = attribution.tracking(model)
-        streams = kept_streams([d for d in cuda if d.type == "cuda"])
+        streams = kept_streams(cuda)
         with streams, torch.no_grad(), renormed_weights_kept(model), tracked, attribution:
             call_model(model, example_input)
     finally:

@@ -487,10 +487,11 @@ def _refuse_islands_under_fullgraph(spec: ModeSpec, wrapper: Any, inner: nn.Modu
     """``torch.compile(model, fullgraph=True)`` cannot run the fp32 islands of kept modules
     (their hooks leave the graph on purpose): the first forward failed inside dynamo with a
     hint to remove autoprec's own ``torch.compiler.disable`` (found by a hunt)."""
-    if not getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False):
+    fullgraph = getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False)
+    if not fullgraph or spec.mode in ("fp32", "tf32"):
         return
     roots = mode_for(spec).kept_roots(inner)
-    if spec.mode in ("fp32", "tf32") or not roots:
+    if not roots:
         return
     raise ValueError(
         f"{spec.label} keeps {', '.join(roots[:4])}{', ...' if len(roots) > 4 else ''} in fp32 "
