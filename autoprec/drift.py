@@ -123,28 +123,50 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     return max(floor, spread)
 
 
-def _sampled_error(values: torch.Tensor, expected: torch.Tensor) -> float:
+def _sampled_error(
+    values: torch.Tensor, expected: torch.Tensor, fixed: torch.Tensor | None = None
+) -> float:
     """Relative L2 error of ``values`` against ``expected`` over the positions finite in both.
     A non-finite value where fp32's is the same (masked logits at -inf, NaN padding) is not a
-    difference; one where fp32's differs (an overflow fp32 does not have) is infinite error."""
+    difference; one where fp32's differs (an overflow fp32 does not have) is infinite error.
+    ``fixed`` marks positions that do not depend on the weights (see ``_fixed_positions``):
+    they are left out, as long as something else is left to compare. Norms are taken in
+    float64: fp32's overflowed on fill values near its largest float."""
     finite = torch.isfinite(values) & torch.isfinite(expected)
     same = (values == expected) | (torch.isnan(values) & torch.isnan(expected))
     if bool((~finite & ~same).any()):
         return math.inf
-    expected, values = expected[finite], values[finite]
+    compared = finite if fixed is None or bool((finite & fixed).all()) else finite & ~fixed
+    expected, values = expected[compared].double(), values[compared].double()
     denominator = float(expected.norm()) or 1.0
     return float((values - expected).norm()) / denominator
 
 
+def _fixed_positions(reference: OutputSummary, noise: OutputSummary | None) -> torch.Tensor | None:
+    """Positions where the reference and the noise run (another batch order, so other trained
+    weights) hold the very same non-zero value: a constant the model writes whatever its weights
+    (a mask fill of -1e9 or ``finfo.min``, a passed-through input). Left in, such values swamp
+    the norm and blind the check (at ``-2**30``), or overflow it (at fp32's ``finfo.min``, and
+    at bf16's against fp32's: a NaN error that rejected amp_bf16; found by a hunt)."""
+    if noise is None or noise.values.shape != reference.values.shape:
+        return None
+    return (reference.values == noise.values) & (reference.values != 0)
+
+
 def _relative_error(
-    outputs: list[OutputSummary | None], reference: list[OutputSummary | None]
+    outputs: list[OutputSummary | None],
+    reference: list[OutputSummary | None],
+    noise: list[OutputSummary | None] | None = None,
 ) -> tuple[float | None, float | None]:
-    """Mean relative L2 error over the held-out outputs' sampled values, and top-1 agreement."""
+    """Mean relative L2 error over the held-out outputs' sampled values, and top-1 agreement;
+    positions fixed in the reference and ``noise`` are left out of the error."""
     errors, agreements = [], []
-    for output, expected in zip(outputs, reference, strict=False):
+    noise_outputs = noise if noise is not None else [None] * len(reference)
+    for output, expected, other in zip(outputs, reference, noise_outputs, strict=False):
         if output is None or expected is None or output.shape != expected.shape:
             continue
-        errors.append(_sampled_error(output.values, expected.values))
+        fixed = _fixed_positions(expected, other)
+        errors.append(_sampled_error(output.values, expected.values, fixed))
         if output.top1 is not None and expected.top1 is not None:
             agreements.append(float((output.top1 == expected.top1).float().mean()))
     error = statistics.fmean(errors) if errors else None
@@ -258,15 +280,17 @@ def _forward_cost_check(
 def _output_check(
     trial: TrialResult,
     reference: TrialResult,
+    noise: TrialResult,
     paired: TrialResult | None,
     limits: DriftThresholds,
     metrics: dict[str, float | None],
 ) -> list[str]:
     """Held-out outputs against the reference's, in units of the paired fp32 run's difference."""
-    error, agreement = _relative_error(trial.heldout_outputs, reference.heldout_outputs)
+    expected, other = reference.heldout_outputs, noise.heldout_outputs
+    error, agreement = _relative_error(trial.heldout_outputs, expected, other)
     noise_error = 0.0  # without random draws a same-order fp32 run repeats the reference
     if paired is not None:
-        noise_error = _relative_error(paired.heldout_outputs, reference.heldout_outputs)[0] or 0.0
+        noise_error = _relative_error(paired.heldout_outputs, expected, other)[0] or 0.0
     metrics["output_error"], metrics["top1_agreement"] = error, agreement
     metrics["output_error_noise"] = noise_error if error is not None else None
     if error is None:
@@ -334,7 +358,7 @@ def judge(
     reasons += _state_check(record, limits, metrics)
     reasons += outside_state_reasons(trial, reference)
     reasons += _forward_cost_check(record, limits, metrics)
-    reasons += _output_check(trial, reference, paired, limits, metrics)
+    reasons += _output_check(trial, reference, noise, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
         reasons += fp16_risks(record, reference, limits, metrics)
     reasons += _eval_check(record, reference.record, noise.record, limits, metrics)

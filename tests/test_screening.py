@@ -1258,6 +1258,34 @@ def test_logits_masked_to_minus_infinity_are_compared_where_finite(
     assert {t.label: t.status for t in result.trials}["amp_bf16"] == "accepted"
 
 
+class _MinFilledLogits(torch.nn.Module):
+    """Masks with the dtype's lowest float (the Hugging Face and RL action-mask idiom)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(x)
+        return logits.masked_fill(torch.arange(6) >= 4, torch.finfo(logits.dtype).min)
+
+
+def test_logits_masked_with_the_dtypes_lowest_float_are_judged_on_the_rest() -> None:
+    # found by a hunt: bf16's finfo.min against fp32's overflowed both norms, and amp_bf16 was
+    # rejected for outputs that "differ from fp32 by nan%"
+    report = autoprec.check(
+        _MinFilledLogits(),
+        _class_batches(4),
+        steps=20,
+        modes=["amp_bf16"],
+        loss_fn=torch.nn.functional.cross_entropy,
+    )
+    verdict = report.verdict("amp_bf16")
+    error = verdict.drift["output_error"]
+    assert error is not None and 0 < error < 0.05, verdict.reasons
+    assert verdict.status == "safe", verdict.reasons
+
+
 def test_an_output_not_finite_where_fp32s_is_rejects_the_mode() -> None:
     from autoprec.drift import _sampled_error
 

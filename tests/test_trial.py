@@ -584,6 +584,49 @@ def test_an_output_summary_spans_every_row_of_an_output_just_above_its_size() ->
     assert error == pytest.approx(full, rel=0.05)
 
 
+@pytest.mark.parametrize("fill", ["finfo", -(2.0**30), -1e4])
+def test_masked_positions_filled_with_a_large_finite_value_are_not_compared(
+    fill: str | float,
+) -> None:
+    """Found by a hunt: logits masked with a large finite fill swamped the norm (blind to a
+    0.4% error at -2**30) or overflowed it (bf16's finfo.min against fp32's: a NaN error). A
+    position the reference and the noise run (other trained weights) hold at the same value
+    is a constant of the model, not an output to judge."""
+    from autoprec.drift import _relative_error
+    from autoprec.trial_records import summarize_output
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 6, generator=generator)
+    mode_logits = logits * 1.01  # a 1% error on the real logits
+    noise_logits = torch.randn(16, 6, generator=generator)
+    masked = torch.zeros(16, 6, dtype=torch.bool)
+    masked[:, 4:] = True
+
+    def fill_for(dtype: torch.dtype) -> float:
+        return torch.finfo(dtype).min if fill == "finfo" else float(fill)
+
+    reference = logits.masked_fill(masked, fill_for(torch.float32))
+    noise = noise_logits.masked_fill(masked, fill_for(torch.float32))
+    mode = mode_logits.masked_fill(masked, fill_for(torch.bfloat16))
+    error, _ = _relative_error(
+        [summarize_output(mode)], [summarize_output(reference)], [summarize_output(noise)]
+    )
+    assert error == pytest.approx(0.01, rel=1e-3)
+
+
+def test_a_model_whose_outputs_never_change_is_still_compared_everywhere() -> None:
+    """When every position is the same in the reference and the noise run (nothing trained
+    reaches the output), all of them are compared rather than none."""
+    from autoprec.drift import _relative_error
+    from autoprec.trial_records import summarize_output
+
+    output = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    error, _ = _relative_error(
+        [summarize_output(output * 1.02)], [summarize_output(output)], [summarize_output(output)]
+    )
+    assert error == pytest.approx(0.02, rel=1e-3)
+
+
 def test_movement_sampling_cost_does_not_grow_with_the_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
