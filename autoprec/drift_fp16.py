@@ -38,6 +38,13 @@ def fp16_risks(
             "grew up to 12x after a 200-step trial in autoprec's long-run benchmark; loss "
             "scaling cannot protect the forward pass: keep the module in fp32 or use amp_bf16)"
         )
+    overflowed = _overflowed_outputs(record, reference)
+    if overflowed:
+        reasons.append(
+            f"fp16 overflow: {overflowed} leaf-module output(s) on the held-out batches reached "
+            "infinity where fp32's did not (a saturating op after it, like tanh, can hide it "
+            "from the loss): keep the module in fp32 or use amp_bf16"
+        )
     if gradient > limit:
         reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g}, {margin}")
     rate = record.skipped_steps / max(record.steps_run, 1)  # skips are counted over every step
@@ -50,3 +57,12 @@ def fp16_risks(
     if record.final_loss_scale is not None and record.final_loss_scale < limits.min_loss_scale:
         reasons.append(f"loss scale collapsed to {record.final_loss_scale:g}")
     return reasons
+
+
+def _overflowed_outputs(record: TrialRecord, reference: TrialResult) -> int:
+    """Leaf outputs holding an infinity beyond fp32's count (a mask filled with -inf is in
+    both). Found by a hunt: with ``keep_fp32`` only the trial's largest finite value was read,
+    and an overflow to inf before a tanh passed."""
+    own = record.infinite_activation_outputs or 0
+    expected = reference.record.infinite_activation_outputs or 0
+    return max(0, own - expected)

@@ -7,7 +7,7 @@ import contextlib
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -70,11 +70,11 @@ def heldout_pass(
     device: torch.device,
     loss_fn: LossFn | None,
     train_step: TrainStep | None,
-) -> tuple[list[float], list[OutputSummary | None], float]:
-    """(loss per batch, output summary per batch, largest |output| of any leaf module not kept
-    in fp32) over ``heldout`` in eval mode, no gradients, under the plan's autocast: the range
-    the fp16 check reads. Under ``train_step`` the output is what the model returned to it,
-    when it called the model once for the batch (a hook on the model; None otherwise).
+) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
+    """(loss per batch, output summary per batch, the range of the outputs of the leaf modules
+    not kept in fp32) over ``heldout`` in eval mode, no gradients, under the plan's autocast:
+    the range the fp16 check reads. Under ``train_step`` the output is what the model returned
+    to it, when it called the model once for the batch (a hook on the model; None otherwise).
 
     A compiled model gives its losses and outputs whole-graph, and its range in a second pass
     run eagerly (``torch.compiler.set_stance("force_eager")``): a hook on every leaf breaks the
@@ -86,8 +86,8 @@ def heldout_pass(
     # its random draws (a train_step's, a diffusion loss's noise) put back: what follows
     # (eval_fn) draws as it would after one pass
     with kept_streams(cuda_devices_of(device)), torch.compiler.set_stance("force_eager"):
-        _, _, largest = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
-    return losses, outputs, largest
+        _, _, watched = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
+    return losses, outputs, watched
 
 
 def _runs_compiled(plan: PrecisionPlan) -> bool:
@@ -106,9 +106,10 @@ def _evaluate(
     loss_fn: LossFn | None,
     train_step: TrainStep | None,
     watch_range: bool,
-) -> tuple[list[float], list[OutputSummary | None], float]:
-    """One held-out pass (see :func:`heldout_pass`); the range is 0.0 unless ``watch_range``."""
+) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
+    """One held-out pass (see :func:`heldout_pass`); the range is empty unless ``watch_range``."""
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
+    infinite: list[torch.Tensor] = []
 
     def watch(_module: nn.Module, _args: Any, output: Any) -> None:
         for tensor in tensors_in(output):  # a leaf may return (y, aux) or a dict
@@ -116,6 +117,7 @@ def _evaluate(
             for part in parts:
                 if part.is_floating_point() and part.numel():
                     maxima.append(_largest_finite(part.detach()))
+                    infinite.append(torch.isinf(part.detach()).any())
 
     leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
         module
@@ -157,8 +159,21 @@ def _evaluate(
         plan.model.train(was_training)
         for handle in handles:
             handle.remove()
-    largest = float(torch.stack(maxima).max()) if maxima else 0.0
-    return losses, outputs, largest
+    watched = ActivationRange(
+        largest=float(torch.stack(maxima).max()) if maxima else 0.0,
+        infinite_outputs=int(torch.stack(infinite).sum()) if infinite else 0,
+    )
+    return losses, outputs, watched
+
+
+class ActivationRange(NamedTuple):
+    """What the held-out pass saw of the watched leaf modules' outputs."""
+
+    largest: float
+    """The largest finite |value| (0.0 when nothing was watched)."""
+    infinite_outputs: int
+    """How many leaf outputs (one per leaf call) held an infinity: compared with fp32's, an
+    fp16 overflow the largest finite value cannot show."""
 
 
 def _largest_finite(tensor: torch.Tensor) -> torch.Tensor:
@@ -364,7 +379,8 @@ def measure_trained(
         plan, heldout, loop.device, recipe.loss_fn, recipe.train_step
     )
     figures["heldout"] = losses
-    figures["activation"] = activation if heldout else None
+    figures["activation"] = activation.largest if heldout else None
+    figures["infinite_activations"] = activation.infinite_outputs if heldout else None
     if eval_fn is not None:
         plan.model.eval()
         with torch.no_grad(), plan.autocast():

@@ -156,6 +156,9 @@ class TrialRecord(BaseModel):
     max_abs_activation: float | None = None
     """Largest |output| of any leaf module not kept in fp32 over the held-out batches (fp16
     overflow risk)."""
+    infinite_activation_outputs: int | None = None
+    """How many leaf-module outputs (not kept in fp32) held an infinity over the held-out
+    batches: in fp16, an overflow that ``max_abs_activation`` (finite values only) hides."""
     max_abs_gradient: float | None = None
     """Largest |gradient| of the parameters not kept in fp32 over the trial, loss scaling
     removed."""

@@ -76,8 +76,8 @@ def follow_ranges(plan: PrecisionPlan, task: GroundTask, log: RangeLog) -> None:
             return
         log.gradients[steps[0]], window_peak[0] = window_peak[0], 0.0
         with preserved_rng():
-            _, _, largest = heldout_pass(plan, heldout, device, task.recipe.loss_fn, None)
-        log.activations[steps[0]] = largest
+            _, _, watched = heldout_pass(plan, heldout, device, task.recipe.loss_fn, None)
+        log.activations[steps[0]] = watched.largest
 
     plan.optimizer.register_step_pre_hook(before_step)
     plan.optimizer.register_step_post_hook(after_step)

@@ -318,6 +318,74 @@ def test_keeping_the_hot_module_in_fp32_rescues_amp_fp16() -> None:
     assert not any(r.startswith("fp16 overflow risk") for r in verdict.reasons), verdict.reasons
 
 
+class _OverflowBeforeTanh(torch.nn.Module):
+    """Half of ``big``'s features sit at 1e5: infinity in fp16, hidden by the tanh after it."""
+
+    def __init__(self, masked: bool = False) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(8, 16)
+        with torch.no_grad():
+            self.big.bias[:8].fill_(0.0 if masked else 1e5)
+        self.act = torch.nn.Tanh()
+        self.head = torch.nn.Linear(16, 1)
+        self.other = torch.nn.Linear(1, 1)
+        self.mask = _MaskHalf() if masked else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:
+            return self.other(self.head(self.act(self.big(x))))
+        # a leaf's deliberate -inf, in fp32 too, then a finite output
+        return self.other(self.head(torch.softmax(self.mask(self.big(x)), dim=-1)))
+
+
+class _MaskHalf(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(torch.arange(x.shape[-1]) >= x.shape[-1] // 2, float("-inf"))
+
+
+@pytest.mark.parametrize("keep", [(), ("other",)])
+def test_an_fp16_overflow_hidden_by_a_saturating_op_rejects_amp_fp16(
+    keep: tuple[str, ...],
+) -> None:
+    """Found by a hunt: with keep_fp32 (on any module) only the trial's own largest finite
+    activation was read, so a leaf overflowing to inf before a tanh passed."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
+    batches *= 6
+    torch.manual_seed(0)
+    model = _OverflowBeforeTanh()
+    common = {
+        "recipe": TrainingRecipe(loss_fn=torch.nn.functional.mse_loss),
+        "heldout": batches[:2],
+        "steps": 6,
+    }
+    reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
+    fp16 = run_trial(ModeSpec(mode="amp_fp16", keep_fp32=keep), model, batches, **common)
+    assert reference.record.infinite_activation_outputs == 0
+    assert fp16.record.infinite_activation_outputs == 2  # big, on each held-out batch
+    reasons = judge(fp16, reference, reference).reasons
+    assert any(r.startswith("fp16 overflow: 2 leaf-module output(s)") for r in reasons), reasons
+
+
+def test_an_infinity_fp32_has_too_is_no_fp16_overflow() -> None:
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
+    batches *= 6
+    torch.manual_seed(0)
+    model = _OverflowBeforeTanh(masked=True)
+    common = {
+        "recipe": TrainingRecipe(loss_fn=torch.nn.functional.mse_loss),
+        "heldout": batches[:2],
+        "steps": 6,
+    }
+    reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
+    fp16 = run_trial(ModeSpec(mode="amp_fp16"), model, batches, **common)
+    assert reference.record.infinite_activation_outputs == 2  # the mask leaf, per batch
+    assert fp16.record.infinite_activation_outputs == 2
+    reasons = judge(fp16, reference, reference).reasons
+    assert not any(r.startswith("fp16 overflow") for r in reasons), reasons
+
+
 def test_without_held_out_batches_the_noise_floor_compares_like_with_like(low_lr: dict) -> None:
     # two batches with losses 1 and 3; the noise run sees them in the other order, so its last
     # loss is of another batch: the floor must not be their difference (2.0)
