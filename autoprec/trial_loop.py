@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autoprec.batching import (
     LossFn,
@@ -128,6 +129,7 @@ def _evaluate(
     # closure recompiles every call (seen on an H100: the recompile limit hit in every pass)
     watch_eagerly = torch.compiler.disable(watch)
     handles = [leaf.register_forward_hook(watch_eagerly) for leaf in leaves]
+    inside = _Fp16Watch(maxima) if watch_range else contextlib.nullcontext()
     returned: list[Any] = []  # what the model returned to train_step, call by call
     if train_step is not None:
         keep = torch.compiler.disable(lambda _module, _args, output: returned.append(output))
@@ -145,7 +147,7 @@ def _evaluate(
     # the last training step. Nothing is stepped: the graph goes with the loss.
     grad_mode = torch.enable_grad() if train_step is not None else torch.no_grad()
     try:
-        with grad_mode, plan.autocast():
+        with grad_mode, plan.autocast(), inside:
             for batch in heldout:
                 returned.clear()
                 loss, output = forward_and_loss(plan, to_device(batch, device), loss_fn, train_step)
@@ -164,6 +166,36 @@ def _evaluate(
         infinite_outputs=int(torch.stack(infinite).sum()) if infinite else 0,
     )
     return losses, outputs, watched
+
+
+class _Fp16Watch(TorchFunctionMode):
+    """The largest finite |value| of every op's fp16 output, not only of leaf modules': attention
+    logits (``q @ k.T``) computed inside a module with children overflow fp16 first, and no
+    leaf hook sees them (found by a hunt). Ops that autocast runs in fp32, and modules kept in
+    fp32, give fp32 outputs and are not read."""
+
+    def __init__(self, maxima: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.maxima = maxima
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        outputs = result if isinstance(result, tuple | list) else (result,)
+        for output in outputs:
+            if (
+                isinstance(output, torch.Tensor)
+                and output.dtype == torch.float16
+                and not output.is_nested
+                and output.numel()
+            ):
+                self.maxima.append(_largest_finite(output.detach()))
+        return result
 
 
 class ActivationRange(NamedTuple):

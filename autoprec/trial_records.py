@@ -154,8 +154,9 @@ class TrialRecord(BaseModel):
     hooks, exact; parameters left out). With ``state_bytes``, what a CPU training step holds at
     its peak beyond temporaries."""
     max_abs_activation: float | None = None
-    """Largest |output| of any leaf module not kept in fp32 over the held-out batches (fp16
-    overflow risk)."""
+    """Largest finite |output| of any leaf module not kept in fp32, and of any op computing in
+    fp16 (inside a module with children too: attention scores), over the held-out batches
+    (fp16 overflow risk)."""
     infinite_activation_outputs: int | None = None
     """How many leaf-module outputs (not kept in fp32) held an infinity over the held-out
     batches: in fp16, an overflow that ``max_abs_activation`` (finite values only) hides."""

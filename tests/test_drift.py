@@ -386,6 +386,57 @@ def test_an_infinity_fp32_has_too_is_no_fp16_overflow() -> None:
     assert not any(r.startswith("fp16 overflow") for r in reasons), reasons
 
 
+class _LargeScores(torch.nn.Module):
+    """Attention scores ~5000 computed inside a module with children: no leaf outputs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+        with torch.no_grad():
+            self.q.bias.fill_(25.0)
+            self.k.bias.fill_(25.0)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x).detach(), self.k(x).detach()
+        scores = q @ k.transpose(-1, -2)
+        return self.out(torch.softmax(scores.float() / 1000.0, -1) @ self.v(x))
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = _LargeScores()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x)
+
+
+def test_fp16_range_reads_values_computed_inside_modules_with_children() -> None:
+    """Found by a hunt: only leaf modules' outputs were read, so attention scores (q @ k.T, the
+    classic fp16 overflow) computed in a module's forward never were."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
+    batches *= 6
+    torch.manual_seed(0)
+    model = _Wrapped()
+    common = {
+        "recipe": TrainingRecipe(loss_fn=torch.nn.functional.mse_loss),
+        "heldout": batches[:2],
+        "steps": 6,
+    }
+    reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
+    fp16 = run_trial(ModeSpec(mode="amp_fp16"), model, batches, **common)
+    assert reference.record.max_abs_activation is not None
+    assert reference.record.max_abs_activation < 100  # the leaves' outputs are small
+    assert fp16.record.max_abs_activation is not None
+    assert fp16.record.max_abs_activation > 4000
+    reasons = judge(fp16, reference, reference).reasons
+    assert any(r.startswith("fp16 overflow risk: activations reach") for r in reasons), reasons
+    kept = run_trial(ModeSpec(mode="amp_fp16", keep_fp32=("attention",)), model, batches, **common)
+    assert not any(r.startswith("fp16 overflow") for r in judge(kept, reference, reference).reasons)
+
+
 def test_without_held_out_batches_the_noise_floor_compares_like_with_like(low_lr: dict) -> None:
     # two batches with losses 1 and 3; the noise run sees them in the other order, so its last
     # loss is of another batch: the floor must not be their difference (2.0)
