@@ -39,7 +39,7 @@ from autoprec.model_copies import (
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
 from autoprec.specs import ModeSpec
-from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights, stored_values
+from autoprec.weight_dtypes import fp32_fix, non_fp32_weights, stored_values
 
 PLAN_STATE_KEYS = frozenset({"spec", "mode", "micro_step"})
 """What :meth:`PrecisionPlan.state_dict` holds."""
@@ -549,10 +549,10 @@ def prepare(
     if found is not None:
         raise ValueError(
             f"{spec.label} needs the model's weights in fp32: every mode starts from fp32 "
-            f"weights, and a profile was proven from them. Found {found}. Kept as they are, bf16 "
-            "weights would train as pure bf16 with nearest rounding under AMP, and keep_fp32 "
-            f"modules would not be fp32. "
-            f"{FP32_FIX}"
+            f"weights, and a profile was proven from them. Found {found}. Kept as they are, "
+            "they would train in their own dtype under this mode's name (bf16 weights as pure "
+            "bf16 with nearest rounding under AMP), and keep_fp32 modules would not be fp32. "
+            f"{fp32_fix(model)}"
         )
     if scheduler is not None:
         for inner in _schedulers(scheduler):  # check before converting anything

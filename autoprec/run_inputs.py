@@ -28,7 +28,7 @@ from autoprec.model_copies import (
 from autoprec.outcomes import OBJECTIVES
 from autoprec.random_streams import kept_streams
 from autoprec.specs import matches_keep_fp32
-from autoprec.weight_dtypes import FP32_FIX, non_fp32_weights
+from autoprec.weight_dtypes import fp32_fix, non_fp32_weights
 
 MAX_BATCHES = 64
 """Batches read from the loader; trials cycle over them."""
@@ -399,7 +399,7 @@ def check_model(model: Any) -> None:
             f"The model's weights are not fp32 ({found}). Every mode is judged against an fp32 "
             "reference trained from these weights, and they would train as they are under "
             "every mode's name: a bf16 model's 'fp32' reference and AMP modes would be pure "
-            f"bf16 with nearest rounding. {FP32_FIX}"
+            f"bf16 with nearest rounding. {fp32_fix(model)}"
         )
 
 

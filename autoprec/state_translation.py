@@ -70,6 +70,12 @@ def accept_source_state(
     ) -> None:
         writer = state_writer(state_dict)
         groups = state_dict.get("param_groups", [])
+        if writer is None and target in (None, "same") and _family_plus_extras(state_dict, kind):
+            # the user's own optimizer class (or a copy of it) keeping state torch's do not (a
+            # subclass's gradient EMA): it loads its own state as it would without autoprec,
+            # which refused it as "another optimizer wrote it" (found by a hunt)
+            type(self).load_state_dict(self, state_dict, *args, **kwargs)
+            return
         if writer == "torch" and target not in (None, "same"):
             # before anything loads: a torch checkpoint's groups replace the rebuilt ones, and
             # an option the rebuilt optimizer ignores (SGD's maximize under stochastic
@@ -102,6 +108,26 @@ def accept_source_state(
     # bitsandbytes overrides load_state_dict and runs no load hooks, so the instance's method
     # is wrapped (a bound method: a deep copy binds to the copy)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+
+
+_FAMILY_CORE_KEYS: dict[SourceKind, set[str]] = {
+    "adamw": {"step", "exp_avg", "exp_avg_sq"},
+    "adam": {"step", "exp_avg", "exp_avg_sq"},
+    "sgd": {"momentum_buffer"},
+}
+
+
+def _family_plus_extras(state_dict: dict[str, Any], kind: SourceKind) -> bool:
+    """Does ``state_dict`` hold ``kind``'s state and more: every group its hyper-parameters,
+    every per-parameter entry its moments, with keys of its own beside them (an AdamW subclass
+    keeping a gradient EMA)? Another family's (RMSprop's ``square_avg``) does not."""
+    entries = [entry for entry in state_dict.get("state", {}).values() if isinstance(entry, dict)]
+    groups = state_dict.get("param_groups", [])
+    return (
+        bool(entries)
+        and all(HYPER_KEYS[kind] <= set(group) for group in groups)
+        and all(_FAMILY_CORE_KEYS[kind] <= set(entry) for entry in entries)
+    )
 
 
 def _translate_source_state(

@@ -191,7 +191,10 @@ def _torch_group(group: dict[str, Any], writer: Writer, kind: SourceKind) -> dic
     if kind == "sgd":
         hyper["momentum"] = group["momentum"] if writer == "optimi" else group["betas"][0]
     else:
-        betas = (group["beta1"], group["beta2"]) if writer == "optimi" else group["betas"]
+        # torch-optimi keeps the betas it stepped with last as beta1/beta2 and reads "betas",
+        # which a momentum-cycling scheduler (OneCycleLR) sets, at its next step: "betas" is what
+        # the next step uses (the last step's beta1 was taken; found by a hunt)
+        betas = group.get("betas") or (group["beta1"], group["beta2"])
         hyper.update(betas=tuple(betas), eps=group["eps"])
     extras = {k: v for k, v in group.items() if k not in _WRITER_GROUP_KEYS[writer]}
     if writer == "optimi" and group.get("max_lr") is not None:

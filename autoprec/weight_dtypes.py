@@ -84,4 +84,21 @@ FP32_FIX = (
     "torch_dtype=torch.float32)); bf16 and fp16 values convert to fp32 exactly, and each mode "
     "casts what it needs (the pure-bf16 modes to bf16)."
 )
-"""How to pass a model in fp32: the end of every refusal."""
+"""How to pass a model in fp32: the end of every refusal of a half-precision model."""
+
+FP64_FIX = (
+    "float64 is wider than every mode autoprec judges: fp32 is its widest and its reference, so "
+    "it cannot tell whether fp32 is enough for this model, and model.float() rounds float64 "
+    "values. If fp32 is enough (check by training in fp32 against your float64 run), pass "
+    "model.float(); if the model needs float64 (ill-conditioned physics, high-order "
+    "derivatives), keep float64 without autoprec."
+)
+"""How to answer a float64 model (scientific ML, physics-informed nets; found by a hunt: it
+was refused with the bf16 advice, "bf16 and fp16 values convert to fp32 exactly")."""
+
+
+def fp32_fix(model: nn.Module) -> str:
+    """The advice that ends a refusal of ``model``'s non-fp32 weights: float64's when any
+    trainable tensor is float64, else the half-precision one."""
+    wider = any(tensor.dtype == torch.float64 for tensor in _trainable_tensors(model))
+    return FP64_FIX if wider else FP32_FIX

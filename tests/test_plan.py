@@ -441,6 +441,20 @@ def test_a_model_in_bf16_is_refused_before_anything_is_converted(mode: str) -> N
     plan.step(plan.model(torch.randn(4, 16)).square().mean())
 
 
+def test_a_float64_model_is_refused_with_float64s_own_advice() -> None:
+    """Found by a hunt: a float64 model (physics-informed nets) was refused with the bf16
+    advice ("bf16 and fp16 values convert to fp32 exactly"), where model.float() rounds."""
+    model = _model().double()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError) as refused:
+        autoprec.prepare(ModeSpec(mode="fp32"), model, optimizer)
+    message = str(refused.value)
+    assert "torch.float64 in" in message and "rounds float64 values" in message
+    assert "convert to fp32 exactly" not in message
+    with pytest.raises(ValueError, match=r"not fp32 \(torch\.float64.*keep float64 without"):
+        autoprec.tune(model, [(torch.randn(4, 16, dtype=torch.float64), None)] * 4)
+
+
 def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
 

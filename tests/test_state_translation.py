@@ -90,6 +90,41 @@ def test_plans_keeping_torchs_layout_refuse_another_familys_state(mode: str, wri
     assert plan.optimizer.param_groups[0]["lr"] == 1e-3
 
 
+class _AdamWithGradEma(torch.optim.AdamW):
+    """AdamW that also keeps an EMA of each gradient, as a per-parameter state entry."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        grads = {
+            p: p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None
+        }
+        loss = super().step(closure)
+        for parameter, grad in grads.items():
+            ema = self.state[parameter].setdefault("grad_ema", torch.zeros_like(parameter))
+            ema.mul_(0.9).add_(grad, alpha=0.1)
+        return loss
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_pure"])
+def test_the_users_optimizer_subclass_reloads_its_own_extra_state(mode: str) -> None:
+    """Found by a hunt: under the modes that keep the user's optimizer, an AdamW subclass
+    keeping one more state entry could not load its own checkpoint ("another optimizer wrote
+    it"), which it does without autoprec."""
+    from autoprec.plan import prepare
+    from autoprec.specs import ModeSpec
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    plan = prepare(ModeSpec(mode=mode), model, _AdamWithGradEma(model.parameters(), lr=1e-3))
+    with plan.autocast():
+        loss = plan.model(torch.randn(2, 8).to(next(plan.model.parameters()).dtype)).float().sum()
+    plan.step(loss)
+    saved = copy.deepcopy(plan.optimizer.state_dict())
+    plan.optimizer.load_state_dict(saved)
+    entry = plan.optimizer.state[next(plan.model.parameters())]
+    assert torch.equal(entry["grad_ema"], saved["state"][0]["grad_ema"])
+
+
 def _torch_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-3)

@@ -122,6 +122,12 @@ def test_a_kahan_checkpoint_keeps_onecyclelrs_max_lr_for_the_resumed_schedule() 
     plain = torch.optim.AdamW(nn.Linear(8, 4).parameters(), lr=1e-3)
     plain.load_state_dict(torch_optimizer_state(saved, plain))
     assert plain.param_groups[0]["max_lr"] == 0.01
+    # found by a hunt: the torch form took the beta1 torch-optimi stepped with last, not the
+    # one the schedule set for the next step (what plan.optimizer steps with)
+    assert plain.param_groups[0]["betas"] == pytest.approx(plan.optimizer.param_groups[0]["betas"])
+    assert plain.param_groups[0]["betas"][0] != pytest.approx(
+        plan.optimizer.param_groups[0]["beta1"]
+    )
     resumed = torch.optim.lr_scheduler.OneCycleLR(plain, 0.01, total_steps=20, last_epoch=2)
     assert resumed.get_last_lr() == pytest.approx(schedule.get_last_lr())
 
