@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import random
 import re
+import statistics
 import traceback
 import types
 
@@ -102,6 +103,8 @@ def test_figures() -> None:
     ).record
     assert record.completed and record.steps_run == 12 and len(record.losses) == 12
     assert record.samples_per_second and record.samples_per_second > 0
+    rates = [w.samples / w.seconds for w in record.windows if not w.warmup]
+    assert record.samples_per_second == pytest.approx(statistics.median(rates))
     assert record.tokens_per_second is None  # float features are not tokens
     assert record.median_step_seconds and record.wall_seconds >= record.median_step_seconds * 10
     assert record.peak_memory_source == "process_rss" and record.peak_memory_bytes is not None
@@ -1199,3 +1202,26 @@ def test_an_amp_fp16_trial_starts_from_the_models_own_running_statistics(mode: s
     with torch.no_grad(), plan.autocast():
         expected = float(mse(by_hand(heldout[0][0]), heldout[0][1]))
     assert trial.record.heldout_losses[0] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_the_noise_runs_order_is_never_the_loaders_own(count: int) -> None:
+    """Found by a hunt: a seeded random order of two batches is the identity for half the
+    seeds, and the 'noise run' then repeated the reference bit for bit."""
+    from autoprec.trial import _batch_order
+
+    for seed in range(20):
+        order = _batch_order(count, seed)
+        assert sorted(order) == list(range(count))
+        assert order != list(range(count)), seed
+    assert _batch_order(count, None) == list(range(count))
+
+
+def test_a_stalled_window_does_not_drag_the_samples_per_second() -> None:
+    """Found by a hunt: the figure was total samples over total seconds, not the median the
+    README documents, so one stalled window (a busy machine) halved it."""
+    from autoprec.trial import _median_rate
+
+    windows = [(64, 0.1), (64, 0.1), (64, 1.0), (64, 0.1)]
+    assert _median_rate(windows) == pytest.approx(640.0)
+    assert _median_rate([]) is None
