@@ -437,12 +437,15 @@ def test_the_schedule_is_read_as_lightning_steps_it() -> None:
     # the scheduler's `frequency` and the Trainer's `limit_train_batches` were ignored: an
     # ExponentialLR stepped every 10 of 1000 steps was judged at 0.99^900 (1.2e-7), where the
     # run never goes below 0.99^99 (3.7e-4); 5 batches of 10 epochs read as 16 per epoch
+    # (found by a later hunt: Lightning tests the frequency against the micro-batch index in
+    # the epoch, which restarts every epoch: every 10 of 16 batches is once an epoch, 62 times
+    # in 1000 steps, not 100)
     trainer = lightning.Trainer(max_steps=1000, accelerator="cpu", logger=False)
     module = _Stepped(frequency=10)
     recipe = module_recipe(module, _loader(), trainer)
-    assert recipe["total_steps"] == 100
+    assert recipe["total_steps"] == 62
     read = TrainingRecipe(**{k: v for k, v in recipe.items() if k != "train_step"})
-    assert read.lr_points(module)[-1].lr > 0.99**100 * 1e-3
+    assert read.lr_points(module)[-1].lr > 0.99**62 * 1e-3
     limited = lightning.Trainer(
         max_epochs=10, limit_train_batches=5, accelerator="cpu", logger=False
     )
@@ -451,6 +454,30 @@ def test_the_schedule_is_read_as_lightning_steps_it() -> None:
         max_epochs=2, limit_train_batches=0.5, accelerator="cpu", logger=False
     )
     assert module_recipe(_Stepped(frequency=1), _loader(), shared)["total_steps"] == 16
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's: workers, no validation
+@pytest.mark.parametrize(
+    ("frequency", "accumulation", "max_steps", "max_epochs", "limit"),
+    [(2, 2, 16, -1, 1.0), (10, 1, 40, -1, 1.0), (3, 2, -1, 2, 1.0), (3, 2, 20, -1, 7)],
+)
+def test_the_scheduler_steps_read_are_the_ones_lightning_takes(
+    frequency: int, accumulation: int, max_steps: int, max_epochs: int, limit: float
+) -> None:
+    """Counted against real fits: the frequency divides the micro-batch index of the epoch
+    (1-based, restarting each epoch), and an epoch's last partial accumulation steps too."""
+
+    def trainer() -> Any:
+        return lightning.Trainer(
+            max_steps=max_steps, max_epochs=max_epochs, accumulate_grad_batches=accumulation,
+            limit_train_batches=limit, accelerator="cpu", logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+
+    read = module_recipe(_Stepped(frequency), _loader(), trainer())["total_steps"]
+    fitted = trainer()
+    fitted.fit(_Stepped(frequency), _loader())
+    assert read == fitted.lr_scheduler_configs[0].scheduler.last_epoch
 
 
 def test_two_optimizers_are_refused() -> None:
@@ -569,6 +596,18 @@ def test_the_plugin_compares_the_schedule_over_the_trainers_run(lightning_tuned:
         warnings.simplefilter("always")
         _lightning_trainer([AutoprecPrecision(profile)]).fit(_Regression(), _loader())
     assert not [w for w in caught if issubclass(w.category, RecipeMismatchWarning)]
+    # found by a later hunt: a run given by max_epochs had no length when the plugin connects
+    # (the loader is not loaded yet), and 10 epochs, 80 steps, went unwarned
+    by_epochs = lightning.Trainer(
+        max_epochs=10, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+        gradient_clip_val=1.0, plugins=[AutoprecPrecision(profile)],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        by_epochs.fit(_Regression(), _loader())
+    said = [str(w.message) for w in caught if issubclass(w.category, RecipeMismatchWarning)]
+    assert any("total_steps: proven over 6, applied over 80" in message for message in said)
 
 
 class _Evaluated(_Regression):
