@@ -6,6 +6,7 @@ Real libraries (the ``integrations`` extra), tiny models, a few steps each.
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -478,6 +479,46 @@ def test_the_scheduler_steps_read_are_the_ones_lightning_takes(
     fitted = trainer()
     fitted.fit(_Stepped(frequency), _loader())
     assert read == fitted.lr_scheduler_configs[0].scheduler.last_epoch
+
+
+class _NoBatchIdx(_Regression):
+    def training_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+
+class _SizedByTheTrainer(_Regression):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-3, total_steps=total)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def test_a_training_step_without_batch_idx_runs_as_lightning_runs_it() -> None:
+    """Found by a hunt: Lightning passes batch_idx only to a training_step that takes it;
+    trials called training_step(batch, 0), a TypeError."""
+    module = _NoBatchIdx()
+    recipe = module_recipe(module, _loader(), _lightning_trainer())
+    batch = next(iter(_loader()))
+    loss = recipe["train_step"](types.SimpleNamespace(model=module), batch)
+    assert loss.shape == () and torch.isfinite(loss)
+
+
+def test_configure_optimizers_sized_by_the_trainer_is_read_with_the_trainer_given() -> None:
+    """Found by a hunt: configure_optimizers reading self.trainer.estimated_stepping_batches
+    failed with "not attached to a Trainer" on the module tune_module is given."""
+    module = _SizedByTheTrainer()
+    recipe = module_recipe(module, _loader(), _lightning_trainer(max_steps=40))
+    assert recipe["total_steps"] == 40
+    scheduler = recipe["scheduler"](torch.optim.AdamW(module.parameters(), lr=1e-3))
+    assert scheduler.total_steps == 40
+    assert module._trainer is None  # nothing left attached
+    with pytest.raises(ValueError, match=r"reads self\.trainer .*pass trainer= to tune_module"):
+        module_recipe(_SizedByTheTrainer(), _loader())
 
 
 def test_two_optimizers_are_refused() -> None:

@@ -6,7 +6,9 @@
     trainer.fit(module, train_loader)
 
 Trials run the module's own ``training_step`` (``self.log`` is quietly ignored there: no Trainer
-is attached), the optimizer and LR scheduler of ``configure_optimizers`` in any form Lightning
+is attached; ``batch_idx`` passed only when it takes one), ``configure_optimizers`` seeing the
+Trainer given as ``self.trainer`` (its ``estimated_stepping_batches`` read from its settings), the
+optimizer and LR scheduler of ``configure_optimizers`` in any form Lightning
 accepts, and the Trainer's ``accumulate_grad_batches`` / ``gradient_clip_val``. The plugin runs
 any profile under automatic optimization, so ``global_step``, checkpoints, schedulers and
 gradient clipping behave as with Lightning's own precision plugins.
@@ -15,6 +17,7 @@ gradient clipping behave as with Lightning's own precision plugins.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 from collections.abc import Iterable, Mapping
@@ -34,9 +37,59 @@ if TYPE_CHECKING:
     from autoprec.tune_result import TuneResult
 
 
-def _single_optimizer(module: Any) -> tuple[torch.optim.Optimizer, dict[str, Any] | None]:
+class _TrainerView:
+    """``self.trainer`` inside ``configure_optimizers`` while tuning: the Trainer given to
+    ``tune_module`` (no fit attached it), with ``estimated_stepping_batches`` read from its
+    settings and the loader. Sizing the schedule from it is a common Lightning idiom, and it
+    failed with "not attached to a Trainer" (found by a hunt)."""
+
+    def __init__(self, trainer: Any, stepping_batches: int | None) -> None:
+        self._trainer = trainer
+        self._stepping_batches = stepping_batches
+
+    @property
+    def estimated_stepping_batches(self) -> int:
+        if self._stepping_batches is None:
+            raise ValueError(
+                "configure_optimizers() reads self.trainer.estimated_stepping_batches, and the "
+                "run's length cannot be read: give the Trainer max_steps, or max_epochs with a "
+                "loader that has a length."
+            )
+        return self._stepping_batches
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+
+@contextlib.contextmanager
+def _attached(module: Any, view: _TrainerView | None) -> Any:
+    """``view`` as ``module.trainer`` while the block runs, when no Trainer is attached."""
+    if view is None or getattr(module, "_trainer", None) is not None:
+        yield
+        return
+    module._trainer = view
+    try:
+        yield
+    finally:
+        module._trainer = None
+
+
+def _single_optimizer(
+    module: Any, view: _TrainerView | None = None
+) -> tuple[torch.optim.Optimizer, dict[str, Any] | None]:
     """(the optimizer, its scheduler config or None) from ``configure_optimizers()``."""
-    optimizers, schedulers, _ = _configure_optimizers(module.configure_optimizers())
+    try:
+        with _attached(module, view):
+            configured = module.configure_optimizers()
+    except RuntimeError as error:
+        if "not attached to a `Trainer`" not in str(error):
+            raise
+        raise ValueError(
+            f"configure_optimizers() reads self.trainer ({error}): pass trainer= to "
+            "tune_module, the Trainer you will fit with, and its settings size the schedule "
+            "(estimated_stepping_batches)."
+        ) from error
+    optimizers, schedulers, _ = _configure_optimizers(configured)
     if len(optimizers) != 1:
         raise ValueError(
             f"configure_optimizers() returned {len(optimizers)} optimizers; autoprec tunes a "
@@ -53,12 +106,12 @@ def _single_optimizer(module: Any) -> tuple[torch.optim.Optimizer, dict[str, Any
     return optimizers[0], dict(config) if isinstance(config, Mapping) else {"scheduler": config}
 
 
-def _scheduler_factory(module: Any) -> Any:
+def _scheduler_factory(module: Any, view: _TrainerView | None) -> Any:
     """``factory(optimizer)``: the module's scheduler, built by a fresh
     ``configure_optimizers()`` call and rebound to ``optimizer`` (a trial's)."""
 
     def factory(optimizer: torch.optim.Optimizer) -> Any:
-        built, config = _single_optimizer(module)
+        built, config = _single_optimizer(module, view)
         assert config is not None
         scheduler = config["scheduler"]
         _rebind_scheduler(scheduler, built, optimizer)
@@ -142,7 +195,11 @@ def _training_step(plan: PrecisionPlan, batch: Any) -> torch.Tensor:
     """The module's own ``training_step``, ``self.log`` / ``self.log_dict`` ignored."""
     module = plan.model
     module.log = module.log_dict = _ignore  # instance attributes on the trial's copy
-    output = module.training_step(batch, 0)
+    # Lightning passes batch_idx only to a training_step that takes it; `(self, batch)` failed
+    # here with a TypeError blamed on the batches (found by a hunt)
+    output = (
+        module.training_step(batch, 0) if _takes_batch_idx(module) else module.training_step(batch)
+    )
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, torch.Tensor):
         raise ValueError(
@@ -150,6 +207,17 @@ def _training_step(plan: PrecisionPlan, batch: Any) -> torch.Tensor:
             '(a tensor, or a dict with "loss"), as automatic optimization does.'
         )
     return loss
+
+
+def _takes_batch_idx(module: Any) -> bool:
+    """Does ``module.training_step`` take a second positional argument, as Lightning decides
+    whether to pass ``batch_idx``?"""
+    try:
+        parameters = inspect.signature(module.training_step).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any) -> dict[str, Any]:
@@ -166,11 +234,12 @@ def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any)
             "trials cannot reproduce. Tune with autoprec.tune(module, loader, train_step=...) "
             "and a train_step that returns the loss, as your training_step computes it."
         )
-    optimizer, config = _single_optimizer(module)
+    view = None if trainer is None else _TrainerView(trainer, _total_steps(trainer, loader, "step"))
+    optimizer, config = _single_optimizer(module, view)
     recipe: dict[str, Any] = {"optimizer": optimizer, "train_step": _training_step}
     if config is not None:
         interval = config.get("interval", "epoch")
-        recipe["scheduler"] = _scheduler_factory(module)
+        recipe["scheduler"] = _scheduler_factory(module, view)
         recipe["total_steps"] = _scheduler_steps(trainer, loader, config)
         if recipe["total_steps"] is None and "total_steps" not in options:
             raise ValueError(
