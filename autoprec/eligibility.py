@@ -369,14 +369,14 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
     _takes_no_sparse_gradients(verdict, "optimizer_bits=8", situation.layers)
     _needs_something_to_train(verdict, situation.layers)
     layers = situation.layers
-    if layers is not None and layers.parameters:
+    if layers is not None and layers.trainable_parameters:
         large = layers.parameters_in_large_tensors
         saved = large * BYTES_SAVED_PER_8BIT_PARAMETER / 2**20
         message = (
-            f"saves about {saved:.1f} MiB of Adam state ({large:,} parameters in tensors of "
-            f">= {BNB_MIN_8BIT_SIZE} elements)"
+            f"saves about {saved:.1f} MiB of Adam state ({large:,} trainable parameters in "
+            f"tensors of >= {BNB_MIN_8BIT_SIZE} elements)"
         )
-        if large / layers.parameters < 0.5:
+        if large / layers.trainable_parameters < 0.5:
             verdict.doubt(message + ": most parameters sit in small tensors kept in 32 bit")
         else:
             verdict.notes.append(message)

@@ -99,10 +99,11 @@ def findings(mix: LayerMix) -> list[str]:
             )
     elif (linear.flop_share or 0) == 0 and (conv.flop_share or 0) < 0.5:
         findings.append("the model has no nn.Linear layers: FP8 module swapping has nothing to do")
-    large_share = fraction(mix.parameters_in_large_tensors, mix.parameters)
-    if large_share < 0.5:
+    large_share = fraction(mix.parameters_in_large_tensors, mix.trainable_parameters)
+    if mix.trainable_parameters and large_share < 0.5:
         findings.append(
-            f"only {_percent(large_share)} of parameters sit in tensors of >= {BNB_MIN_8BIT_SIZE} "
+            f"only {_percent(large_share)} of trainable parameters sit in tensors of >= "
+            f"{BNB_MIN_8BIT_SIZE} "
             "elements: 8-bit optimizer states save little (bitsandbytes keeps small tensors in "
             "32 bit)"
         )

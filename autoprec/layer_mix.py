@@ -67,7 +67,9 @@ class LayerMix(BaseModel):
     parameters: int
     trainable_parameters: int
     parameters_in_large_tensors: int
-    """Parameters in tensors of >= 4096 elements (those bitsandbytes keeps in 8 bit)."""
+    """Trainable parameters in tensors of >= 4096 elements (those bitsandbytes keeps in 8 bit;
+    a frozen weight has no optimizer state to save: a LoRA's base counted as 6 MiB saved where
+    nothing was, found by a hunt)."""
     by_kind: tuple[KindShare, ...]
     forward_flops: int | None
     """FLOPs of one forward pass on the example input (matmul, conv, attention); None if not run."""

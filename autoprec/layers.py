@@ -169,7 +169,9 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         parameters=total_params,
         trainable_parameters=sum(p.numel() for p in named_parameters.values() if p.requires_grad),
         parameters_in_large_tensors=sum(
-            p.numel() for p in named_parameters.values() if p.numel() >= BNB_MIN_8BIT_SIZE
+            p.numel()
+            for p in named_parameters.values()
+            if p.requires_grad and p.numel() >= BNB_MIN_8BIT_SIZE
         ),
         by_kind=by_kind,
         forward_flops=forward_flops,

@@ -164,6 +164,18 @@ def test_optimizer_8bit() -> None:
     assert gpt.worth_trying and "saves about 2.7 MiB" in gpt.notes[0]
 
 
+def test_8bit_states_save_nothing_on_frozen_weights() -> None:
+    """Found by a hunt: a LoRA-style model (a frozen 512x512 base, a small trainable head) was
+    told 8-bit states save 1.5 MiB, counting the frozen base, which has no optimizer state."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 16))
+    model[0].requires_grad_(False)
+    layers = scan_model(model, torch.randn(2, 512))
+    assert layers.parameters_in_large_tensors == 512 * 16  # the head's weight alone
+    verdict = optimizer_8bit_eligibility(situation(layers=layers))
+    said = " ".join(verdict.notes)
+    assert "saves about 0.0 MiB" in said and "(8,192 trainable parameters" in said
+
+
 def test_unknown_mode() -> None:
     with pytest.raises(ValueError, match="Unknown mode 'fp64'"):
         mode_eligibility("fp64", situation())  # type: ignore[arg-type]
