@@ -233,8 +233,8 @@ def _state_check(
         f"{limits.max_rounded_beta2:.4f} avoid it. A rule, not this trial's measurement: on "
         "autoprec's 8 long-run tasks with beta2 0.999, Kahan-compensated bf16 weights ended "
         "2-17% worse after 2000 steps on 3 with this moment in bf16, and fine on all 8 with it "
-        "in fp32; to judge by the trial alone pass DriftThresholds(max_rounded_beta2="
-        f"{_at_least(moment.beta2)})"
+        "in fp32; to judge by the trial alone set max_rounded_beta2="
+        f"{_at_least(moment.beta2)} (thresholds= in Python, --threshold on the command line)"
     ]
 
 

@@ -106,7 +106,10 @@ def test_a_second_moment_rounded_to_nearest_in_bf16_is_rejected(low_lr: dict) ->
     high = LowPrecisionMoment(dtype="bfloat16", beta2=0.9999, rounding="nearest", elements=1)
     pure.record = pure.record.model_copy(update={"low_precision_moment": high})
     [advice] = judge(pure, reference, noise).reasons
-    assert advice.endswith("DriftThresholds(max_rounded_beta2=0.9999)")
+    # in words for both interfaces (found by a hunt: the CLI printed Python)
+    assert advice.endswith(
+        "set max_rounded_beta2=0.9999 (thresholds= in Python, --threshold on the command line)"
+    )
     assert judge(pure, reference, noise, DriftThresholds(max_rounded_beta2=0.9999)).accepted
     # stochastically rounded states are exempt, bf16_kahan keeps its second moment in fp32
     # (it was rejected here until it did), and a beta2 whose steps bf16 can hold is fine
