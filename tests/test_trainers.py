@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoprec
 from autoprec.errors import PrecisionSwitchWarning, RecipeMismatchWarning
 from autoprec.profile import Profile
 from autoprec.recipe import TrainingRecipe
@@ -172,6 +173,37 @@ def test_apply_profile_trains_with_the_trainer(
     assert dtypes and all(dtype == torch.bfloat16 for dtype in dtypes), dtypes  # the mode's
     if spec.mode == "fp8_torchao":  # GPT-2's one nn.Linear (lm_head) runs in FP8
         assert type(trainer.model.lm_head).__name__ == "Float8Linear"
+
+
+class _ScheduleFreeLike(torch.optim.SGD):
+    """schedulefree's protocol: train()/eval() switch the weights the optimizer exposes."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=1e-3)
+        self.calls: list[str] = []
+
+    def train(self) -> None:
+        self.calls.append("train")
+
+    def eval(self) -> None:
+        self.calls.append("eval")
+
+
+def test_the_trainers_optimizer_shows_train_and_eval_only_when_the_plans_has_them() -> None:
+    """Found by a hunt: the Trainer calls optimizer.train()/.eval() for schedule-free
+    optimizers; the wrapper hid them, so one never entered train mode."""
+    from autoprec.integrations.hf import PlanOptimizer
+
+    model = nn.Linear(4, 4)
+    free = _ScheduleFreeLike(model.parameters())
+    wrapped = PlanOptimizer(autoprec.prepare(ModeSpec(mode="fp32"), model, free))
+    wrapped.train()
+    wrapped.eval()
+    assert free.calls == ["train", "eval"]
+    plain = nn.Linear(4, 4)
+    adamw = torch.optim.AdamW(plain.parameters())
+    hidden = PlanOptimizer(autoprec.prepare(ModeSpec(mode="fp32"), plain, adamw))
+    assert not hasattr(hidden, "train") and not hasattr(hidden, "eval")
 
 
 @pytest.mark.parametrize("mode", ["fp32", "amp_fp16", "bf16_pure"])

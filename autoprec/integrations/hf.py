@@ -228,6 +228,13 @@ class PlanOptimizer(torch.optim.Optimizer):
         self.state = inner.state
         self.accelerator = accelerator
         self._reported_norm: torch.Tensor | None = None
+        for name in ("train", "eval"):
+            # schedule-free optimizers: the Trainer calls optimizer.train()/.eval() when they
+            # exist; hidden here, one never entered train mode and its step failed (found by
+            # a hunt). Only an optimizer that has them shows them.
+            method = getattr(inner, name, None)
+            if callable(method):
+                setattr(self, name, method)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Into the plan's optimizer, which translates and refuses a group as it did the rest
