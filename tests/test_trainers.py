@@ -553,6 +553,27 @@ def test_configure_optimizers_sized_by_the_trainer_is_read_with_the_trainer_give
         module_recipe(_SizedByTheTrainer(), _loader())
 
 
+def test_an_accumulation_schedule_is_refused_by_tune_module_and_the_plugin(
+    lightning_tuned: Any,
+) -> None:
+    """Found by a hunt: a GradientAccumulationScheduler sets the accumulation at each epoch
+    start, after the plan was built for 1: pure bf16 then summed micro-batches in bf16."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def trainer(plugins: list[Any]) -> Any:
+        return lightning.Trainer(
+            max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, plugins=plugins,
+            callbacks=[GradientAccumulationScheduler({0: 4, 1: 2})],
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"changes it by epoch \(\{0: 4, 1: 2\}\)"):
+        module_recipe(_Regression(), _loader(), trainer([]))
+    profile = _profile_for(ModeSpec(mode="bf16_pure"), lightning_tuned[1].profile)
+    with pytest.raises(ValueError, match=r"constant Trainer\(accumulate_grad_batches=N\)"):
+        trainer([AutoprecPrecision(profile)]).fit(_Regression(), _loader())
+
+
 def test_two_optimizers_are_refused() -> None:
     with pytest.raises(ValueError, match="2 optimizers"):
         module_recipe(_Regression("two"), _loader())

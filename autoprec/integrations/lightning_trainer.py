@@ -253,6 +253,7 @@ def module_recipe(module: Any, loader: Any, trainer: Any = None, **options: Any)
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: autoprec's "
                 "trials clip by norm only; tune without clipping by value or clip by norm."
             )
+        _refuse_accumulation_schedule(trainer)
         recipe["grad_accumulation_steps"] = trainer.accumulate_grad_batches
         recipe["clip_grad_norm"] = trainer.gradient_clip_val or None
     recipe.update(options)
@@ -304,6 +305,24 @@ def _warn_of_value_clipping(trainer: Any) -> None:
         ),
         stacklevel=3,
     )
+
+
+def _refuse_accumulation_schedule(trainer: Any) -> None:
+    """A ``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at each epoch start,
+    after the plan is built for one value: under pure bf16 the later micro-batches were summed
+    in bf16 ``.grad``, what the plan's fp32 sums exist to avoid (found by a hunt)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    for callback in getattr(trainer, "callbacks", None) or ():
+        if isinstance(callback, GradientAccumulationScheduler):
+            factors = set(callback.scheduling.values())
+            if factors != {trainer.accumulate_grad_batches}:
+                raise ValueError(
+                    f"autoprec tunes and trains with one gradient accumulation, and a "
+                    f"GradientAccumulationScheduler changes it by epoch ({callback.scheduling}). "
+                    "Train with a constant Trainer(accumulate_grad_batches=N) instead of the "
+                    "callback, and tune with that N."
+                )
 
 
 def _run_scheduler_steps(trainer: Any, lr_schedulers: list[Any]) -> int | None:
@@ -372,6 +391,7 @@ class AutoprecPrecision(Precision):
         # ``module`` is not a wrapper's (it was converted in place of the whole model)
         module = model if isinstance(model, LightningModule) else getattr(model, "module", model)
         trainer = getattr(module, "_trainer", None)
+        _refuse_accumulation_schedule(trainer)
         accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
         scheduler = lr_schedulers[0].scheduler if lr_schedulers else None
         _warn_of_value_clipping(trainer)
