@@ -111,7 +111,9 @@ def _kept_by_default(layers: LayerMix) -> Text:
     """Which modules each family of modes keeps out of low precision, and where they run."""
 
     def named(reasons: tuple[str, ...]) -> str:
-        return ", ".join(layers.kept_for(reasons)) or "none"
+        # the root's name is "": it showed as "none" (found by a hunt)
+        names = [name or "the whole model (its root)" for name in layers.kept_for(reasons)]
+        return ", ".join(names) or "none"
 
     return Text(
         f"pure bf16 keeps in fp32: {named(PURE_BF16_KEEP_REASONS)}\n"

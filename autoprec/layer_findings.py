@@ -28,10 +28,15 @@ def findings(mix: LayerMix) -> list[str]:
             "everywhere): there is nothing to train"
         )
     if mix.forward_flops is None:
-        reason = f" ({mix.forward_error})" if mix.forward_error else ""
-        findings.append(
-            "no forward pass ran" + reason + ": FLOP shares are unknown; give an example input"
+        # with an error, the forward failed on the input given: asking for an example input
+        # was wrong advice (found by a hunt)
+        advice = (
+            "fix the example input (its shape or dtype) so the model runs on it"
+            if mix.forward_error
+            else "give an example input"
         )
+        reason = f" ({mix.forward_error})" if mix.forward_error else ""
+        findings.append(f"no forward pass ran{reason}: FLOP shares are unknown; {advice}")
         return findings
     if mix.forward_flops == 0:
         findings.append(

@@ -17,6 +17,15 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
+def test_a_forward_that_failed_on_the_given_input_asks_to_fix_it() -> None:
+    """Found by a hunt: a forward failing on the input given was told "give an example input"."""
+    failed = scan_model(nn.Sequential(nn.Linear(8, 16)), torch.randn(2, 9))
+    [finding] = [f for f in failed.findings if f.startswith("no forward pass ran")]
+    assert "fix the example input" in finding and "give an example input" not in finding
+    unrun = scan_model(nn.Sequential(nn.Linear(8, 16)))
+    assert any(f.endswith("give an example input") for f in unrun.findings)
+
+
 def test_tiny_gpt_is_linear_dominated_and_fp8_compatible() -> None:
     mix = scan_model(*tiny_gpt.make_model())
     assert mix.model_class == "TinyGPT"

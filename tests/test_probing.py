@@ -163,3 +163,20 @@ def test_the_cpu_autocast_check_ignores_the_callers_grad_mode_and_defaults() -> 
         assert check_cpu_autocast("bfloat16").works
     with torch.device("meta"):
         assert check_cpu_autocast("bfloat16").works
+
+
+def test_a_kept_root_is_named_in_the_probes_keep_lines() -> None:
+    """Found by a hunt: a model that is itself a LayerNorm is kept whole, and the root's name
+    is "", so the probe printed "pure bf16 keeps in fp32: none"."""
+    import io
+
+    from rich.console import Console
+
+    from autoprec.display_probe import print_probe_report
+
+    report = autoprec.probe(torch.nn.LayerNorm(64), torch.randn(4, 64))
+    assert [keep.fqn for keep in report.layers.keep_fp32] == [""]
+    buffer = io.StringIO()
+    print_probe_report(report, console=Console(file=buffer, width=200))
+    lines = [line for line in buffer.getvalue().splitlines() if "pure bf16 keeps" in line]
+    assert lines and "the whole model (its root)" in lines[0], lines
