@@ -161,10 +161,13 @@ def fp8_linear_fits(module: nn.Module) -> bool:
 def refuse_lazy(model: nn.Module) -> None:
     """Refuse a model whose lazy modules have not run yet: their parameters have no shape
     (``nn.LazyLinear``), and a forward would set them on the user's own model."""
+    # buffers too: a LazyBatchNorm1d(affine=False) has only lazy buffers, and the probe's
+    # forward initialised it on the user's model, its class changed (found by a hunt)
     lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
+    lazy += [name for name, b in model.named_buffers() if is_lazy(b)]
     if lazy:
         raise ValueError(
-            f"The model has lazy parameters without a shape yet ({', '.join(lazy[:3])}"
+            f"The model has lazy parameters or buffers without a shape yet ({', '.join(lazy[:3])}"
             f"{', ...' if len(lazy) > 3 else ''}): run one forward pass on a batch first "
             "(model(example)), as PyTorch asks before building an optimizer."
         )

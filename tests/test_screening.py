@@ -1633,11 +1633,24 @@ def test_lazy_parameters_are_refused_with_what_to_do() -> None:
     batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(24)]
     with pytest.raises(
         ValueError,
-        match=r"lazy parameters without a shape yet \(0\.weight, 0\.bias\): run one forward",
+        match=r"lazy parameters or buffers without a shape yet \(0\.weight, 0\.bias\): run one",
     ):
         autoprec.check(
             model, batches, loss_fn=torch.nn.functional.cross_entropy, steps=8, modes=["amp_bf16"]
         )
+
+
+def test_lazy_buffers_alone_are_refused_and_the_model_left_as_it_was() -> None:
+    """Found by a hunt: a LazyBatchNorm1d(affine=False) has only lazy buffers; the probe's
+    forward initialised it on the user's model (its class changed)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LazyBatchNorm1d(affine=False), torch.nn.Linear(32, 16)
+    )
+    with pytest.raises(
+        ValueError, match=r"without a shape yet \(1\.running_mean, 1\.running_var\)"
+    ):
+        autoprec.probe(model, torch.randn(4, 16))
+    assert type(model[1]).__name__ == "LazyBatchNorm1d"
 
 
 def _screen(task: tasks.Task, modes: list[str], **options: Any) -> autoprec.QualityReport:
