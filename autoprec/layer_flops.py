@@ -54,6 +54,14 @@ class FlopAttribution(TorchDispatchMode):
         self.raw_params: dict[str, None] = {}
         self.compute_order: list[str] = []
 
+    def reset(self) -> None:
+        """Forget what a failed forward counted, before another runs."""
+        self.stack.clear()
+        self.flops_by_kind = dict.fromkeys(LAYER_KINDS, 0)
+        self.flops_by_module.clear()
+        self.raw_params.clear()
+        self.compute_order.clear()
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps __torch_dispatch__ in a dynamo-disable shim that imports torch._dynamo
@@ -176,9 +184,13 @@ def renormed_weights_kept(model: nn.Module) -> Iterator[None]:
                 module.weight.copy_(weight)
 
 
-def run_forward(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> None:
+def run_forward(
+    model: nn.Module, example_input: Any, attribution: FlopAttribution, *, training: bool
+) -> None:
+    """One forward without gradients under ``attribution``, in training mode (as trials and
+    training run it) or eval mode; the model's modes, buffers and RNG are put back."""
     modes = {module: module.training for module in model.modules()}
-    model.eval()  # no BatchNorm statistic updates, no dropout randomness
+    model.train(training)
     for module in modes:
         # bitsandbytes' Linear4bit repacks its weight for CPU inference on an eval-mode
         # no-grad forward, after which training it fails ("a view of a leaf Variable that

@@ -16,6 +16,7 @@ lives: CPU, or the meta device for models too big to materialise.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from torch import nn
@@ -76,7 +77,7 @@ def _run_scans(
     if example_input is None:
         return False, None, (), None
     try:
-        run_forward(model, example_input, attribution)
+        _count_flops(model, example_input, attribution)
     except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
         forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
         logger.warning("forward pass for the model scan failed: %s", forward_error)
@@ -87,6 +88,20 @@ def _run_scans(
         running_error = f"{type(error).__name__}: {error}".splitlines()[0]
         logger.warning("training-mode forward for the model scan failed: %s", running_error)
         return True, None, (), running_error
+
+
+def _count_flops(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> None:
+    """The FLOP-counting forward in training mode, as training runs the model: run in eval
+    mode, a head only training calls (deep supervision, an auxiliary loss) counted no FLOPs,
+    and FP8 called it "never called as a module" (found by a hunt). A forward training mode
+    refuses (BatchNorm on one example, a detector that wants targets) runs in eval mode."""
+    try:
+        with warnings.catch_warnings():  # the eval-mode forward below says what matters
+            warnings.simplefilter("ignore")
+            run_forward(model, example_input, attribution, training=True)
+    except Exception:  # noqa: BLE001 - retried in eval mode, whose error is the one reported
+        attribution.reset()
+        run_forward(model, example_input, attribution, training=False)
 
 
 def _kind_shares(
@@ -140,8 +155,8 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     """Scan ``model``: parameter and FLOP shares by layer kind, FP8 fit, fp32 keep-list.
 
     Args:
-        model: the model to scan. It is run once in eval mode without gradients; its state is
-            left unchanged.
+        model: the model to scan. It is run once without gradients in training mode (in eval
+            mode when training mode fails); its modes, buffers and RNG are put back.
         example_input: a tensor, a tuple of positional arguments or a dict of keyword
             arguments, on the model's device. Without it only parameters are counted.
 

@@ -78,7 +78,8 @@ def probe(
     """Inspect this machine (and a model) and say which precision modes are worth a trial.
 
     Args:
-        model: optional model to scan (left unchanged: one eval-mode forward without grads).
+        model: optional model to scan (left unchanged: one training-mode forward without grads,
+            eval mode when that fails).
         example_input: a tensor, tuple of positional args or dict of kwargs for that forward.
         device: ``"cpu"``, ``"cuda:N"`` or a GPU index the verdicts are for; default the
             first GPU torch can use, else the CPU.

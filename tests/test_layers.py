@@ -389,3 +389,37 @@ def test_a_scan_saved_before_the_recurrent_kind_reads_none_of_it() -> None:
     saved["by_kind"] = [share for share in saved["by_kind"] if share["kind"] != "recurrent"]
     old = LayerMix.model_validate(saved)
     assert old.kind("recurrent").parameters == 0 and old.kind("recurrent").flop_share == 0.0
+
+
+class _DeepSupervised(nn.Module):
+    """An auxiliary head only training calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(64, 256)
+        self.aux = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 64)
+        self.norm = nn.BatchNorm1d(256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.norm(self.stem(x)))
+        out = self.head(hidden)
+        if self.training:
+            out = out + self.head(torch.relu(self.aux(hidden)))
+        return out
+
+
+def test_flops_are_counted_as_training_runs_the_model() -> None:
+    """Found by a hunt: the FLOP forward ran in eval mode, so a head only training calls
+    counted 0 FLOPs and FP8 said it was never called as a module."""
+    model = _DeepSupervised()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    model.eval()
+    mix = scan_model(model, torch.randn(8, 64))
+    flops = {linear.fqn: linear.flops for linear in mix.linears}
+    assert flops["aux"] == 2 * 8 * 256 * 256
+    assert not model.training  # put back, with its buffers
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
+    # one example: training mode's BatchNorm refuses it, and eval mode counts what it can
+    single = scan_model(_DeepSupervised(), torch.randn(1, 64))
+    assert single.forward_flops and {lin.fqn: lin.flops for lin in single.linears}["aux"] == 0
