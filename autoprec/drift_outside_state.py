@@ -65,10 +65,19 @@ def _way_out(names: list[str]) -> str:
             "model's root module cannot be kept apart from the model), or outside the model"
         )
     shown = ", ".join(repr(owner) for owner in owners[:4]) + (", ..." if len(owners) > 4 else "")
+    on_root = [name for name in names if "." not in name]
+    # state on the root beside a submodule's: naming the submodule alone still left the mode
+    # rejected (found by a hunt)
+    root = (
+        f"; {', '.join(on_root[:4])} on the model's root module cannot be kept apart from the "
+        "model: move it into a submodule or outside the model"
+        if on_root
+        else ""
+    )
     return (
         f"Keep it in fp32: tune(..., keep_fp32=[{shown}]) or check(...) alike (CLI: "
         "--keep-fp32 NAME), a name matching their parent, or keep it outside the model you "
-        "hand autoprec"
+        f"hand autoprec{root}"
     )
 
 

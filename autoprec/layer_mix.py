@@ -90,8 +90,9 @@ class LayerMix(BaseModel):
     """Names of trainable ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (their
     weights get sparse gradients)."""
     lstm_modules: tuple[str, ...] = ()
-    """Names of ``nn.LSTM`` modules: oneDNN has no fp16 LSTM, so amp_fp16 fails on a CPU
-    ("could not create a primitive descriptor for the LSTM forward"; GRU and RNN run)."""
+    """Names of ``nn.LSTM`` modules without ``proj_size``: oneDNN has no fp16 LSTM, so amp_fp16
+    fails on a CPU ("could not create a primitive descriptor for the LSTM forward"; GRU, RNN
+    and an LSTM with ``proj_size``, which torch runs without oneDNN, run)."""
     running_buffers: tuple[str, ...] = ()
     """Floating buffers a training-mode forward changes (BatchNorm statistics, a running
     normaliser, an EMA codebook): state outside the optimizer (``autoprec.running_state``)."""

@@ -206,8 +206,10 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             and module.sparse
             and module.weight.requires_grad
         ),
-        lstm_modules=tuple(
-            fqn for fqn, module in model.named_modules() if isinstance(module, nn.LSTM)
+        lstm_modules=tuple(  # with proj_size torch does not use oneDNN, and fp16 runs (a hunt)
+            fqn
+            for fqn, module in model.named_modules()
+            if isinstance(module, nn.LSTM) and not module.proj_size
         ),
         running_buffers=running,
         running_buffers_error=running_error,

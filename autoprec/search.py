@@ -446,6 +446,9 @@ def create_study(storage: str | None, study_name: str | None) -> Any:
             else "the file is not a usable SQLite database (damaged or truncated?): move it "
             "aside to start a new study, or give another storage"
             if any(sign in first_line for sign in _DAMAGED_SQLITE)
+            else "another process holds the database (another tune on the same storage?): "
+            "wait until it ends, or give another storage"
+            if "database is locked" in first_line
             else "check the path and that its folder exists and is writable"
         )
         raise ValueError(

@@ -448,3 +448,14 @@ def test_the_scan_leaves_a_forward_with_side_effects_off_the_users_model() -> No
         modes=["amp_bf16"],
     )
     assert model.calls == 0
+
+
+def test_the_way_out_names_state_on_the_root_beside_a_submodules() -> None:
+    """Found by a hunt: with state on the root and in a submodule, the advice named only the
+    submodule's keep_fp32, and following it still got the mode rejected."""
+    from autoprec.drift_outside_state import _way_out
+
+    advice = _way_out(["teacher.0.weight", "target_mean"])
+    assert "keep_fp32=['teacher.0']" in advice
+    assert "target_mean on the model's root module cannot be kept apart" in advice
+    assert "root module" not in _way_out(["teacher.0.weight"])

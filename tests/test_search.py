@@ -317,6 +317,23 @@ def test_unopenable_storage_is_a_clear_error(tmp_path: Path) -> None:
         create_study(f"sqlite:///{tmp_path / 'a_file' / 'study.db'}", "s")
 
 
+def test_a_locked_storage_says_another_process_holds_it(tmp_path: Path) -> None:
+    """Found by a hunt: a database another process held locked was met with "check the path
+    and that its folder exists and is writable"."""
+    import sqlite3
+
+    path = tmp_path / "study.db"
+    create_study(f"sqlite:///{path}", "s")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(ValueError, match=r"database is locked.*another process holds"):
+            create_study(f"sqlite:///{path}", "s")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_the_folder_of_an_sqlite_study_is_created(tmp_path: Path) -> None:
     create_study(f"sqlite:///{tmp_path / 'missing' / 'dir' / 'study.db'}", "s")
     assert (tmp_path / "missing" / "dir" / "study.db").is_file()
