@@ -129,7 +129,9 @@ def _evaluate(
     # closure recompiles every call (seen on an H100: the recompile limit hit in every pass)
     watch_eagerly = torch.compiler.disable(watch)
     handles = [leaf.register_forward_hook(watch_eagerly) for leaf in leaves]
-    inside = _Fp16Watch(maxima) if watch_range else contextlib.nullcontext()
+    # only amp_fp16 computes in fp16: every other run would pay the per-op reads for nothing
+    fp16 = watch_range and plan.spec.mode == "amp_fp16"
+    inside = _Fp16Watch(maxima) if fp16 else contextlib.nullcontext()
     returned: list[Any] = []  # what the model returned to train_step, call by call
     if train_step is not None:
         keep = torch.compiler.disable(lambda _module, _args, output: returned.append(output))

@@ -321,6 +321,14 @@ def test_keeping_the_hot_module_in_fp32_rescues_amp_fp16() -> None:
     assert not any(r.startswith("fp16 overflow risk") for r in verdict.reasons), verdict.reasons
 
 
+def _six_steps(spec: ModeSpec, model: torch.nn.Module) -> TrialResult:
+    """Six steps of an 8-in, 1-out regression, judged on two of its batches."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
+    recipe = TrainingRecipe(loss_fn=torch.nn.functional.mse_loss)
+    return run_trial(spec, model, batches * 6, recipe=recipe, heldout=batches * 2, steps=6)
+
+
 class _OverflowBeforeTanh(torch.nn.Module):
     """Half of ``big``'s features sit at 1e5: infinity in fp16, hidden by the tanh after it."""
 
@@ -352,18 +360,10 @@ def test_an_fp16_overflow_hidden_by_a_saturating_op_rejects_amp_fp16(
 ) -> None:
     """Found by a hunt: with keep_fp32 (on any module) only the trial's own largest finite
     activation was read, so a leaf overflowing to inf before a tanh passed."""
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
-    batches *= 6
     torch.manual_seed(0)
     model = _OverflowBeforeTanh()
-    common = {
-        "recipe": TrainingRecipe(loss_fn=torch.nn.functional.mse_loss),
-        "heldout": batches[:2],
-        "steps": 6,
-    }
-    reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
-    fp16 = run_trial(ModeSpec(mode="amp_fp16", keep_fp32=keep), model, batches, **common)
+    reference = _six_steps(ModeSpec(mode="fp32"), model)
+    fp16 = _six_steps(ModeSpec(mode="amp_fp16", keep_fp32=keep), model)
     assert reference.record.infinite_activation_outputs == 0
     assert fp16.record.infinite_activation_outputs == 2  # big, on each held-out batch
     reasons = judge(fp16, reference, reference).reasons
@@ -371,18 +371,10 @@ def test_an_fp16_overflow_hidden_by_a_saturating_op_rejects_amp_fp16(
 
 
 def test_an_infinity_fp32_has_too_is_no_fp16_overflow() -> None:
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
-    batches *= 6
     torch.manual_seed(0)
     model = _OverflowBeforeTanh(masked=True)
-    common = {
-        "recipe": TrainingRecipe(loss_fn=torch.nn.functional.mse_loss),
-        "heldout": batches[:2],
-        "steps": 6,
-    }
-    reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
-    fp16 = run_trial(ModeSpec(mode="amp_fp16"), model, batches, **common)
+    reference = _six_steps(ModeSpec(mode="fp32"), model)
+    fp16 = _six_steps(ModeSpec(mode="amp_fp16"), model)
     assert reference.record.infinite_activation_outputs == 2  # the mask leaf, per batch
     assert fp16.record.infinite_activation_outputs == 2
     reasons = judge(fp16, reference, reference).reasons
@@ -418,25 +410,17 @@ class _Wrapped(torch.nn.Module):
 def test_fp16_range_reads_values_computed_inside_modules_with_children() -> None:
     """Found by a hunt: only leaf modules' outputs were read, so attention scores (q @ k.T, the
     classic fp16 overflow) computed in a module's forward never were."""
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))]
-    batches *= 6
     torch.manual_seed(0)
     model = _Wrapped()
-    common = {
-        "recipe": TrainingRecipe(loss_fn=torch.nn.functional.mse_loss),
-        "heldout": batches[:2],
-        "steps": 6,
-    }
-    reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
-    fp16 = run_trial(ModeSpec(mode="amp_fp16"), model, batches, **common)
+    reference = _six_steps(ModeSpec(mode="fp32"), model)
+    fp16 = _six_steps(ModeSpec(mode="amp_fp16"), model)
     assert reference.record.max_abs_activation is not None
     assert reference.record.max_abs_activation < 100  # the leaves' outputs are small
     assert fp16.record.max_abs_activation is not None
     assert fp16.record.max_abs_activation > 4000
     reasons = judge(fp16, reference, reference).reasons
     assert any(r.startswith("fp16 overflow risk: activations reach") for r in reasons), reasons
-    kept = run_trial(ModeSpec(mode="amp_fp16", keep_fp32=("attention",)), model, batches, **common)
+    kept = _six_steps(ModeSpec(mode="amp_fp16", keep_fp32=("attention",)), model)
     assert not any(r.startswith("fp16 overflow") for r in judge(kept, reference, reference).reasons)
 
 
