@@ -585,6 +585,23 @@ def test_decay_rounding_runs_in_quick_mode(tmp_path: Path) -> None:
     assert runs["fp32, decay"] != runs["fp32, no decay"]
 
 
+def test_chaos_floor_nudges_a_copy_and_measures_the_drift() -> None:
+    """The nudge changes a copy by one fp32 ulp at most, never the model; the quick run gives
+    every figure, and a non-chaotic regression's nudged run stays where the reference is."""
+    from benchmarks import chaos_floor
+
+    model = torch.nn.Linear(64, 64)
+    before = model.weight.detach().clone()
+    copied = chaos_floor.nudged(model)
+    assert torch.equal(model.weight, before)
+    change = ((copied.weight - before) / before).detach().abs()
+    assert float(change.max()) <= 2.0**-22  # an ulp or two of rounding
+    assert float((change > 0).float().mean()) > 0.5
+    results = chaos_floor.main(["--quick"])
+    assert set(results) == {"small_convnet", "regression"}
+    assert results["regression"]["chaos_output_error"] < 1e-3
+
+
 def test_late_movement_continues_copies_of_the_runs_state() -> None:
     """Each checkpoint's continuations train copies: the run itself goes on unchanged; the
     quick run reports pure bf16's share of fp32's movement at the checkpoints it reaches."""

@@ -1,0 +1,134 @@
+"""How far two fp32 runs of a model without random draws drift apart: the chaos floor.
+
+A model that draws no random numbers gets no paired run: a second fp32 run on the same batches
+would repeat the reference, so the weight-movement and output checks fall back to their fixed
+floors (0.8 of the movement, 10% of the outputs). A chaotic training run breaks that premise:
+a difference far below any precision change grows to the size of the trajectory's own spread,
+and a faithful mode is rejected (examples/README: small_convnet's amp_bf16).
+
+This benchmark trains, at the gate's trial length, the fp32 reference, an fp32 run whose initial
+weights are nudged by one fp32 ulp (each element times 1 +- 2**-23, signs from a generator of
+its own), and amp_bf16, and prints:
+
+- the nudged run's output difference and movement projection: the chaos floor;
+- amp_bf16's, with its verdict under the fixed floors and against the nudged run as the paired
+  run (what a nudged paired run for models without draws would give).
+
+    python -m benchmarks.chaos_floor [--steps 82]
+    python -m benchmarks.chaos_floor --quick    # 12 steps: the CI variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.drift import _relative_error, judge
+from autoprec.recipe import TrainingRecipe
+from autoprec.specs import ModeSpec
+from autoprec.trial import run_trial
+from autoprec.trial_records import TrialResult
+from examples import small_convnet, tasks
+
+NUDGE = 2.0**-23
+"""One fp32 ulp, relative: far below any precision change a mode makes."""
+
+
+@dataclass(frozen=True)
+class ChaosTask:
+    name: str
+    model: nn.Module
+    train: list[Any]
+    heldout: list[Any]
+    recipe: TrainingRecipe
+
+
+def _small_convnet() -> ChaosTask:
+    """examples/README's documented command: AdamW lr 1e-3, clip 1."""
+    torch.manual_seed(0)
+    model, _ = small_convnet.make_model()
+    batches = small_convnet.make_batches()
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        loss_fn=small_convnet.loss_fn,
+        clip_grad_norm=1.0,
+    )
+    return ChaosTask("small_convnet", model, batches[:-4], batches[-4:], recipe)
+
+
+def _regression() -> ChaosTask:
+    task = tasks.regression()  # AdamW at lr 1e-4, built here for each trial's copy
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4), loss_fn=task.mse
+    )
+    return ChaosTask("regression", task.model, task.batches, task.heldout, recipe)
+
+
+TASKS = {"small_convnet": _small_convnet, "regression": _regression}
+
+
+def nudged(model: nn.Module, seed: int = 7) -> nn.Module:
+    """A copy of ``model`` whose floating parameters are each multiplied by 1 +- NUDGE."""
+    copied = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            if parameter.is_floating_point():
+                signs = torch.randint(0, 2, parameter.shape, generator=generator) * 2 - 1
+                parameter.mul_(1 + NUDGE * signs.to(parameter.dtype))
+    return copied
+
+
+def measure(task: ChaosTask, steps: int) -> dict[str, Any]:
+    """The chaos floor and amp_bf16's figures on ``task`` at ``steps`` trial steps."""
+    common = {"recipe": task.recipe, "steps": steps, "heldout": task.heldout}
+
+    def trial(spec: ModeSpec, model: nn.Module) -> TrialResult:
+        return run_trial(spec, model, task.train, **common)
+
+    reference = trial(ModeSpec(mode="fp32"), task.model)
+    chaos = trial(ModeSpec(mode="fp32"), nudged(task.model))
+    amp = trial(ModeSpec(mode="amp_bf16"), task.model)
+    fixed = judge(amp, reference, reference)
+    against_chaos = judge(amp, reference, reference, paired=chaos)
+    return {
+        "chaos_output_error": _relative_error(chaos.heldout_outputs, reference.heldout_outputs)[0],
+        "chaos_movement": against_chaos.metrics.update_fraction_noise,
+        "amp_output_error": fixed.metrics.output_error,
+        "amp_movement": fixed.metrics.update_fraction,
+        "amp_fixed_floors": fixed.reasons,
+        "amp_against_chaos": against_chaos.reasons,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=82, help="trial steps (tune picked 82)")
+    parser.add_argument("--quick", action="store_true", help="12 steps (CI)")
+    args = parser.parse_args(argv)
+    steps = 12 if args.quick else args.steps
+    results = {}
+    for name, build in TASKS.items():
+        figures = measure(build(), steps)
+        results[name] = figures
+        print(
+            f"{name} ({steps} steps): one-ulp-nudged fp32 run: outputs "
+            f"{figures['chaos_output_error']:.1%} apart, movement {figures['chaos_movement']:.3f}"
+            f"; amp_bf16: outputs {figures['amp_output_error']:.1%} apart, movement "
+            f"{figures['amp_movement']:.3f}"
+        )
+        for label, reasons in (
+            ("fixed floors", figures["amp_fixed_floors"]),
+            ("against the nudged run", figures["amp_against_chaos"]),
+        ):
+            print(f"  amp_bf16, {label}: {'rejected: ' + reasons[0] if reasons else 'accepted'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
