@@ -7,9 +7,10 @@ fp32 run, so that a bar never sits inside the noise:
   run of the user's own training gives), with floors for deterministic models (noise ~0);
 - weight movement and held-out outputs, which compare trajectories on the same batches: the
   **paired run**, another seed and the same batch order, so that only the model's own random
-  draws (dropout, noise in a diffusion loss) differ. A model that draws no random numbers
-  would repeat the reference exactly: no paired run is needed, its movement is 1 and its
-  output difference 0.
+  draws (dropout, noise in a diffusion loss) differ. For a model that draws no random numbers
+  (such a run would repeat the reference exactly) the paired run starts from weights nudged by
+  one fp32 ulp: a training run that is not chaotic stays within ~0 of the reference and the
+  floors apply; a chaotic one drifts as far as chaos takes it, and that is its noise.
 
 Beyond training loss the gate checks what loss hides (../seeds: pure bf16 diffusion training
 with a normal loss curve and garbage images): how much of the reference's weight movement
@@ -44,8 +45,9 @@ class Fp32Runs:
     noise: TrialResult
     """Another seed and another batch order: the loss and eval_fn noise."""
     paired: TrialResult | None = None
-    """Another seed, the same batch order: the movement and output noise. None when the
-    reference drew no random numbers (the run would repeat it)."""
+    """The same batch order, another seed (or, when the reference drew no random numbers,
+    weights nudged by one fp32 ulp): the movement and output noise. None in a reference cache
+    written before the nudged run existed."""
 
     @property
     def noise_runs(self) -> int:
@@ -288,7 +290,7 @@ def _output_check(
     """Held-out outputs against the reference's, in units of the paired fp32 run's difference."""
     expected, other = reference.heldout_outputs, noise.heldout_outputs
     error, agreement = _relative_error(trial.heldout_outputs, expected, other)
-    noise_error = 0.0  # without random draws a same-order fp32 run repeats the reference
+    noise_error = 0.0  # no paired run: the floors alone
     if paired is not None:
         noise_error = _relative_error(paired.heldout_outputs, expected, other)[0] or 0.0
     metrics["output_error"], metrics["top1_agreement"] = error, agreement
@@ -342,9 +344,9 @@ def judge(
     """Every reason ``trial`` drifts from the fp32 ``reference``.
 
     ``noise`` is the second fp32 run (another seed and batch order) that sets the loss and
-    ``eval_fn`` noise floors; ``paired`` the fp32 run with another seed and the same batch
-    order that sets the movement and output noise (None: the model draws no random numbers, so
-    that run would repeat the reference).
+    ``eval_fn`` noise floors; ``paired`` the fp32 run on the same batch order with other
+    random draws, or from nudged weights (see ``Fp32Runs.paired``), that sets the movement and
+    output noise (None: the floors alone).
     """
     limits = thresholds or DriftThresholds()
     record = trial.record

@@ -462,9 +462,9 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
 
 def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     """(trial steps, fp32 seconds per optimizer step)."""
-    step_seconds, calibration_seconds, draws_random = calibration_run(setup)
+    step_seconds, calibration_seconds, _ = calibration_run(setup)
     # every candidate (the reference among them) and the noise run(s)
-    trials = len(setup.candidates.specs) + (2 if draws_random else 1)
+    trials = len(setup.candidates.specs) + 2  # the paired run: other draws, or nudged weights
     # what a run costs beyond its steps (copying, converting, compiling): as calibration's
     overhead = max(0.0, calibration_seconds - CALIBRATION_STEPS * step_seconds)
     setup.run_overhead_seconds = overhead
@@ -491,12 +491,20 @@ PAIRED_RUN = (1, None, "fp32 paired noise run")
 """(seed offset, shuffle seed offset or None: the loader's order, label) of the run with other
 random draws on the same batches."""
 
+NUDGED_RUN = (0, None, "fp32 paired noise run (weights nudged one ulp)")
+"""The paired run of a model without random draws: the same seed and batches, its initial
+weights nudged by one fp32 ulp. A second run would repeat the reference exactly, and a chaotic
+training run does not repeat under any change (benchmarks/chaos_floor.py: one ulp took
+small_convnet's outputs 10.9% apart in 82 steps, and amp_bf16, at 16.8%, was rejected by the
+10% floor); a run that is not chaotic stays within 0.0% and the floors apply as before."""
+
 
 def reference_runs(
     setup: RunSetup, steps: int, budget_minutes: float, objective: Objective
 ) -> Fp32Runs:
-    """The fp32 reference, the noise run (another seed and batch order) and, when the reference
-    drew random numbers, the paired noise run (another seed, the same batches)."""
+    """The fp32 reference, the noise run (another seed and batch order) and the paired noise run
+    on the same batches: another seed when the reference drew random numbers, else the same
+    seed from weights nudged by one fp32 ulp (``NUDGED_RUN``)."""
     budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
     references: list[TrialResult] = []
     runs = [(0, None, "fp32 reference"), (1, 1, "fp32 noise run")]
@@ -511,6 +519,7 @@ def reference_runs(
             shuffle_seed=None if shuffle is None else setup.seed + shuffle,
             heldout=setup.heldout if watched is None else watched,
             eval_fn=setup.eval_fn,
+            nudge_seed=setup.seed if label == NUDGED_RUN[2] else None,
             stop=setup.events.watch(budget_only, label),
         )
         if watched is not None and watched.changed():  # inputs changed in eval mode only
@@ -531,8 +540,8 @@ def reference_runs(
                 f"score that is not a number. {EVAL_FN_HINT}"
             )
         references.append(result)
-        if len(references) == 1 and result.record.draws_random:
-            runs.append(PAIRED_RUN)
+        if len(references) == 1:
+            runs.append(PAIRED_RUN if result.record.draws_random else NUDGED_RUN)
     return Fp32Runs(*references)
 
 

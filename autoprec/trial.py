@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.eligibility import Situation, model_device
-from autoprec.model_copies import carry_unsaved_state, deep_copy
+from autoprec.model_copies import carry_unsaved_state, deep_copy, nudge_weights
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe
@@ -75,6 +75,8 @@ class _TrialInputs:
     heldout: Sequence[Any]
     eval_fn: Callable[[nn.Module], float] | None
     stop: StopCheck | None
+    nudge_seed: int | None = None
+    """Nudge the copy's weights by one fp32 ulp from this seed (``nudge_weights``)."""
 
 
 @dataclass
@@ -115,6 +117,8 @@ def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
     epoch): a submodule set to eval once beforehand trains in train mode there too, and a
     model whose own ``train()`` keeps a BatchNorm frozen keeps it frozen here."""
     trained = deep_copy(inputs.model).train()
+    if inputs.nudge_seed is not None:
+        nudge_weights(trained, inputs.nudge_seed)
     recipe = inputs.recipe
     return build_plan(
         inputs.spec,
@@ -244,6 +248,7 @@ def run_trial(
     shuffle_seed: int | None = None,
     situation: Situation | None = None,
     stop: StopCheck | None = None,
+    nudge_seed: int | None = None,
 ) -> TrialResult:
     """Train a deep copy of ``model`` in ``spec`` for ``steps`` optimizer steps and measure it.
 
@@ -266,6 +271,8 @@ def run_trial(
         shuffle_seed: train on the batches in a seeded random order (the noise reference).
         stop: called after every step; a returned reason ends the trial early (not judged)
             What it raises propagates as it is (the caller's code, not the mode's failure).
+        nudge_seed: nudge the copy's initial weights by one fp32 ulp (the paired run of a
+            model without random draws: how far chaos alone takes a second fp32 run).
     """
     if not batches:
         raise ValueError("batches is empty: a trial needs at least one batch.")
@@ -288,6 +295,7 @@ def run_trial(
         heldout=heldout,
         eval_fn=eval_fn,
         stop=stop,
+        nudge_seed=nudge_seed,
     )
     device = inputs.device
     started = time.perf_counter()

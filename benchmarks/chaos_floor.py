@@ -29,14 +29,12 @@ import torch
 from torch import nn
 
 from autoprec.drift import _relative_error, judge
+from autoprec.model_copies import nudge_weights
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import TrialResult
 from examples import small_convnet, tasks
-
-NUDGE = 2.0**-23
-"""One fp32 ulp, relative: far below any precision change a mode makes."""
 
 
 @dataclass(frozen=True)
@@ -73,14 +71,9 @@ TASKS = {"small_convnet": _small_convnet, "regression": _regression}
 
 
 def nudged(model: nn.Module, seed: int = 7) -> nn.Module:
-    """A copy of ``model`` whose floating parameters are each multiplied by 1 +- NUDGE."""
+    """A copy of ``model`` nudged by one fp32 ulp (``model_copies.nudge_weights``)."""
     copied = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in copied.parameters():
-            if parameter.is_floating_point():
-                signs = torch.randint(0, 2, parameter.shape, generator=generator) * 2 - 1
-                parameter.mul_(1 + NUDGE * signs.to(parameter.dtype))
+    nudge_weights(copied, seed)
     return copied
 
 

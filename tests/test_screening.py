@@ -483,7 +483,10 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert said in capsys.readouterr().err
 
 
-def test_a_paired_noise_run_only_for_models_that_draw_random_numbers() -> None:
+def test_the_paired_noise_run_of_a_model_without_draws_starts_from_nudged_weights() -> None:
+    """A model that draws random numbers gets a paired run with other draws; one that draws
+    none, where such a run would repeat the reference, one from weights nudged by one fp32
+    ulp (the chaos floor: benchmarks/chaos_floor.py)."""
     phases: dict[float, list[str]] = {}
     for dropout in (0.0, 0.1):
         task = tasks.regression(lr=1e-3, dropout=dropout)
@@ -497,8 +500,10 @@ def test_a_paired_noise_run_only_for_models_that_draw_random_numbers() -> None:
             on_event=lambda event, seen=events: seen.append(event.label),
         )
         phases[dropout] = events
+    assert "fp32 paired noise run (weights nudged one ulp)" in phases[0.0]
     assert "fp32 paired noise run" not in phases[0.0]
     assert "fp32 paired noise run" in phases[0.1]
+    assert "fp32 paired noise run (weights nudged one ulp)" not in phases[0.1]
 
 
 def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
