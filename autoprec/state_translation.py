@@ -38,6 +38,7 @@ from autoprec.optim import (
 )
 from autoprec.torch_state_form import (
     HYPER_KEYS,
+    TORCH_STATE_KEYS,
     Writer,
     check_torch_family,
     in_layout_of,
@@ -110,13 +111,6 @@ def accept_source_state(
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
 
 
-_FAMILY_CORE_KEYS: dict[SourceKind, set[str]] = {
-    "adamw": {"step", "exp_avg", "exp_avg_sq"},
-    "adam": {"step", "exp_avg", "exp_avg_sq"},
-    "sgd": {"momentum_buffer"},
-}
-
-
 def _family_plus_extras(state_dict: dict[str, Any], kind: SourceKind) -> bool:
     """Does ``state_dict`` hold ``kind``'s state and more: every group its hyper-parameters,
     every per-parameter entry its moments, with keys of its own beside them (an AdamW subclass
@@ -126,7 +120,8 @@ def _family_plus_extras(state_dict: dict[str, Any], kind: SourceKind) -> bool:
     return (
         bool(entries)
         and all(HYPER_KEYS[kind] <= set(group) for group in groups)
-        and all(_FAMILY_CORE_KEYS[kind] <= set(entry) for entry in entries)
+        # torch's keys of the family, AMSGrad's optional one aside
+        and all(TORCH_STATE_KEYS[kind] - {"max_exp_avg_sq"} <= set(entry) for entry in entries)
     )
 
 
