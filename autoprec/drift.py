@@ -48,13 +48,25 @@ class Fp32Runs:
     """The same batch order, another seed (or, when the reference drew no random numbers,
     weights nudged by one fp32 ulp): the movement and output noise. None in a reference cache
     written before the nudged run existed."""
+    nudged: TrialResult | None = None
+    """Models with random draws only: the same seed (the reference's draws) from weights nudged
+    by one fp32 ulp, the movement and output noise of a trial that drew the reference's random
+    numbers (chaotic training drifts even then). None for a model without draws (``paired`` is
+    that run) and in a reference cache written before it existed."""
 
     @property
     def noise_runs(self) -> int:
-        return 1 if self.paired is None else 2
+        return 1 + sum(run is not None for run in (self.paired, self.nudged))
 
     def judge(self, trial: TrialResult, thresholds: DriftThresholds | None) -> DriftVerdict:
-        return judge(trial, self.reference, self.noise, thresholds, paired=self.paired)
+        return judge(
+            trial,
+            self.reference,
+            self.noise,
+            thresholds,
+            paired=self.paired,
+            nudged=self.nudged,
+        )
 
 
 class DriftMetrics(BaseModel):
@@ -340,13 +352,16 @@ def judge(
     thresholds: DriftThresholds | None = None,
     *,
     paired: TrialResult | None = None,
+    nudged: TrialResult | None = None,
 ) -> DriftVerdict:
     """Every reason ``trial`` drifts from the fp32 ``reference``.
 
     ``noise`` is the second fp32 run (another seed and batch order) that sets the loss and
     ``eval_fn`` noise floors; ``paired`` the fp32 run on the same batch order with other
     random draws, or from nudged weights (see ``Fp32Runs.paired``), that sets the movement and
-    output noise (None: the floors alone).
+    output noise (None: the floors alone); ``nudged``, for a model with random draws, the fp32
+    run with the reference's draws from nudged weights, which sets them for a trial that drew
+    the reference's draws (None: such a trial is judged against the floors alone).
     """
     limits = thresholds or DriftThresholds()
     record = trial.record
@@ -354,7 +369,7 @@ def judge(
         reasons = (record.failure.reason(),)
         return DriftVerdict(accepted=False, reasons=reasons, metrics=DriftMetrics())
     metrics: dict[str, float | None] = {}
-    paired, shared_note = _paired_for(trial, reference, paired)
+    paired, shared_note = _paired_for(trial, reference, paired, nudged)
     reasons = _loss_checks(trial, reference, noise, limits, metrics)
     movement_reasons, movement_notes = movement_checks(trial, reference, paired, limits, metrics)
     reasons += movement_reasons
@@ -392,25 +407,36 @@ over 2x from each."""
 
 
 def _paired_for(
-    trial: TrialResult, reference: TrialResult, paired: TrialResult | None
+    trial: TrialResult,
+    reference: TrialResult,
+    paired: TrialResult | None,
+    nudged: TrialResult | None,
 ) -> tuple[TrialResult | None, tuple[str, ...]]:
     """The run whose differences set the movement and output bars: the paired run (other random
     draws), unless the trial drew the reference's own (autoprec gives every trial the
     reference's seed, and stochastic rounding its own generator). Such a trial is as
     deterministic against the reference as a model without draws, and the paired run's
     difference, mostly other dropout masks, let through a bf16_pure that lost a third of its
-    updates and moved the outputs 14% (found by a hunt). A mode whose kernels draw otherwise
-    (fused attention's dropout) keeps the paired bars."""
+    updates and moved the outputs 14% (found by a hunt): it is judged against the ``nudged``
+    run, which shares those draws too (the floors alone when there is none; a chaotic dropout
+    model's amp_bf16 was rejected by them, its outputs 14.6% apart, see
+    benchmarks/chaos_floor.py). A mode whose kernels draw otherwise (fused attention's dropout)
+    keeps the paired bars."""
     if paired is None:
         return None, ()
     ours = _early_difference(trial, reference)
     theirs = _early_difference(paired, reference)
     if ours is None or theirs is None or theirs == 0 or ours >= SHARED_DRAWS_RATIO * theirs:
         return paired, ()
-    return None, (
+    judged = (
+        "against an fp32 run with the same draws from weights nudged one ulp"
+        if nudged is not None
+        else "as for a model without random draws"
+    )
+    return nudged, (
         f"the trial drew the reference's random numbers (its first {EARLY_STEPS} losses are "
         f"under {SHARED_DRAWS_RATIO:.0%} as far from fp32's as a run with other draws): weight "
-        "movement and outputs judged as for a model without random draws",
+        f"movement and outputs judged {judged}",
     )
 
 

@@ -321,8 +321,7 @@ def save_references(
     """Write the fp32 reference and noise runs of ``steps`` steps atomically (a temporary file,
     then a rename)."""
     runs = [references.reference, references.noise]
-    if references.paired is not None:
-        runs.append(references.paired)
+    runs += [run for run in (references.paired, references.nudged) if run is not None]
     data = {"fingerprint": fingerprint.digest(), "steps": steps, "runs": [_pack(r) for r in runs]}
     # write_atomically removes its temporary on any error or Ctrl-C (one named by the pid
     # stayed behind, one more each interrupted run) and fsyncs before the rename

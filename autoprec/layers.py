@@ -41,6 +41,7 @@ from autoprec.layer_kinds import (
     swap_would_drop,
 )
 from autoprec.layer_mix import KindShare, LayerMix, LinearInfo
+from autoprec.model_copies import refuse_torchscript
 from autoprec.running_state import running_buffers
 from autoprec.weight_dtypes import non_fp32_weights
 
@@ -164,6 +165,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"scan_model needs a torch.nn.Module but got {type(model).__name__}.")
+    refuse_torchscript(model)
     refuse_lazy(model)
     parameter_kinds = _parameter_kinds(model)
     named_parameters = dict(model.named_parameters())

@@ -35,6 +35,7 @@ from autoprec.model_copies import (
     CompiledForward,
     inside_compile_wrapper,
     refuse_parallel_wrapper,
+    refuse_torchscript,
 )
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups
@@ -100,6 +101,7 @@ def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         )
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}{swapped}.")
     refuse_parallel_wrapper(model)
+    refuse_torchscript(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer but got {type(optimizer).__name__}."

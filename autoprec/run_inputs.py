@@ -24,6 +24,7 @@ from autoprec.model_copies import (
     compiled_in_place,
     inside_compile_wrapper,
     refuse_parallel_wrapper,
+    refuse_torchscript,
 )
 from autoprec.outcomes import OBJECTIVES
 from autoprec.random_streams import kept_streams
@@ -379,6 +380,7 @@ def check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     refuse_parallel_wrapper(model)
+    refuse_torchscript(model)
     if next(model.parameters(), None) is None:
         raise ValueError("The model has no parameters: there is nothing to tune.")
     if not any(p.requires_grad for p in model.parameters()):

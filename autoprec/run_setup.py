@@ -462,9 +462,10 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
 
 def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     """(trial steps, fp32 seconds per optimizer step)."""
-    step_seconds, calibration_seconds, _ = calibration_run(setup)
-    # every candidate (the reference among them) and the noise run(s)
-    trials = len(setup.candidates.specs) + 2  # the paired run: other draws, or nudged weights
+    step_seconds, calibration_seconds, draws_random = calibration_run(setup)
+    # every candidate (the reference among them), the noise run and the paired run (other
+    # draws, or nudged weights), and for a model with draws the nudged run beside it
+    trials = len(setup.candidates.specs) + 2 + int(draws_random)
     # what a run costs beyond its steps (copying, converting, compiling): as calibration's
     overhead = max(0.0, calibration_seconds - CALIBRATION_STEPS * step_seconds)
     setup.run_overhead_seconds = overhead
@@ -496,7 +497,10 @@ NUDGED_RUN = (0, None, "fp32 paired noise run (weights nudged one ulp)")
 weights nudged by one fp32 ulp. A second run would repeat the reference exactly, and a chaotic
 training run does not repeat under any change (benchmarks/chaos_floor.py: one ulp took
 small_convnet's outputs 10.9% apart in 82 steps, and amp_bf16, at 16.8%, was rejected by the
-10% floor); a run that is not chaotic stays within 0.0% and the floors apply as before."""
+10% floor); a run that is not chaotic stays within 0.0% and the floors apply as before. A model
+with random draws gets it beside the paired run, for the trials that drew the reference's draws
+(with dropout 0.2 before small_convnet's head, amp_bf16's outputs ended 14.6% apart and the
+floor rejected it)."""
 
 
 def reference_runs(
@@ -504,7 +508,8 @@ def reference_runs(
 ) -> Fp32Runs:
     """The fp32 reference, the noise run (another seed and batch order) and the paired noise run
     on the same batches: another seed when the reference drew random numbers, else the same
-    seed from weights nudged by one fp32 ulp (``NUDGED_RUN``)."""
+    seed from weights nudged by one fp32 ulp (``NUDGED_RUN``). A model with random draws gets
+    the nudged run too: the noise of a trial that drew the reference's draws."""
     budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
     references: list[TrialResult] = []
     runs = [(0, None, "fp32 reference"), (1, 1, "fp32 noise run")]
@@ -541,7 +546,7 @@ def reference_runs(
             )
         references.append(result)
         if len(references) == 1:
-            runs.append(PAIRED_RUN if result.record.draws_random else NUDGED_RUN)
+            runs += [PAIRED_RUN, NUDGED_RUN] if result.record.draws_random else [NUDGED_RUN]
     return Fp32Runs(*references)
 
 

@@ -8,14 +8,15 @@ and a faithful mode is rejected (examples/README: small_convnet's amp_bf16).
 
 This benchmark trains, at the gate's trial length, the fp32 reference, an fp32 run whose initial
 weights are nudged by one fp32 ulp (each element times 1 +- 2**-23, signs from a generator of
-its own), and amp_bf16, and prints:
+its own), and amp_bf16, all with the same seed (a model with dropout draws the same masks in
+each: what a trial sharing the reference's draws is judged against), and prints:
 
 - the nudged run's output difference and movement projection: the chaos floor;
 - amp_bf16's, with its verdict under the fixed floors and against the nudged run as the paired
   run (what a nudged paired run for models without draws would give).
 
     python -m benchmarks.chaos_floor [--steps 82]
-    python -m benchmarks.chaos_floor --quick    # 12 steps: the CI variant
+    python -m benchmarks.chaos_floor --quick    # 12 steps, without the dropout variant: CI
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def _small_convnet() -> ChaosTask:
     return ChaosTask("small_convnet", model, batches[:-4], batches[-4:], recipe)
 
 
+def _small_convnet_dropout() -> ChaosTask:
+    """The same with dropout 0.2 before the head: a model with random draws whose trials draw
+    the reference's (every trial takes its seed), so the nudged run keeps those draws too."""
+    task = _small_convnet()
+    task.model.head = nn.Sequential(nn.Dropout(0.2), task.model.head)
+    return task
+
+
 def _regression() -> ChaosTask:
     task = tasks.regression()  # AdamW at lr 1e-4, built here for each trial's copy
     recipe = TrainingRecipe(
@@ -67,7 +76,12 @@ def _regression() -> ChaosTask:
     return ChaosTask("regression", task.model, task.batches, task.heldout, recipe)
 
 
-TASKS = {"small_convnet": _small_convnet, "regression": _regression}
+TASKS = {
+    "small_convnet": _small_convnet,
+    "small_convnet_dropout": _small_convnet_dropout,
+    "regression": _regression,
+}
+QUICK_TASKS = ("small_convnet", "regression")
 
 
 def nudged(model: nn.Module, seed: int = 7) -> nn.Module:
@@ -106,8 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parser.parse_args(argv)
     steps = 12 if args.quick else args.steps
     results = {}
-    for name, build in TASKS.items():
-        figures = measure(build(), steps)
+    for name in QUICK_TASKS if args.quick else TASKS:
+        figures = measure(TASKS[name](), steps)
         results[name] = figures
         print(
             f"{name} ({steps} steps): one-ulp-nudged fp32 run: outputs "

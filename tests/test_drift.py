@@ -546,6 +546,16 @@ def test_a_trial_that_drew_the_references_masks_is_judged_without_the_paired_bar
     kept = judge(other_masks, reference, noise, limits, paired=paired)
     assert kept.accepted, kept.reasons
     assert kept.metrics.update_fraction_noise is not None
+    # with the nudged run (the reference's draws, weights one ulp off) its bars judge the
+    # trial, which is still rejected, and a run with other masks keeps the paired bars
+    nudged = run_trial(ModeSpec(mode="fp32"), model, train, nudge_seed=0, **common)
+    against_nudged = judge(pure, reference, noise, limits, paired=paired, nudged=nudged)
+    assert any(r.startswith("updates lost to rounding") for r in against_nudged.reasons)
+    assert against_nudged.metrics.update_fraction_noise is not None
+    assert against_nudged.metrics.update_fraction_noise > 0.99  # a calm run: ~all arrived
+    assert any("weights nudged one ulp" in note for note in against_nudged.notes)
+    kept = judge(other_masks, reference, noise, limits, paired=paired, nudged=nudged)
+    assert kept.accepted and kept.metrics.update_fraction_noise < 0.99, kept.reasons
 
 
 @pytest.mark.parametrize("one_left_out", [False, True])

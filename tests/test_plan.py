@@ -1012,6 +1012,29 @@ def test_a_model_wrapped_for_data_parallel_training_is_refused_naming_the_order(
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_a_torchscript_model_is_refused_before_anything_runs() -> None:
+    """Found by a hunt: a scripted model's probe failed on its hooks and asked to fix the
+    example input, and check() failed with "can't optimize a non-leaf Tensor", called
+    autoprec's own bug. Every entry refuses it, naming the scripted module and the way out."""
+    with warnings.catch_warnings():  # torch deprecates TorchScript; users still have it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
+        traced = torch.jit.trace(nn.Linear(4, 4), torch.randn(2, 4))
+    batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(4)]
+    said = r"The model is a TorchScript module .*Pass the module before scripting it"
+    with pytest.raises(TypeError, match=said):
+        autoprec.check(scripted, batches, steps=4)
+    with pytest.raises(TypeError, match=said):
+        autoprec.tune(scripted, batches, budget_minutes=0.5)
+    with pytest.raises(TypeError, match=said):
+        scan_model(scripted, torch.randn(2, 4))
+    with pytest.raises(TypeError, match=said):
+        prepare(ModeSpec(mode="amp_bf16"), scripted, torch.optim.AdamW(scripted.parameters()))
+    traced_inside = nn.Sequential(traced, nn.ReLU())
+    with pytest.raises(TypeError, match=r"holds TorchScript modules \(0\) "):
+        autoprec.check(traced_inside, batches, steps=4)
+
+
 class _LoraLike(nn.Module):
     """A frozen base loaded in bf16 (embedding, LayerNorm, Linears) and a trainable fp32 adapter."""
 

@@ -486,7 +486,8 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_paired_noise_run_of_a_model_without_draws_starts_from_nudged_weights() -> None:
     """A model that draws random numbers gets a paired run with other draws; one that draws
     none, where such a run would repeat the reference, one from weights nudged by one fp32
-    ulp (the chaos floor: benchmarks/chaos_floor.py)."""
+    ulp (the chaos floor: benchmarks/chaos_floor.py). A model with draws gets the nudged run
+    too, for trials that drew the reference's draws."""
     phases: dict[float, list[str]] = {}
     for dropout in (0.0, 0.1):
         task = tasks.regression(lr=1e-3, dropout=dropout)
@@ -502,8 +503,9 @@ def test_the_paired_noise_run_of_a_model_without_draws_starts_from_nudged_weight
         phases[dropout] = events
     assert "fp32 paired noise run (weights nudged one ulp)" in phases[0.0]
     assert "fp32 paired noise run" not in phases[0.0]
+    # a model with draws gets both: the nudged run judges the trials that drew its draws
     assert "fp32 paired noise run" in phases[0.1]
-    assert "fp32 paired noise run (weights nudged one ulp)" not in phases[0.1]
+    assert "fp32 paired noise run (weights nudged one ulp)" in phases[0.1]
 
 
 def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
