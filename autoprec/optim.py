@@ -331,6 +331,7 @@ def rebuild_optimizer(
             for group in groups
         ]
         same = _clone(optimizer, new_groups)
+        _own_bnb_overrides(optimizer, same)
         return _with_step_hooks_of(optimizer, same) if share_hooks else same
     kind, translations = _translations(optimizer, groups, target)
     constructor, first = translations[0]
@@ -351,6 +352,7 @@ def rebuild_optimizer(
         for group, (_, translated) in zip(groups, translations, strict=True)
     ]
     rebuilt = constructor(new_groups, **defaults)
+    _own_bnb_overrides(optimizer, rebuilt)
     if share_hooks:
         rebuilt = _with_step_hooks_of(optimizer, rebuilt)
     if "beta1" in first:
@@ -359,6 +361,34 @@ def rebuild_optimizer(
         _momentum_into_betas(rebuilt)
     _translate_added_groups(rebuilt, kind, optimizer, target, untranslatable)
     return rebuilt
+
+
+def _own_bnb_overrides(source: torch.optim.Optimizer, rebuilt: torch.optim.Optimizer) -> None:
+    """Give a bitsandbytes optimizer a manager of its own, holding the overrides registered for
+    ``source``'s parameters, moved to ``rebuilt``'s (parameter by parameter, in group order).
+
+    bitsandbytes keeps per-parameter overrides (``optim_bits=32`` for an embedding, as the
+    Hugging Face Trainer registers for every ``nn.Embedding``) in one process-wide manager, and
+    every 8-bit optimizer that has stepped writes them there again keyed by (group index,
+    parameter index): a later optimizer read them for whatever parameter sits at that index, so
+    a run earlier in the process decided which of a trial's states stayed 32-bit. Overrides the
+    user registered for their own parameters belong to their recipe, and apply to the copies a
+    trial trains; nothing else does."""
+    manager = getattr(rebuilt, "mng", None)
+    if manager is None or not hasattr(manager, "index2config"):
+        return  # not a bitsandbytes optimizer
+    shared = type(manager).get_instance()
+    registered = {
+        id(getattr(m, attr)): config for m, attr, config in shared.module_weight_config_triple
+    }
+    registered.update(shared.pid2config)
+    own = object.__new__(type(manager))
+    own.initialize()
+    for old_group, new_group in zip(source.param_groups, rebuilt.param_groups, strict=False):
+        for old, new in zip(old_group["params"], new_group["params"], strict=False):
+            if id(old) in registered:
+                own.pid2config[id(new)] = dict(registered[id(old)])
+    rebuilt.mng = own
 
 
 def _clone(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

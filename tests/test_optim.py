@@ -3,6 +3,8 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -701,3 +703,46 @@ def test_an_optimizer_whose_constructor_a_copy_cannot_call_asks_for_a_factory() 
     plain = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5, nesterov=True)
     clone = rebuild_optimizer(plain, named_groups(plain, model), model, "same")
     assert clone.defaults == plain.defaults
+
+
+@pytest.fixture
+def bnb_manager() -> Iterator[Any]:
+    """bitsandbytes' process-wide override manager, put back as it was after the test."""
+    bnb = pytest.importorskip("bitsandbytes")
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    saved = (dict(manager.pid2config), dict(manager.index2config))
+    saved_triples = list(manager.module_weight_config_triple)
+    yield manager
+    manager.pid2config, manager.index2config = saved
+    manager.module_weight_config_triple = saved_triples
+
+
+def _state_bits(optimizer: torch.optim.Optimizer, parameter: nn.Parameter) -> int:
+    return 8 if optimizer.state[parameter]["state1"].dtype == torch.uint8 else 32
+
+
+def test_8bit_trials_take_the_users_bnb_overrides_and_no_other_runs(bnb_manager: Any) -> None:
+    """bitsandbytes keeps overrides process-wide and re-keys them by (group, index) once an
+    8-bit optimizer steps (the Hugging Face Trainer keeps every embedding's states 32-bit that
+    way): a later optimizer over another model read them for whatever sat at that index, and an
+    override the user registered for their own weight never reached a trial's copy."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 128))
+
+    earlier = model()  # another run earlier in the process: its embedding kept 32-bit
+    bnb_manager.register_module_override(earlier[0], "weight", {"optim_bits": 32})
+    stepped = bnb.optim.AdamW8bit(earlier.parameters())
+    earlier(torch.tensor([1, 2])).sum().backward()
+    stepped.step()
+    assert (0, 0) in bnb_manager.index2config  # the leak: keyed by position
+    users = model()  # the user's run: its Linear weight (index 1) kept 32-bit
+    bnb_manager.register_module_override(users[1], "weight", {"optim_bits": 32})
+    source = torch.optim.AdamW(users.parameters())
+    copied = copy.deepcopy(users)
+    trial = rebuild_optimizer(source, named_groups(source, users), copied, "bnb_8bit")
+    copied(torch.tensor([1, 2])).sum().backward()
+    trial.step()
+    assert _state_bits(trial, copied[0].weight) == 8  # the earlier run's override left out
+    assert _state_bits(trial, copied[1].weight) == 32  # the user's own, on the copy
