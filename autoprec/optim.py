@@ -10,6 +10,7 @@ torch's. An option the target cannot honour is an error, never dropped.
 
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 import types
@@ -364,8 +365,10 @@ def rebuild_optimizer(
 
 
 def _own_bnb_overrides(source: torch.optim.Optimizer, rebuilt: torch.optim.Optimizer) -> None:
-    """Give a bitsandbytes optimizer a manager of its own, holding the overrides registered for
-    ``source``'s parameters, moved to ``rebuilt``'s (parameter by parameter, in group order).
+    """Give a bitsandbytes optimizer a manager of its own: the overrides registered for
+    ``source``'s parameters moved to ``rebuilt``'s (parameter by parameter, in group order),
+    over the process-wide ones, read live (bitsandbytes' own example overrides a weight after
+    building the optimizer), and an index of its own.
 
     bitsandbytes keeps per-parameter overrides (``optim_bits=32`` for an embedding, as the
     Hugging Face Trainer registers for every ``nn.Embedding``) in one process-wide manager, and
@@ -378,16 +381,17 @@ def _own_bnb_overrides(source: torch.optim.Optimizer, rebuilt: torch.optim.Optim
     if manager is None or not hasattr(manager, "index2config"):
         return  # not a bitsandbytes optimizer
     shared = type(manager).get_instance()
-    registered = {
-        id(getattr(m, attr)): config for m, attr, config in shared.module_weight_config_triple
-    }
+    registered = {id(getattr(m, a)): config for m, a, config in shared.module_weight_config_triple}
     registered.update(shared.pid2config)
-    own = object.__new__(type(manager))
-    own.initialize()
+    moved: dict[int, dict[str, Any]] = {}
     for old_group, new_group in zip(source.param_groups, rebuilt.param_groups, strict=False):
         for old, new in zip(old_group["params"], new_group["params"], strict=False):
-            if id(old) in registered:
-                own.pid2config[id(new)] = dict(registered[id(old)])
+            if id(old) in registered and old is not new:
+                moved[id(new)] = dict(registered[id(old)])
+    own = object.__new__(type(manager))
+    own.initialize()
+    own.pid2config = collections.ChainMap(moved, shared.pid2config)  # writes go to ``moved``
+    own.module_weight_config_triple = shared.module_weight_config_triple
     rebuilt.mng = own
 
 

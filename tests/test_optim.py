@@ -746,3 +746,12 @@ def test_8bit_trials_take_the_users_bnb_overrides_and_no_other_runs(bnb_manager:
     trial.step()
     assert _state_bits(trial, copied[0].weight) == 8  # the earlier run's override left out
     assert _state_bits(trial, copied[1].weight) == 32  # the user's own, on the copy
+    # apply(): the optimizer over the user's own model still reads an override made after it
+    # was built, bitsandbytes' own documented order
+    own = model()
+    source = torch.optim.AdamW(own.parameters())
+    applied = rebuild_optimizer(source, named_groups(source, own), own, "bnb_8bit")
+    bnb_manager.override_config(own[1].weight, "optim_bits", 32)
+    own(torch.tensor([1, 2])).sum().backward()
+    applied.step()
+    assert (_state_bits(applied, own[0].weight), _state_bits(applied, own[1].weight)) == (8, 32)
