@@ -19,6 +19,7 @@ from autoprec.errors import (
     PrecisionSwitchWarning,
     ProfileError,
     RecipeMismatchWarning,
+    UnprovenProfileWarning,
     UnsupportedModeError,
 )
 from autoprec.plan import PrecisionPlan, prepare
@@ -52,6 +53,7 @@ __all__ = [
     "QualityReport",
     "RecipeMismatchWarning",
     "TuneResult",
+    "UnprovenProfileWarning",
     "UnsupportedModeError",
     "__version__",
     "check",

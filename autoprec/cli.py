@@ -40,13 +40,15 @@ def _probe(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     import warnings
 
-    from autoprec.errors import HardwareMismatchWarning
+    from autoprec.errors import HardwareMismatchWarning, UnprovenProfileWarning
     from autoprec.profile import load_profile
 
+    said = (HardwareMismatchWarning, UnprovenProfileWarning)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", HardwareMismatchWarning)
+        for category in said:
+            warnings.simplefilter("always", category)
         profile = load_profile(args.profile, strict=args.strict)
-    mismatch = [str(w.message) for w in caught if issubclass(w.category, HardwareMismatchWarning)]
+    mismatch = [str(w.message) for w in caught if issubclass(w.category, said)]
     if args.json:
         sys.stdout.write(profile.model_dump_json(indent=2) + "\n")
         for message in mismatch:  # the JSON stays the profile's; the warning is not dropped

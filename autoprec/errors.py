@@ -71,6 +71,10 @@ class HardwareMismatchWarning(UserWarning):
     """A profile is loaded on hardware other than the one it was proven on."""
 
 
+class UnprovenProfileWarning(UserWarning):
+    """A profile that carries no evidence (not measured by ``autoprec tune``) is loaded."""
+
+
 class OptimizerRebuiltWarning(UserWarning):
     """A mode rebuilt the optimizer and no LR scheduler was handed over to rebind."""
 

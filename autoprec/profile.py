@@ -29,6 +29,7 @@ from autoprec.errors import (
     ModelMismatchWarning,
     ProfileError,
     RecipeMismatchWarning,
+    UnprovenProfileWarning,
     field_errors,
 )
 from autoprec.hardware import HardwareInfo, detect_hardware
@@ -260,6 +261,23 @@ class Profile(BaseModel):
         )
         _refuse_or_warn(message, HardwareMismatchWarning, strict=strict)
 
+    def check_evidence(self, *, strict: bool) -> None:
+        """Warn (or with ``strict``, refuse) when the profile carries no evidence: written by
+        hand or by ``profile_for``, its mode was never trained against fp32 on any model, and a
+        hand-written profile naming this machine loaded exactly as a tuned one (found by a
+        hunt: the bundled CPU example)."""
+        if self.evidence is not None:
+            return
+        said = f" (its note: {self.note!r})" if self.note else ""
+        _refuse_or_warn(
+            f"This {self.spec.label} profile carries no evidence{said}: autoprec tune did not "
+            "measure it, so nothing shows that its mode keeps your model's quality. Run "
+            "`autoprec tune` (or `autoprec check`) on your model and use the profile it writes.",
+            UnprovenProfileWarning,
+            strict=strict,
+            stacklevel=3,
+        )
+
     def check_model(self, model: nn.Module, *, strict: bool) -> None:
         """Warn (or with ``strict``, refuse) when ``model`` is not the one the profile was
         proven for: another class or size, or ``keep_fp32`` / ``fp8_skip`` patterns that match
@@ -490,6 +508,7 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
             f"Profile {str(file)!r} is invalid: {field_errors(error)}.{hint}"
         ) from None
     profile.check_hardware(strict=strict)
+    profile.check_evidence(strict=strict)
     return profile
 
 

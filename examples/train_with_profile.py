@@ -1,6 +1,9 @@
 """Train the TinyGPT example with a precision profile: the two lines autoprec adds to a loop.
 
 python -m examples.train_with_profile [--profile profiles/example-cpu-amp_bf16.json] [--steps 50]
+
+The default profile is a hand-written example: loading it warns that it carries no evidence.
+Pass the profile `autoprec tune` wrote for your model instead.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from autoprec.errors import (
     ModelMismatchWarning,
     ProfileError,
     RecipeMismatchWarning,
+    UnprovenProfileWarning,
 )
 from autoprec.layers import scan_model
 from autoprec.profile import (
@@ -43,8 +44,32 @@ from tests.conftest import make_hardware
 PROFILES = Path(__file__).parents[1] / "profiles"
 
 
+MEASURED = Evidence(
+    trial_steps=50,
+    trial_count=3,
+    budget_seconds=60.0,
+    budget_used_seconds=30.0,
+    reference=TrialFigures(samples_per_second=100.0, state_bytes=4_000_000, final_loss=2.1),
+    chosen=TrialFigures(samples_per_second=150.0, state_bytes=4_000_000, final_loss=2.1),
+)
+"""Evidence for the profiles of tests about the file, not about where it came from."""
+
+
 def _profile(**spec: object) -> Profile:
-    return profile_for(ModeSpec(**spec))  # type: ignore[arg-type]
+    return profile_for(ModeSpec(**spec), evidence=MEASURED)  # type: ignore[arg-type]
+
+
+def test_a_profile_without_evidence_warns_and_strict_refuses(tmp_path: Path) -> None:
+    """Found by a hunt: a hand-written profile naming this machine (the bundled CPU example)
+    loaded exactly as a tuned one; only `autoprec show` told them apart."""
+    written = profile_for(ModeSpec(mode="amp_bf16"), note="hand-written").save(tmp_path / "h.json")
+    with pytest.warns(UnprovenProfileWarning, match=r"amp_bf16 profile carries no evidence \(its"):
+        load_profile(written)
+    with pytest.raises(ProfileError, match=r"carries no evidence.*Run `autoprec tune`"):
+        load_profile(written, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_profile(_profile(mode="amp_bf16").save(tmp_path / "t.json"), strict=True)
 
 
 def test_round_trip_with_evidence(tmp_path: Path) -> None:
@@ -223,13 +248,13 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
 
 
 def test_other_hardware_warns_and_strict_refuses(tmp_path: Path) -> None:
-    h100 = profile_for(ModeSpec(mode="amp_bf16"), hardware=make_hardware("H100"))
+    h100 = profile_for(ModeSpec(mode="amp_bf16"), hardware=make_hardware("H100"), evidence=MEASURED)
     path = h100.save(tmp_path / "h100.json")
     with pytest.warns(HardwareMismatchWarning, match="gpu_name: proven on 'NVIDIA H100 80GB HBM3'"):
         load_profile(path)
     with pytest.raises(ProfileError, match="proven on other hardware"):
         load_profile(path, strict=True)
-    here = profile_for(ModeSpec(mode="amp_bf16")).save(tmp_path / "here.json")
+    here = _profile(mode="amp_bf16").save(tmp_path / "here.json")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_profile(here, strict=True)
@@ -272,7 +297,10 @@ def test_profiles_are_bundled() -> None:
 
 @pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.name)
 def test_bundled_profiles_are_valid(path: Path) -> None:
-    with warnings.catch_warnings():
+    with (
+        warnings.catch_warnings(),
+        pytest.warns(UnprovenProfileWarning, match="Hand-written example"),
+    ):
         warnings.simplefilter("ignore", HardwareMismatchWarning)  # proven elsewhere
         profile = load_profile(path)
     assert profile.schema_version == SCHEMA_VERSION
@@ -777,6 +805,7 @@ def test_version_1_profiles_still_load(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HardwareMismatchWarning)
+        warnings.simplefilter("ignore", UnprovenProfileWarning)  # a hand-written example
         assert load_profile(path).recipe is None
 
 
