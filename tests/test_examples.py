@@ -762,3 +762,15 @@ def test_readme_tune_signature_names_every_parameter() -> None:
     line = readme.split("`tune(model, loader,", 1)[1].split(")`", 1)[0]
     written = ["model", "loader", *re.findall(r"(\w+)=", line)]
     assert written == list(inspect.signature(autoprec.tune).parameters)
+
+
+def test_shared_draws_bars_judges_every_mode_both_ways() -> None:
+    """The quick run (a dropout regression, 20 steps) judges every mode with and without the
+    nudged run; the modes autoprec seeds alike are seen to share the reference's draws."""
+    from benchmarks import shared_draws_bars
+
+    rows = shared_draws_bars.main(["--quick"])
+    by_mode = {row.mode: row for row in rows}
+    assert {"amp_bf16", "bf16_pure", "bf16_sr"} <= set(by_mode)
+    assert by_mode["amp_bf16"].shared_draws and by_mode["bf16_sr"].shared_draws
+    assert not by_mode["amp_bf16"].with_nudged  # a faithful mode passes both ways

@@ -73,15 +73,16 @@ def test_a_profile_without_evidence_warns_and_strict_refuses(tmp_path: Path) -> 
 
 
 def test_round_trip_with_evidence(tmp_path: Path) -> None:
-    evidence = Evidence(
-        trial_steps=50,
-        trial_count=6,
-        budget_seconds=60.0,
-        budget_used_seconds=41.5,
-        reference=TrialFigures(samples_per_second=100.0, state_bytes=4_000_000, final_loss=2.1),
-        chosen=TrialFigures(samples_per_second=180.0, state_bytes=2_000_000, final_loss=2.11),
-        drift={"loss_gap_in_noise_units": 0.4, "update_fraction": 0.99},
-        blind_spots=(FP16_LATE_GROWTH,),
+    evidence = MEASURED.model_copy(
+        update={
+            "trial_count": 6,
+            "budget_used_seconds": 41.5,
+            "chosen": TrialFigures(
+                samples_per_second=180.0, state_bytes=2_000_000, final_loss=2.11
+            ),
+            "drift": {"loss_gap_in_noise_units": 0.4, "update_fraction": 0.99},
+            "blind_spots": (FP16_LATE_GROWTH,),
+        }
     )
     profile = profile_for(
         ModeSpec(mode="amp_fp16", keep_fp32=("lm_head",)),
