@@ -451,13 +451,14 @@ def run_arguments(
     default: Sequence[str],
     quick: Sequence[str],
     quick_steps: int,
+    known: Mapping[str, object] = TASKS,
 ) -> tuple[list[str], int, argparse.ArgumentParser]:
     """(task names, steps, parser) for the benchmarks that train each task ``--steps`` steps
-    (default 2000; ``--quick``: the ``quick`` tasks, ``quick_steps`` steps)."""
+    (default 2000; ``--quick``: the ``quick`` tasks, ``quick_steps`` steps), all in ``known``."""
     parser = task_parser(doc, quick=f"{', '.join(quick)}, {quick_steps} steps (CI)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a run")
     args = parser.parse_args(argv)
-    names = chosen_tasks(parser, args, default=default, quick=quick)
+    names = chosen_tasks(parser, args, default=default, quick=quick, known=known)
     return names, quick_steps if args.quick else args.steps, parser
 
 

@@ -11,6 +11,7 @@ of pure bf16's movement over the window onto fp32's (1: all of it arrived; the g
 0.8), and the share of weights fp32 moved that pure bf16 never moved.
 
     python -m benchmarks.late_movement [--tasks a,b] [--steps 2000] [--threads 1]
+    python -m benchmarks.late_movement --tasks recommender    # a held-out task (any of them)
     python -m benchmarks.late_movement --quick    # the conv net, 300 steps: the CI variant
 """
 
@@ -26,8 +27,8 @@ from autoprec.batching import forward_and_loss
 from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import run_arguments
-from benchmarks.ground_truth_tasks import TASKS, GroundTask
+from benchmarks.ground_truth import ALL_TASKS, run_arguments
+from benchmarks.ground_truth_tasks import GroundTask
 
 WINDOW = 100
 """Optimizer steps each continuation runs from a checkpoint."""
@@ -93,7 +94,7 @@ def continue_both(plan: PrecisionPlan, task: GroundTask, step: int, batches: lis
 def measure(name: str, steps: int) -> list[Window]:
     """The task's fp32 run, continued from each checkpoint below ``steps`` both ways."""
     torch.manual_seed(0)
-    task = TASKS[name](steps)
+    task = ALL_TASKS[name](steps)
     model = copy.deepcopy(task.model)
     optimizer = task.recipe.make_optimizer(task.model, model)
     scheduler = task.recipe.make_scheduler(optimizer)
@@ -113,7 +114,12 @@ def measure(name: str, steps: int) -> list[Window]:
 
 def main(argv: list[str] | None = None) -> dict[str, list[Window]]:
     names, steps, _ = run_arguments(
-        __doc__, argv, default=DEFAULT_TASKS, quick=["digits_convnet"], quick_steps=300
+        __doc__,
+        argv,
+        default=DEFAULT_TASKS,
+        quick=["digits_convnet"],
+        quick_steps=300,
+        known=ALL_TASKS,
     )
     print(f"pure bf16's movement over {WINDOW} steps from each checkpoint of an fp32 run, as a")
     print("share of fp32's from the same state (never moved: of the weights fp32 moved)")
