@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoprec.errors import UnprovenProfileWarning
 from autoprec.specs import ModeSpec
 
 REPO = Path(__file__).parents[1]
@@ -44,7 +45,8 @@ def test_readme_training_snippet_runs(monkeypatch) -> None:
     code = section.split("```python", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(REPO)
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    with pytest.warns(UnprovenProfileWarning, match="Hand-written example"):
+        exec(compile(code, "README.md", "exec"), namespace)  # loads the hand-written example
     assert repr(namespace["plan"]) == "PrecisionPlan(amp_bf16, optimizer=AdamW)"
 
 
