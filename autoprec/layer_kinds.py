@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
@@ -156,6 +157,32 @@ def fp8_linear_fits(module: nn.Module) -> bool:
         and module.in_features % FP8_DIM_MULTIPLE == 0
         and module.out_features % FP8_DIM_MULTIPLE == 0
     )
+
+
+def refuse_torchscript(model: nn.Module) -> None:
+    """A TorchScript module (``torch.jit.script`` / ``torch.jit.trace``) takes no forward hooks
+    and its parameters do not copy as leaves: the probe's scan failed with advice to fix the
+    example input, and a trial with "can't optimize a non-leaf Tensor", called autoprec's own
+    bug (found by a hunt). Refused, naming the module and what works instead."""
+    scripted: list[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer in scripted) or scripted == [""]
+        if isinstance(module, torch.jit.ScriptModule) and not inside:
+            scripted.append(name)
+    if scripted:
+        found = (
+            "The model is a TorchScript module"
+            if scripted == [""]
+            else f"The model holds TorchScript modules ({', '.join(scripted[:3])}"
+            f"{', ...' if len(scripted) > 3 else ''})"
+        )
+        raise TypeError(
+            f"{found} (from torch.jit.script or torch.jit.trace): "
+            "autoprec hooks, copies and converts Python modules (a mode casts weights, swaps "
+            "layers, autocasts the forward), which a TorchScript graph does not allow. Pass "
+            "the module before scripting it (torch.compile it instead for compiled speed: "
+            "trials then compile too), and script the trained model afterwards."
+        )
 
 
 def refuse_lazy(model: nn.Module) -> None:

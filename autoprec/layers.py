@@ -38,10 +38,10 @@ from autoprec.layer_kinds import (
     linear_dims,
     module_kind,
     refuse_lazy,
+    refuse_torchscript,
     swap_would_drop,
 )
 from autoprec.layer_mix import KindShare, LayerMix, LinearInfo
-from autoprec.model_copies import refuse_torchscript
 from autoprec.running_state import running_buffers
 from autoprec.weight_dtypes import non_fp32_weights
 

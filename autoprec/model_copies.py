@@ -129,32 +129,6 @@ def refuse_parallel_wrapper(model: nn.Module) -> None:
         )
 
 
-def refuse_torchscript(model: nn.Module) -> None:
-    """A TorchScript module (``torch.jit.script`` / ``torch.jit.trace``) takes no forward hooks
-    and its parameters do not copy as leaves: the probe's scan failed with advice to fix the
-    example input, and a trial with "can't optimize a non-leaf Tensor", called autoprec's own
-    bug (found by a hunt). Refused, naming the module and what works instead."""
-    scripted: list[str] = []
-    for name, module in model.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer in scripted) or scripted == [""]
-        if isinstance(module, torch.jit.ScriptModule) and not inside:
-            scripted.append(name)
-    if scripted:
-        found = (
-            "The model is a TorchScript module"
-            if scripted == [""]
-            else f"The model holds TorchScript modules ({', '.join(scripted[:3])}"
-            f"{', ...' if len(scripted) > 3 else ''})"
-        )
-        raise TypeError(
-            f"{found} (from torch.jit.script or torch.jit.trace): "
-            "autoprec hooks, copies and converts Python modules (a mode casts weights, swaps "
-            "layers, autocasts the forward), which a TorchScript graph does not allow. Pass "
-            "the module before scripting it (torch.compile it instead for compiled speed: "
-            "trials then compile too), and script the trained model afterwards."
-        )
-
-
 class UserModelWatch:
     """The user's model (and optimizer) as they were before a run that trains a copy, to tell
     afterwards whether the run trained the original instead (a ``train_step`` or ``loss_fn``

@@ -31,11 +31,11 @@ from autoprec.errors import (
     UnsupportedModeError,
 )
 from autoprec.layer_keep import loaded_in_low_precision
+from autoprec.layer_kinds import refuse_torchscript
 from autoprec.model_copies import (
     CompiledForward,
     inside_compile_wrapper,
     refuse_parallel_wrapper,
-    refuse_torchscript,
 )
 from autoprec.modes import PrecisionMode, mode_for
 from autoprec.optim import named_groups

@@ -19,12 +19,11 @@ from torch import nn
 from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
-from autoprec.layer_kinds import refuse_lazy
+from autoprec.layer_kinds import refuse_lazy, refuse_torchscript
 from autoprec.model_copies import (
     compiled_in_place,
     inside_compile_wrapper,
     refuse_parallel_wrapper,
-    refuse_torchscript,
 )
 from autoprec.outcomes import OBJECTIVES
 from autoprec.random_streams import kept_streams
