@@ -381,7 +381,8 @@ def _own_bnb_overrides(source: torch.optim.Optimizer, rebuilt: torch.optim.Optim
     if manager is None or not hasattr(manager, "index2config"):
         return  # not a bitsandbytes optimizer
     shared = type(manager).get_instance()
-    registered = {id(getattr(m, a)): config for m, a, config in shared.module_weight_config_triple}
+    triples = shared.module_weight_config_triple
+    registered = {id(getattr(m, a, None)): config for m, a, config in triples}
     registered.update(shared.pid2config)
     moved: dict[int, dict[str, Any]] = {}
     for old_group, new_group in zip(source.param_groups, rebuilt.param_groups, strict=False):
