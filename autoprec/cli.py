@@ -43,20 +43,20 @@ def _show(args: argparse.Namespace) -> int:
     from autoprec.errors import HardwareMismatchWarning, UnprovenProfileWarning
     from autoprec.profile import load_profile
 
-    said = (HardwareMismatchWarning, UnprovenProfileWarning)
+    shown = (HardwareMismatchWarning, UnprovenProfileWarning)  # printed with the profile
     with warnings.catch_warnings(record=True) as caught:
-        for category in said:
+        for category in shown:
             warnings.simplefilter("always", category)
         profile = load_profile(args.profile, strict=args.strict)
-    mismatch = [str(w.message) for w in caught if issubclass(w.category, said)]
+    said = [str(w.message) for w in caught if issubclass(w.category, shown)]
     if args.json:
         sys.stdout.write(profile.model_dump_json(indent=2) + "\n")
-        for message in mismatch:  # the JSON stays the profile's; the warning is not dropped
+        for message in said:  # the JSON stays the profile's; the warning is not dropped
             sys.stderr.write(f"autoprec: warning: {message}\n")
     else:
         from autoprec.display import print_profile
 
-        print_profile(profile, mismatch)
+        print_profile(profile, said)
     return EXIT_OK
 
 

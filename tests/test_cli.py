@@ -276,6 +276,7 @@ def test_show_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fp8_te+delayed_hybrid" in out
     assert "amax history 1024, max, margin 0" in out
     assert "NVIDIA L4" in out
+    assert "carries no evidence" in " ".join(out.split())  # the table wraps it
 
 
 def test_show_json_and_strict(capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,6 +285,7 @@ def test_show_json_and_strict(capsys: pytest.CaptureFixture[str]) -> None:
     shown = capsys.readouterr()
     assert json.loads(shown.out)["spec"]["mode"] == "fp8_torchao"
     assert "proven on other hardware" in shown.err  # the table shows it; --json dropped it
+    assert "carries no evidence (its note: 'Hand-written example" in shown.err
     assert main(["show", "--strict", path]) == 2
     assert "proven on other hardware" in capsys.readouterr().err
 
