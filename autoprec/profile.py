@@ -275,7 +275,6 @@ class Profile(BaseModel):
             "`autoprec tune` (or `autoprec check`) on your model and use the profile it writes.",
             UnprovenProfileWarning,
             strict=strict,
-            stacklevel=3,
         )
 
     def check_model(self, model: nn.Module, *, strict: bool) -> None:

@@ -65,6 +65,10 @@ def test_a_profile_without_evidence_warns_and_strict_refuses(tmp_path: Path) -> 
     written = profile_for(ModeSpec(mode="amp_bf16"), note="hand-written").save(tmp_path / "h.json")
     with pytest.warns(UnprovenProfileWarning, match=r"amp_bf16 profile carries no evidence \(its"):
         load_profile(written)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_profile(written)
+    assert caught[0].filename == __file__  # pointing at the caller's line
     with pytest.raises(ProfileError, match=r"carries no evidence.*Run `autoprec tune`"):
         load_profile(written, strict=True)
     with warnings.catch_warnings():
