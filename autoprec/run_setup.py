@@ -9,7 +9,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -489,11 +489,25 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     return max(MIN_TRIAL_STEPS, min(MAX_TRIAL_STEPS, steps)), step_seconds
 
 
-PAIRED_RUN = (1, None, "fp32 paired noise run")
-"""(seed offset, shuffle seed offset or None: the loader's order, label) of the run with other
-random draws on the same batches."""
+class Fp32Run(NamedTuple):
+    """One fp32 run of the reference and its noise runs: how it differs from the reference."""
 
-NUDGED_RUN = (0, None, "fp32 paired noise run (weights nudged one ulp)")
+    seed_offset: int
+    shuffle_offset: int | None
+    """Offset of the batch order's seed; None: the loader's own order, as the reference's."""
+    label: str
+    nudged: bool = False
+    """Initial weights nudged by one fp32 ulp (the reference's seed, batches and draws)."""
+
+
+REFERENCE_RUN = Fp32Run(0, None, "fp32 reference")
+NOISE_RUN = Fp32Run(1, 1, "fp32 noise run")
+"""Another seed and batch order: the noise of a whole run."""
+
+PAIRED_RUN = Fp32Run(1, None, "fp32 paired noise run")
+"""Other random draws on the same batches."""
+
+NUDGED_RUN = Fp32Run(0, None, "fp32 paired noise run (weights nudged one ulp)", nudged=True)
 """The paired run of a model without random draws: the same seed and batches, its initial
 weights nudged by one fp32 ulp. A second run would repeat the reference exactly, and a chaotic
 training run does not repeat under any change (benchmarks/chaos_floor.py: one ulp took
@@ -513,19 +527,20 @@ def reference_runs(
     the nudged run too: the noise of a trial that drew the reference's draws."""
     budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
     references: list[TrialResult] = []
-    runs = [(0, None, "fp32 reference"), (1, 1, "fp32 noise run")]
+    runs = [REFERENCE_RUN, NOISE_RUN]
     while runs:
-        seed_offset, shuffle, label = runs.pop(0)
+        run = runs.pop(0)
+        label = run.label
         setup.events.emit("phase", label, steps=steps)
         watched = None if setup.fresh_batches else WatchedBatches(setup.heldout, HELDOUT_BATCHES)
         result = setup.run(
             setup.reference_spec,
             steps,
-            seed=setup.seed + seed_offset,
-            shuffle_seed=None if shuffle is None else setup.seed + shuffle,
+            seed=setup.seed + run.seed_offset,
+            shuffle_seed=None if run.shuffle_offset is None else setup.seed + run.shuffle_offset,
             heldout=setup.heldout if watched is None else watched,
             eval_fn=setup.eval_fn,
-            nudge_seed=setup.seed if label == NUDGED_RUN[2] else None,
+            nudge_seed=setup.seed if run.nudged else None,
             stop=setup.events.watch(budget_only, label),
         )
         if watched is not None and watched.changed():  # inputs changed in eval mode only

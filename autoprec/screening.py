@@ -20,6 +20,7 @@ from torch import nn
 from autoprec._models import FROZEN_RECORD
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
+from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_blind_spots import blind_spots
 from autoprec.drift_thresholds import DriftThresholds
@@ -287,6 +288,7 @@ def check(
     start = clock()
     with (
         preserved_rng(),
+        callers_objects_frozen(),
         callers_blocks_lifted(),
         progress_callback(progress, on_event) as callback,
     ):

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep, as_plain
+from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.fingerprint import (
@@ -223,6 +224,7 @@ def tune(
     budget_seconds = float(budget_minutes) * 60
     with (
         preserved_rng(),
+        callers_objects_frozen(),
         callers_blocks_lifted(),
         optuna_quiet(),
         progress_callback(progress, on_event) as callback,

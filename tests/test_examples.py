@@ -777,3 +777,13 @@ def test_shared_draws_bars_judges_every_mode_both_ways() -> None:
     assert {"amp_bf16", "bf16_pure", "bf16_sr"} <= set(by_mode)
     assert by_mode["amp_bf16"].shared_draws and by_mode["bf16_sr"].shared_draws
     assert not by_mode["amp_bf16"].with_nudged  # a faithful mode passes both ways
+
+
+def test_gc_pauses_benchmark_times_the_collector_both_ways() -> None:
+    """The measurement behind freezing the caller's objects; --quick keeps it in CI."""
+    from benchmarks import gc_pauses
+
+    frozen, walked = gc_pauses.main(["--quick"])
+    assert frozen.frozen and not walked.frozen
+    assert walked.full_collections and walked.collection_seconds > 10 * frozen.collection_seconds
+    assert frozen.step_ms["fp32"] > 0 and frozen.chosen

@@ -13,7 +13,8 @@ PACKAGE = Path(autoprec.__file__).parent
 # Layers: base | facts | runtime (apply path) | pipeline | artifact | drivers.
 # fmt: off
 ORDER = [
-    "_version", "_models", "_files", "errors", "_imports", "random_streams", "specs",  # base
+    "_version", "_models", "_files", "errors", "_imports", "random_streams", "collector",  # base
+    "specs",
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layer_mix", "layer_keep", "layer_findings", "layers",
     "eligibility",
