@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,12 @@ from torch import nn
 from autoprec._imports import BACKENDS, BackendStatus
 from autoprec.cpu_info import AutocastCheck, CpuInfo
 from autoprec.hardware import GpuInfo, HardwareInfo
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest worker per core: each trains on one thread (its subprocesses
+    # too), as two workers of two threads each on two cores would fight for them
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # name, compute capability, memory GiB: the GPUs the capability table must get right.
 KNOWN_GPUS: dict[str, tuple[str, tuple[int, int], int]] = {

@@ -138,6 +138,7 @@ def quick_truth_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ground_truth")
 
 
+@pytest.mark.xdist_group("quick_truth_cache")  # one worker trains the cache
 def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     quick_truth_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -641,6 +642,7 @@ def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
     assert "cpu autocast after it (enabled, dtype): (False" in lines[1]
 
 
+@pytest.mark.xdist_group("quick_truth_cache")  # one worker trains the cache
 def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache: Path) -> None:
     """The gate from fp32's late checkpoint, scored on the cached truth (--quick: 300-step
     runs, the checkpoint at step 270, 30-step trials); the forward cost read in every
