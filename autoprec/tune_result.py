@@ -262,7 +262,29 @@ def fallback_note(
         f"({'; '.join(o.reasons) or 'no reason'})."
         for o in outcomes
     )
-    return f"No candidate was accepted; this is the fp32 reference. {said}"
+    return f"No candidate was accepted ({_tally(outcomes)}); this is the fp32 reference. {said}"
+
+
+def _tally(outcomes: list[TrialOutcome]) -> str:
+    """What became of the candidates, counted: whether quality, speed or the budget kept fp32
+    (a demo on a CPU without bf16 kernels, every candidate pruned for speed or budget, read
+    "No candidate was accepted" as if the drift gate had refused them all)."""
+
+    def kind(outcome: TrialOutcome) -> str:
+        reason = outcome.reasons[0] if outcome.reasons else ""
+        if outcome.status == "pruned":
+            if reason.startswith("budget"):
+                return "cut by the budget" if outcome.seconds > 0 else "not run for the budget"
+            return f"pruned as {reason.split(':')[0]}"  # "slower than fp32", "larger than ..."
+        return {"rejected": "rejected by the drift gate", "failed": "failed"}[outcome.status]
+
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[kind(outcome)] = counts.get(kind(outcome), 0) + 1
+    tally = [f"{count} {what}" for what, count in counts.items()]
+    if "rejected by the drift gate" not in counts:
+        tally.append("none rejected by the drift gate")
+    return ", ".join(tally)
 
 
 UNRETIMED_SPEED_MARGIN = 0.092

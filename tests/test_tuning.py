@@ -996,6 +996,22 @@ def test_the_fp32_fallback_note_names_every_candidate_and_what_became_of_it() ->
     assert note is not None and "amp_bf16: rejected (drift)" in note and "bf16_sr: pruned" in note
     accepted = [outcome("amp_bf16", "accepted", "")]
     assert fallback_note(reference, reference, accepted) is None  # accepted but slower
+    # counted first: a CPU without bf16 kernels pruned every candidate for speed or budget,
+    # and the note read as if the drift gate had refused them all
+    slow = "slower than fp32: 13.70x its step time on the same 21 steps"
+    demo = [
+        outcome("amp_bf16", "pruned", slow),
+        outcome("bf16_kahan", "pruned", slow),
+        outcome("bf16_sr", "pruned", budget),
+        outcome("amp_fp16", "pruned", budget, 0.0),
+    ]
+    note = fallback_note(reference, reference, demo)
+    assert note is not None and note.startswith(
+        "No candidate was accepted (2 pruned as slower than fp32, 1 cut by the budget, 1 not run "
+        "for the budget, none rejected by the drift gate); this is the fp32 reference."
+    )
+    note = fallback_note(reference, reference, cut)
+    assert note is not None and "(1 rejected by the drift gate, 1 cut by the budget)" in note
 
 
 def test_budgets_of_numpy_numbers_and_paths_as_storage_are_taken(tmp_path: Path) -> None:
