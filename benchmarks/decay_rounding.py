@@ -12,15 +12,16 @@ with the decay, from the same cache:
 - fp32 with and without decay: how much the decay pure bf16 loses was worth to this task.
 
     python -m benchmarks.decay_rounding [--tasks a,b] [--threads 1]
-    python -m benchmarks.decay_rounding --quick    # 300-step runs: the CI variant
+    python -m benchmarks.decay_rounding --quick    # 300-step runs, 2 fp32 seeds, 1 bf16: CI
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 
 from autoprec.specs import ModeSpec
-from benchmarks.ground_truth import cached_long_run, fp32_metrics, scoring_arguments
+from benchmarks.ground_truth import FP32_SEEDS, cached_long_run, fp32_metrics, scoring_arguments
 from benchmarks.ground_truth_tasks import TASKS, GroundTask, with_optimizer_groups
 
 
@@ -33,15 +34,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     names, steps, _, cache = scoring_arguments(
         __doc__, argv, default=("digits_convnet",), quick=("digits_convnet",)
     )
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    fp32_seeds, pure_seeds = (2, 1) if quick else (FP32_SEEDS, 3)
     pure = ModeSpec(mode="bf16_pure")
     results = {}
     for name in names:
         task = TASKS[name](steps)
         runs = {}
         for label, variant in (("decay", task), ("no decay", without_decay(task))):
-            runs[f"fp32, {label}"] = fp32_metrics(cache, variant, steps)
+            runs[f"fp32, {label}"] = fp32_metrics(cache, variant, steps, fp32_seeds)
             runs[f"bf16_pure, {label}"] = [
-                cached_long_run(cache, variant, pure, seed, steps).metric for seed in range(3)
+                cached_long_run(cache, variant, pure, seed, steps).metric
+                for seed in range(pure_seeds)
             ]
         results[name] = runs
         print(f"{name} ({steps} steps), test metric by seed:")
