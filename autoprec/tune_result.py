@@ -6,6 +6,7 @@ chooses the winner among the outcomes and builds its :class:`~autoprec.profile.P
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from pydantic import BaseModel
@@ -278,9 +279,7 @@ def _tally(outcomes: list[TrialOutcome]) -> str:
             return f"pruned as {reason.split(':')[0]}"  # "slower than fp32", "larger than ..."
         return {"rejected": "rejected by the drift gate", "failed": "failed"}[outcome.status]
 
-    counts: dict[str, int] = {}
-    for outcome in outcomes:
-        counts[kind(outcome)] = counts.get(kind(outcome), 0) + 1
+    counts = collections.Counter(kind(outcome) for outcome in outcomes)
     tally = [f"{count} {what}" for what, count in counts.items()]
     if "rejected by the drift gate" not in counts:
         tally.append("none rejected by the drift gate")
