@@ -245,11 +245,15 @@ def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> Cand
         eight_bit = _eight_bit_specs(report, promising, wanted_8bit if useful else set(), [])
     else:
         eight_bit = _eight_bit_specs(report, promising + doubtful, wanted_8bit, skipped)
+    # a doubtful mode's 8-bit variant after it: both are expected slow here
+    doubted = {spec.mode for spec in doubtful}
+    doubtful_8bit = [spec for spec in eight_bit if spec.mode in doubted]
+    eight_bit = [spec for spec in eight_bit if spec.mode not in doubted]
     if modes is not None:  # a mode named only with +8bit-optim runs only with 8-bit states
         promising = [s for s in promising if s.mode in wanted]
         doubtful = [s for s in doubtful if s.mode in wanted]
     return CandidateList(
-        specs=(ModeSpec(mode="fp32"), *promising, *eight_bit, *doubtful),
+        specs=(ModeSpec(mode="fp32"), *promising, *eight_bit, *doubtful, *doubtful_8bit),
         skipped=tuple(skipped),
     )
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from autoprec._imports import BACKENDS, BackendStatus, backend_status, install_hint
 from autoprec._models import FROZEN_RECORD
+from autoprec.cpu_info import NATIVE_BF16_FLAGS
 from autoprec.hardware import (
     FORMAT_MIN_CAPABILITY,
     FormatName,
@@ -279,12 +280,29 @@ def _amp_fp16(situation: Situation, verdict: _Verdict) -> None:
 
 def _amp_bf16(situation: Situation, verdict: _Verdict) -> None:
     _needs_low_precision(verdict, "amp_bf16", "bfloat16", situation)
+    _slow_bf16_on_this_cpu(verdict, "amp_bf16", situation)
+
+
+def _slow_bf16_on_this_cpu(verdict: _Verdict, what: str, situation: Situation) -> None:
+    """A CPU without bf16 instructions runs PyTorch's bf16 kernels far slower than fp32 (see
+    CpuInfo.native_bf16): worth a trial only after the modes that can win, as amp_fp16 on a CPU.
+    On one, every bf16 trial of `make demo` ran until the budget cut it, and the 8-bit
+    variants of fp32 never ran."""
+    cpu = situation.hardware.cpu
+    if situation.gpu is not None or verdict.reasons or cpu.native_bf16 is not False:
+        return
+    verdict.doubt(
+        f"this CPU has no bf16 instructions (none of {', '.join(sorted(NATIVE_BF16_FLAGS))} "
+        f"among its flags): expect {what} to be far slower than fp32 here (amp_bf16 ran 13.7x "
+        "fp32's step time on a 2-core AMD EPYC without them)"
+    )
 
 
 def _pure_bf16(mode: ModeName, backends: tuple[str, ...]) -> Callable[[Situation, _Verdict], None]:
     def rule(situation: Situation, verdict: _Verdict) -> None:
         _needs_low_precision(verdict, mode, "bfloat16", situation)
         _needs_backends(verdict, mode, backends, situation)
+        _slow_bf16_on_this_cpu(verdict, mode, situation)
         if mode == "bf16_kahan":
             _needs_real_parameters(verdict, mode, "torch-optimi", situation.layers)
         if mode == "bf16_pure":

@@ -92,6 +92,39 @@ def test_cpu_without_working_bf16_autocast() -> None:
 
 
 @pytest.mark.parametrize(
+    ("native_bf16", "worth_trying"), [(False, False), (True, True), (None, True)]
+)
+def test_a_cpu_without_bf16_instructions_expects_bf16_modes_slow(
+    native_bf16: bool | None, worth_trying: bool
+) -> None:
+    """On a 2-core AMD EPYC without avx512_bf16, amp_bf16's step took 13.7x fp32's and every
+    bf16 trial ran until the budget cut it: bf16 there is possible, not worth trying first
+    (as amp_fp16 on a CPU). Flags that cannot be read (None) say nothing."""
+    cpu = CPU.model_copy(update={"native_bf16": native_bf16})
+    for mode in sorted(BF16):
+        verdict = mode_eligibility(mode, situation(cpu=cpu))
+        assert verdict.eligible and verdict.worth_trying == worth_trying, mode
+        slow = [n for n in verdict.notes if "has no bf16 instructions" in n]
+        assert bool(slow) != worth_trying, mode
+        if slow:
+            assert "avx512_bf16" in slow[0] and f"expect {mode} to be far slower" in slow[0]
+    # a GPU computes bf16 itself, whatever the host CPU lacks
+    assert mode_eligibility("amp_bf16", situation("A100", cpu=cpu)).worth_trying
+
+
+def test_the_cpus_bf16_instructions_are_read_from_its_flags() -> None:
+    from autoprec.cpu_info import _native_bf16
+
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f {}\n"
+    assert _native_bf16(x86.format("avx512_bf16 avx512vl")) is True
+    assert _native_bf16(x86.format("amx_bf16 amx_tile")) is True
+    assert _native_bf16(x86.format("avx512vl")) is False  # AVX-512 without its bf16 part
+    assert _native_bf16("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n") is True
+    assert _native_bf16("processor\t: 0\nFeatures\t: fp asimd\n") is False
+    assert _native_bf16("processor\t: 0\n") is None  # no flags: unknown, not "absent"
+
+
+@pytest.mark.parametrize(
     ("mode", "backend", "extra"),
     [
         ("bf16_sr", "torchastic", "lowbit"),

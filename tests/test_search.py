@@ -286,6 +286,32 @@ def test_candidates_on_cpu() -> None:
     assert next(s for s in candidates.specs if s.mode == "amp_bf16").keep_fp32 == ()
 
 
+def test_candidates_on_a_cpu_without_bf16_instructions_try_what_can_win_first() -> None:
+    """make demo on such a CPU: every bf16 trial (amp_bf16 13.7x fp32's step) ran until the
+    budget cut it, and fp32 with 8-bit states never ran. Now the bf16 modes come after it,
+    by default without their 8-bit variants; a named 8-bit variant runs after its mode."""
+    from tests.conftest import CPU
+
+    slow_bf16 = make_hardware(cpu=CPU.model_copy(update={"native_bf16": False}))
+    report = probe(*tiny_gpt.make_small_model(), hardware=slow_bf16, backends=make_backends("all"))
+    labels = [spec.label for spec in candidate_specs(report).specs]
+    assert labels[:2] == ["fp32", "fp32+8bit-optim"]
+    assert set(labels[2:]) == {
+        "amp_bf16",
+        "bf16_kahan",
+        "bf16_sr_kahan",
+        "bf16_sr",
+        "bf16_pure",
+    } | {"amp_fp16"}
+    named = candidate_specs(report, ["bf16_pure", "bf16_pure+8bit-optim", "fp32+8bit-optim"])
+    assert [s.label for s in named.specs] == [
+        "fp32",
+        "fp32+8bit-optim",
+        "bf16_pure",
+        "bf16_pure+8bit-optim",
+    ]
+
+
 def test_candidates_on_h100() -> None:
     report = probe(
         *tiny_gpt.make_model(), hardware=make_hardware("H100"), backends=make_backends("all")
