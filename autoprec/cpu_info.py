@@ -82,12 +82,11 @@ def _native_bf16(cpuinfo: str) -> bool | None:
     return bool(flags & NATIVE_BF16_FLAGS) if flags else None
 
 
-def _cpu_model_name() -> str:
-    if _PROC_CPUINFO.exists():
-        for line in _PROC_CPUINFO.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                return value.strip()
+def _cpu_model_name(cpuinfo: str) -> str:
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+            return value.strip()
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
@@ -104,13 +103,12 @@ def read_cpu(*, check_autocast: bool = True) -> CpuInfo:
     checks = (
         (check_cpu_autocast("bfloat16"), check_cpu_autocast("float16")) if check_autocast else ()
     )
+    cpuinfo = _PROC_CPUINFO.read_text(errors="replace") if _PROC_CPUINFO.exists() else ""
     return CpuInfo(
-        model_name=_cpu_model_name(),
+        model_name=_cpu_model_name(cpuinfo),
         logical_cores=logical,
         usable_cores=usable,
         memory_total_bytes=_memory_total(),
         autocast=checks,
-        native_bf16=_native_bf16(_PROC_CPUINFO.read_text(errors="replace"))
-        if _PROC_CPUINFO.exists()
-        else None,
+        native_bf16=_native_bf16(cpuinfo),
     )
