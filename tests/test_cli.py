@@ -456,6 +456,13 @@ def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     assert "autoprec: error: --budget 0.002 is too small" in capsys.readouterr().err
 
 
+def _interruptible() -> None:
+    """In the child before exec: SIGINT back to its default, so Python installs its handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> None:
     import signal
 
@@ -480,8 +487,16 @@ def test_interrupted_cli_tune_resumes_from_its_sqlite_file(tmp_path: Path) -> No
         str(out),
     ]
     storage = f"sqlite:///{out.with_suffix('.study.db')}"
+    # Ctrl-C must reach it as KeyboardInterrupt even when this suite runs as a background job
+    # of a shell without job control, which starts it with SIGINT ignored (Python then keeps
+    # it ignored, and the run finished with 0: a suite started with `(make test &)`)
     first = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_interruptible,
     )
     # Ctrl-C once the second candidate starts: fp32 and the first candidate are in the study.
     # Driven by the progress lines, not by polling the study, so a fast run cannot finish first.
