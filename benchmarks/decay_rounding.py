@@ -18,7 +18,6 @@ with the decay, from the same cache:
 from __future__ import annotations
 
 import statistics
-import sys
 
 from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import FP32_SEEDS, cached_long_run, fp32_metrics, scoring_arguments
@@ -31,10 +30,9 @@ def without_decay(task: GroundTask) -> GroundTask:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
-    names, steps, _, cache = scoring_arguments(
+    names, steps, _, cache, _, quick = scoring_arguments(
         __doc__, argv, default=("digits_convnet",), quick=("digits_convnet",)
     )
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
     fp32_seeds, pure_seeds = (2, 1) if quick else (FP32_SEEDS, 3)
     pure = ModeSpec(mode="bf16_pure")
     results = {}

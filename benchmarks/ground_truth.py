@@ -46,6 +46,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -88,6 +89,21 @@ the conv net, 325 test images, fp32's own seed-0 run is 2.2 sds above the 8 seed
 ten modes' seed-0 runs lay above every other fp32 seed). With 3 runs the line is 2.0 fp32 sds
 (3 standard errors, sd x sqrt(1/3 + 1/8)), and a mode that fails at one seed of three fails.
 A run that crashes or ends non-finite fails the pair at once (no more seeds are trained)."""
+
+
+class Seeds(NamedTuple):
+    """How many long runs make a task's truth: fp32 runs (its unit) and runs of each mode."""
+
+    fp32: int
+    mode: int
+
+
+FULL_SEEDS = Seeds(fp32=FP32_SEEDS, mode=MODE_SEEDS)
+QUICK_SEEDS = Seeds(fp32=3, mode=2)
+"""``--quick`` (CI) checks that the code runs and scores, not the truth itself: 3 fp32 runs and 2
+of each mode (2 so the paired reading still pools a spread), 27 runs of a quick task instead of
+44. Measured on our 2-core CPU, one thread: ``--quick`` from an empty cache 186 s -> 127 s,
+``--heldout --quick`` 111 s -> 83 s."""
 ALL_TASKS = {**TASKS, **HELDOUT_TASKS}
 """The tuned tasks (the gate's defaults were chosen on them) and the held-out ones
 (``benchmarks.ground_truth_heldout``: scored once, after the defaults were frozen)."""
@@ -230,7 +246,7 @@ class Pair:
         return "ok" if self.truth_hurts else "FALSE REJECT"
 
 
-def fp32_metrics(cache: Path, task: GroundTask, steps: int, seeds: int = FP32_SEEDS) -> list[float]:
+def fp32_metrics(cache: Path, task: GroundTask, steps: int, seeds: int) -> list[float]:
     """The truth's unit: the metrics of the task's fp32 long runs at seeds 0 .. ``seeds``-1."""
     fp32 = ModeSpec(mode="fp32")
     return [cached_long_run(cache, task, fp32, seed, steps).metric for seed in range(seeds)]
@@ -251,10 +267,12 @@ def hurts(metric: float, fp32: list[float], runs: int = 1) -> bool:
     return metric - statistics.fmean(fp32) > hurt_line(fp32, runs)
 
 
-def mode_runs(cache: Path, task: GroundTask, spec: ModeSpec, steps: int) -> list[LongRun]:
-    """The mode's long runs at seeds 0 .. ``MODE_SEEDS``-1; the first failed run ends them."""
+def mode_runs(
+    cache: Path, task: GroundTask, spec: ModeSpec, steps: int, seeds: int
+) -> list[LongRun]:
+    """The mode's long runs at seeds 0 .. ``seeds``-1; the first failed run ends them."""
     runs = []
-    for seed in range(MODE_SEEDS):
+    for seed in range(seeds):
         runs.append(cached_long_run(cache, task, spec, seed, steps))
         if runs[-1].failure is not None:
             break
@@ -262,11 +280,11 @@ def mode_runs(cache: Path, task: GroundTask, spec: ModeSpec, steps: int) -> list
 
 
 def mode_metric(
-    cache: Path, task: GroundTask, spec: ModeSpec, steps: int, fp32: list[float]
+    cache: Path, task: GroundTask, spec: ModeSpec, steps: int, seeds: int
 ) -> tuple[float, int, str | None]:
-    """(metric, runs, failure): the mean over the mode's ``MODE_SEEDS`` runs; the first failed
-    run fails the pair (metric inf) and ends it."""
-    runs = mode_runs(cache, task, spec, steps)
+    """(metric, runs, failure): the mean over the mode's ``seeds`` runs; the first failed run
+    fails the pair (metric inf) and ends it."""
+    runs = mode_runs(cache, task, spec, steps, seeds)
     if runs[-1].failure is not None:
         return math.inf, len(runs), runs[-1].failure
     return statistics.fmean(run.metric for run in runs), len(runs), None
@@ -280,9 +298,9 @@ def paired_differences(runs: list[LongRun], fp32: list[float]) -> tuple[float, .
     return tuple(run.metric - fp32[seed] for seed, run in enumerate(runs))
 
 
-def paired_line(pairs: Sequence[Pair]) -> float:
+def paired_line(pairs: Sequence[Pair], mode_seeds: int) -> float:
     """The paired reading's line for one task: ``HURT_SDS`` standard errors of a mean of
-    ``MODE_SEEDS`` paired differences, their spread pooled over the task's modes (each mode's
+    ``mode_seeds`` paired differences, their spread pooled over the task's modes (each mode's
     differences about its own mean), and ``HURT_RELATIVE`` of the fp32 mean, whichever is
     larger. Pooling assumes every mode's differences spread alike; a mode that moves its runs
     further from fp32's than the others do is judged against too tight a line."""
@@ -294,7 +312,7 @@ def paired_line(pairs: Sequence[Pair]) -> float:
             freedom += len(pair.paired) - 1
     mean = pairs[0].fp32_mean
     spread = math.sqrt(squares / freedom) if freedom else 0.0
-    return max(HURT_SDS * spread / math.sqrt(MODE_SEEDS), HURT_RELATIVE * abs(mean))
+    return max(HURT_SDS * spread / math.sqrt(mode_seeds), HURT_RELATIVE * abs(mean))
 
 
 def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> QualityReport:
@@ -315,23 +333,23 @@ def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> 
     )
 
 
-def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pair]:
+def score_task(name: str, steps: int, trial_steps: int, cache: Path, seeds: Seeds) -> list[Pair]:
     task = ALL_TASKS[name](steps)
     started = time.perf_counter()
     report = gate(task, trial_steps)
     gate_seconds = time.perf_counter() - started
-    fp32 = fp32_metrics(cache, task, steps)
+    fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
     mean, sd = statistics.fmean(fp32), statistics.stdev(fp32)
     print(
-        f"\n{name} ({task.family}): fp32 over {FP32_SEEDS} seeds {mean:.5g} +- {sd:.2g}; "
-        f"a mode hurts past {hurt_line(fp32, MODE_SEEDS) / abs(mean):+.1%}; "
+        f"\n{name} ({task.family}): fp32 over {seeds.fp32} seeds {mean:.5g} +- {sd:.2g}; "
+        f"a mode hurts past {hurt_line(fp32, seeds.mode) / abs(mean):+.1%}; "
         f"gate {gate_seconds:.0f} s for {len(report.verdicts)} modes",
         flush=True,
     )
     pairs = []
     for verdict in report.verdicts:
-        long_runs = mode_runs(cache, task, verdict.spec, steps)
-        metric, runs, failure = mode_metric(cache, task, verdict.spec, steps, fp32)
+        long_runs = mode_runs(cache, task, verdict.spec, steps, seeds.mode)
+        metric, runs, failure = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
         reason = verdict.reasons[0] if verdict.reasons else ""
         pair = Pair(
             task=name,
@@ -353,21 +371,21 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path) -> list[Pai
         print(
             f"  {pair.label:32} truth {'HURTS' if pair.truth_hurts else 'fine ':5} "
             f"{metric:.5g} ({relative:+.1%}, {(metric - mean) / (sd or 1e-12):+.1f} sd"
-            f"{f', {runs} of {MODE_SEEDS} runs' if runs < MODE_SEEDS else ''})"
+            f"{f', {runs} of {seeds.mode} runs' if runs < seeds.mode else ''})"
             f"  gate {pair.gate:6} {pair.outcome:12}"
             f"{'' if cost is None else f' fwd {cost:+.2%}'} {pair.reason[:70]}",
             flush=True,
         )
         pairs.append(pair)
-    return _with_paired_truth(pairs)
+    return _with_paired_truth(pairs, seeds.mode)
 
 
-def _with_paired_truth(pairs: list[Pair]) -> list[Pair]:
+def _with_paired_truth(pairs: list[Pair], mode_seeds: int) -> list[Pair]:
     """The task's pairs with their paired reading set, and the pairs it reads otherwise
     printed."""
     if not pairs:
         return pairs
-    line = paired_line(pairs)
+    line = paired_line(pairs, mode_seeds)
     judged = []
     for pair in pairs:
         difference = statistics.fmean(pair.paired) if pair.paired else math.inf
@@ -462,6 +480,18 @@ def run_arguments(
     return names, quick_steps if args.quick else args.steps, parser
 
 
+class Scoring(NamedTuple):
+    """What a benchmark scoring the gate against the long runs was asked for."""
+
+    names: list[str]
+    steps: int
+    """Optimizer steps of a long run."""
+    trial_steps: int
+    cache: Path
+    seeds: Seeds
+    quick: bool
+
+
 def scoring_arguments(
     doc: str,
     argv: list[str] | None,
@@ -470,10 +500,10 @@ def scoring_arguments(
     quick: Sequence[str] = QUICK_TASKS,
     more_options: Callable[[argparse.ArgumentParser], None] | None = None,
     known: Mapping[str, object] = TASKS,
-) -> tuple[list[str], int, int, Path]:
-    """(task names, long-run steps, trial steps, cache) from the options of the benchmarks that
-    score the gate against the long runs: the task options, ``--steps``, ``--trial-steps``,
-    ``--cache``; ``--quick`` means the ``quick`` tasks, 300-step runs and 30-step trials.
+) -> Scoring:
+    """The options of the benchmarks that score the gate against the long runs: the task
+    options, ``--steps``, ``--trial-steps``, ``--cache``; ``--quick`` means the ``quick`` tasks,
+    300-step runs, 30-step trials and ``QUICK_SEEDS``.
     ``more_options`` adds a benchmark's own (read apart; here they show in ``--help``)."""
     parser = task_parser(
         doc, quick=f"{', '.join(quick)}, 300/30 steps (CI)", default=", ".join(default)
@@ -485,8 +515,9 @@ def scoring_arguments(
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=default, quick=quick, known=known)
-    steps, trial_steps = (300, 30) if args.quick else (args.steps, args.trial_steps)
-    return names, steps, trial_steps, args.cache
+    if args.quick:
+        return Scoring(names, 300, 30, args.cache, QUICK_SEEDS, quick=True)
+    return Scoring(names, args.steps, args.trial_steps, args.cache, FULL_SEEDS, quick=False)
 
 
 def heldout_option(parser: argparse.ArgumentParser) -> None:
@@ -501,7 +532,7 @@ def main(argv: list[str] | None = None) -> list[Pair]:
     pre = argparse.ArgumentParser(add_help=False)
     heldout_option(pre)
     known, rest = pre.parse_known_args(argv)
-    names, steps, trial_steps, cache = scoring_arguments(
+    names, steps, trial_steps, cache, seeds, _ = scoring_arguments(
         __doc__,
         rest,
         default=tuple(HELDOUT_TASKS if known.heldout else TASKS),
@@ -510,11 +541,11 @@ def main(argv: list[str] | None = None) -> list[Pair]:
         known=ALL_TASKS,
     )
     print(
-        f"ground truth: {steps}-step runs ({FP32_SEEDS} fp32 seeds) vs the gate at "
+        f"ground truth: {steps}-step runs ({seeds.fp32} fp32 seeds) vs the gate at "
         f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} standard errors and "
-        f"{HURT_RELATIVE:.1%}, on the mean of {MODE_SEEDS} seeds of each mode"
+        f"{HURT_RELATIVE:.1%}, on the mean of {seeds.mode} seeds of each mode"
     )
-    pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, cache)]
+    pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, cache, seeds)]
     print("\n" + confusion(pairs))
     print(
         "\nThe paired reading (each mode run against the fp32 run of its seed; the truth "

@@ -27,7 +27,6 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from autoprec.screening import QualityReport
 from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import (
     ALL_TASKS,
+    Scoring,
     fp32_metrics,
     hurts,
     long_run,
@@ -192,13 +192,12 @@ def refuse_empty_checkpoints(fractions: list[float], steps: int) -> None:
 def task_rows(
     task: GroundTask,
     at: float,
-    runs: tuple[int, int, Path],
+    scoring: Scoring,
     fp32: list[float],
     with_state: bool,
 ) -> list[Row]:
-    """Every mode's verdict from fp32's checkpoint at ``at`` of the run, with its truth
-    (``runs``: long-run steps, trial steps, the cache)."""
-    steps, trial_steps, cache = runs
+    """Every mode's verdict from fp32's checkpoint at ``at`` of the run, with its truth."""
+    steps, trial_steps, cache = scoring.steps, scoring.trial_steps, scoring.cache
     checkpoint = fp32_checkpoint(task, int(at * steps))
     report = check_from(task, checkpoint, trial_steps, with_state)
     print(
@@ -210,7 +209,7 @@ def task_rows(
         if verdict.status == "failed":
             print(f"  {verdict.label:34} failed: {verdict.reasons[0][:80]}")
             continue
-        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
+        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, scoring.seeds.mode)
         harmful = hurts(metric, fp32, runs)
         cost = verdict.drift.get("forward_cost", 0.0)
         absolute = verdict.drift.get("forward_cost_absolute", 0.0)
@@ -227,16 +226,16 @@ def task_rows(
 
 def main(argv: list[str] | None = None) -> list[Row]:
     fractions, with_state, rest = checkpoint_fractions(argv)
-    names, steps, trial_steps, cache = scoring_arguments(
+    scoring = scoring_arguments(
         __doc__ or "", rest, more_options=checkpoint_options, known=ALL_TASKS
     )
+    steps = scoring.steps
     refuse_empty_checkpoints(fractions, steps)  # before any fp32 truth run trains
     rows: list[Row] = []
-    for name in names:  # each task and its fp32 truth built once, for every fraction
+    for name in scoring.names:  # each task and its fp32 truth built once, for every fraction
         task = ALL_TASKS[name](steps)
-        fp32 = fp32_metrics(cache, task, steps)
-        runs = (steps, trial_steps, cache)
-        rows += [row for at in fractions for row in task_rows(task, at, runs, fp32, with_state)]
+        fp32 = fp32_metrics(scoring.cache, task, steps, scoring.seeds.fp32)
+        rows += [row for at in fractions for row in task_rows(task, at, scoring, fp32, with_state)]
     for at in fractions:
         at_rows = [row for row in rows if row.at == at]
         print(f"\n{len(at_rows)} pairs checked from {at:.0%} of the run; by the forward-cost line:")

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from pathlib import Path
 from typing import Any
 
 from benchmarks.ground_truth import (
+    Scoring,
     fp32_metrics,
     gate,
     hurts,
@@ -69,16 +69,17 @@ def at_beta2(task: GroundTask, beta2: float) -> GroundTask:
     return with_optimizer_groups(task, f"beta2-{beta2:g}", set_beta2)
 
 
-def score(task: GroundTask, beta2: float, steps: int, trial_steps: int, cache: Path) -> list[Row]:
+def score(task: GroundTask, beta2: float, scoring: Scoring) -> list[Row]:
     """The truth and the gate for each of MODES on ``task``."""
-    report = gate(task, trial_steps, modes=[*MODES, "fp32"])
-    fp32 = fp32_metrics(cache, task, steps)
+    steps, cache, seeds = scoring.steps, scoring.cache, scoring.seeds
+    report = gate(task, scoring.trial_steps, modes=[*MODES, "fp32"])
+    fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
     rows = []
     for mode in MODES:
         verdict = next(
             v for v in report.verdicts if v.spec.mode == mode and v.spec.optimizer_bits == 32
         )
-        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
+        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
         rows.append(
             Row(
                 task=task.name.split(".")[0],
@@ -107,14 +108,12 @@ def _line(row: Row) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    names, steps, trial_steps, cache = scoring_arguments(
-        __doc__, argv, default=HARMED, quick=("tiny_lr_finetune",)
-    )
+    scoring = scoring_arguments(__doc__, argv, default=HARMED, quick=("tiny_lr_finetune",))
     rows = []
-    for name in names:
-        task = TASKS[name](steps)
+    for name in scoring.names:
+        task = TASKS[name](scoring.steps)
         for beta2, variant in ((0.999, task), (LOW_BETA2, at_beta2(task, LOW_BETA2))):
-            for row in score(variant, beta2, steps, trial_steps, cache):
+            for row in score(variant, beta2, scoring):
                 print(_line(row), flush=True)
                 rows.append(row)
     return rows

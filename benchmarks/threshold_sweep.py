@@ -24,11 +24,11 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.screening import ScreenRun, screen_setup, screen_trials
 from benchmarks.ground_truth import (
+    Scoring,
     fp32_metrics,
     hurts,
     mode_metric,
@@ -82,15 +82,16 @@ class JudgedPair:
         return self.judged[thresholds]
 
 
-def task_pairs(name: str, steps: int, trial_steps: int, cache: Path) -> list[JudgedPair]:
+def task_pairs(name: str, scoring: Scoring) -> list[JudgedPair]:
     """The gate's trials on one task, each beside its truth."""
+    steps, cache, seeds = scoring.steps, scoring.cache, scoring.seeds
     task = TASKS[name](steps)
     setup = screen_setup(task.model, task.batches, task.recipe, eval_fn=task.eval_fn)
-    run = screen_trials(setup, trial_steps)
-    fp32 = fp32_metrics(cache, task, steps)
+    run = screen_trials(setup, scoring.trial_steps)
+    fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
     pairs = []
     for index, verdict in enumerate(run.verdicts):
-        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, fp32)
+        metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
         pairs.append(JudgedPair(name, verdict.label, hurts(metric, fp32, runs), run, index))
     print(f"{name}: {len(pairs)} pairs, fp32 {statistics.fmean(fp32):.5g}", flush=True)
     return pairs
@@ -157,8 +158,8 @@ def sweep(
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, float, int, int]]:
-    names, steps, trial_steps, cache = scoring_arguments(__doc__, argv)
-    pairs = [pair for name in names for pair in task_pairs(name, steps, trial_steps, cache)]
+    scoring = scoring_arguments(__doc__, argv)
+    pairs = [pair for name in scoring.names for pair in task_pairs(name, scoring)]
     check_defaults(pairs)
     rows = sweep(pairs, DriftThresholds(), "The defaults")
     sweep(pairs, STATE_RULE_OFF, "The optimizer-state rule off, every other default")

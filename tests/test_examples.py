@@ -149,6 +149,9 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     pairs = ground_truth.main(["--quick", "--cache", str(quick_truth_cache)])
     out = capsys.readouterr().out
     assert len(pairs) >= 20 and "false accepts" in out
+    # --quick's truth: QUICK_SEEDS runs (3 fp32, 2 of each mode), not the full 8 and 3
+    assert "3 fp32 seeds" in out and all(p.runs == 2 for p in pairs if math.isfinite(p.metric))
+    assert ground_truth.scoring_arguments("x", []).seeds == ground_truth.FULL_SEEDS == (8, 3)
     pure = next(p for p in pairs if p.task == "digits_mlp" and p.label == "bf16_pure")
     assert pure.truth_hurts and pure.gate == "unsafe"  # lr 1e-4: its updates round away
     amp = next(p for p in pairs if p.task == "digits_mlp" and p.label == "amp_bf16")
@@ -230,14 +233,15 @@ def test_ground_truth_judges_every_mode_on_the_mean_of_its_seeds(
     # a first run far better than fp32 still trains every seed: seed 2 is 4 sds worse
     by_seed.update({0: LongRun(0.8, 0.0, 1.0), 1: LongRun(1.1, 0.0, 1.0)})
     by_seed[2] = LongRun(1.7, 0.0, 1.0)
-    metric, runs, failure = mode_metric(Path(), None, spec, 100, fp32)  # type: ignore[arg-type]
+    seeds = ground_truth.MODE_SEEDS
+    metric, runs, failure = mode_metric(Path(), None, spec, 100, seeds)  # type: ignore[arg-type]
     assert (runs, failure, trained) == (ground_truth.MODE_SEEDS, None, [0, 1, 2])
     assert metric == pytest.approx(3.6 / 3) and hurts(metric, fp32, runs)
     assert not hurts(by_seed[0].metric, fp32)  # seed 0 alone would have called it fine
 
     trained.clear()
     by_seed[1] = LongRun(math.inf, math.inf, 0.0, failure="RuntimeError: boom")
-    metric, runs, failure = mode_metric(Path(), None, spec, 100, fp32)  # type: ignore[arg-type]
+    metric, runs, failure = mode_metric(Path(), None, spec, 100, seeds)  # type: ignore[arg-type]
     assert (metric, runs, failure, trained) == (math.inf, 2, "RuntimeError: boom", [0, 1])
     assert hurts(metric, fp32, runs)
 
@@ -295,7 +299,7 @@ def test_ground_truth_paired_reading_judges_each_run_against_fp32s_run_of_its_se
     alike = [pair(f"same{i}", [1.0 + e, 1.2 - e, 0.8 + e]) for i, e in enumerate((0.01, -0.01))]
     assert worse.paired == pytest.approx((0.09, 0.09, 0.09))
     assert not worse.truth_hurts  # +0.09 is within 3 standard errors as if independent
-    line = paired_line([worse, *alike])
+    line = paired_line([worse, *alike], mode_seeds=3)
     # pooled over 6 degrees of freedom: worse's differences do not spread; each alike mode's
     # (e, -e, e) lie (2e/3, -4e/3, 2e/3) about their mean, 8/3 e^2 of squares each
     assert line == pytest.approx(3 * (16 / 3 * 0.01**2 / 6) ** 0.5 / 3**0.5, rel=1e-6)
