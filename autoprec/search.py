@@ -104,6 +104,20 @@ def _slower_than(best: TrialOutcome, windows: Sequence[StepWindow]) -> str | Non
     return None
 
 
+def _pace(best: TrialOutcome | None, per_step: float) -> str:
+    """What a budget stop adds when the trial was already slower than ``best`` by more than
+    PRUNE_MARGIN: more budget would not make it win on speed (on a CPU without bf16 kernels the
+    demo's fallback note read "6 cut by the budget" for modes at 14-21x fp32's step time, as if
+    a larger budget might help). Said, not pruned as slower: one or two timed steps may hold a
+    stall, and a budget stop is run again by a resumed study."""
+    if best is None or not best.median_step_seconds:
+        return ""
+    ratio = per_step / best.median_step_seconds
+    if ratio <= 1 + PRUNE_MARGIN:
+        return ""
+    return f", at {ratio:.3g}x {best.label}'s step time"
+
+
 def make_stop_check(
     best: TrialOutcome | None,
     objective: Objective,
@@ -130,7 +144,10 @@ def make_stop_check(
         projected = len(measured) >= MIN_MEASURED_WINDOWS
         needed, left = remaining * per_step, deadline - clock()
         if remaining > 0 and (needed > left if projected else needed > 2 * left):
-            return f"budget: {remaining} more steps of {per_step:.3g} s would pass the deadline"
+            return (
+                f"budget: {remaining} more steps of {per_step:.3g} s would pass the deadline"
+                + _pace(best, per_step)
+            )
         if best is None or not projected:
             return None
         if objective == "speed" and best.median_step_seconds:

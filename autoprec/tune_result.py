@@ -7,6 +7,7 @@ chooses the winner among the outcomes and builds its :class:`~autoprec.profile.P
 from __future__ import annotations
 
 import collections
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -266,6 +267,9 @@ def fallback_note(
     return f"No candidate was accepted ({_tally(outcomes)}); this is the fp32 reference. {said}"
 
 
+_SLOWER_WHEN_CUT = re.compile(r", at [0-9.e+]+x (.+)'s step time$")
+
+
 def _tally(outcomes: list[TrialOutcome]) -> str:
     """What became of the candidates, counted: whether quality, speed or the budget kept fp32
     (a demo on a CPU without bf16 kernels, every candidate pruned for speed or budget, read
@@ -275,7 +279,12 @@ def _tally(outcomes: list[TrialOutcome]) -> str:
         reason = outcome.reasons[0] if outcome.reasons else ""
         if outcome.status == "pruned":
             if reason.startswith("budget"):
-                return "cut by the budget" if outcome.seconds > 0 else "not run for the budget"
+                if outcome.seconds <= 0:
+                    return "not run for the budget"
+                pace = _SLOWER_WHEN_CUT.search(reason)  # search._pace's words
+                if pace is None:
+                    return "cut by the budget"
+                return f"cut by the budget when already slower than {pace.group(1)}"
             return f"pruned as {reason.split(':')[0]}"  # "slower than fp32", "larger than ..."
         return {"rejected": "rejected by the drift gate", "failed": "failed"}[outcome.status]
 

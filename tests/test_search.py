@@ -155,7 +155,16 @@ def test_stop_check() -> None:
     assert stop(progress([1.0, 1.0, 0.011, 0.0104, 0.0102])) is None  # within 5%
     assert stop(progress([1.0, 1.0, 0.02, 0.02, 0.02])).startswith("slower than amp_bf16")
     clock.now = 99.8
-    assert stop(progress([1.0, 1.0, 0.01, 0.01, 0.01])).startswith("budget: 45 more steps")
+    assert stop(progress([1.0, 1.0, 0.01, 0.01, 0.01])) == (
+        "budget: 45 more steps of 0.01 s would pass the deadline"  # as fast as amp_bf16
+    )
+    # already past the prune margin when the budget cut it: said, still a budget stop (a
+    # resumed study runs it again; one timed step may be a stall)
+    clock.now = 0.0
+    assert stop(progress([1.0, 1.0, 0.4], steps=600)) == (
+        "budget: 597 more steps of 0.4 s would pass the deadline, at 40x amp_bf16's step time"
+    )
+    clock.now = 99.8
     # one stalled first timed step does not project the run (found by a hunt: a 2.8 s stall
     # of a 10 ms step ended the fp32 reference with "--budget too small", 117 s left); more
     # windows do, and a deadline passed stops it whatever was measured

@@ -1012,6 +1012,15 @@ def test_the_fp32_fallback_note_names_every_candidate_and_what_became_of_it() ->
     )
     note = fallback_note(reference, reference, cut)
     assert note is not None and "(1 rejected by the drift gate, 1 cut by the budget)" in note
+    # cut when already slower than the best: more budget would not have made it win on speed
+    paced = f"{budget}, at 13.7x fp32's step time"
+    demo[2] = outcome("bf16_sr", "pruned", paced)
+    demo.append(outcome("bf16_pure", "pruned", paced))
+    note = fallback_note(reference, reference, demo)
+    assert note is not None and note.startswith(
+        "No candidate was accepted (2 pruned as slower than fp32, 2 cut by the budget when "
+        "already slower than fp32, 1 not run for the budget, none rejected by the drift gate)"
+    )
 
 
 def test_budgets_of_numpy_numbers_and_paths_as_storage_are_taken(tmp_path: Path) -> None:
