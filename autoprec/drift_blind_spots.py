@@ -3,7 +3,7 @@
 An accept means the mode did not drift from fp32 over the trial's steps. Some harm only shows
 later; where we measured such a case, or the literature reports one, the accept says so, with
 the figure, instead of letting "safe" read as "safe for any run length". Each text names where
-its figure comes from (our benchmarks, the README's ground-truth section, a paper by arXiv
+its figure comes from (our benchmarks, docs/ground-truth.md, a paper by arXiv
 number).
 """
 
@@ -24,7 +24,7 @@ FP8_CONVERGED_COST = (
     "checkpoint in the last tenth of your run, at the lr it ends at. FP8 failures in LLM "
     "training have taken ~200B tokens to show (arXiv 2409.12517)"
 )
-"""Measured on our CPU machines (README, "Scored against long runs": the false accept)."""
+"""Measured on our CPU machines (docs/ground-truth.md, "The false accept")."""
 
 BF16_LATE_ROUNDING = (
     "harm that grows after the trial: in autoprec's long-run benchmark, on a conv net "
@@ -40,9 +40,9 @@ BF16_LATE_ROUNDING = (
     "(`python -m benchmarks.ground_truth --heldout`). Prefer bf16_sr, bf16_sr_kahan or "
     "bf16_kahan"
 )
-"""Measured on our CPU machines (README: "Each threshold against the truth", "The state rule over
-a longer horizon", "Held-out tasks"). An accepted bf16_pure got past the state rule (beta2 <=
-0.9961, or 8-bit states), so its trial, not the rule, spoke for it."""
+"""Measured on our CPU machines (docs/ground-truth.md: "Each threshold against the truth", "The
+state rule over a longer horizon", "Held-out tasks"). An accepted bf16_pure got past the state rule
+(beta2 <= 0.9961, or 8-bit states), so its trial, not the rule, spoke for it."""
 
 FP16_LATE_GROWTH = (
     "fp16's range was checked on the trial's activations and gradients: the check leaves 16x "
@@ -52,8 +52,8 @@ FP16_LATE_GROWTH = (
     "the forward pass, where loss scaling cannot help; outliers that grow with training "
     "preceded the low-precision failures of arXiv 2409.12517"
 )
-"""The growth measured on our CPU machines (README, "The fp16 headroom"); the late failures
-from the literature (arXiv 2409.12517; early-warning signals in arXiv 2505.20524 and
+"""The growth measured on our CPU machines (docs/ground-truth.md, "The fp16 headroom"); the late
+failures from the literature (arXiv 2409.12517; early-warning signals in arXiv 2505.20524 and
 2304.13013)."""
 
 

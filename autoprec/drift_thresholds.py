@@ -1,8 +1,9 @@
 """Every threshold of the drift gate: a named field with its default and the measurement behind it.
 
 The defaults are justified by figures measured here: run-to-run noise of fp32 trials, and
-``benchmarks/ground_truth.py``'s long runs (README, "Scored against long runs"). A study's
-fingerprint includes them: a stored study refuses to resume under other thresholds.
+``benchmarks/ground_truth.py``'s long runs (README, "Scored against long runs"; the evidence in
+docs/ground-truth.md). A study's fingerprint includes them: a stored study refuses to resume under
+other thresholds.
 """
 
 from __future__ import annotations

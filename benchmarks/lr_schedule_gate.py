@@ -17,9 +17,9 @@ what each set of learning rates lets the trial see. ``gate`` is the whole defaul
 ``legs`` trials, the state rule included. A design is right when it rejects exactly the modes
 that hurt.
 
-Its README table was measured while bf16_kahan kept torch-optimi's bf16 second moment (its
-+33% and +41% are that moment's); since 2026-11-26 the moment is fp32 and its row measures the
-mode as it is.
+Its table (docs/ground-truth.md, "Judging a schedule") was measured while bf16_kahan kept
+torch-optimi's bf16 second moment (its +33% and +41% are that moment's); since 2026-11-26 the moment
+is fp32 and its row measures the mode as it is.
 
     python -m benchmarks.lr_schedule_gate [--steps 3000] [--trial-steps 150] [--quick]
 """

@@ -12,9 +12,9 @@ For each task: its ground-truth long runs (``ground_truth``: 8 fp32 seeds, the m
 0.999, and the same runs with only beta2 changed to 0.95; and the gate's verdict on each (at
 0.95 no state rule applies, so the trial's measurements alone decide).
 
-bf16_kahan keeps Adam's second moment in fp32 since 2026-11-26 (``autoprec.kahan_adamw``), so
-the rule no longer applies to it: its rows now measure that mode at both beta2s, and the
-README's table (measured before, with torch-optimi's bf16 second moment) is the premise's
+bf16_kahan keeps Adam's second moment in fp32 since 2026-11-26 (``autoprec.kahan_adamw``), so the
+rule no longer applies to it: its rows now measure that mode at both beta2s, and the table in
+docs/ground-truth.md (measured before, with torch-optimi's bf16 second moment) is the premise's
 record; the ground truth's re-score with only that moment's dtype changed is the controlled
 comparison. Pure bf16 keeps torch's bf16 moments, and its rows still test the rule.
 

@@ -8,10 +8,10 @@ benchmark trains those pairs longer (``--steps``, default 10000: 50x the gate's 
 ``FP32_SEEDS`` fp32 seeds and prints, per task, whether each mode hurts by the ground
 truth's own criterion (``ground_truth.hurts``). Long runs share the ground truth's cache.
 
-Its README figures were measured while bf16_kahan kept torch-optimi's bf16 second moment; since
-2026-11-26 that moment is fp32 (``autoprec.kahan_adamw``), the rule no longer judges it, and its
-rows here measure the mode as it is (its cache names carry the new revision, so no old run is
-read for it). bf16_pure's rows still test the rule.
+Its figures (docs/ground-truth.md) were measured while bf16_kahan kept torch-optimi's bf16 second
+moment; since 2026-11-26 that moment is fp32 (``autoprec.kahan_adamw``), the rule no longer judges
+it, and its rows here measure the mode as it is (its cache names carry the new revision, so no old
+run is read for it). bf16_pure's rows still test the rule.
 
     python -m benchmarks.state_rule_horizon [--steps 10000] [--tasks a,b] [--threads 1]
     python -m benchmarks.state_rule_horizon --quick   # 1 task, 300 steps: the CI variant
@@ -35,8 +35,8 @@ from benchmarks.ground_truth import (
 from benchmarks.ground_truth_tasks import TASKS, GroundTask
 
 FP32_SEEDS = 3
-"""fp32 runs per task at this horizon: 3, as when its figures (README) were measured; each is a
-10000-step run (the ground truth's 2000-step truth now takes 8)."""
+"""fp32 runs per task at this horizon: 3, as when its figures (docs/ground-truth.md) were measured;
+each is a 10000-step run (the ground truth's 2000-step truth now takes 8)."""
 
 STATE_RULE_TASKS = ("hf_llama_lm", "encoder_dropout", "digits_convnet", "flow_unet")
 """The tasks where the rule rejected a mode the 2000-step truth found fine."""

@@ -40,9 +40,9 @@ from benchmarks.ground_truth_tasks import TASKS
 from benchmarks.state_ratchet import BETA1, BETA2, MomentShadows, shadow
 
 HURT_AT_2000 = frozenset({"raw_param_mlp", "digits_mlp", "cosine_regression", "tiny_lr_finetune"})
-"""Tasks where bf16_kahan ended the 2000-step ground truth worse than fp32 (+2.0% to +17.6%)
-under its first, 3-seed truth; on the others it ended within the fp32 seeds' spread. Under
-the 8-seed truth the digits MLP's +2.0% is 1.0 seed sds (README, "Scored against long runs"):
+"""Tasks where bf16_kahan ended the 2000-step ground truth worse than fp32 (+2.0% to +17.6%) under
+its first, 3-seed truth; on the others it ended within the fp32 seeds' spread. Under the 8-seed
+truth the digits MLP's +2.0% is 1.0 seed sds (docs/ground-truth.md, "Scored against long runs"):
 neither signal separates that split either."""
 RUN_STEPS = 2000
 """The real run whose first steps the trial sees (the task's schedule spans these)."""

@@ -10,9 +10,9 @@ which pairs change verdict against the defaults; then the same with the optimize
 off, which otherwise rejects every pure-bf16 mode first and hides what the other checks do. A
 check first re-judges at the defaults and must reproduce every recorded verdict.
 
-This is a sensitivity measurement, not a fit: the defaults were set before it ran (README,
-"Trials and the drift gate"), and a value that scores better on these 114 pairs would be chosen
-on the same pairs it is scored on.
+This is a sensitivity measurement, not a fit: the defaults were set before it ran (README, "Trials
+and the drift gate"; docs/ground-truth.md), and a value that scores better on these 114 pairs would
+be chosen on the same pairs it is scored on.
 
     python -m benchmarks.threshold_sweep [--tasks a,b] [--steps 2000] [--trial-steps 200]
     python -m benchmarks.threshold_sweep --quick     # 2 tasks, short runs: the CI variant
