@@ -10,7 +10,7 @@ against the budget, the full collections run and the seconds they took (timed wi
 on first use are imported before either arm, so neither walks them alone.
 
     python -m benchmarks.gc_pauses [--objects 1500000] [--budget 0.25]
-    python -m benchmarks.gc_pauses --quick    # 300000 objects, a 0.15-minute budget: CI
+    python -m benchmarks.gc_pauses --quick    # 300000 objects, one candidate, 0.3 minutes: CI
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Run:
     step_ms: dict[str, float]
 
 
-def tune_once(frozen: bool, budget_minutes: float) -> Run:
+def tune_once(frozen: bool, budget_minutes: float, modes: list[str] | None = None) -> Run:
     model, _ = tiny_gpt.make_model()
     batches = tiny_gpt.make_batches(count=16)
     off = contextlib.nullcontext
@@ -77,7 +77,9 @@ def tune_once(frozen: bool, budget_minutes: float) -> Run:
     )
     with patches, timed_collections() as times:
         start = time.monotonic()
-        result = autoprec.tune(model, batches, budget_minutes=budget_minutes, progress=False)
+        result = autoprec.tune(
+            model, batches, budget_minutes=budget_minutes, modes=modes, progress=False
+        )
         wall = time.monotonic() - start
     step_ms = {
         outcome.label: outcome.median_step_seconds * 1e3
@@ -99,9 +101,15 @@ def main(argv: list[str] | None = None) -> list[Run]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=1_500_000)
     parser.add_argument("--budget", type=float, default=0.25, help="minutes per tune")
-    parser.add_argument("--quick", action="store_true", help="300000 objects, 0.15 minutes: CI")
+    parser.add_argument(
+        "--quick", action="store_true", help="300000 objects, one candidate, 0.3 minutes: CI"
+    )
     args = parser.parse_args(argv)
-    objects, budget = (300_000, 0.15) if args.quick else (args.objects, args.budget)
+    objects, budget = (300_000, 0.3) if args.quick else (args.objects, args.budget)
+    # --quick: fp32 with 8-bit states alone (fast on any CPU). With every candidate, 0.15
+    # minutes was refused as too small when a loaded CI machine's fp32 step took 0.0365 s
+    # (10 runs of 20 steps: 0.40 minutes at least)
+    modes = ["fp32+8bit-optim"] if args.quick else None
     import optuna  # noqa: F401 - what tune imports on first use, imported before either arm
 
     for name in BACKENDS:
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
             require(name)
     held = [{"value": [index]} for index in range(objects)]
     print(f"tiny_gpt, budget {budget:g} min, {len(held)} objects held beside the run")
-    runs = [tune_once(frozen, budget) for frozen in (True, False)]
+    runs = [tune_once(frozen, budget, modes) for frozen in (True, False)]
     for run in runs:
         steps = ", ".join(f"{label} {ms:.1f}" for label, ms in run.step_ms.items())
         print(
