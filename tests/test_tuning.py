@@ -95,10 +95,12 @@ def test_budget_is_a_hard_wall() -> None:
     model, _ = tiny_gpt.make_model()
     batches = tiny_gpt.make_batches(count=16)
     start = time.monotonic()
-    result = tune(model, batches, budget_minutes=0.25)
+    # 0.4 minutes: at 0.25 a loaded CI machine (fp32 step 0.0365 s, ~1 s of copying per run)
+    # leaves under 40 steps' time for 10 runs, which is refused as too small (gc_pauses was)
+    result = tune(model, batches, budget_minutes=0.4)
     wall = time.monotonic() - start
-    assert wall <= 15 * 1.05, f"{wall:.1f} s for a 15 s budget"
-    assert result.budget.used_seconds <= 15 * 1.05
+    assert wall <= 24 * 1.05, f"{wall:.1f} s for a 24 s budget"
+    assert result.budget.used_seconds <= 24 * 1.05
     assert result.budget.trial_steps >= 20
 
 
