@@ -284,7 +284,11 @@ def mode_metric(
 ) -> tuple[float, int, str | None]:
     """(metric, runs, failure): the mean over the mode's ``seeds`` runs; the first failed run
     fails the pair (metric inf) and ends it."""
-    runs = mode_runs(cache, task, spec, steps, seeds)
+    return runs_metric(mode_runs(cache, task, spec, steps, seeds))
+
+
+def runs_metric(runs: list[LongRun]) -> tuple[float, int, str | None]:
+    """(metric, runs, failure) of a mode's long runs (:func:`mode_metric`)."""
     if runs[-1].failure is not None:
         return math.inf, len(runs), runs[-1].failure
     return statistics.fmean(run.metric for run in runs), len(runs), None
@@ -349,7 +353,7 @@ def score_task(name: str, steps: int, trial_steps: int, cache: Path, seeds: Seed
     pairs = []
     for verdict in report.verdicts:
         long_runs = mode_runs(cache, task, verdict.spec, steps, seeds.mode)
-        metric, runs, failure = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
+        metric, runs, failure = runs_metric(long_runs)  # the cache read once
         reason = verdict.reasons[0] if verdict.reasons else ""
         pair = Pair(
             task=name,
