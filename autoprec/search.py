@@ -118,6 +118,16 @@ def _pace(best: TrialOutcome | None, per_step: float) -> str:
     return f", at {ratio:.3g}x {best.label}'s step time"
 
 
+_PACE = re.compile(r", at [0-9.e+]+x (.+)'s step time$")
+
+
+def slower_when_cut(reason: str) -> str | None:
+    """The label a budget stop's reason says the trial was already slower than (:func:`_pace`
+    wrote it), or None."""
+    found = _PACE.search(reason)
+    return None if found is None else found.group(1)
+
+
 def make_stop_check(
     best: TrialOutcome | None,
     objective: Objective,

@@ -7,7 +7,6 @@ chooses the winner among the outcomes and builds its :class:`~autoprec.profile.P
 from __future__ import annotations
 
 import collections
-import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -21,6 +20,7 @@ from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import RecipeSummary
 from autoprec.retiming import CONFIRM_WITHIN
 from autoprec.run_setup import RunSetup
+from autoprec.search import slower_when_cut
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import TrialResult
 
@@ -267,9 +267,6 @@ def fallback_note(
     return f"No candidate was accepted ({_tally(outcomes)}); this is the fp32 reference. {said}"
 
 
-_SLOWER_WHEN_CUT = re.compile(r", at [0-9.e+]+x (.+)'s step time$")
-
-
 def _tally(outcomes: list[TrialOutcome]) -> str:
     """What became of the candidates, counted: whether quality, speed or the budget kept fp32
     (a demo on a CPU without bf16 kernels, every candidate pruned for speed or budget, read
@@ -281,10 +278,10 @@ def _tally(outcomes: list[TrialOutcome]) -> str:
             if reason.startswith("budget"):
                 if outcome.seconds <= 0:
                     return "not run for the budget"
-                pace = _SLOWER_WHEN_CUT.search(reason)  # search._pace's words
-                if pace is None:
+                slower = slower_when_cut(reason)
+                if slower is None:
                     return "cut by the budget"
-                return f"cut by the budget when already slower than {pace.group(1)}"
+                return f"cut by the budget when already slower than {slower}"
             return f"pruned as {reason.split(':')[0]}"  # "slower than fp32", "larger than ..."
         return {"rejected": "rejected by the drift gate", "failed": "failed"}[outcome.status]
 
