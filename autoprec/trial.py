@@ -304,11 +304,14 @@ def run_trial(
             spec=spec, seed=seed, steps_planned=steps, steps_run=0, warmup_steps=warmup_steps
         )
     )
-    baseline = memory_now(device)  # what is not this trial: subtracted from its peak
     graphs_before = 0
     if spec.compile:
         torch.compiler.reset()  # compile from scratch, as a fresh training process does
         graphs_before = compiled_graph_count()
+    # what is not this trial, subtracted from its peak: taken after the reset, which frees what
+    # an earlier compiled trial's graphs held (taken before, an H200 run subtracted that too and
+    # printed 227 MiB for amp_bf16's compiled 59M-parameter GPT, under its 900 MiB of state)
+    baseline = memory_now(device)
     with seeded_streams(device, seed), autocast_state_kept(device):
         run = _train_copy(inputs, result, baseline)
     if "peak" not in run.figures:  # failed or stopped before the end: the peak so far

@@ -14,7 +14,14 @@ and FP8 tensorwise and rowwise, each real (on FP8 hardware) and emulated. For ea
 every lr leg's projection onto the reference's movement, the share of moved weights it never
 moved, and the gate's verdict.
 
-    python -m benchmarks.fp8_movement [--steps 86]   # on an FP8 GPU (a few minutes)
+On an H200 (third session, 2026-11-27; README "Development") the answer was both. Real FP8
+moved less than its emulation on the same GPU (floor lr, 86 steps: tensorwise 0.786 against
+0.864 emulated, rowwise 0.699 against 0.859; amp_bf16 0.923), and emulated FP8 moved less on
+this model than on the CPU's (0.864 against 0.982 on the 2.1M-parameter ``--medium`` GPT). Every
+shortfall shrank in 300-step trials (tensorwise 0.891, rowwise 0.821, amp_bf16 0.956), where
+the gate accepts all four FP8 runs; an fp32 rerun moved 1.000 both times.
+
+    python -m benchmarks.fp8_movement [--steps 86]   # on an FP8 GPU (86 steps: 1.5 minutes)
     python -m benchmarks.fp8_movement --medium       # CPU: a 2.1M-parameter GPT, emulated FP8
     python -m benchmarks.fp8_movement --quick        # CPU: small model, emulated FP8 (CI)
 """

@@ -21,9 +21,11 @@
 #                                               # amp_bf16 eager and compiled, the mode
 #                                               # contract, a 3-minute 18-candidate tune (the
 #                                               # second H200 session's runs, 2026-11-26)
-#   bash benchmarks/gpu_session.sh fp8          # (~4 min) fp8_movement: FP8's weight movement
+#   bash benchmarks/gpu_session.sh fp8          # (~6 min) fp8_movement: FP8's weight movement
 #                                               # per lr leg, real against emulated, beside
-#                                               # fp32 rerun, tf32 and amp_bf16
+#                                               # fp32 rerun, tf32 and amp_bf16, in the tune's
+#                                               # 86-step trials and in 300-step ones (the
+#                                               # third H200 session's runs, 2026-11-27)
 #
 # Without $OUT (a CPU dry run) the logs go to runs/gpu_session/; $PYTHON picks the interpreter
 # (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
@@ -108,7 +110,10 @@ case "$stage" in
         --profile-out "$out/tune-profile.json"
     } 2>&1 | tee "$log" ;;
   fp8)
-    timeout 560 "$python" -m benchmarks.fp8_movement 2>&1 | tee "$log" ;;
+    {
+      timeout 150 "$python" -m benchmarks.fp8_movement --steps 86
+      timeout 400 "$python" -m benchmarks.fp8_movement --steps 300
+    } 2>&1 | tee "$log" ;;
   reference)
     timeout 560 "$python" -m benchmarks.gpu_reference_speed --after-each-mode 2>&1 | tee "$log" ;;
 esac
