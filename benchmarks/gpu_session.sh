@@ -26,15 +26,21 @@
 #                                               # fp32 rerun, tf32 and amp_bf16, in the tune's
 #                                               # 86-step trials and in 300-step ones (the
 #                                               # third H200 session's runs, 2026-11-27)
+#   bash benchmarks/gpu_session.sh truth        # (~9 min; a second command goes on from the
+#                                               # cache) ground_truth_gpu: real FP8 on the 59M
+#                                               # GPT, 2000-step runs against fp32's seeds, the
+#                                               # gate at 86 and 300 steps; the long runs are
+#                                               # copied to $OUT/ground_truth (carry them back
+#                                               # in as runs/ground_truth on a fresh machine)
 #
 # Without $OUT (a CPU dry run) the logs go to runs/gpu_session/; $PYTHON picks the interpreter
 # (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
 # runs out of its time leaves its log, and the script exits with its last command's status.
 set -uo pipefail
-stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup|fp8"}
+stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup|fp8|truth"}
 case "$stage" in
-  tests|validation|timing|reference|lease|recheck|followup|fp8) ;;
-  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck, followup or fp8" >&2
+  tests|validation|timing|reference|lease|recheck|followup|fp8|truth) ;;
+  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck, followup, fp8 or truth" >&2
      exit 2 ;;
 esac
 out=${OUT:-runs/gpu_session}
@@ -114,6 +120,11 @@ case "$stage" in
       timeout 150 "$python" -m benchmarks.fp8_movement --steps 86
       timeout 400 "$python" -m benchmarks.fp8_movement --steps 300
     } 2>&1 | tee "$log" ;;
+  truth)
+    timeout 560 "$python" -m benchmarks.ground_truth_gpu 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    cp -r runs/ground_truth "$out/ground_truth" 2>/dev/null
+    exit "$status" ;;
   reference)
     timeout 560 "$python" -m benchmarks.gpu_reference_speed --after-each-mode 2>&1 | tee "$log" ;;
 esac

@@ -337,10 +337,21 @@ def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> 
     )
 
 
-def score_task(name: str, steps: int, trial_steps: int, cache: Path, seeds: Seeds) -> list[Pair]:
-    task = ALL_TASKS[name](steps)
+def score_task(
+    name: str,
+    steps: int,
+    trial_steps: int,
+    cache: Path,
+    seeds: Seeds,
+    *,
+    modes: list[str] | None = None,
+    tasks: Mapping[str, Callable[[int], GroundTask]] = ALL_TASKS,
+) -> list[Pair]:
+    """Every mode ``check()`` screens on task ``name`` of ``tasks`` (``modes``: exactly these),
+    its gate verdict at ``trial_steps`` against the truth of its long runs."""
+    task = tasks[name](steps)
     started = time.perf_counter()
-    report = gate(task, trial_steps)
+    report = gate(task, trial_steps, modes)
     gate_seconds = time.perf_counter() - started
     fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
     mean, sd = statistics.fmean(fp32), statistics.stdev(fp32)

@@ -467,13 +467,19 @@ def nanogpt_recipe(total_steps: int) -> GroundTask:
         model,
         batches(600, 1),
         batches(8, 2),
-        TrainingRecipe(
-            total_steps=total_steps,
-            optimizer=tiny_gpt.make_optimizer,
-            scheduler=tiny_gpt.cosine_schedule,
-            clip_grad_norm=1.0,
-            loss_fn=_next_token_loss,
-        ),
+        nanogpt_training(total_steps),
+    )
+
+
+def nanogpt_training(total_steps: int) -> TrainingRecipe:
+    """nanoGPT's recipe over ``total_steps``: AdamW 6e-4, betas (0.9, 0.95), weight decay 0.1,
+    warm-up then cosine to a tenth, clipping at 1.0, next-token cross-entropy."""
+    return TrainingRecipe(
+        total_steps=total_steps,
+        optimizer=tiny_gpt.make_optimizer,
+        scheduler=tiny_gpt.cosine_schedule,
+        clip_grad_norm=1.0,
+        loss_fn=_next_token_loss,
     )
 
 

@@ -183,6 +183,33 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     assert by_units[1.5][0] <= by_units[3.0][0] <= by_units[6.0][0]
 
 
+def test_gpu_ground_truth_scores_fp8_on_its_gpt_and_goes_on_from_its_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks.ground_truth_gpu --quick (CPU: a small GPT, emulated FP8): fp32's seeds and
+    the mode's, the gate against them; its runs are cached under the device type, and a second
+    run (a device command cut by its time limit) trains nothing again."""
+    from benchmarks import ground_truth, ground_truth_gpu
+
+    arguments = ["--quick", "--modes", "fp8_torchao", "--cache", str(tmp_path)]
+    scored = ground_truth_gpu.main(arguments)
+    (pairs,) = scored.values()
+    assert [p.label for p in pairs] == ["fp8_torchao+tensorwise+emulated"]
+    assert pairs[0].gate in ("safe", "unsafe") and pairs[0].runs == 2
+    cached = list(tmp_path.rglob("*.json"))  # 3 fp32 runs, 2 of the mode, kept apart by device
+    assert len(cached) == 3 + 2 and all(path.parent.name.endswith(".cpu") for path in cached)
+    assert "false accepts" in capsys.readouterr().out
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("a cached long run was trained again")
+
+    monkeypatch.setattr(ground_truth, "long_run", no_training)
+    (again,) = ground_truth_gpu.main(arguments).values()
+    assert [(p.truth_hurts, p.metric) for p in again] == [(p.truth_hurts, p.metric) for p in pairs]
+    with pytest.raises(SystemExit):
+        ground_truth_gpu.main([*arguments, "--fp32-seeds", "1"])
+
+
 def test_ground_truth_heldout_tasks_are_scored_apart_from_the_tuned_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
