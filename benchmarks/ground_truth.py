@@ -21,7 +21,8 @@ line; then the same for the **paired reading** (each mode's runs against the fp3
 own seeds, :func:`paired_line`), which the truth above, comparing means as if independent, is
 the conservative side of. Long runs are cached under
 ``--cache`` (default ``runs/ground_truth``), keyed by task, mode, seed and steps, so a re-score
-after a gate change re-runs only the gate (minutes).
+after a gate change re-runs only the gate (minutes); ``python -m benchmarks.ground_truth_archive
+restore`` fills the cache with the runs measured on autoprec's development CPU, committed.
 
     python -m benchmarks.ground_truth [--tasks a,b] [--steps 2000] [--trial-steps 200]
     python -m benchmarks.ground_truth --quick     # 2 tasks, short runs: the CI variant

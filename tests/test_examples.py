@@ -210,6 +210,51 @@ def test_gpu_ground_truth_scores_fp8_on_its_gpt_and_goes_on_from_its_cache(
         ground_truth_gpu.main([*arguments, "--fp32-seeds", "1"])
 
 
+def test_ground_truth_archive_restores_long_runs_a_rescore_reads_instead_of_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """export puts the cache's full-length runs in the committed archive with the machine they
+    ran on; restore writes them into another cache (never over a run there), where
+    cached_long_run reads them instead of training."""
+    from benchmarks import ground_truth, ground_truth_archive
+    from benchmarks.ground_truth import LongRun, cached_long_run
+    from benchmarks.ground_truth_tasks import TASKS
+
+    task, spec = TASKS["digits_mlp"](2000), ModeSpec(mode="amp_bf16")
+    trained = iter([LongRun(0.25, 0.2, 1.5), LongRun(0.5, 0.4, 0.1)])
+    monkeypatch.setattr(ground_truth, "long_run", lambda *args: next(trained))
+    measured, archive = tmp_path / "measured", tmp_path / "runs.json"
+    cached_long_run(measured, task, spec, 0, 2000)
+    cached_long_run(measured, task, spec, 0, 300)  # a --quick length: not the truth's
+    assert ground_truth_archive.main(
+        ["export", "--cache", str(measured), "--archive", str(archive)]
+    ) == (1, 1)
+    content = ground_truth_archive.read_archive(archive)
+    (record,) = content["runs"].values()
+    assert record["metric"] == 0.25 and content["machines"][record["machine"]].endswith(
+        f"torch {torch.__version__}"
+    )
+    assert ground_truth_archive.export(measured, archive, 2000) == 0  # nothing new
+
+    fresh, own = tmp_path / "fresh", tmp_path / "own"
+    assert ground_truth_archive.restore(fresh, archive) == (1, 0)
+    assert ground_truth_archive.restore(fresh, archive) == (0, 1)
+    kept = own / next(iter(content["runs"]))
+    kept.parent.mkdir(parents=True)
+    kept.write_text('{"metric": 9.0}')  # a run measured on this machine: never overwritten
+    assert ground_truth_archive.restore(own, archive) == (0, 1)
+    assert kept.read_text() == '{"metric": 9.0}'
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("an archived long run was trained again")
+
+    monkeypatch.setattr(ground_truth, "long_run", no_training)
+    assert cached_long_run(fresh, task, spec, 0, 2000) == LongRun(0.25, 0.2, 1.5)
+    archive.write_text('{"runs": {}}')
+    with pytest.raises(ValueError, match="not a ground-truth archive"):
+        ground_truth_archive.restore(fresh, archive)
+
+
 def test_ground_truth_heldout_tasks_are_scored_apart_from_the_tuned_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
