@@ -308,9 +308,12 @@ def run_trial(
     if spec.compile:
         torch.compiler.reset()  # compile from scratch, as a fresh training process does
         graphs_before = compiled_graph_count()
-    # what is not this trial, subtracted from its peak: taken after the reset, which frees what
-    # an earlier compiled trial's graphs held (taken before, an H200 run subtracted that too and
-    # printed 227 MiB for amp_bf16's compiled 59M-parameter GPT, under its 900 MiB of state)
+    # what is not this trial, subtracted from its peak: taken after the reset and a collection,
+    # which free what an earlier compiled trial's graphs held and an earlier trial's garbage
+    # (reference cycles through hooks and modes). Freed mid-trial instead, it was subtracted
+    # too: an H200 printed 227 MiB for amp_bf16's compiled 59M-parameter GPT and 309 MiB for
+    # eager FP8 after fp32's trial, under their 900 MiB of weights and Adam state.
+    gc.collect()
     baseline = memory_now(device)
     with seeded_streams(device, seed), autocast_state_kept(device):
         run = _train_copy(inputs, result, baseline)

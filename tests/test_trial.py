@@ -665,28 +665,37 @@ def test_peak_memory_is_the_trials_own() -> None:
     assert float(held[0]) == 1.0
 
 
-def test_compiled_trials_peak_is_not_cut_by_what_the_compiler_reset_frees(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("freed_by", "compile"), [("torch.compiler.reset", True), ("gc.collect", False)]
+)
+def test_a_trials_peak_is_not_cut_by_what_earlier_trials_left_to_free(
+    freed_by: str, compile: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A compiled trial resets dynamo, which frees what the previous compiled trial's graphs
-    held. The baseline taken before that reset counted it, and the peak came out short by as
-    much (an H200: 227 MiB for amp_bf16 on a 59M-parameter GPT with 900 MiB of state). Here the
-    reset frees a pretend 1 TiB: the peak must still be the trial's own."""
+    """Memory an earlier trial left, freed during this one, was subtracted from this trial's
+    peak: an H200 printed 227 MiB for amp_bf16's compiled 59M-parameter GPT (the previous
+    compiled trial's graphs, freed by dynamo's reset) and 309 MiB for eager FP8 after fp32's
+    trial (its garbage, freed by a collection), under their 900 MiB of weights and state. Here
+    the reset or the collector frees a pretend 1 TiB: the peak must still be the trial's own."""
+    import gc
+
     import autoprec.trial as trial
 
-    freed_by_reset = [2**40]
-    real_reset, real_memory_now = torch.compiler.reset, trial.memory_now
+    left = [2**40]
+    module_name, function_name = freed_by.rsplit(".", 1)
+    module = torch.compiler if module_name == "torch.compiler" else gc
+    real_free, real_memory_now = getattr(module, function_name), trial.memory_now
 
-    def reset() -> None:
-        real_reset()
-        freed_by_reset[0] = 0
+    def free(*args: object) -> object:
+        left[0] = 0
+        return real_free(*args)
 
     def memory_now(device: torch.device) -> dict[str, int]:
-        return {"rss": real_memory_now(device)["rss"] + freed_by_reset[0]}
+        return {"rss": real_memory_now(device)["rss"] + left[0]}
 
-    monkeypatch.setattr(torch.compiler, "reset", reset)
+    monkeypatch.setattr(module, function_name, free)
     monkeypatch.setattr(trial, "memory_now", memory_now)
-    record = _trial_on(tasks.regression(), ModeSpec(mode="fp32", compile=True), steps=4).record
+    spec = ModeSpec(mode="fp32", compile=compile)
+    record = _trial_on(tasks.regression(), spec, steps=4).record
     assert record.completed, record.failure
     assert record.peak_memory_bytes is not None and 0 < record.peak_memory_bytes < 2**40
 
