@@ -26,8 +26,9 @@
 #                                               # fp32 rerun, tf32 and amp_bf16, in the tune's
 #                                               # 86-step trials and in 300-step ones (the
 #                                               # third H200 session's runs, 2026-11-27)
-#   bash benchmarks/gpu_session.sh truth        # (~9 min; a second command goes on from the
-#                                               # cache) ground_truth_gpu: real FP8 on the 59M
+#   bash benchmarks/gpu_session.sh truth        # (~11.5 min: run it twice, the second goes on
+#                                               # from the cache; first thing in the next lease)
+#                                               # ground_truth_gpu: real FP8 on the 59M
 #                                               # GPT, 2000-step runs against fp32's seeds, the
 #                                               # gate at 86 and 300 steps; the long runs are
 #                                               # copied to $OUT/ground_truth (carry them back
