@@ -60,6 +60,7 @@ from autoprec.run_setup import (
     reference_runs,
     setup_notes,
     setup_run,
+    short_trial_note,
 )
 from autoprec.search import (
     ask_for,
@@ -417,7 +418,7 @@ def _search(
         reference_outcome,
         outcomes,
         budget,
-        (*reference_verdict.notes, *setup_notes(setup)),
+        (*reference_verdict.notes, *setup_notes(setup), *filter(None, [short_trial_note(steps)])),
     )
     record_result(study, result.chosen.label, [result.reference, *result.trials])
     return result
