@@ -153,15 +153,21 @@ the six cached tasks' 68 verdicts agree. The note, not a longer minimum: the sho
 are what a small budget buys, and the bar a short leg should meet is not measured yet."""
 
 
-def short_trial_note(steps: int) -> str | None:
-    """The note for trials under ``SHORT_TRIAL_STEPS`` steps, or None."""
+def short_trial_note(steps: int, *, tuned: bool) -> str | None:
+    """The note for trials under ``SHORT_TRIAL_STEPS`` steps, or None; its remedy is a larger
+    budget for ``tune()`` (``tuned``), more steps for ``check()``."""
     if steps >= SHORT_TRIAL_STEPS:
         return None
+    remedy = (
+        f"A budget of at least {SHORT_TRIAL_STEPS / steps:.1f}x this one gives "
+        f"{SHORT_TRIAL_STEPS}-step trials."
+        if tuned
+        else f"Check with steps={SHORT_TRIAL_STEPS} or more (--steps {SHORT_TRIAL_STEPS})."
+    )
     return (
         f"trials ran {steps} steps: under {SHORT_TRIAL_STEPS}, the drift gate's weight-movement "
         "check has rejected a mode that long runs found fine (bf16_kahan on autoprec's "
-        f"ground-truth autoencoder, at 20 and 30 steps). A budget of at least "
-        f"{SHORT_TRIAL_STEPS / steps:.1f}x this one gives {SHORT_TRIAL_STEPS}-step trials."
+        f"ground-truth autoencoder, at 20 and 30 steps). {remedy}"
     )
 
 

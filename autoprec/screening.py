@@ -46,6 +46,7 @@ from autoprec.run_setup import (
     reference_runs,
     setup_notes,
     setup_run,
+    short_trial_note,
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -315,6 +316,10 @@ def check(
         steps=steps,
         device=setup.report.device,
         recipe=recipe.summary(model),
-        checks_not_run=(*reference_verdict.notes, *setup_notes(setup)),
+        checks_not_run=(
+            *reference_verdict.notes,
+            *setup_notes(setup),
+            *filter(None, [short_trial_note(steps, tuned=False)]),
+        ),
         seconds=clock() - start,
     )

@@ -418,7 +418,11 @@ def _search(
         reference_outcome,
         outcomes,
         budget,
-        (*reference_verdict.notes, *setup_notes(setup), *filter(None, [short_trial_note(steps)])),
+        (
+            *reference_verdict.notes,
+            *setup_notes(setup),
+            *filter(None, [short_trial_note(steps, tuned=True)]),
+        ),
     )
     record_result(study, result.chosen.label, [result.reference, *result.trials])
     return result

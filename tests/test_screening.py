@@ -35,6 +35,19 @@ from examples import tasks
 from tests.test_layers import _qlora_model
 
 
+def test_check_with_trials_under_40_steps_says_they_are_short() -> None:
+    """At 20-30 steps the movement check rejected bf16_kahan on the ground truth's autoencoder,
+    which long runs found fine: a check that short says so, and what to pass instead."""
+    task = tasks.regression()
+    options: dict[str, Any] = {"loss_fn": task.mse, "optimizer": task.optimizer}
+    batches = task.batches + task.heldout
+    short = autoprec.check(task.model, batches, steps=20, modes=["fp8_torchao"], **options)
+    (note,) = [n for n in short.checks_not_run if n.startswith("trials ran 20 steps")]
+    assert "steps=40 or more" in note and note in short.summary()
+    enough = autoprec.check(task.model, batches, steps=40, modes=["fp8_torchao"], **options)
+    assert not any(n.startswith("trials ran") for n in enough.checks_not_run)
+
+
 def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     task = tasks.regression(lr=1e-4)
     before = copy.deepcopy(task.model.state_dict())

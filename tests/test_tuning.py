@@ -110,9 +110,11 @@ def test_budget_is_a_hard_wall() -> None:
 def test_short_trials_get_a_note_with_the_budget_for_40_steps() -> None:
     from autoprec.run_setup import short_trial_note
 
-    note = short_trial_note(20)
+    note = short_trial_note(20, tuned=True)
     assert note is not None and "trials ran 20 steps" in note and "2.0x this one" in note
-    assert short_trial_note(40) is None and short_trial_note(300) is None
+    assert short_trial_note(40, tuned=True) is None and short_trial_note(300, tuned=True) is None
+    check_note = short_trial_note(30, tuned=False)
+    assert check_note is not None and "steps=40 or more" in check_note
 
 
 def _interrupt_after(count: int, done: list[str]) -> Callable[[SearchEvent], None]:
