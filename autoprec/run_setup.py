@@ -149,8 +149,11 @@ SHORT_TRIAL_STEPS = 40
 the trial lengths tune() uses") the weight-movement check rejected bf16_kahan on the digits
 autoencoder in 20- and 30-step trials (68-69% of fp32's movement in 10- and 15-step legs; its
 long runs end +1.0% against a line at +5.4%) and passed it from 40 steps; at 86 and 200 steps
-the six cached tasks' 68 verdicts agree. The note, not a longer minimum: the shortest trials
-are what a small budget buys, and the bar a short leg should meet is not measured yet."""
+the six cached tasks' 68 verdicts agree. The cause there: torch-optimi's Adam corrects its first
+moment's bias otherwise than torch's when β1 changes (OneCycleLR), and the trial's jump from the
+peak leg's β1 to the floor leg's, early in the trial, made torch's step 1.46x torch-optimi's.
+The note, not a longer minimum: the shortest trials are what a small budget buys, and the bar
+a short leg should meet is not measured yet."""
 
 
 def short_trial_note(steps: int, *, tuned: bool) -> str | None:
