@@ -156,11 +156,11 @@ The note, not a longer minimum: the shortest trials are what a small budget buys
 a short leg should meet is not measured yet."""
 
 
-def short_trial_note(steps: int, *, tuned: bool) -> str | None:
-    """The note for trials under ``SHORT_TRIAL_STEPS`` steps, or None; its remedy is a larger
+def short_trial_notes(steps: int, *, tuned: bool) -> tuple[str, ...]:
+    """The note for trials under ``SHORT_TRIAL_STEPS`` steps, or none; its remedy is a larger
     budget for ``tune()`` (``tuned``), more steps for ``check()``."""
     if steps >= SHORT_TRIAL_STEPS:
-        return None
+        return ()
     remedy = (
         f"A budget of at least {SHORT_TRIAL_STEPS / steps:.1f}x this one gives "
         f"{SHORT_TRIAL_STEPS}-step trials."
@@ -170,7 +170,7 @@ def short_trial_note(steps: int, *, tuned: bool) -> str | None:
     return (
         f"trials ran {steps} steps: under {SHORT_TRIAL_STEPS}, the drift gate's weight-movement "
         "check has rejected a mode that long runs found fine (bf16_kahan on autoprec's "
-        f"ground-truth autoencoder, at 20 and 30 steps). {remedy}"
+        f"ground-truth autoencoder, at 20 and 30 steps). {remedy}",
     )
 
 

@@ -46,7 +46,7 @@ from autoprec.run_setup import (
     reference_runs,
     setup_notes,
     setup_run,
-    short_trial_note,
+    short_trial_notes,
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -319,7 +319,7 @@ def check(
         checks_not_run=(
             *reference_verdict.notes,
             *setup_notes(setup),
-            *filter(None, [short_trial_note(steps, tuned=False)]),
+            *short_trial_notes(steps, tuned=False),
         ),
         seconds=clock() - start,
     )

@@ -60,7 +60,7 @@ from autoprec.run_setup import (
     reference_runs,
     setup_notes,
     setup_run,
-    short_trial_note,
+    short_trial_notes,
 )
 from autoprec.search import (
     ask_for,
@@ -421,7 +421,7 @@ def _search(
         (
             *reference_verdict.notes,
             *setup_notes(setup),
-            *filter(None, [short_trial_note(steps, tuned=True)]),
+            *short_trial_notes(steps, tuned=True),
         ),
     )
     record_result(study, result.chosen.label, [result.reference, *result.trials])

@@ -108,13 +108,13 @@ def test_budget_is_a_hard_wall() -> None:
 
 
 def test_short_trials_get_a_note_with_the_budget_for_40_steps() -> None:
-    from autoprec.run_setup import short_trial_note
+    from autoprec.run_setup import short_trial_notes
 
-    note = short_trial_note(20, tuned=True)
-    assert note is not None and "trials ran 20 steps" in note and "2.0x this one" in note
-    assert short_trial_note(40, tuned=True) is None and short_trial_note(300, tuned=True) is None
-    check_note = short_trial_note(30, tuned=False)
-    assert check_note is not None and "steps=40 or more" in check_note
+    (note,) = short_trial_notes(20, tuned=True)
+    assert "trials ran 20 steps" in note and "2.0x this one" in note
+    assert short_trial_notes(40, tuned=True) == () == short_trial_notes(300, tuned=True)
+    (check_note,) = short_trial_notes(30, tuned=False)
+    assert "steps=40 or more" in check_note
 
 
 def _interrupt_after(count: int, done: list[str]) -> Callable[[SearchEvent], None]:
