@@ -338,19 +338,22 @@ def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> 
     )
 
 
-def score_task(
+def score_task(name: str, steps: int, trial_steps: int, cache: Path, seeds: Seeds) -> list[Pair]:
+    """:func:`score` on the task ``name`` of ``ALL_TASKS``."""
+    return score(name, ALL_TASKS[name](steps), steps, trial_steps, cache, seeds)
+
+
+def score(
     name: str,
+    task: GroundTask,
     steps: int,
     trial_steps: int,
     cache: Path,
     seeds: Seeds,
-    *,
     modes: list[str] | None = None,
-    tasks: Mapping[str, Callable[[int], GroundTask]] = ALL_TASKS,
 ) -> list[Pair]:
-    """Every mode ``check()`` screens on task ``name`` of ``tasks`` (``modes``: exactly these),
-    its gate verdict at ``trial_steps`` against the truth of its long runs."""
-    task = tasks[name](steps)
+    """Every mode ``check()`` screens on ``task`` (``modes``: exactly these), its gate verdict
+    at ``trial_steps`` against the truth of its long runs of ``steps``."""
     started = time.perf_counter()
     report = gate(task, trial_steps, modes)
     gate_seconds = time.perf_counter() - started

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_validation import LARGE
-from benchmarks.ground_truth import Pair, Seeds, confusion, score_task
+from benchmarks.ground_truth import Pair, Seeds, confusion, score
 from benchmarks.ground_truth_tasks import GroundTask, _markov_tokens, nanogpt_training
 from examples import tiny_gpt
 
@@ -104,15 +104,7 @@ def main(argv: list[str] | None = None) -> dict[int, list[Pair]]:
     modes = args.modes.split(",")
     scored = {}
     for trial_steps in trials:
-        pairs = score_task(
-            task.name,
-            steps,
-            trial_steps,
-            args.cache,
-            seeds,
-            modes=modes,
-            tasks={task.name: lambda _steps: task},  # built once, for these steps
-        )
+        pairs = score(task.name, task, steps, trial_steps, args.cache, seeds, modes)
         print(f"\nthe gate at {trial_steps} steps:\n{confusion(pairs)}", flush=True)
         scored[trial_steps] = pairs
     return scored
