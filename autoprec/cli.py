@@ -17,6 +17,7 @@ from typing import Any
 from autoprec._imports import demote_import_chatter
 from autoprec.cli_parser import build_parser
 from autoprec.errors import AutoprecError, BudgetTooSmallError
+from autoprec.interrupts import remembered_interrupts
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -524,7 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.debug)
     try:
-        return _COMMANDS[args.command](args)
+        with remembered_interrupts():
+            return _COMMANDS[args.command](args)
     except (AutoprecError, ValueError, TypeError, FileNotFoundError) as error:
         if args.debug:
             raise

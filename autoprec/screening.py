@@ -24,6 +24,7 @@ from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_blind_spots import blind_spots
 from autoprec.drift_thresholds import DriftThresholds
+from autoprec.interrupts import raise_if_interrupted
 from autoprec.outcomes import TrialOutcome
 from autoprec.recipe import (
     OptimizerSource,
@@ -130,6 +131,7 @@ class QualityReport(BaseModel):
 def _screen(
     setup: RunSetup, spec: ModeSpec, index: int, steps: int, references: Fp32Runs
 ) -> tuple[ScreenVerdict, TrialResult]:
+    raise_if_interrupted()  # a Ctrl-C the garbage collector swallowed in the last trial
     total = len(setup.candidates.specs) - 1  # the reference is not screened
     setup.events.emit("start", spec.label, index=index, total=total)
     result: TrialResult = setup.run(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import read_stored
+from autoprec.interrupts import raise_if_interrupted
 from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome, balanced_gain
 from autoprec.search_events import EventSink
 from autoprec.specs import ModeSpec
@@ -589,6 +590,7 @@ def search(
             best = outcome
         outcomes.append(outcome)
         sink.emit("done", label, outcome=outcome, **{**where, "best": best and best.label})
+        raise_if_interrupted()  # a Ctrl-C the garbage collector swallowed mid-trial
     return outcomes
 
 

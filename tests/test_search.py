@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 from pathlib import Path
 
 import optuna
@@ -10,6 +11,7 @@ import pytest
 
 from autoprec.candidates import candidate_specs
 from autoprec.choice import choose, dominates, pareto_front
+from autoprec.interrupts import raise_if_interrupted, remembered_interrupts
 from autoprec.outcomes import TrialOutcome
 from autoprec.probing import probe
 from autoprec.search import (
@@ -265,6 +267,44 @@ def test_a_ctrl_c_in_the_progress_display_leaves_no_running_trial(tmp_path: Path
     trials = optuna.load_study(study_name="s", storage=storage).trials
     assert [t.state.name for t in trials] == ["COMPLETE", "FAIL"]
     assert trials[1].user_attrs["reasons"] == ["interrupted"]
+
+
+class _SwallowsCtrlC:
+    """Presses Ctrl-C from its ``__del__``: Python prints "Exception ignored" and goes on, as it
+    did when a real Ctrl-C landed in SQLAlchemy's weakref callback during a collection (CI)."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_swallowed_by_the_garbage_collector_stops_at_the_next_trial(
+    tmp_path: Path,
+) -> None:
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    clock, log = FakeClock(), []
+    runner = fake_runner(clock, log)
+
+    def swallowing(spec: ModeSpec, stop) -> TrialOutcome:
+        if spec.mode == "bf16_kahan":
+            _SwallowsCtrlC()  # dropped at once: its __del__ runs here, and the interrupt is lost
+        return runner(spec, stop)
+
+    with remembered_interrupts(), pytest.raises(KeyboardInterrupt):
+        search(
+            SPECS,
+            swallowing,
+            study=create_study(storage, "s"),
+            objective="speed",
+            deadline=1000,
+            expected_trial_seconds=10,
+            clock=clock,
+        )
+    assert log == ["amp_bf16", "bf16_kahan"]  # the lost press stopped the run after its trial
+    trials = optuna.load_study(study_name="s", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]  # its result is kept
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    raise_if_interrupted()  # and forgotten: nothing pending after the block
 
 
 def test_pareto_and_choice() -> None:
