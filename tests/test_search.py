@@ -290,20 +290,25 @@ def test_a_ctrl_c_swallowed_by_the_garbage_collector_stops_at_the_next_trial(
             _SwallowsCtrlC()  # dropped at once: its __del__ runs here, and the interrupt is lost
         return runner(spec, stop)
 
-    with remembered_interrupts(), pytest.raises(KeyboardInterrupt):
-        search(
-            SPECS,
-            swallowing,
-            study=create_study(storage, "s"),
-            objective="speed",
-            deadline=1000,
-            expected_trial_seconds=10,
-            clock=clock,
-        )
+    # Python's own handler, as in a CLI process (a pytest-xdist worker starts with another)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with remembered_interrupts(), pytest.raises(KeyboardInterrupt):
+            search(
+                SPECS,
+                swallowing,
+                study=create_study(storage, "s"),
+                objective="speed",
+                deadline=1000,
+                expected_trial_seconds=10,
+                clock=clock,
+            )
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert log == ["amp_bf16", "bf16_kahan"]  # the lost press stopped the run after its trial
     trials = optuna.load_study(study_name="s", storage=storage).trials
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]  # its result is kept
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     raise_if_interrupted()  # and forgotten: nothing pending after the block
 
 

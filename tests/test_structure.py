@@ -14,6 +14,7 @@ PACKAGE = Path(autoprec.__file__).parent
 # fmt: off
 ORDER = [
     "_version", "_models", "_files", "errors", "_imports", "random_streams", "collector",  # base
+    "interrupts",
     "specs",
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layer_mix", "layer_keep", "layer_findings", "layers",
