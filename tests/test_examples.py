@@ -865,3 +865,44 @@ def test_gc_pauses_benchmark_times_the_collector_both_ways() -> None:
     assert frozen.frozen and not walked.frozen
     assert walked.full_collections and walked.collection_seconds > 10 * frozen.collection_seconds
     assert frozen.step_ms["fp32"] > 0 and frozen.chosen
+
+
+def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: Path) -> None:
+    """The quick run trains 4 fp32 and 3 pure-bf16 runs into the truth's cache and reads the
+    pair from those files; a second run trains nothing; bad counts and labels are refused."""
+    import json
+    import statistics
+
+    from autoprec import UnsupportedModeError
+    from benchmarks import truth_power
+
+    (row,) = truth_power.main(["--quick", "--cache", str(tmp_path)])
+    files = sorted(tmp_path.rglob("*.json"))
+    assert len(files) == 7
+    metrics = {f.name: json.loads(f.read_text())["metric"] for f in files}
+    fp32 = [metrics[n] for n in sorted(metrics) if n.startswith("fp32.")]
+    pure = [metrics[n] for n in sorted(metrics) if n.startswith("bf16_pure.")]
+    mean = statistics.fmean(fp32)
+    assert (row.fp32_runs, row.mode_runs) == (4, 3)
+    assert row.difference == pytest.approx((statistics.fmean(pure) - mean) / mean)
+    paired = [(p - f) / mean for p, f in zip(pure, fp32[:3], strict=True)]
+    assert row.paired == pytest.approx(statistics.fmean(paired))
+    assert row.hurts and row.paired_sds > 3  # pure bf16 on the digits MLP loses updates
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert truth_power.main(["--quick", "--cache", str(tmp_path)]) == [row]
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    with pytest.raises(SystemExit):
+        truth_power.main(["--fp32-seeds", "2", "--mode-seeds", "3", "--cache", str(tmp_path)])
+    with pytest.raises(UnsupportedModeError, match="tf32 needs a CUDA GPU"):
+        truth_power.main(
+            [
+                "--tasks",
+                "digits_mlp",
+                "--modes",
+                "tf32",
+                "--steps",
+                "300",
+                "--cache",
+                str(tmp_path),
+            ]
+        )

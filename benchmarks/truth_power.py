@@ -1,0 +1,157 @@
+"""Can the truth see the harm? Chosen task x mode pairs read again on more seeds.
+
+``benchmarks.ground_truth`` calls a mode harmful when the mean of its 3 long runs ends worse
+than 8 fp32 runs' mean by 3 standard errors of the difference. Where the fp32 seeds spread
+widely that line sits far out (the SGD conv net's 325 test images: +88% of its mean), so a
+"fine" there means only "not worse by more than the line", and a gate that rejects the mode is
+scored a false reject whatever the mode really costs. This trains more seeds of the pairs asked
+for, from the same cache as the truth (its runs at seeds 0-2 and fp32's 0-7 are reused), and
+reads each pair again: the means truth at the larger counts, and the paired differences (each
+mode run minus the fp32 run of its seed) with their standard error.
+
+    python -m benchmarks.truth_power --tasks convnet_sgd --modes bf16_pure,bf16_pure+8bit-optim
+
+Default: 16 fp32 seeds and 8 of each mode, 2000-step runs; ``--quick`` (CI) checks that it runs
+and reads (digits_mlp, 300-step runs, 4 fp32 seeds and 3 of pure bf16), not the truth.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from autoprec.screening import screen_setup
+from autoprec.specs import ModeSpec
+from benchmarks.ground_truth import (
+    ALL_TASKS,
+    FULL_SEEDS,
+    HURT_SDS,
+    GroundTask,
+    chosen_tasks,
+    fp32_metrics,
+    hurt_line,
+    mode_runs,
+    paired_differences,
+    task_parser,
+)
+
+DEFAULT_PAIRS = ("convnet_sgd",), ("bf16_pure", "bf16_pure+8bit-optim")
+"""The pairs this was written for: the gate rejects both (updates lost at the schedule's floor
+lr) and the truth calls both fine, on a line at +88% of the fp32 mean."""
+
+
+@dataclass(frozen=True)
+class PowerRow:
+    task: str
+    label: str
+    fp32_runs: int
+    mode_runs: int
+    difference: float
+    """The mode's mean minus the fp32 mean, as a share of the fp32 mean."""
+    line: float
+    """The means truth's line at these counts, as a share of the fp32 mean."""
+    paired: float
+    """The mean paired difference (mode run minus the fp32 run of its seed), as a share."""
+    paired_error: float
+    """Its standard error, as a share of the fp32 mean."""
+
+    @property
+    def hurts(self) -> bool:
+        return self.difference > self.line
+
+    @property
+    def paired_sds(self) -> float:
+        """The mean paired difference in its standard errors (inf with no spread)."""
+        return self.paired / self.paired_error if self.paired_error else math.inf
+
+
+def specs_by_label(task: GroundTask, labels: list[str]) -> list[ModeSpec]:
+    """The specs ``check()`` builds for ``labels`` on ``task`` (its cache keys are theirs); a
+    label that cannot run here raises autoprec's own error, naming why."""
+    setup = screen_setup(task.model, task.batches, task.recipe, modes=labels, eval_fn=task.eval_fn)
+    found = {spec.label: spec for spec in setup.candidates.specs}
+    return [found[label] for label in labels]
+
+
+def read_pair(
+    task: GroundTask, spec: ModeSpec, fp32: list[float], seeds: int, steps: int, cache: Path
+) -> PowerRow:
+    """The pair's truth from ``len(fp32)`` fp32 runs and ``seeds`` of the mode's."""
+    runs = mode_runs(cache, task, spec, steps, seeds)
+    failed = runs[-1].failure is not None
+    mean = statistics.fmean(fp32)
+    differences = paired_differences(runs, fp32) if not failed else ()
+    if differences:
+        paired = statistics.fmean(differences)
+        spread = statistics.stdev(differences) if len(differences) > 1 else 0.0
+        error = spread / math.sqrt(len(differences))
+    else:
+        paired, error = math.inf, 0.0
+    metric = math.inf if failed else statistics.fmean(run.metric for run in runs)
+    return PowerRow(
+        task=task.name,
+        label=spec.label,
+        fp32_runs=len(fp32),
+        mode_runs=len(runs),
+        difference=(metric - mean) / abs(mean),
+        line=hurt_line(fp32, len(runs)) / abs(mean),
+        paired=paired / abs(mean),
+        paired_error=error / abs(mean),
+    )
+
+
+def shown(row: PowerRow) -> str:
+    return (
+        f"  {row.label:24} {row.fp32_runs:2} fp32 / {row.mode_runs} runs: "
+        f"{row.difference:+.1%} against a line at {row.line:+.1%} "
+        f"({'HURTS' if row.hurts else 'fine'}); paired {row.paired:+.1%} "
+        f"+- {row.paired_error:.1%} ({row.paired_sds:+.1f} standard errors, "
+        f"{'past' if row.paired_sds > HURT_SDS else 'within'} {HURT_SDS:g})"
+    )
+
+
+def main(argv: list[str] | None = None) -> list[PowerRow]:
+    parser = task_parser(__doc__, quick="digits_mlp, bf16_pure, 300 steps, 4/3 seeds (CI)")
+    parser.add_argument("--modes", help="comma-separated labels (default: the SGD conv net's)")
+    parser.add_argument("--fp32-seeds", type=int, default=16)
+    parser.add_argument("--mode-seeds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
+    parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
+    args = parser.parse_args(argv)
+    names = chosen_tasks(
+        parser, args, default=DEFAULT_PAIRS[0], quick=("digits_mlp",), known=ALL_TASKS
+    )
+    labels = args.modes.split(",") if args.modes else list(DEFAULT_PAIRS[1])
+    if args.quick:
+        labels, steps, fp32_seeds, mode_seeds = ["bf16_pure"], 300, 4, 3
+    else:
+        steps, fp32_seeds, mode_seeds = args.steps, args.fp32_seeds, args.mode_seeds
+    if mode_seeds > fp32_seeds:
+        parser.error(
+            f"--mode-seeds ({mode_seeds}) must not exceed --fp32-seeds ({fp32_seeds}): "
+            "each mode run is paired with the fp32 run of its seed"
+        )
+    rows = []
+    for name in names:
+        task = ALL_TASKS[name](steps)
+        specs = specs_by_label(task, labels)
+        fp32 = fp32_metrics(args.cache, task, steps, fp32_seeds)
+        print(f"\n{name}: fp32 over {fp32_seeds} seeds {statistics.fmean(fp32):.5g}", flush=True)
+        truths = dict.fromkeys(  # the truth's own counts first, then the larger ones
+            [
+                (min(FULL_SEEDS.fp32, fp32_seeds), min(FULL_SEEDS.mode, mode_seeds)),
+                (fp32_seeds, mode_seeds),
+            ]
+        )
+        for spec in specs:
+            for fp32_runs, seeds in truths:
+                row = read_pair(task, spec, fp32[:fp32_runs], seeds, steps, args.cache)
+                print(shown(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
