@@ -69,9 +69,16 @@ class PowerRow:
 
 def specs_by_label(task: GroundTask, labels: list[str]) -> list[ModeSpec]:
     """The specs ``check()`` builds for ``labels`` on ``task`` (its cache keys are theirs); a
-    label that cannot run here raises autoprec's own error, naming why."""
-    setup = screen_setup(task.model, task.batches, task.recipe, modes=labels, eval_fn=task.eval_fn)
+    mode that cannot run here raises autoprec's own error, naming why."""
+    eight_bit = "+8bit-optim"
+    modes = sorted(
+        {label.split("+")[0] + (eight_bit if label.endswith(eight_bit) else "") for label in labels}
+    )  # "fp8_torchao+tensorwise+emulated" is the mode fp8_torchao
+    setup = screen_setup(task.model, task.batches, task.recipe, modes=modes, eval_fn=task.eval_fn)
     found = {spec.label: spec for spec in setup.candidates.specs}
+    missing = [label for label in labels if label not in found]
+    if missing:
+        raise SystemExit(f"{task.name}: check() builds no {missing}; it builds {sorted(found)}")
     return [found[label] for label in labels]
 
 

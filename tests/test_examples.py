@@ -871,10 +871,11 @@ def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: 
     """The quick run trains 4 fp32 and 3 pure-bf16 runs into the truth's cache and reads the
     pair from those files; a second run trains nothing; bad counts and labels are refused."""
     import json
+    import re
     import statistics
 
     from autoprec import UnsupportedModeError
-    from benchmarks import truth_power
+    from benchmarks import ground_truth, truth_power
 
     (row,) = truth_power.main(["--quick", "--cache", str(tmp_path)])
     files = sorted(tmp_path.rglob("*.json"))
@@ -893,6 +894,12 @@ def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: 
     assert [f.stat().st_mtime_ns for f in files] == stamps
     with pytest.raises(SystemExit):
         truth_power.main(["--fp32-seeds", "2", "--mode-seeds", "3", "--cache", str(tmp_path)])
+    # labels as the truth's cache names them, FP8's recipe and emulation included
+    task = ground_truth.ALL_TASKS["digits_mlp"](300)
+    labels = ["fp8_torchao+tensorwise+emulated", "bf16_pure+8bit-optim", "amp_bf16"]
+    assert [s.label for s in truth_power.specs_by_label(task, labels)] == labels
+    with pytest.raises(SystemExit, match=re.escape("builds no ['fp8_torchao+rowwise+emulated']")):
+        truth_power.specs_by_label(task, ["fp8_torchao+rowwise+emulated"])
     with pytest.raises(UnsupportedModeError, match="tf32 needs a CUDA GPU"):
         truth_power.main(
             [
