@@ -532,11 +532,24 @@ def scoring_arguments(
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
     parser.add_argument("--trial-steps", type=int, default=200, help="the gate's trial length")
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
+    parser.add_argument(
+        "--fp32-seeds", type=int, default=FULL_SEEDS.fp32, help="fp32 long runs, the truth's unit"
+    )
+    parser.add_argument(
+        "--mode-seeds", type=int, default=FULL_SEEDS.mode, help="long runs of each mode"
+    )
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=default, quick=quick, known=known)
     if args.quick:
         return Scoring(names, 300, 30, args.cache, QUICK_SEEDS, quick=True)
-    return Scoring(names, args.steps, args.trial_steps, args.cache, FULL_SEEDS, quick=False)
+    if not 1 <= args.mode_seeds <= args.fp32_seeds or args.fp32_seeds < 2:
+        parser.error(
+            f"need 2 or more fp32 seeds and 1 to that many of each mode (each mode run is paired "
+            f"with the fp32 run of its seed); got --fp32-seeds {args.fp32_seeds} and "
+            f"--mode-seeds {args.mode_seeds}"
+        )
+    seeds = Seeds(fp32=args.fp32_seeds, mode=args.mode_seeds)
+    return Scoring(names, args.steps, args.trial_steps, args.cache, seeds, quick=False)
 
 
 def heldout_option(parser: argparse.ArgumentParser) -> None:

@@ -152,6 +152,11 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     # --quick's truth: QUICK_SEEDS runs (3 fp32, 2 of each mode), not the full 8 and 3
     assert "3 fp32 seeds" in out and all(p.runs == 2 for p in pairs if math.isfinite(p.metric))
     assert ground_truth.scoring_arguments("x", []).seeds == ground_truth.FULL_SEEDS == (8, 3)
+    more = ["--fp32-seeds", "16", "--mode-seeds", "8"]
+    assert ground_truth.scoring_arguments("x", more).seeds == (16, 8)
+    for counts in (["--fp32-seeds", "4", "--mode-seeds", "5"], ["--fp32-seeds", "1"]):
+        with pytest.raises(SystemExit):  # a mode run needs the fp32 run of its seed
+            ground_truth.scoring_arguments("x", counts)
     pure = next(p for p in pairs if p.task == "digits_mlp" and p.label == "bf16_pure")
     assert pure.truth_hurts and pure.gate == "unsafe"  # lr 1e-4: its updates round away
     amp = next(p for p in pairs if p.task == "digits_mlp" and p.label == "amp_bf16")
