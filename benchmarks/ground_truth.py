@@ -499,6 +499,20 @@ def run_arguments(
     return names, quick_steps if args.quick else args.steps, parser
 
 
+def refuse_unpaired_seeds(
+    parser: argparse.ArgumentParser, fp32_seeds: int, mode_seeds: int
+) -> None:
+    """Exit through ``parser`` unless there are 2 or more fp32 seeds (their spread is the
+    truth's unit) and 1 to that many of each mode (each mode run is paired with the fp32 run of
+    its seed)."""
+    if not 1 <= mode_seeds <= fp32_seeds or fp32_seeds < 2:
+        parser.error(
+            f"need 2 or more fp32 seeds and 1 to that many of each mode (each mode run is paired "
+            f"with the fp32 run of its seed); got --fp32-seeds {fp32_seeds} and "
+            f"--mode-seeds {mode_seeds}"
+        )
+
+
 class Scoring(NamedTuple):
     """What a benchmark scoring the gate against the long runs was asked for."""
 
@@ -542,12 +556,7 @@ def scoring_arguments(
     names = chosen_tasks(parser, args, default=default, quick=quick, known=known)
     if args.quick:
         return Scoring(names, 300, 30, args.cache, QUICK_SEEDS, quick=True)
-    if not 1 <= args.mode_seeds <= args.fp32_seeds or args.fp32_seeds < 2:
-        parser.error(
-            f"need 2 or more fp32 seeds and 1 to that many of each mode (each mode run is paired "
-            f"with the fp32 run of its seed); got --fp32-seeds {args.fp32_seeds} and "
-            f"--mode-seeds {args.mode_seeds}"
-        )
+    refuse_unpaired_seeds(parser, args.fp32_seeds, args.mode_seeds)
     seeds = Seeds(fp32=args.fp32_seeds, mode=args.mode_seeds)
     return Scoring(names, args.steps, args.trial_steps, args.cache, seeds, quick=False)
 

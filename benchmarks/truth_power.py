@@ -34,6 +34,7 @@ from benchmarks.ground_truth import (
     hurt_line,
     mode_runs,
     paired_differences,
+    refuse_unpaired_seeds,
     runs_metric,
     task_parser,
 )
@@ -136,11 +137,7 @@ def main(argv: list[str] | None = None) -> list[PowerRow]:
         labels, steps, fp32_seeds, mode_seeds = ["bf16_pure"], 300, 4, 3
     else:
         steps, fp32_seeds, mode_seeds = args.steps, args.fp32_seeds, args.mode_seeds
-    if mode_seeds > fp32_seeds:
-        parser.error(
-            f"--mode-seeds ({mode_seeds}) must not exceed --fp32-seeds ({fp32_seeds}): "
-            "each mode run is paired with the fp32 run of its seed"
-        )
+    refuse_unpaired_seeds(parser, fp32_seeds, mode_seeds)
     rows = []
     for name in names:
         task = ALL_TASKS[name](steps)
