@@ -420,12 +420,13 @@ def test_a_study_refuses_to_resume_for_another_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"batches \(other weights or data\)"):
         tune(model, tiny_gpt.make_small_batches()[::-1], modes=["amp_bf16"], **common)
     # on a CPU, another thread count is another machine (found by a hunt: its speeds were
-    # reused)
+    # reused); a budget that fits whatever the thread count does to the step on a busy
+    # machine (0.3 minutes did not, at 0.43 s a step: the budget's refusal came first)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        with pytest.raises(ValueError, match=r"another run \(hardware differ\)"):
-            tune(model, batches, modes=["amp_bf16"], **common)
+        with pytest.raises(ValueError, match=r"another run \(budget_minutes.*; hardware differ\)"):
+            tune(model, batches, modes=["amp_bf16"], **{**common, "budget_minutes": 3.0})
     finally:
         torch.set_num_threads(threads)
     # a new study in the same file runs; the original resumes with its stored reference
