@@ -10,6 +10,8 @@ reads each pair again: the means truth at the larger counts, and the paired diff
 mode run minus the fp32 run of its seed) with their standard error.
 
     python -m benchmarks.truth_power --tasks convnet_sgd --modes bf16_pure,bf16_pure+8bit-optim
+    python -m benchmarks.truth_power --tasks recommender --modes bf16_pure+8bit-optim \
+        --keep-fp32 mlp.0    # which layers carry a harm: the pair again with mlp.0 in fp32
 
 Default: 16 fp32 seeds and 8 of each mode, 2000-step runs; ``--quick`` (CI) checks that it runs
 and reads (digits_mlp, 300-step runs, 4 fp32 seeds and 3 of pure bf16), not the truth.
@@ -19,11 +21,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autoprec.screening import screen_setup
-from autoprec.specs import ModeSpec
+from autoprec.specs import ModeSpec, matches_keep_fp32
 from benchmarks.ground_truth import (
     ALL_TASKS,
     FULL_SEEDS,
@@ -85,6 +87,17 @@ def specs_by_label(task: GroundTask, labels: list[str]) -> list[ModeSpec]:
     return [found[label] for label in labels]
 
 
+def kept_in_fp32(task: GroundTask, spec: ModeSpec, patterns: list[str]) -> ModeSpec:
+    """``spec`` keeping the modules ``patterns`` name in fp32 besides those ``check()`` keeps
+    (its cache key is another: a run of the mode as ``check()`` builds it is never read as
+    this one's); a pattern that names no module of the task's model is refused."""
+    names = [name for name, _ in task.model.named_modules() if name]
+    unknown = [p for p in patterns if not any(matches_keep_fp32(n, [p]) for n in names)]
+    if unknown:
+        raise SystemExit(f"{task.name}: --keep-fp32 {unknown} names no module; it has {names}")
+    return spec.model_copy(update={"keep_fp32": tuple(dict.fromkeys([*spec.keep_fp32, *patterns]))})
+
+
 def read_pair(
     task: GroundTask, spec: ModeSpec, fp32: list[float], seeds: int, steps: int, cache: Path
 ) -> PowerRow:
@@ -127,6 +140,11 @@ def main(argv: list[str] | None = None) -> list[PowerRow]:
     parser.add_argument("--fp32-seeds", type=int, default=16)
     parser.add_argument("--mode-seeds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
+    parser.add_argument(
+        "--keep-fp32",
+        help="comma-separated module names or patterns every mode keeps in fp32 besides "
+        "check()'s own: which layers carry a harm",
+    )
     parser.add_argument("--cache", type=Path, default=Path("runs/ground_truth"))
     args = parser.parse_args(argv)
     names = chosen_tasks(
@@ -142,6 +160,8 @@ def main(argv: list[str] | None = None) -> list[PowerRow]:
     for name in names:
         task = ALL_TASKS[name](steps)
         specs = specs_by_label(task, labels)
+        if args.keep_fp32:
+            specs = [kept_in_fp32(task, spec, args.keep_fp32.split(",")) for spec in specs]
         fp32 = fp32_metrics(args.cache, task, steps, fp32_seeds)
         print(f"\n{name}: fp32 over {fp32_seeds} seeds {statistics.fmean(fp32):.5g}", flush=True)
         truths = dict.fromkeys(  # the truth's own counts first, then the larger ones
@@ -153,6 +173,8 @@ def main(argv: list[str] | None = None) -> list[PowerRow]:
         for spec in specs:
             for fp32_runs, seeds in truths:
                 row = read_pair(task, spec, fp32[:fp32_runs], seeds, steps, args.cache)
+                if args.keep_fp32:
+                    row = replace(row, label=f"{row.label} keeping {args.keep_fp32} in fp32")
                 print(shown(row), flush=True)
                 rows.append(row)
     return rows

@@ -899,6 +899,15 @@ def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: 
     assert [f.stat().st_mtime_ns for f in files] == stamps
     with pytest.raises(SystemExit):
         truth_power.main(["--fp32-seeds", "2", "--mode-seeds", "3", "--cache", str(tmp_path)])
+    # which layers carry a harm: with every Linear of the MLP kept in fp32, pure bf16 has
+    # (almost) nothing left to round; its runs are its own (3 more files, fp32's reused)
+    quick = ["--quick", "--cache", str(tmp_path)]
+    (kept,) = truth_power.main([*quick, "--keep-fp32", "0,2,4"])
+    assert kept.label == "bf16_pure keeping 0,2,4 in fp32"
+    assert len(list(tmp_path.rglob("*.json"))) == 10
+    assert abs(kept.paired) < 0.1 * row.paired
+    with pytest.raises(SystemExit, match=r"--keep-fp32 \['head'\] names no module"):
+        truth_power.main([*quick, "--keep-fp32", "head"])
     # labels as the truth's cache names them, FP8's recipe and emulation included
     task = ground_truth.ALL_TASKS["digits_mlp"](300)
     labels = ["fp8_torchao+tensorwise+emulated", "bf16_pure+8bit-optim", "amp_bf16"]
