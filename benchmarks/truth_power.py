@@ -24,8 +24,9 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autoprec.run_inputs import checked_keep_fp32
 from autoprec.screening import screen_setup
-from autoprec.specs import ModeSpec, matches_keep_fp32
+from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import (
     ALL_TASKS,
     FULL_SEEDS,
@@ -90,12 +91,12 @@ def specs_by_label(task: GroundTask, labels: list[str]) -> list[ModeSpec]:
 def kept_in_fp32(task: GroundTask, spec: ModeSpec, patterns: list[str]) -> ModeSpec:
     """``spec`` keeping the modules ``patterns`` name in fp32 besides those ``check()`` keeps
     (its cache key is another: a run of the mode as ``check()`` builds it is never read as
-    this one's); a pattern that names no module of the task's model is refused."""
-    names = [name for name, _ in task.model.named_modules() if name]
-    unknown = [p for p in patterns if not any(matches_keep_fp32(n, [p]) for n in names)]
-    if unknown:
-        raise SystemExit(f"{task.name}: --keep-fp32 {unknown} names no module; it has {names}")
-    return spec.model_copy(update={"keep_fp32": tuple(dict.fromkeys([*spec.keep_fp32, *patterns]))})
+    this one's); each pattern is checked as ``tune(keep_fp32=...)`` checks it."""
+    try:
+        extra = checked_keep_fp32(task.model, patterns)
+    except ValueError as error:
+        raise SystemExit(f"{task.name}: --keep-fp32: {error}") from error
+    return spec.model_copy(update={"keep_fp32": tuple(dict.fromkeys([*spec.keep_fp32, *extra]))})
 
 
 def read_pair(

@@ -899,15 +899,18 @@ def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: 
     assert [f.stat().st_mtime_ns for f in files] == stamps
     with pytest.raises(SystemExit):
         truth_power.main(["--fp32-seeds", "2", "--mode-seeds", "3", "--cache", str(tmp_path)])
-    # which layers carry a harm: with every Linear of the MLP kept in fp32, pure bf16 has
-    # (almost) nothing left to round; its runs are its own (3 more files, fp32's reused)
+    # which layers carry a harm: with the MLP's first two Linears kept in fp32, pure bf16
+    # rounds the last one's weights alone; its runs are its own (3 more files, fp32's reused)
     quick = ["--quick", "--cache", str(tmp_path)]
-    (kept,) = truth_power.main([*quick, "--keep-fp32", "0,2,4"])
-    assert kept.label == "bf16_pure keeping 0,2,4 in fp32"
+    (kept,) = truth_power.main([*quick, "--keep-fp32", "0,2"])
+    assert kept.label == "bf16_pure keeping 0,2 in fp32"
     assert len(list(tmp_path.rglob("*.json"))) == 10
-    assert abs(kept.paired) < 0.1 * row.paired
-    with pytest.raises(SystemExit, match=r"--keep-fp32 \['head'\] names no module"):
+    assert abs(kept.paired) < 0.5 * row.paired
+    # patterns are checked as tune(keep_fp32=...) checks them
+    with pytest.raises(SystemExit, match="--keep-fp32: keep_fp32 pattern 'head' matches no"):
         truth_power.main([*quick, "--keep-fp32", "head"])
+    with pytest.raises(SystemExit, match="keeps every trainable parameter"):
+        truth_power.main([*quick, "--keep-fp32", "0,2,4"])
     # labels as the truth's cache names them, FP8's recipe and emulation included
     task = ground_truth.ALL_TASKS["digits_mlp"](300)
     labels = ["fp8_torchao+tensorwise+emulated", "bf16_pure+8bit-optim", "amp_bf16"]
