@@ -5,10 +5,15 @@ first 200 steps. Pure bf16 rounded to nearest loses an update smaller than half 
 weight; Adam's steps shrink as gradients turn to noise late in a run, so a trial at the start
 may see updates arrive that later would not. This benchmark measures it: it trains a task in
 fp32 (its recipe and schedule, seed 0) and, at each checkpoint, continues a copy for a window of
-steps in fp32 and another in pure bf16 (the same weights cast to bf16, the same optimizer state,
-the same batches, the lr the schedule has reached held for the window). Printed: the projection
-of pure bf16's movement over the window onto fp32's (1: all of it arrived; the gate's bar is
-0.8), and the share of weights fp32 moved that pure bf16 never moved.
+steps in fp32 and another in pure bf16 as ``check()`` builds it (the same weights, cast to bf16
+but for the norms and embeddings it keeps in fp32; the same optimizer state, batches and random
+draws; the lr the schedule has reached held for the window), and a third in fp32 from weights
+nudged by one ulp, the ceiling (what faithful fp32 reaches: below 1 where training is chaotic,
+as with dropout; the gate judges a trial against such a run). Printed: the projection of pure
+bf16's movement over the window onto fp32's, and over the ceiling (1: all of it arrived; the
+gate's bar is 0.8 of its paired run's), the share of weights fp32 moved that pure bf16 never
+moved, and the parameter tensor whose share over its own ceiling is the smallest (a small
+layer's loss hides in the pooled figure).
 
     python -m benchmarks.late_movement [--tasks a,b] [--steps 2000] [--threads 1]
     python -m benchmarks.late_movement --tasks recommender    # a held-out task (any of them)
@@ -24,11 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from autoprec.batching import forward_and_loss
+from autoprec.drift_movement import MIN_PAIRED_MOVEMENT
 from autoprec.errors import OptimizerRebuiltWarning
+from autoprec.model_copies import nudge_weights
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import ALL_TASKS, run_arguments
 from benchmarks.ground_truth_tasks import GroundTask
+from benchmarks.truth_power import specs_by_label
 
 WINDOW = 100
 """Optimizer steps each continuation runs from a checkpoint."""
@@ -46,6 +54,20 @@ class Window:
     """Projection of pure bf16's movement over the window onto fp32's movement."""
     never_moved: float
     """Share of the weights fp32 moved that pure bf16 never moved."""
+    ceiling: float
+    """The same projection for fp32 continued from weights nudged by one ulp, with the same
+    draws: what faithful fp32 reaches (below 1 where training is chaotic, as with dropout);
+    the gate judges a trial against such a run."""
+    weakest: str
+    """The parameter whose projection, over its own ceiling, is the smallest (the pooled one can
+    hide a small layer: the recommender's MLP head is 2.2k of its 22k weights)."""
+    weakest_share: float
+    """That parameter's projection over its ceiling."""
+
+    @property
+    def share(self) -> float:
+        """Pure bf16's projection over the ceiling: what the gate's movement check reads."""
+        return self.fraction / self.ceiling
 
 
 def make_plan(
@@ -63,31 +85,72 @@ def train_on(plan: PrecisionPlan, task: GroundTask, batches: list[int]) -> None:
         plan.step(loss, clip_grad_norm=task.recipe.clip_grad_norm)
 
 
-def _weights(plan: PrecisionPlan) -> torch.Tensor:
-    return torch.cat([p.detach().float().flatten() for p in plan.model.parameters()])
+def _weights(plan: PrecisionPlan) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().flatten().clone() for name, p in plan.model.named_parameters()}
 
 
-def continue_both(plan: PrecisionPlan, task: GroundTask, step: int, batches: list[int]) -> Window:
-    """From ``plan``'s fp32 state: ``batches`` in fp32 and in pure bf16, compared."""
+def _projection(trial: torch.Tensor, reference: torch.Tensor) -> float:
+    return float(trial @ reference / (reference @ reference))
+
+
+def _weakest(
+    trial: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    nudged: dict[str, torch.Tensor],
+) -> tuple[str, float]:
+    """(name, projection over the nudged run's) of the parameter whose movement arrived least,
+    among those fp32 moved and the nudged run follows (a projection of at least
+    ``MIN_PAIRED_MOVEMENT``, the gate's own limit for judging movement)."""
+    shares = []
+    for name, change in reference.items():
+        if not bool(change.any()):
+            continue
+        ceiling = _projection(nudged[name], change)
+        if ceiling >= MIN_PAIRED_MOVEMENT:
+            shares.append((name, _projection(trial[name], change) / ceiling))
+    return min(shares, key=lambda item: item[1])
+
+
+def continue_both(
+    plan: PrecisionPlan, task: GroundTask, step: int, batches: list[int], pure: ModeSpec
+) -> Window:
+    """From ``plan``'s fp32 state: ``batches`` in fp32, in fp32 from weights nudged by one ulp,
+    and in ``pure`` (pure bf16 as ``check()`` builds it, norms and embeddings kept fp32),
+    compared. Every continuation draws the same random numbers (dropout masks), as the gate's
+    trials draw the reference's."""
     runs = {}
-    for mode in ("fp32", "bf16_pure"):
+    draws = torch.get_rng_state()
+    fp32 = ModeSpec(mode="fp32")
+    for mode, spec in (("fp32", fp32), ("nudged", fp32), ("bf16_pure", pure)):
+        torch.set_rng_state(draws)
         model = copy.deepcopy(plan.model)
+        if mode == "nudged":
+            nudge_weights(model, seed=step)
         optimizer = task.recipe.make_optimizer(task.model, model)
-        continued = make_plan(ModeSpec(mode=mode), model, optimizer)
+        continued = make_plan(spec, model, optimizer)
         # a copy of the run's moments and step counts (an fp32 load would share the run's
         # tensors); torch casts them to bf16 for bf16 parameters
         continued.optimizer.load_state_dict(copy.deepcopy(plan.optimizer.state_dict()))
         start = _weights(continued)
         train_on(continued, task, batches)
         runs[mode] = (start, _weights(continued))
-    (fp32_start, fp32_end), (bf16_start, bf16_end) = runs["fp32"], runs["bf16_pure"]
-    reference, trial = fp32_end - fp32_start, bf16_end - bf16_start
+    changes = {
+        mode: {name: end[name] - start[name] for name in start}
+        for mode, (start, end) in runs.items()
+    }
+    weakest, weakest_share = _weakest(changes["bf16_pure"], changes["fp32"], changes["nudged"])
+    reference = torch.cat(list(changes["fp32"].values()))
+    trial = torch.cat(list(changes["bf16_pure"].values()))
+    nudged = torch.cat(list(changes["nudged"].values()))
     moved = reference != 0
     return Window(
         step=step,
         lr=float(plan.optimizer.param_groups[0]["lr"]),
-        fraction=float(trial @ reference / (reference @ reference)),
+        fraction=_projection(trial, reference),
         never_moved=float(((trial == 0) & moved).sum() / moved.sum().clamp(min=1)),
+        ceiling=_projection(nudged, reference),
+        weakest=weakest,
+        weakest_share=weakest_share,
     )
 
 
@@ -100,12 +163,13 @@ def measure(name: str, steps: int) -> list[Window]:
     scheduler = task.recipe.make_scheduler(optimizer)
     plan = make_plan(ModeSpec(mode="fp32"), model, optimizer)
     order = torch.randperm(len(task.batches), generator=torch.Generator().manual_seed(0))
+    pure = specs_by_label(task, ["bf16_pure"])[0]
     windows = []
     for step in range(steps):
         if step in CHECKPOINTS:
             following = [int(order[(step + k) % len(order)]) for k in range(WINDOW)]
             with torch.random.fork_rng():
-                windows.append(continue_both(plan, task, step, following))
+                windows.append(continue_both(plan, task, step, following, pure))
         train_on(plan, task, [int(order[step % len(order)])])
         if scheduler is not None:
             scheduler.step()
@@ -122,14 +186,18 @@ def main(argv: list[str] | None = None) -> dict[str, list[Window]]:
         known=ALL_TASKS,
     )
     print(f"pure bf16's movement over {WINDOW} steps from each checkpoint of an fp32 run, as a")
-    print("share of fp32's from the same state (never moved: of the weights fp32 moved)")
+    print("share of fp32's from the same state, and over the ceiling (fp32 from weights nudged by")
+    print("one ulp, the same draws); never moved: of the weights fp32 moved; weakest: the tensor")
+    print("with the smallest share over its own ceiling")
     results = {}
     for name in names:
         results[name] = measure(name, steps)
         for window in results[name]:
             print(
                 f"{name:18} step {window.step:5}  lr {window.lr:8.2g}  movement "
-                f"{window.fraction:6.3f}  never moved {window.never_moved:6.1%}",
+                f"{window.fraction:6.3f} of ceiling {window.ceiling:6.3f} = {window.share:6.3f}  "
+                f"never moved {window.never_moved:6.1%}  weakest {window.weakest} "
+                f"{window.weakest_share:6.3f}",
                 flush=True,
             )
     return results

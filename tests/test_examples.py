@@ -187,6 +187,42 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     assert by_units[1.5][1] >= by_units[3.0][1] >= by_units[6.0][1]  # a lower bar rejects more
     assert by_units[1.5][0] <= by_units[3.0][0] <= by_units[6.0][0]
 
+    # the gate's trials read tensor by tensor, on the same truth (nothing trained again)
+    from benchmarks import tensor_movement
+
+    shares = tensor_movement.main(
+        ["--quick", "--cache", str(quick_truth_cache), "--tasks", "digits_mlp"]
+    )
+    by_label = {row.label: row for row in shares}
+    assert {label: (row.truth_hurts, row.accepted) for label, row in by_label.items()} == {
+        p.label: (p.truth_hurts, p.gate == "safe") for p in again if p.gate != "failed"
+    }
+    assert by_label["bf16_pure"].pooled < 0.8  # lr 1e-4: its updates round away
+    assert by_label["amp_bf16"].pooled > 0.9
+    # no draws, so every ceiling is ~1: the weakest tensor is at most the pooled share
+    assert all(row.share <= row.pooled + 1e-3 for row in shares)
+
+
+def test_tensor_movement_bar_is_the_highest_missed_share() -> None:
+    """The bar that rejects every accepted pair that hurts is the highest weakest share among
+    them; the fine accepted pairs at or under it are what it would cost."""
+    from benchmarks.tensor_movement import TensorShare, bar_report
+
+    def row(label: str, accepted: bool, hurts: bool, share: float) -> TensorShare:
+        return TensorShare("t", label, accepted, hurts, 1.0, "w", share)
+
+    rows = [
+        row("missed_low", True, True, 0.6),
+        row("missed_high", True, True, 0.9),
+        row("fine_under", True, False, 0.85),
+        row("fine_over", True, False, 0.95),
+        row("rejected_fine", False, False, 0.1),
+        row("rejected_hurts", False, True, 0.99),
+    ]
+    bar, caught = bar_report(rows)
+    assert bar == 0.9 and [r.label for r in caught] == ["fine_under"]
+    assert bar_report([r for r in rows if not (r.accepted and r.truth_hurts)]) == (None, [])
+
 
 def test_gpu_ground_truth_scores_fp8_on_its_gpt_and_goes_on_from_its_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -689,7 +725,8 @@ def test_chaos_floor_nudges_a_copy_and_measures_the_drift() -> None:
 
 def test_late_movement_continues_copies_of_the_runs_state() -> None:
     """Each checkpoint's continuations train copies: the run itself goes on unchanged; the
-    quick run reports pure bf16's share of fp32's movement at the checkpoints it reaches."""
+    quick run reports pure bf16's share of fp32's movement at the checkpoints it reaches, and
+    its weakest tensor's share."""
     from benchmarks import late_movement
     from benchmarks.ground_truth_tasks import TASKS
 
@@ -704,13 +741,37 @@ def test_late_movement_continues_copies_of_the_runs_state() -> None:
     late_movement.train_on(plan, task, list(range(5)))
     before = copy.deepcopy(plan.model.state_dict())
     moments = [s["exp_avg_sq"].clone() for s in plan.optimizer.state.values()]
-    window = late_movement.continue_both(plan, task, 5, list(range(5, 10)))
+    pure = late_movement.specs_by_label(task, ["bf16_pure"])[0]
+    window = late_movement.continue_both(plan, task, 5, list(range(5, 10)), pure)
     assert window.fraction < 1.0 and window.lr == pytest.approx(1e-3)
+    # no dropout, 5 steps: fp32 from weights nudged by one ulp follows fp32 (the ceiling ~1),
+    # and the pooled share is a weighted mean of the tensors' own, so the weakest is below it
+    assert window.ceiling == pytest.approx(1.0, abs=1e-3)
+    assert window.weakest in dict(model.named_parameters())
+    assert window.weakest_share <= window.share + 1e-3
     assert all(torch.equal(v, before[k]) for k, v in plan.model.state_dict().items())
     assert all(
         torch.equal(s["exp_avg_sq"], m)
         for s, m in zip(plan.optimizer.state.values(), moments, strict=True)
     )
+
+
+def test_late_movement_continues_as_check_builds_pure_bf16_with_the_same_draws() -> None:
+    """The continuation runs pure bf16 as check() builds it (norms kept fp32), and both
+    continuations draw the same dropout masks: fp32 continued against fp32 agrees exactly."""
+    from benchmarks import late_movement
+    from benchmarks.ground_truth_tasks import TASKS
+
+    task = TASKS["encoder_dropout"](300)
+    pure = late_movement.specs_by_label(task, ["bf16_pure"])[0]
+    assert any("norm" in kept for kept in pure.keep_fp32)
+    model = copy.deepcopy(task.model)
+    plan = late_movement.make_plan(
+        ModeSpec(mode="fp32"), model, task.recipe.make_optimizer(task.model, model)
+    )
+    late_movement.train_on(plan, task, [0, 1])
+    window = late_movement.continue_both(plan, task, 2, [2, 3, 4], ModeSpec(mode="fp32"))
+    assert window.fraction == pytest.approx(1.0, abs=1e-6) and window.never_moved == 0.0
 
 
 def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
