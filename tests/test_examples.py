@@ -142,7 +142,7 @@ def quick_truth_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     quick_truth_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The gate scored against long runs (--quick: 2 tasks, 300-step truth, 30-step trials);
+    """The gate scored against long runs (--quick: 2 tasks, 150-step truth, 30-step trials);
     a re-score reads every long run from the cache instead of training it again."""
     from benchmarks import ground_truth
 
@@ -786,8 +786,8 @@ def test_gpu_reference_speed_script_runs_in_quick_mode() -> None:
 
 @pytest.mark.xdist_group("quick_truth_cache")  # one worker trains the cache
 def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache: Path) -> None:
-    """The gate from fp32's late checkpoint, scored on the cached truth (--quick: 300-step
-    runs, the checkpoint at step 270, 30-step trials); the forward cost read in every
+    """The gate from fp32's late checkpoint, scored on the cached truth (--quick: 150-step
+    runs, the checkpoint at step 135, 30-step trials); the forward cost read in every
     verdict, and the confusion at each forward-cost line."""
     from benchmarks import late_checkpoint
 
