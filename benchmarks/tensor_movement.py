@@ -27,7 +27,14 @@ import torch
 from autoprec.drift_movement import MIN_PAIRED_MOVEMENT
 from autoprec.screening import screen_setup, screen_trials
 from autoprec.trial_records import TrialResult
-from benchmarks.ground_truth import ALL_TASKS, fp32_metrics, hurts, mode_metric, scoring_arguments
+from benchmarks.ground_truth import (
+    ALL_TASKS,
+    Scoring,
+    fp32_metrics,
+    hurts,
+    mode_metric,
+    scoring_arguments,
+)
 from benchmarks.ground_truth_tasks import TASKS
 
 
@@ -56,29 +63,38 @@ def _leg_changes(run: TrialResult, leg: int) -> dict[str, torch.Tensor]:
     return {name: end[name] - start[name] for name in start}
 
 
-def shares(trial: TrialResult, reference: TrialResult, noise: TrialResult) -> dict[str, float]:
-    """Per sampled tensor (and "pooled": all of them), the smallest over the lr legs of the
-    trial's projection onto the reference's movement over the noise run's."""
-    found: dict[str, float] = {}
+def _weakest_leg(found: dict[str, float], key: str, share: float) -> None:
+    found[key] = min(found.get(key, float("inf")), share)
+
+
+def shares(
+    trial: TrialResult, reference: TrialResult, noise: TrialResult
+) -> tuple[float, dict[str, float]]:
+    """(all tensors pooled, each sampled tensor): the smallest over the lr legs of the trial's
+    projection onto the reference's movement over the noise run's; nan pooled when no leg was
+    read."""
+    pooled: dict[str, float] = {}
+    per_tensor: dict[str, float] = {}
     legs = min(len(trial.leg_weights), len(reference.leg_weights), len(noise.leg_weights)) - 1
     for leg in range(legs):
         ours, theirs, ceiling = (_leg_changes(run, leg) for run in (trial, reference, noise))
-        groups = {name: [name] for name in theirs} | {"pooled": list(theirs)}
-        for key, names in groups.items():
+        readings = [(per_tensor, name, [name]) for name in theirs]
+        readings.append((pooled, "all", list(theirs)))
+        for found, key, names in readings:
             intended = torch.cat([theirs[name] for name in names])
             above = _projection(torch.cat([ceiling[name] for name in names]), intended)
             share = _projection(torch.cat([ours[name] for name in names]), intended)
-            if above is None or share is None or above < MIN_PAIRED_MOVEMENT:
-                continue
-            found[key] = min(found.get(key, float("inf")), share / above)
-    return found
+            if above is not None and share is not None and above >= MIN_PAIRED_MOVEMENT:
+                _weakest_leg(found, key, share / above)
+    return pooled.get("all", float("nan")), per_tensor
 
 
-def task_shares(name: str, steps: int, trial_steps: int, cache, seeds) -> list[TensorShare]:
+def task_shares(name: str, scoring: Scoring) -> list[TensorShare]:
     """The gate's trials on one task, each read per tensor, beside its truth."""
+    steps, cache, seeds = scoring.steps, scoring.cache, scoring.seeds
     task = ALL_TASKS[name](steps)
     setup = screen_setup(task.model, task.batches, task.recipe, eval_fn=task.eval_fn)
-    run = screen_trials(setup, trial_steps)
+    run = screen_trials(setup, scoring.trial_steps)
     references = run.references
     noise = references.nudged or references.paired or references.reference
     fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
@@ -86,9 +102,8 @@ def task_shares(name: str, steps: int, trial_steps: int, cache, seeds) -> list[T
     for verdict, trial in zip(run.verdicts, run.trials, strict=True):
         if verdict.status == "failed" or not trial.leg_weights:
             continue
-        read = shares(trial, references.reference, noise)
-        pooled = read.pop("pooled", float("nan"))
-        weakest = min(read, key=read.__getitem__) if read else "-"
+        pooled, tensors = shares(trial, references.reference, noise)
+        weakest = min(tensors, key=tensors.__getitem__) if tensors else "-"
         metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
         found.append(
             TensorShare(
@@ -98,7 +113,7 @@ def task_shares(name: str, steps: int, trial_steps: int, cache, seeds) -> list[T
                 hurts(metric, fp32, runs),
                 pooled,
                 weakest,
-                read.get(weakest, float("nan")),
+                tensors.get(weakest, float("nan")),
             )
         )
     return found
@@ -119,9 +134,7 @@ def main(argv: list[str] | None = None) -> list[TensorShare]:
     print("each gate trial's movement over its noise run's: pooled, and its weakest tensor's")
     rows = []
     for name in scoring.names:
-        for row in task_shares(
-            name, scoring.steps, scoring.trial_steps, scoring.cache, scoring.seeds
-        ):
+        for row in task_shares(name, scoring):
             rows.append(row)
             gate = "accept" if row.accepted else "reject"
             truth = "hurts" if row.truth_hurts else "fine"
