@@ -100,7 +100,7 @@ def _weakest(
 ) -> tuple[str, float]:
     """(name, projection over the nudged run's) of the parameter whose movement arrived least,
     among those fp32 moved and the nudged run follows (a projection of at least
-    ``MIN_PAIRED_MOVEMENT``, the gate's own limit for judging movement)."""
+    ``MIN_PAIRED_MOVEMENT``, the gate's own limit for judging movement); ("-", nan) when none."""
     shares = []
     for name, change in reference.items():
         if not bool(change.any()):
@@ -108,7 +108,7 @@ def _weakest(
         ceiling = _projection(nudged[name], change)
         if ceiling >= MIN_PAIRED_MOVEMENT:
             shares.append((name, _projection(trial[name], change) / ceiling))
-    return min(shares, key=lambda item: item[1])
+    return min(shares, key=lambda item: item[1]) if shares else ("-", float("nan"))
 
 
 def continue_both(
