@@ -20,11 +20,10 @@ it would reject too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import torch
-
-from autoprec.drift_movement import MIN_PAIRED_MOVEMENT
+from autoprec.drift_movement import MIN_PAIRED_MOVEMENT, _movement
 from autoprec.screening import screen_setup, screen_trials
 from autoprec.trial_records import TrialResult
 from benchmarks.ground_truth import (
@@ -53,40 +52,38 @@ class TensorShare:
     """The weakest tensor's projection over the noise run's (its weakest leg)."""
 
 
-def _projection(moved: torch.Tensor, intended: torch.Tensor) -> float | None:
-    norm = float(intended @ intended)
-    return None if norm == 0 else float(moved @ intended) / norm
-
-
-def _leg_changes(run: TrialResult, leg: int) -> dict[str, torch.Tensor]:
-    start, end = run.leg_weights[leg], run.leg_weights[leg + 1]
-    return {name: end[name] - start[name] for name in start}
-
-
-def _weakest_leg(found: dict[str, float], key: str, share: float) -> None:
-    found[key] = min(found.get(key, float("inf")), share)
+def _leg_share(
+    trial: TrialResult, reference: TrialResult, noise: TrialResult, leg: int, names: list[str]
+) -> float | None:
+    """The trial's projection onto the reference's movement in ``leg`` over ``names``, over the
+    noise run's, by the gate's own arithmetic (``drift_movement._movement``); None where the
+    reference did not move them or the noise run does not follow (under
+    ``MIN_PAIRED_MOVEMENT``, where the gate does not judge movement either)."""
+    theirs = (reference.leg_weights[leg + 1], reference.leg_weights[leg])
+    ours = _movement(trial.leg_weights[leg + 1], trial.leg_weights[leg], *theirs, names)
+    ceiling = _movement(noise.leg_weights[leg + 1], noise.leg_weights[leg], *theirs, names)
+    if ours is None or ceiling is None or ceiling[0] < MIN_PAIRED_MOVEMENT:
+        return None
+    return ours[0] / ceiling[0]
 
 
 def shares(
     trial: TrialResult, reference: TrialResult, noise: TrialResult
 ) -> tuple[float, dict[str, float]]:
-    """(all tensors pooled, each sampled tensor): the smallest over the lr legs of the trial's
-    projection onto the reference's movement over the noise run's; nan pooled when no leg was
-    read."""
-    pooled: dict[str, float] = {}
+    """(all tensors pooled, each sampled tensor): the smallest over the lr legs of
+    :func:`_leg_share`; nan pooled when no leg was read."""
+    pooled = math.inf
     per_tensor: dict[str, float] = {}
     legs = min(len(trial.leg_weights), len(reference.leg_weights), len(noise.leg_weights)) - 1
     for leg in range(legs):
-        ours, theirs, ceiling = (_leg_changes(run, leg) for run in (trial, reference, noise))
-        readings = [(per_tensor, name, [name]) for name in theirs]
-        readings.append((pooled, "all", list(theirs)))
-        for found, key, names in readings:
-            intended = torch.cat([theirs[name] for name in names])
-            above = _projection(torch.cat([ceiling[name] for name in names]), intended)
-            share = _projection(torch.cat([ours[name] for name in names]), intended)
-            if above is not None and share is not None and above >= MIN_PAIRED_MOVEMENT:
-                _weakest_leg(found, key, share / above)
-    return pooled.get("all", float("nan")), per_tensor
+        names = list(reference.leg_weights[leg])
+        share = _leg_share(trial, reference, noise, leg, names)
+        pooled = pooled if share is None else min(pooled, share)
+        for name in names:
+            share = _leg_share(trial, reference, noise, leg, [name])
+            if share is not None:
+                per_tensor[name] = min(per_tensor.get(name, math.inf), share)
+    return (math.nan if pooled == math.inf else pooled), per_tensor
 
 
 def task_shares(name: str, scoring: Scoring) -> list[TensorShare]:
