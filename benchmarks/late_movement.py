@@ -23,13 +23,14 @@ layer's loss hides in the pooled figure).
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from autoprec.batching import forward_and_loss
-from autoprec.drift_movement import MIN_PAIRED_MOVEMENT
+from autoprec.drift_movement import MIN_PAIRED_MOVEMENT, _movement
 from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.model_copies import nudge_weights
 from autoprec.plan import PrecisionPlan, prepare
@@ -111,6 +112,19 @@ def _weakest(
     return min(shares, key=lambda item: item[1]) if shares else ("-", float("nan"))
 
 
+Run = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+"""A continuation's weights at its start and at its end, by parameter name."""
+
+
+def _pooled(run: Run, reference: Run) -> tuple[float, float]:
+    """(projection of ``run``'s movement onto ``reference``'s, share of the weights the reference
+    moved that ``run`` never moved) over every weight, by the gate's own arithmetic
+    (``drift_movement._movement``); nan where the reference did not move."""
+    (start, end), (reference_start, reference_end) = run, reference
+    found = _movement(end, start, reference_end, reference_start, list(reference_start))
+    return found if found is not None else (math.nan, math.nan)
+
+
 def continue_both(
     plan: PrecisionPlan, task: GroundTask, step: int, batches: list[int], pure: ModeSpec
 ) -> Window:
@@ -118,7 +132,7 @@ def continue_both(
     and in ``pure`` (pure bf16 as ``check()`` builds it, norms and embeddings kept fp32),
     compared. Every continuation draws the same random numbers (dropout masks), as the gate's
     trials draw the reference's."""
-    runs = {}
+    runs: dict[str, Run] = {}
     draws = torch.get_rng_state()
     fp32 = ModeSpec(mode="fp32")
     for mode, spec in (("fp32", fp32), ("nudged", fp32), ("bf16_pure", pure)):
@@ -139,16 +153,14 @@ def continue_both(
         for mode, (start, end) in runs.items()
     }
     weakest, weakest_share = _weakest(changes["bf16_pure"], changes["fp32"], changes["nudged"])
-    reference = torch.cat(list(changes["fp32"].values()))
-    trial = torch.cat(list(changes["bf16_pure"].values()))
-    nudged = torch.cat(list(changes["nudged"].values()))
-    moved = reference != 0
+    fraction, never_moved = _pooled(runs["bf16_pure"], runs["fp32"])
+    ceiling, _ = _pooled(runs["nudged"], runs["fp32"])
     return Window(
         step=step,
         lr=float(plan.optimizer.param_groups[0]["lr"]),
-        fraction=_projection(trial, reference),
-        never_moved=float(((trial == 0) & moved).sum() / moved.sum().clamp(min=1)),
-        ceiling=_projection(nudged, reference),
+        fraction=fraction,
+        never_moved=never_moved,
+        ceiling=ceiling,
         weakest=weakest,
         weakest_share=weakest_share,
     )
