@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +23,30 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # too), as two workers of two threads each on two cores would fight for them
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+SEED_VARIABLE = "AUTOPREC_TEST_SEED"
+
+
+@pytest.fixture(autouse=True)
+def _seed_each_test(request: pytest.FixtureRequest) -> None:
+    """Every test starts from global RNG state seeded by its own node id, not from whatever the
+    tests before it on its pytest-xdist worker drew: under `-n auto` which tests run before which
+    changes from run to run, and a test drawing unseeded weights failed in ~11% of RNG states
+    (amp_fp16's scaler overflowing at its first scale). A failure now reproduces alone, in any
+    order. ``AUTOPREC_TEST_SEED=random`` draws a fresh seed per test instead (a hunt for tests
+    that pass only at some seeds; the seed is printed in the failure's captured setup output),
+    ``AUTOPREC_TEST_SEED=N`` replays one."""
+    chosen = os.environ.get(SEED_VARIABLE, "")
+    if chosen == "random":
+        seed = int.from_bytes(os.urandom(4), "little")
+        print(f"{SEED_VARIABLE}={seed}")  # only here: tests read their own captured output
+    elif chosen:
+        seed = int(chosen)
+    else:
+        seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+
 
 # name, compute capability, memory GiB: the GPUs the capability table must get right.
 KNOWN_GPUS: dict[str, tuple[str, tuple[int, int], int]] = {
