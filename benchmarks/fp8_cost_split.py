@@ -78,12 +78,21 @@ def split(task: GroundTask, fp8: ModeSpec, seed: int, steps: int) -> CostSplit:
     )
 
 
-def gate_at(task: GroundTask, fp8: ModeSpec, steps: int) -> str:
+def gate_at(task: GroundTask, fp8: ModeSpec, steps: int, final: float) -> str:
     """The gate's verdict on ``fp8`` after a ``steps``-step trial, with the figures its loss
-    check compares (the held-out gap against 3 noise floors)."""
+    check compares (the held-out gap against 3 noise floors) and its forward cost: over the
+    trial's own held-out loss (what the gate judges) and, in absolute terms, over ``final``,
+    the fp32 run's final test metric (what a gate told the loss a run ends at could judge)."""
     (verdict,) = [v for v in gate(task, steps, ["fp8_torchao"]).verdicts if v.spec == fp8]
     gap, floor = verdict.drift["heldout_loss_gap"], verdict.drift["noise_floor"]
-    return f"{verdict.status} (held-out gap {gap:.5f}, noise floor {floor:.5f})"
+    cost, absolute = verdict.drift.get("forward_cost"), verdict.drift.get("forward_cost_absolute")
+    forward = (
+        ""
+        if cost is None or absolute is None
+        else f"; forward cost {cost:+.3%} of the trial's loss, {absolute / abs(final):+.3%} of "
+        "fp32's final metric"
+    )
+    return f"{verdict.status} (held-out gap {gap:.5f}, noise floor {floor:.5f}{forward})"
 
 
 def print_costs(rows: list[CostSplit]) -> None:
@@ -120,8 +129,10 @@ def main(argv: list[str] | None = None) -> list[CostSplit]:
                 f"fp8 forward {row.fp8_fp8:.6f}"
             )
         print_costs(task_rows)
+        final = statistics.fmean(row.fp32_fp32 for row in task_rows)
         for trial_steps in check_steps:
-            print(f"  the gate after a {trial_steps}-step trial: {gate_at(task, fp8, trial_steps)}")
+            verdict = gate_at(task, fp8, trial_steps, final)
+            print(f"  the gate after a {trial_steps}-step trial: {verdict}")
         rows += task_rows
     return rows
 

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -434,7 +435,10 @@ def test_fp8_cost_split_reads_each_trained_model_in_both_forwards(
     from benchmarks.ground_truth_tasks import TASKS
 
     (row,) = fp8_cost_split.main(["--quick"])
-    assert "the gate after a 30-step trial: safe (held-out gap" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the gate after a 30-step trial: safe (held-out gap" in out
+    figures = r"forward cost [+-]\d+\.\d{3}% of the trial's loss, [+-]\d+\.\d{3}% of fp32"
+    assert re.search(figures, out), out
     fp32_run = long_run(TASKS["cosine_regression"](300), ModeSpec(mode="fp32"), 0, 300)
     assert row.fp32_fp32 == pytest.approx(fp32_run.metric, rel=1e-6)
     assert row.fp32_fp8 != row.fp32_fp32  # at 300 steps (loss 0.107) by a few 1e-5 only
@@ -904,7 +908,6 @@ def test_readme_tune_signature_names_every_parameter() -> None:
     """The README's `tune(...)` line lists every parameter of autoprec.tune, in order (it had
     lost keep_fp32 and compile)."""
     import inspect
-    import re
 
     import autoprec
 
@@ -940,7 +943,6 @@ def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: 
     """The quick run trains 4 fp32 and 3 pure-bf16 runs into the truth's cache and reads the
     pair from those files; a second run trains nothing; bad counts and labels are refused."""
     import json
-    import re
     import statistics
 
     from autoprec import UnsupportedModeError
