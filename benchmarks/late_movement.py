@@ -90,39 +90,30 @@ def _weights(plan: PrecisionPlan) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().flatten().clone() for name, p in plan.model.named_parameters()}
 
 
-def _projection(trial: torch.Tensor, reference: torch.Tensor) -> float:
-    return float(trial @ reference / (reference @ reference))
-
-
-def _weakest(
-    trial: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    nudged: dict[str, torch.Tensor],
-) -> tuple[str, float]:
-    """(name, projection over the nudged run's) of the parameter whose movement arrived least,
-    among those fp32 moved and the nudged run follows (a projection of at least
-    ``MIN_PAIRED_MOVEMENT``, the gate's own limit for judging movement); ("-", nan) when none."""
-    shares = []
-    for name, change in reference.items():
-        if not bool(change.any()):
-            continue
-        ceiling = _projection(nudged[name], change)
-        if ceiling >= MIN_PAIRED_MOVEMENT:
-            shares.append((name, _projection(trial[name], change) / ceiling))
-    return min(shares, key=lambda item: item[1]) if shares else ("-", float("nan"))
-
-
 Run = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 """A continuation's weights at its start and at its end, by parameter name."""
 
 
-def _pooled(run: Run, reference: Run) -> tuple[float, float]:
+def _pooled(run: Run, reference: Run, names: list[str] | None = None) -> tuple[float, float]:
     """(projection of ``run``'s movement onto ``reference``'s, share of the weights the reference
-    moved that ``run`` never moved) over every weight, by the gate's own arithmetic
-    (``drift_movement._movement``); nan where the reference did not move."""
+    moved that ``run`` never moved) over ``names`` (default: every weight), by the gate's own
+    arithmetic (``drift_movement._movement``); nan where the reference did not move them."""
     (start, end), (reference_start, reference_end) = run, reference
-    found = _movement(end, start, reference_end, reference_start, list(reference_start))
+    names = list(reference_start) if names is None else names
+    found = _movement(end, start, reference_end, reference_start, names)
     return found if found is not None else (math.nan, math.nan)
+
+
+def _weakest(trial: Run, reference: Run, nudged: Run) -> tuple[str, float]:
+    """(name, projection over the nudged run's) of the parameter whose movement arrived least,
+    among those fp32 moved and the nudged run follows (a projection of at least
+    ``MIN_PAIRED_MOVEMENT``, the gate's own limit for judging movement); ("-", nan) when none."""
+    shares = []
+    for name in reference[0]:
+        ceiling, _ = _pooled(nudged, reference, [name])
+        if ceiling >= MIN_PAIRED_MOVEMENT:  # nan (fp32 did not move it) compares false
+            shares.append((name, _pooled(trial, reference, [name])[0] / ceiling))
+    return min(shares, key=lambda item: item[1]) if shares else ("-", float("nan"))
 
 
 def continue_both(
@@ -148,11 +139,7 @@ def continue_both(
         start = _weights(continued)
         train_on(continued, task, batches)
         runs[mode] = (start, _weights(continued))
-    changes = {
-        mode: {name: end[name] - start[name] for name in start}
-        for mode, (start, end) in runs.items()
-    }
-    weakest, weakest_share = _weakest(changes["bf16_pure"], changes["fp32"], changes["nudged"])
+    weakest, weakest_share = _weakest(runs["bf16_pure"], runs["fp32"], runs["nudged"])
     fraction, never_moved = _pooled(runs["bf16_pure"], runs["fp32"])
     ceiling, _ = _pooled(runs["nudged"], runs["fp32"])
     return Window(

@@ -753,7 +753,8 @@ def test_late_movement_continues_copies_of_the_runs_state() -> None:
     assert window.ceiling == pytest.approx(1.0, abs=1e-3)
     assert window.weakest in dict(model.named_parameters())
     assert window.weakest_share <= window.share + 1e-3
-    still = {"w": torch.zeros(3)}  # nothing moved: no weakest tensor, no crash
+    weights = {"w": torch.zeros(3)}  # nothing moved: no weakest tensor, no crash
+    still = (weights, weights)
     name, share = late_movement._weakest(still, still, still)
     assert name == "-" and math.isnan(share)
     assert all(torch.equal(v, before[k]) for k, v in plan.model.state_dict().items())
