@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# hold that torch: a dependency asking for another one makes pip take an older release of
+	# the dependency (or fail, saying so) instead of replacing torch with a multi-GB CUDA build
+	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(VENV)/torch-constraint.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
