@@ -225,6 +225,78 @@ def test_tensor_movement_bar_is_the_highest_missed_share() -> None:
     assert bar_report([r for r in rows if not (r.accepted and r.truth_hurts)]) == (None, [])
 
 
+@pytest.mark.xdist_group("quick_truth_cache")  # one worker trains the cache
+def test_lr_scaled_gate_judges_each_scale_against_the_truth_at_the_real_lr(
+    quick_truth_cache: Path,
+) -> None:
+    """The gate with the recipe's lr scaled (--quick: the digits MLP, 30-step trials), each
+    verdict beside the same long-run truth; a smaller lr loses more of pure bf16's movement."""
+    from benchmarks import lr_scaled_gate
+
+    args = ["--quick", "--tasks", "digits_mlp", "--cache", str(quick_truth_cache)]
+    rows = lr_scaled_gate.main([*args, "--scales", "1,0.25", "--modes", "bf16_pure,bf16_sr"])
+    assert [(r.label, r.scale) for r in rows] == [
+        ("bf16_pure", 1.0), ("bf16_sr", 1.0), ("bf16_pure", 0.25), ("bf16_sr", 0.25),
+    ]  # fmt: skip
+    truth = {r.label: r.truth_hurts for r in rows if r.scale == 1.0}
+    assert all(r.truth_hurts == truth[r.label] for r in rows)  # the truth is at the real lr
+    pure = {r.scale: r for r in rows if r.label == "bf16_pure"}
+    assert truth["bf16_pure"] and not pure[1.0].accepted  # lr 1e-4: its updates round away
+    assert pure[0.25].movement < pure[1.0].movement
+    errors = lr_scaled_gate.errors_by_scale(rows)
+    assert set(errors) == {1.0, 0.25} and all(pairs == 2 for _, _, pairs in errors.values())
+    for wrong in ("0", "1.5", "half"):
+        with pytest.raises(SystemExit, match="--scales: lr factors in"):
+            lr_scaled_gate.scales_and_modes(["--scales", wrong])
+
+
+def test_lr_scaled_gate_scales_every_group_and_the_schedules_base() -> None:
+    from benchmarks.lr_scaled_gate import scaled_optimizer
+
+    def factory(params: object) -> torch.optim.Optimizer:
+        weight, bias = torch.nn.Linear(2, 2).parameters()
+        return torch.optim.AdamW([{"params": [weight], "lr": 1e-3}, {"params": [bias]}], lr=4e-3)
+
+    optimizer = scaled_optimizer(factory, 0.5)(None)
+    assert [group["lr"] for group in optimizer.param_groups] == [5e-4, 2e-3]
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    assert schedule.base_lrs == [5e-4, 2e-3]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "one_cycle", "lambda"])
+def test_lr_scaled_gate_scales_the_lrs_a_schedule_holds_itself(kind: str) -> None:
+    """Every lr the schedule reaches is scaled: CosineAnnealingLR's floor and OneCycleLR's own
+    lrs are absolute, so scaling the optimizer alone would leave them (found in a run)."""
+    from benchmarks.ground_truth_heldout import one_cycle
+    from benchmarks.ground_truth_tasks import cosine_to
+    from benchmarks.lr_scaled_gate import scaled_optimizer, scaled_schedule
+
+    factories = {
+        "cosine": cosine_to(1e-5),
+        "one_cycle": one_cycle(3e-3),
+        "lambda": lambda optimizer, total_steps: torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 1 - step / total_steps
+        ),
+    }
+
+    def lrs(scale: float) -> list[float]:
+        build = scaled_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-3), scale)
+        optimizer = build(torch.nn.Linear(2, 2).parameters())
+        schedule = scaled_schedule(factories[kind], scale)(optimizer, total_steps=20)
+        found = []
+        for _ in range(20):
+            found.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        return found
+
+    assert lrs(0.5) == pytest.approx([lr * 0.5 for lr in lrs(1.0)], rel=1e-9)
+    with pytest.raises(SystemExit, match="cannot scale a StepLR"):
+        scaled_schedule(lambda o: torch.optim.lr_scheduler.StepLR(o, 5), 0.5)(
+            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        )
+
+
 def test_gpu_ground_truth_scores_fp8_on_its_gpt_and_goes_on_from_its_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
