@@ -502,6 +502,17 @@ def run_arguments(
     return names, quick_steps if args.quick else args.steps, parser
 
 
+def float_list(text: str, valid: Callable[[float], bool], refusal: str) -> list[float]:
+    """A comma-separated option's floats, each ``valid``; else ``SystemExit(refusal)``."""
+    try:
+        values = [float(value) for value in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(valid(value) for value in values):
+        raise SystemExit(refusal)
+    return values
+
+
 def refuse_unpaired_seeds(
     parser: argparse.ArgumentParser, fp32_seeds: int, mode_seeds: int
 ) -> None:

@@ -39,6 +39,7 @@ from autoprec.specs import ModeSpec
 from benchmarks.ground_truth import (
     ALL_TASKS,
     Scoring,
+    float_list,
     fp32_metrics,
     hurts,
     long_run,
@@ -169,12 +170,8 @@ def checkpoint_fractions(argv: list[str] | None) -> tuple[list[float], bool, lis
     pre = argparse.ArgumentParser(add_help=False)
     checkpoint_options(pre)
     known, rest = pre.parse_known_args(argv)
-    try:
-        fractions = [float(value) for value in known.at.split(",")]
-    except ValueError:
-        fractions = []
-    if not fractions or not all(0 < f < 1 for f in fractions):
-        raise SystemExit(f"--at: fractions of the run in (0, 1), e.g. 0.5,0.9; got {known.at!r}")
+    refusal = f"--at: fractions of the run in (0, 1), e.g. 0.5,0.9; got {known.at!r}"
+    fractions = float_list(known.at, lambda fraction: 0 < fraction < 1, refusal)
     return fractions, known.with_state, rest
 
 

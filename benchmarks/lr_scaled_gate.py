@@ -29,6 +29,7 @@ import torch
 from benchmarks.ground_truth import (
     ALL_TASKS,
     Scoring,
+    float_list,
     fp32_metrics,
     gate,
     hurts,
@@ -101,7 +102,8 @@ def with_scaled_lr(task: GroundTask, scale: float) -> GroundTask:
     recipe = task.recipe
     optimizer = scaled_optimizer(recipe.optimizer, scale)
     schedule = None if recipe.scheduler is None else scaled_schedule(recipe.scheduler, scale)
-    scaled = dataclasses.replace(recipe, optimizer=optimizer, scheduler=schedule)
+    # a recipe of its own: replace() would share the recipe's cache of the schedule it read
+    scaled = dataclasses.replace(recipe, optimizer=optimizer, scheduler=schedule, _cache={})
     return dataclasses.replace(task, recipe=scaled)
 
 
@@ -110,10 +112,10 @@ def task_verdicts(
 ) -> list[ScaledVerdict]:
     """The gate on one task at each lr scale, each verdict beside its long-run truth."""
     steps, cache, seeds = scoring.steps, scoring.cache, scoring.seeds
-    fp32 = fp32_metrics(cache, ALL_TASKS[name](steps), steps, seeds.fp32)
+    task = ALL_TASKS[name](steps)  # built once: check() trains copies, never the model
+    fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
     found = []
     for scale in scales:
-        task = ALL_TASKS[name](steps)  # a fresh model for every check
         report = gate(with_scaled_lr(task, scale), scoring.trial_steps, modes)
         for verdict in report.verdicts:
             if verdict.status == "failed":
@@ -160,12 +162,8 @@ def scales_and_modes(argv: list[str] | None) -> tuple[list[float], list[str], li
     pre = argparse.ArgumentParser(add_help=False)
     scale_options(pre)
     known, rest = pre.parse_known_args(argv)
-    try:
-        scales = [float(value) for value in known.scales.split(",")]
-    except ValueError:
-        scales = []
-    if not scales or not all(0 < scale <= 1 for scale in scales):
-        raise SystemExit(f"--scales: lr factors in (0, 1], e.g. 1,0.5; got {known.scales!r}")
+    refusal = f"--scales: lr factors in (0, 1], e.g. 1,0.5; got {known.scales!r}"
+    scales = float_list(known.scales, lambda scale: 0 < scale <= 1, refusal)
     return scales, known.modes.split(","), rest
 
 
