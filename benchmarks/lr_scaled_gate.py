@@ -12,6 +12,7 @@ scale: the question is whether one scale rejects the harmful accepts and keeps t
 
     python -m benchmarks.lr_scaled_gate [--tasks a,b] [--scales 1,0.5,0.35,0.23] [--modes ...]
     python -m benchmarks.lr_scaled_gate --tasks recommender,digits_convnet,encoder_dropout
+    python -m benchmarks.lr_scaled_gate --tasks nanogpt_recipe --gate-only  # no long runs
     python -m benchmarks.lr_scaled_gate --quick     # 2 tasks, short runs: the CI variant
 """
 
@@ -51,7 +52,8 @@ class ScaledVerdict:
     label: str
     scale: float
     accepted: bool
-    truth_hurts: bool
+    truth_hurts: bool | None
+    """None under ``--gate-only`` (no long run read or trained)."""
     movement: float
     """The trial's ``update_fraction`` (its weights' movement over fp32's); nan where none."""
     reasons: tuple[str, ...]
@@ -108,26 +110,30 @@ def with_scaled_lr(task: GroundTask, scale: float) -> GroundTask:
 
 
 def task_verdicts(
-    name: str, scoring: Scoring, scales: list[float], modes: list[str]
+    name: str, scoring: Scoring, scales: list[float], modes: list[str], gate_only: bool = False
 ) -> list[ScaledVerdict]:
-    """The gate on one task at each lr scale, each verdict beside its long-run truth."""
+    """The gate on one task at each lr scale, each verdict beside its long-run truth (none
+    with ``gate_only``: for tasks whose long runs are not cached, without training them)."""
     steps, cache, seeds = scoring.steps, scoring.cache, scoring.seeds
     task = ALL_TASKS[name](steps)  # built once: check() trains copies, never the model
-    fp32 = fp32_metrics(cache, task, steps, seeds.fp32)
+    fp32 = None if gate_only else fp32_metrics(cache, task, steps, seeds.fp32)
     found = []
     for scale in scales:
         report = gate(with_scaled_lr(task, scale), scoring.trial_steps, modes)
         for verdict in report.verdicts:
             if verdict.status == "failed":
                 continue
-            metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
+            truth = None
+            if fp32 is not None:
+                metric, runs, _ = mode_metric(cache, task, verdict.spec, steps, seeds.mode)
+                truth = hurts(metric, fp32, runs)
             found.append(
                 ScaledVerdict(
                     name,
                     verdict.label,
                     scale,
                     verdict.status == "safe",
-                    hurts(metric, fp32, runs),
+                    truth,
                     verdict.drift.get("update_fraction", float("nan")),
                     verdict.reasons,
                 )
@@ -136,12 +142,12 @@ def task_verdicts(
 
 
 def errors_by_scale(rows: list[ScaledVerdict]) -> dict[float, tuple[int, int, int]]:
-    """Per scale: (false accepts, false rejects, pairs)."""
+    """Per scale: (false accepts, false rejects, pairs with a truth)."""
     found: dict[float, tuple[int, int, int]] = {}
     for scale in dict.fromkeys(row.scale for row in rows):
-        at = [row for row in rows if row.scale == scale]
+        at = [row for row in rows if row.scale == scale and row.truth_hurts is not None]
         false_accepts = sum(1 for row in at if row.accepted and row.truth_hurts)
-        false_rejects = sum(1 for row in at if not row.accepted and not row.truth_hurts)
+        false_rejects = sum(1 for row in at if not row.accepted and row.truth_hurts is False)
         found[scale] = (false_accepts, false_rejects, len(at))
     return found
 
@@ -155,30 +161,37 @@ def scale_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", default=",".join(DEFAULT_MODES), help="modes to check (default: %(default)s)"
     )
+    parser.add_argument(
+        "--gate-only",
+        action="store_true",
+        help="the gate's verdicts alone: no long run read or trained (tasks not cached)",
+    )
 
 
-def scales_and_modes(argv: list[str] | None) -> tuple[list[float], list[str], list[str]]:
-    """``--scales``, ``--modes`` and the other arguments."""
+def scales_and_modes(
+    argv: list[str] | None,
+) -> tuple[list[float], list[str], bool, list[str]]:
+    """``--scales``, ``--modes``, ``--gate-only`` and the other arguments."""
     pre = argparse.ArgumentParser(add_help=False)
     scale_options(pre)
     known, rest = pre.parse_known_args(argv)
     refusal = f"--scales: lr factors in (0, 1], e.g. 1,0.5; got {known.scales!r}"
     scales = float_list(known.scales, lambda scale: 0 < scale <= 1, refusal)
-    return scales, known.modes.split(","), rest
+    return scales, known.modes.split(","), known.gate_only, rest
 
 
 def main(argv: list[str] | None = None) -> list[ScaledVerdict]:
-    scales, modes, rest = scales_and_modes(argv)
+    scales, modes, gate_only, rest = scales_and_modes(argv)
     scoring = scoring_arguments(
         __doc__ or "", rest, default=tuple(TASKS), more_options=scale_options, known=ALL_TASKS
     )
     print(f"the gate at {scoring.trial_steps} steps with the recipe's lr scaled; truth at 1x")
     rows = []
     for name in scoring.names:
-        for row in task_verdicts(name, scoring, scales, modes):
+        for row in task_verdicts(name, scoring, scales, modes, gate_only):
             rows.append(row)
             gate_said = "accept" if row.accepted else "reject"
-            truth = "hurts" if row.truth_hurts else "fine"
+            truth = {True: "hurts", False: "fine", None: "-"}[row.truth_hurts]
             reason = row.reasons[0][:70] if row.reasons else ""
             print(
                 f"{row.task:18} {row.label:22} x{row.scale:<5g} {gate_said:6} {truth:5}  "

@@ -245,6 +245,12 @@ def test_lr_scaled_gate_judges_each_scale_against_the_truth_at_the_real_lr(
     assert pure[0.25].movement < pure[1.0].movement
     errors = lr_scaled_gate.errors_by_scale(rows)
     assert set(errors) == {1.0, 0.25} and all(pairs == 2 for _, _, pairs in errors.values())
+    # --gate-only: the verdicts alone, no long run read (an empty cache stays empty)
+    empty = quick_truth_cache.parent / "no_truth"
+    only = ["--gate-only", "--scales", "0.25", "--modes", "bf16_pure"]
+    alone = lr_scaled_gate.main(["--quick", "--tasks", "digits_mlp", "--cache", str(empty), *only])
+    assert [(r.label, r.truth_hurts, r.accepted) for r in alone] == [("bf16_pure", None, False)]
+    assert lr_scaled_gate.errors_by_scale(alone) == {0.25: (0, 0, 0)} and not empty.exists()
     for wrong in ("0", "1.5", "half"):
         with pytest.raises(SystemExit, match="--scales: lr factors in"):
             lr_scaled_gate.scales_and_modes(["--scales", wrong])
