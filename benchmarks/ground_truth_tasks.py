@@ -483,6 +483,20 @@ def nanogpt_training(total_steps: int) -> TrainingRecipe:
     )
 
 
+def changed_groups(
+    factory: Callable[..., torch.optim.Optimizer], change: Callable[[dict[str, Any]], None]
+) -> Callable[[Any], torch.optim.Optimizer]:
+    """``factory`` with ``change`` applied to every group of the optimizer it builds."""
+
+    def changed(params: Any) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        for group in optimizer.param_groups:
+            change(group)
+        return optimizer
+
+    return changed
+
+
 def with_optimizer_groups(
     task: GroundTask, suffix: str, change: Callable[[dict[str, Any]], None]
 ) -> GroundTask:
@@ -491,13 +505,7 @@ def with_optimizer_groups(
     ``<name>.<suffix>``."""
     factory = task.recipe.optimizer
     assert callable(factory)  # every ground-truth task passes a factory
-
-    def changed(params: Any) -> torch.optim.Optimizer:
-        optimizer = factory(params)
-        for group in optimizer.param_groups:
-            change(group)
-        return optimizer
-
+    changed = changed_groups(factory, change)
     changed.__qualname__ = f"{getattr(factory, '__qualname__', 'optimizer')}, {suffix}"
     recipe = dataclasses.replace(task.recipe, optimizer=changed, _cache={})  # cached per optimizer
     return dataclasses.replace(task, name=f"{task.name}.{suffix}", recipe=recipe)

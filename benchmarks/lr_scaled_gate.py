@@ -37,7 +37,7 @@ from benchmarks.ground_truth import (
     mode_metric,
     scoring_arguments,
 )
-from benchmarks.ground_truth_tasks import TASKS, GroundTask
+from benchmarks.ground_truth_tasks import TASKS, GroundTask, changed_groups
 
 DEFAULT_SCALES = (1.0, 0.5, 0.35, 0.23)
 DEFAULT_MODES = ("bf16_pure", "bf16_pure+8bit-optim", "bf16_sr", "bf16_kahan", "bf16_sr_kahan")
@@ -63,13 +63,10 @@ def scaled_optimizer(factory: Callable[..., Any], scale: float) -> Callable[...,
     """``factory`` with every group's lr multiplied by ``scale`` (a scheduler built on the
     optimizer afterwards takes the scaled lr as its base)."""
 
-    def build(params: Any) -> torch.optim.Optimizer:
-        optimizer = factory(params)
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * scale
-        return optimizer
+    def scale_lr(group: dict[str, Any]) -> None:
+        group["lr"] = group["lr"] * scale
 
-    return build
+    return changed_groups(factory, scale_lr)
 
 
 def scaled_schedule(factory: Callable[..., Any], scale: float) -> Callable[..., Any]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import random
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +17,7 @@ from torch import nn
 from autoprec._imports import BACKENDS, BackendStatus
 from autoprec.cpu_info import AutocastCheck, CpuInfo
 from autoprec.hardware import GpuInfo, HardwareInfo
+from autoprec.random_streams import seeded_streams
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one pytest worker per core: each trains on one thread (its subprocesses
@@ -28,7 +29,7 @@ SEED_VARIABLE = "AUTOPREC_TEST_SEED"
 
 
 @pytest.fixture(autouse=True)
-def _seed_each_test(request: pytest.FixtureRequest) -> None:
+def _seed_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test starts from global RNG state seeded by its own node id, not from whatever the
     tests before it on its pytest-xdist worker drew: under `-n auto` which tests run before which
     changes from run to run, and a test drawing unseeded weights failed in ~11% of RNG states
@@ -44,8 +45,8 @@ def _seed_each_test(request: pytest.FixtureRequest) -> None:
         seed = int(chosen)
     else:
         seed = zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(seed)
-    random.seed(seed)
+    with seeded_streams(torch.device("cpu"), seed):  # torch's, Python's and NumPy's, as a trial
+        yield
 
 
 # name, compute capability, memory GiB: the GPUs the capability table must get right.
