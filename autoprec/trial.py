@@ -211,8 +211,9 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         run.fp8_layers = plan.mode.fp8_modules(plan.model)
         loop = TrainingLoop(plan, inputs.recipe, inputs.batches, inputs.order, inputs.device)
         run.figures = loop.figures
-        settle(loop, inputs.device)
-        _train_legs(loop, inputs, run, result, baseline)
+        run.stopped = settle(loop, inputs.device, inputs.stop, sum(inputs.legs))
+        if run.stopped is None:
+            _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
             drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -260,6 +261,7 @@ class TrainingLoop:
         }  # fmt: skip
         self.micro = 0
         self.current_step: int | None = None
+        self.fastest_pass: float | None = None  # TrialProgress.fastest_pass_seconds
         self.kept = plan.mode.parameter_ids(plan.model, plan.mode.kept_roots(plan.model))
         self.counts_activations = device.type == "cpu" and not plan.spec.compile
         """Count the bytes saved for backward (CPU memory objective) on the first micro-batch;
@@ -281,6 +283,8 @@ class TrainingLoop:
         seconds = self.clock.stop()
         if self.device.type == "cpu":  # after the clock: reading /proc is not the mode's time
             self.figures["rss"].append(rss_bytes())
+        if warmup:
+            self.note_pass(seconds / steps)
         if warmup and self.plan.spec.compile:
             self.figures["graphs_after_warmup"] = compiled_graph_count()
         self.figures["windows"].append(
@@ -365,6 +369,13 @@ class TrainingLoop:
             self.figures["max_gradient"] = max(self.figures["max_gradient"], gradient_read)
         return None
 
+    def note_pass(self, seconds: float) -> None:
+        """A forward-and-backward pass before the timed windows took ``seconds``: the fastest
+        is a floor on an eager run's step time (a compiled run's first passes compile)."""
+        if not self.plan.spec.compile:
+            fastest = self.fastest_pass
+            self.fastest_pass = seconds if fastest is None else min(fastest, seconds)
+
     def progress(self, step: int, steps: int) -> TrialProgress:
         state = self.figures.get("state")
         return TrialProgress(
@@ -372,19 +383,54 @@ class TrainingLoop:
             steps_planned=steps,
             windows=tuple(self.figures["windows"]),
             state_bytes=None if state is None else state.total,
+            fastest_pass_seconds=self.fastest_pass,
         )
 
 
-def settle(loop: TrainingLoop, device: torch.device) -> None:
+def stop_reason(stop: StopCheck | None, progress: TrialProgress) -> str | None:
+    """The stop check's reason to end the trial now, or None; what the check itself raises is
+    the caller's failure, not the mode's (``StopCheckRaised``)."""
+    if stop is None:
+        return None
+    try:
+        return stop(progress)
+    except Exception as error:  # the caller's callback: not the mode's failure
+        raise StopCheckRaised(error) from error
+
+
+class _SettleStopped(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def settle(
+    loop: TrainingLoop, device: torch.device, stop: StopCheck | None = None, steps: int = 0
+) -> str | None:
     """Let the mode calibrate on the first batch (amp_fp16 settles its loss scale) without
     stepping, without moving the model's random stream, and without leaving what its forward
     passes update: BatchNorm's running statistics, a running normaliser, a teacher a
     ``train_step`` moves (the user's loop runs no such forward; an amp_fp16 trial of a
-    BatchNorm net started from statistics one batch on, its held-out loss 2% off)."""
+    BatchNorm net started from statistics one batch on, its held-out loss 2% off).
+
+    With ``stop`` (the trial's, of ``steps`` planned steps), the budget is checked before each
+    of the mode's passes and after the last, each pass timed (``TrainingLoop.note_pass``): on a
+    CPU one amp_fp16 pass of ``examples.small_convnet`` took 15 s, 140x fp32's step, and the
+    passes ran before any check. Returns the stop's reason, or None."""
     plan, recipe = loop.plan, loop.recipe
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    started: list[float] = []  # when each pass began
+
+    def check() -> None:
+        if started:
+            loop.note_pass(time.perf_counter() - started[-1])
+        reason = stop_reason(stop, loop.progress(-1, steps))
+        if reason is not None:
+            raise _SettleStopped(reason)
 
     def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
+        check()
+        started.append(time.perf_counter())
         if not kept:
             state = state_no_optimizer_steps(plan.model, plan.optimizer)
             kept.extend((tensor, tensor.detach().clone()) for _, tensor in state)
@@ -396,10 +442,15 @@ def settle(loop: TrainingLoop, device: torch.device) -> None:
     try:
         with kept_streams(cuda_devices_of(device)):
             plan.mode.settle(compute_loss, plan.model)
+        if started:
+            check()
+    except _SettleStopped as stopped:
+        return stopped.reason
     finally:
         with torch.no_grad():
             for tensor, before in kept:
                 tensor.copy_(before)
+    return None
 
 
 def measure_trained(
@@ -460,8 +511,8 @@ def train_in_windows(
     window_steps: int,
     stop: StopCheck | None,
 ) -> tuple[TrialFailure | None, str | None]:
-    """Train every leg at its learning rates, in windows of steps (the warm-up steps form
-    their own window, and so does the first step after them; no window crosses a leg);
+    """Train every leg at its learning rates, in windows of steps (each warm-up step forms a
+    window of its own, and so does the first step after them; no window crosses a leg);
     (failure, stop reason). ``loop.current_step``
     is the last step run."""
     step, total = 0, sum(legs)
@@ -474,17 +525,15 @@ def train_in_windows(
             # time, so a mode far slower than fp32 is stopped for the budget after one step
             # rather than a whole window (a 3.5 s fp16 step on a CPU: 10 steps past a 30 s wall)
             length = 1 if step == warmup_steps else window_steps
-            end = min(leg_end, warmup_steps if warmup else step + length)
+            # each warm-up step too: the budget is checked after each (two 15 s amp_fp16 steps
+            # of a conv net on a CPU ran as one window, past a 60 s budget)
+            end = min(leg_end, step + 1 if warmup else step + length)
             failure = loop.run_window(step, end - step, warmup)
             step = end
             if failure is not None:
                 return failure, None
-            if stop is not None:
-                try:
-                    reason = stop(loop.progress(step - 1, total))
-                except Exception as error:  # the caller's callback: not the mode's failure
-                    raise StopCheckRaised(error) from error
-                if reason is not None:
-                    return None, reason
+            reason = stop_reason(stop, loop.progress(step - 1, total))
+            if reason is not None:
+                return None, reason
         result.leg_weights.append(sampled_weights(loop.plan, result.sample_indices))
     return None, None

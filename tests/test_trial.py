@@ -211,14 +211,14 @@ def test_gradient_maximum_is_read_once_per_window(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(trial_loop, "max_abs_gradient", counted)
     batches = [(torch.tensor([[2.0]]), torch.tensor([[0.0]]))] * 4
-    # step 12 is the last of the window of steps 8-12 (warm-up 0-1, step 2 alone, windows of
-    # 5): its gradient is 100x; step 9's, inside a window, is not read
+    # step 12 is the last of the window of steps 8-12 (warm-up steps 0 and 1 and step 2 alone,
+    # windows of 5): its gradient is 100x; step 9's, inside a window, is not read
     model, recipe = _scaled_gradient_model({9: 1000.0, 12: 100.0})
     record = run_trial(
         ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=22, window_steps=5
     ).record
     assert record.completed, record.failure
-    assert len(record.windows) == 6 and len(calls) == 6  # warm-up, step 2 alone, and 4 others
+    assert len(record.windows) == 7 and len(calls) == 7  # steps 0, 1, 2 alone, and 4 others
     assert record.max_abs_gradient == pytest.approx(2 * 2 * 2 * 100.0)  # 2 * output * input
 
 
@@ -775,8 +775,8 @@ def test_no_host_read_inside_a_timed_window(monkeypatch: pytest.MonkeyPatch) -> 
     while a window runs; they are read once, after it (the loop a user writes reads 0-1 times
     per step: autoprec's timing must not charge more)."""
     log = _window_log(monkeypatch, ModeSpec(mode="amp_bf16"), steps=22)
-    # warm-up window (2 steps), step 2 alone, then windows of window_steps_for(22, 2) = 4 steps
-    assert _inside_windows(log) == [0] * 7
+    # each warm-up step (2) alone, step 2 alone, then windows of window_steps_for(22, 2) = 4
+    assert _inside_windows(log) == [0] * 8
     reads_after = log[log.index("stop") + 1 :].count("read")
     assert reads_after >= 6  # each window's figures are read after it: not skipped
 
@@ -785,9 +785,9 @@ def test_amp_fp16_reads_only_what_grad_scaler_reads(monkeypatch: pytest.MonkeyPa
     """GradScaler reads its inf flags before each (non-fused) optimizer step, in the user's
     loop too; autoprec's skip counting adds no read of its own."""
     log = _window_log(monkeypatch, ModeSpec(mode="amp_fp16"), steps=12)
-    # warm-up window (2 steps), step 2 alone, then windows of window_steps_for(12, 2) = 2
+    # each warm-up step (2) alone, step 2 alone, then windows of window_steps_for(12, 2) = 2
     # steps (the last one step): one read per step, GradScaler's
-    assert _inside_windows(log) == [2, 1, 2, 2, 2, 2, 1]
+    assert _inside_windows(log) == [1, 1, 1, 2, 2, 2, 2, 1]
 
 
 def _broken_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:

@@ -961,8 +961,56 @@ def test_the_first_step_after_warm_up_is_timed_alone() -> None:
         steps=40,
         stop=stop,
     ).record
-    assert [(w.first_step, w.steps) for w in record.windows[:3]] == [(0, 2), (2, 1), (3, 7)]
-    assert seen[:2] == [1, 2]
+    # each warm-up step is a window of its own too: the budget is checked after each
+    assert [(w.first_step, w.steps) for w in record.windows[:4]] == [(0, 1), (1, 1), (2, 1), (3, 7)]
+    assert [w.warmup for w in record.windows[:4]] == [True, True, False, False]
+    assert seen[:3] == [0, 1, 2]
+
+
+class _SlowForward(torch.nn.Module):
+    """The model, each forward at least ``seconds`` long: a mode far slower than fp32."""
+
+    def __init__(self, inner: torch.nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.inner(inputs)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp_fp16"])
+def test_a_mode_far_too_slow_for_the_time_left_stops_in_its_warm_up(mode: str) -> None:
+    """On a CPU amp_fp16's passes of examples.small_convnet took 15 s (fp32's step 0.11 s): its
+    loss-scale pass and two warm-up steps ran before any budget check, and a 60 s budget took
+    86 s. Each pass now counts: the budget stops a run whose remaining steps, each at least as
+    slow as its fastest pass so far, would take over twice the time left — amp_fp16 right after
+    its loss-scale pass, before a step; an eager mode without one after its first step."""
+    from autoprec.recipe import TrainingRecipe
+    from autoprec.search import make_stop_check
+    from autoprec.trial import run_trial
+    from autoprec.trial_records import TrialRecord
+
+    task = tasks.regression(lr=1e-2)
+    slow = _SlowForward(task.model, 0.05)
+    recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
+
+    def trial(deadline: float, steps: int) -> TrialRecord:  # a clock standing still at 0
+        stop = make_stop_check(None, "speed", deadline=deadline, clock=lambda: 0.0)
+        return run_trial(
+            ModeSpec(mode=mode), slow, task.batches, recipe=recipe, steps=steps, stop=stop
+        ).record
+
+    record = trial(deadline=0.1, steps=40)  # 0.1 s left: 40 x >= 0.05 s is past twice that
+    ran = [(w.first_step, w.steps, w.warmup) for w in record.windows]
+    assert ran == ([] if mode == "amp_fp16" else [(0, 1, True)]), ran
+    remaining = 40 if mode == "amp_fp16" else 39
+    reason = record.stopped or ""
+    assert reason.startswith(f"budget: {remaining} more steps of at least "), reason
+    assert float(reason.split()[7]) >= 0.05 and "(its fastest pass in warm-up)" in reason
+    assert record.steps_run == (0 if mode == "amp_fp16" else 1)
+    record = trial(deadline=1000.0, steps=4)  # time enough: it runs to its end
+    assert record.stopped is None and record.steps_run == 4, record.stopped
 
 
 def test_a_candidates_gate_notes_reach_the_table_and_the_profile() -> None:
