@@ -176,7 +176,10 @@ def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcom
     elif record.failure is not None:
         reasons = (record.failure.reason(),)
     on_gpu = device != "cpu"
-    state = record.state_bytes.total if record.state_bytes else None
+    # a trial stopped before its first step (the budget, after amp_fp16's loss-scale pass) has
+    # no optimizer state yet: its weights alone would read as a lean mode in the table
+    stepped = record.steps_run > 0 or record.stopped is None
+    state = record.state_bytes.total if record.state_bytes and stepped else None
     activations = None if on_gpu else record.activation_bytes
     memory = record.peak_memory_bytes if on_gpu else state
     kind: MemoryKind = "cuda_peak" if on_gpu else "state_bytes"

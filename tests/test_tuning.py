@@ -989,19 +989,21 @@ def test_a_mode_far_too_slow_for_the_time_left_stops_in_its_warm_up(mode: str) -
     from autoprec.recipe import TrainingRecipe
     from autoprec.search import make_stop_check
     from autoprec.trial import run_trial
-    from autoprec.trial_records import TrialRecord
+    from autoprec.trial_records import TrialResult
+    from autoprec.tune_result import trial_outcome
 
     task = tasks.regression(lr=1e-2)
     slow = _SlowForward(task.model, 0.05)
     recipe = TrainingRecipe(optimizer=task.optimizer, loss_fn=task.mse)
 
-    def trial(deadline: float, steps: int) -> TrialRecord:  # a clock standing still at 0
+    def trial(deadline: float, steps: int) -> TrialResult:  # a clock standing still at 0
         stop = make_stop_check(None, "speed", deadline=deadline, clock=lambda: 0.0)
         return run_trial(
             ModeSpec(mode=mode), slow, task.batches, recipe=recipe, steps=steps, stop=stop
-        ).record
+        )
 
-    record = trial(deadline=0.1, steps=40)  # 0.1 s left: 40 x >= 0.05 s is past twice that
+    result = trial(deadline=0.1, steps=40)  # 0.1 s left: 40 x >= 0.05 s is past twice that
+    record = result.record
     ran = [(w.first_step, w.steps, w.warmup) for w in record.windows]
     assert ran == ([] if mode == "amp_fp16" else [(0, 1, True)]), ran
     remaining = 40 if mode == "amp_fp16" else 39
@@ -1009,7 +1011,11 @@ def test_a_mode_far_too_slow_for_the_time_left_stops_in_its_warm_up(mode: str) -
     assert reason.startswith(f"budget: {remaining} more steps of at least "), reason
     assert float(reason.split()[7]) >= 0.05 and "(its fastest pass in warm-up)" in reason
     assert record.steps_run == (0 if mode == "amp_fp16" else 1)
-    record = trial(deadline=1000.0, steps=4)  # time enough: it runs to its end
+    # stopped before a step, it has no optimizer state: no memory figure (its weights alone
+    # read as the leanest mode in the table)
+    memory = trial_outcome(result, None, "cpu").memory_bytes
+    assert (memory is None) == (mode == "amp_fp16"), memory
+    record = trial(deadline=1000.0, steps=4).record  # time enough: it runs to its end
     assert record.stopped is None and record.steps_run == 4, record.stopped
 
 
