@@ -132,14 +132,19 @@ def slower_when_cut(reason: str) -> str | None:
 def _warmup_pace(
     progress: TrialProgress, remaining: int, left: float, best: TrialOutcome | None
 ) -> str | None:
-    """A budget stop before any timed window: when the remaining steps, each at least as slow
-    as the fastest pass before the timed windows (``TrialProgress.fastest_pass_seconds``: eager
-    runs only), would take more than twice the time left (the same margin as a projection from
-    a few timed windows). On a CPU an amp_fp16 trial of ``examples.small_convnet`` (15 s
-    passes, fp32's step 0.11 s) ran its loss-scale pass and two warm-up steps unchecked and took
-    a 60 s budget to 86 s."""
-    fastest = progress.fastest_pass_seconds
-    if remaining <= 0 or fastest is None or remaining * fastest <= 2 * left:
+    """A budget stop before any timed window, from the passes before them
+    (``TrialProgress.pass_seconds``, eager runs): after one, when that pass alone took longer
+    than the time left; from two on, when the remaining steps, each as slow as the fastest
+    pass, would take over twice the time left (the margin of a projection from a few timed
+    windows). One pass does not project the run: it may be a stall (a first step of 2.8 s for a
+    10 ms one was seen on a busy machine). On a CPU an amp_fp16 trial of
+    ``examples.small_convnet`` (15 s passes, fp32's step 0.11 s) ran its loss-scale pass and
+    two warm-up steps unchecked and took a 60 s budget to 86 s."""
+    passes = progress.pass_seconds
+    if remaining <= 0 or not passes:
+        return None
+    fastest = min(passes)
+    if fastest <= left if len(passes) == 1 else remaining * fastest <= 2 * left:
         return None
     return (
         f"budget: {remaining} more steps of at least {fastest:.3g} s (its fastest pass in "

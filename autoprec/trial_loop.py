@@ -261,7 +261,7 @@ class TrainingLoop:
         }  # fmt: skip
         self.micro = 0
         self.current_step: int | None = None
-        self.fastest_pass: float | None = None  # TrialProgress.fastest_pass_seconds
+        self.passes: list[float] = []  # seconds of each pass before the timed windows (eager)
         self.kept = plan.mode.parameter_ids(plan.model, plan.mode.kept_roots(plan.model))
         self.counts_activations = device.type == "cpu" and not plan.spec.compile
         """Count the bytes saved for backward (CPU memory objective) on the first micro-batch;
@@ -373,8 +373,7 @@ class TrainingLoop:
         """A forward-and-backward pass before the timed windows took ``seconds``: the fastest
         is a floor on an eager run's step time (a compiled run's first passes compile)."""
         if not self.plan.spec.compile:
-            fastest = self.fastest_pass
-            self.fastest_pass = seconds if fastest is None else min(fastest, seconds)
+            self.passes.append(seconds)
 
     def progress(self, step: int, steps: int) -> TrialProgress:
         state = self.figures.get("state")
@@ -383,7 +382,7 @@ class TrainingLoop:
             steps_planned=steps,
             windows=tuple(self.figures["windows"]),
             state_bytes=None if state is None else state.total,
-            fastest_pass_seconds=self.fastest_pass,
+            pass_seconds=tuple(self.passes),
         )
 
 

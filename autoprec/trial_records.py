@@ -62,11 +62,11 @@ class TrialProgress:
     windows: tuple[StepWindow, ...]
     state_bytes: int | None
     """Exact parameter + gradient + optimizer-state bytes, known after the first step."""
-    fastest_pass_seconds: float | None = None
-    """The fastest forward-and-backward pass before the timed windows (a pass settling
-    amp_fp16's loss scale, a warm-up step) of an eager run: a floor on its step time known
-    before any window is timed (a CPU's amp_fp16 step of a conv net took 15 s). None before
-    any pass, and for a compiled run, whose first passes compile."""
+    pass_seconds: tuple[float, ...] = ()
+    """Each forward-and-backward pass before the timed windows (a pass settling amp_fp16's loss
+    scale, a warm-up step) of an eager run: the fastest is a floor on its step time known
+    before any window is timed (a CPU's amp_fp16 step of a conv net took 15 s). Empty for a
+    compiled run, whose first passes compile."""
 
 
 StopCheck = Callable[[TrialProgress], "str | None"]

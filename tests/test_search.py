@@ -179,21 +179,24 @@ def test_stop_check() -> None:
     assert lone(progress([1.0, 1.0, 2.8, 2.8, 2.8], steps=80)).startswith("budget: 75 more")
     clock.now = 100.0
     assert lone(progress([1.0, 1.0, 2.8], steps=80)).startswith("budget: the deadline passed")
-    # before any timed window, the fastest pass so far (eager runs) is a floor on the step
+    # before any timed window, the passes so far (eager runs) bound the step from below
     clock.now = 90.0
     warm = (windows([1.0, 1.0])[0],)
     early = TrialProgress(step=1, steps_planned=50, windows=warm, state_bytes=None)
     assert lone(early) is None  # nothing timed: no pace
-    slow = TrialProgress(1, 50, warm, None, fastest_pass_seconds=0.5)
-    assert lone(slow) == (
+
+    def passes(*seconds: float, step: int = 1) -> TrialProgress:
+        return TrialProgress(step, 50, warm if step >= 0 else (), None, pass_seconds=seconds)
+
+    assert lone(passes(0.5, 0.6)) == (
         "budget: 48 more steps of at least 0.5 s (its fastest pass in warm-up) would pass the "
         "deadline"
     )  # 24 s against twice the 10 s left
-    assert stop(slow).endswith(", at 50x amp_bf16's step time")
-    fine = TrialProgress(1, 50, warm, None, fastest_pass_seconds=0.2)
-    assert lone(fine) is None  # 9.6 s: within twice the 10 s left
-    settling = TrialProgress(-1, 50, (), None, fastest_pass_seconds=0.5)  # before any step
-    assert lone(settling).startswith("budget: 50 more steps of at least 0.5 s")
+    assert stop(passes(0.5, 0.6)).endswith(", at 50x amp_bf16's step time")
+    assert lone(passes(0.2, 3.0)) is None  # 9.6 s: within twice the 10 s left
+    # one pass may be a stall: it stops the run only when it alone took longer than all left
+    assert lone(passes(3.0)) is None  # 48 x 3 s, but one more step still fits the 10 s
+    assert lone(passes(12.0, step=-1)).startswith("budget: 50 more steps of at least 12 s")
     memory_stop = make_stop_check(best, "memory", deadline=100, clock=FakeClock())
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000)).startswith("larger than")
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=900)) is None

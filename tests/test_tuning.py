@@ -983,9 +983,11 @@ class _SlowForward(torch.nn.Module):
 def test_a_mode_far_too_slow_for_the_time_left_stops_in_its_warm_up(mode: str) -> None:
     """On a CPU amp_fp16's passes of examples.small_convnet took 15 s (fp32's step 0.11 s): its
     loss-scale pass and two warm-up steps ran before any budget check, and a 60 s budget took
-    86 s. Each pass now counts: the budget stops a run whose remaining steps, each at least as
-    slow as its fastest pass so far, would take over twice the time left — amp_fp16 right after
-    its loss-scale pass, before a step; an eager mode without one after its first step."""
+    86 s. Each pass now counts: the budget stops a run whose remaining steps, each as slow as
+    its fastest pass so far, would take over twice the time left, from two passes on (one may
+    be a stall; alone it stops the run only when it took longer than all the time left) —
+    amp_fp16 after its loss-scale pass and one step, an eager mode without such a pass after
+    its two warm-up steps."""
     from autoprec.recipe import TrainingRecipe
     from autoprec.search import make_stop_check
     from autoprec.trial import run_trial
@@ -1002,19 +1004,28 @@ def test_a_mode_far_too_slow_for_the_time_left_stops_in_its_warm_up(mode: str) -
             ModeSpec(mode=mode), slow, task.batches, recipe=recipe, steps=steps, stop=stop
         )
 
-    result = trial(deadline=0.1, steps=40)  # 0.1 s left: 40 x >= 0.05 s is past twice that
-    record = result.record
-    ran = [(w.first_step, w.steps, w.warmup) for w in record.windows]
-    assert ran == ([] if mode == "amp_fp16" else [(0, 1, True)]), ran
-    remaining = 40 if mode == "amp_fp16" else 39
+    record = trial(deadline=0.5, steps=40).record  # 0.5 s left: 40 x 0.05 s is past twice it
+    ran = 1 if mode == "amp_fp16" else 2
+    assert [(w.first_step, w.steps, w.warmup) for w in record.windows] == [
+        (step, 1, True) for step in range(ran)
+    ], record.windows
     reason = record.stopped or ""
-    assert reason.startswith(f"budget: {remaining} more steps of at least "), reason
+    assert reason.startswith(f"budget: {40 - ran} more steps of at least "), reason
     assert float(reason.split()[7]) >= 0.05 and "(its fastest pass in warm-up)" in reason
-    assert record.steps_run == (0 if mode == "amp_fp16" else 1)
-    # stopped before a step, it has no optimizer state: no memory figure (its weights alone
-    # read as the leanest mode in the table)
+    assert record.steps_run == ran
+    # the deadline checked before the loss-scale pass too: stopped before a step, the trial has
+    # no optimizer state and no memory figure (its weights alone read as the leanest mode)
+    result = trial(deadline=0.0, steps=40)
+    assert result.record.stopped == (
+        "budget: the deadline passed during warm-up, "
+        + ("40 steps left" if mode == "amp_fp16" else "39 steps left")
+    )
     memory = trial_outcome(result, None, "cpu").memory_bytes
     assert (memory is None) == (mode == "amp_fp16"), memory
+    if mode == "amp_fp16":  # its loss-scale pass alone took longer than the 0.01 s left
+        stopped = trial(deadline=0.01, steps=40).record
+        assert stopped.windows == () and stopped.stopped is not None, stopped.stopped
+        assert stopped.stopped.startswith("budget: 40 more steps of at least ")
     record = trial(deadline=1000.0, steps=4).record  # time enough: it runs to its end
     assert record.stopped is None and record.steps_run == 4, record.stopped
 
