@@ -144,7 +144,10 @@ def _warmup_pace(
     if remaining <= 0 or not passes:
         return None
     fastest = min(passes)
-    if fastest <= left if len(passes) == 1 else remaining * fastest <= 2 * left:
+    # the slowest step the time left affords: one pass may be a stall, so alone it counts only
+    # when it outlasts all the time left
+    affordable = left if len(passes) == 1 else 2 * left / remaining
+    if fastest <= affordable:
         return None
     return (
         f"budget: {remaining} more steps of at least {fastest:.3g} s (its fastest pass in "
