@@ -413,9 +413,8 @@ def settle(
     BatchNorm net started from statistics one batch on, its held-out loss 2% off).
 
     With ``stop`` (the trial's, of ``steps`` planned steps), the budget is checked before each
-    of the mode's passes and after the last, each pass timed (``TrainingLoop.note_pass``): on a
-    CPU one amp_fp16 pass of ``examples.small_convnet`` took 15 s, 140x fp32's step, and the
-    passes ran before any check. Returns the stop's reason, or None."""
+    of the mode's passes and after the last, each pass timed (``TrainingLoop.note_pass``; why:
+    ``search._warmup_pace``). Returns the stop's reason, or None."""
     plan, recipe = loop.plan, loop.recipe
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     started: list[float] = []  # when each pass began
@@ -524,8 +523,7 @@ def train_in_windows(
             # time, so a mode far slower than fp32 is stopped for the budget after one step
             # rather than a whole window (a 3.5 s fp16 step on a CPU: 10 steps past a 30 s wall)
             length = 1 if step == warmup_steps else window_steps
-            # each warm-up step too: the budget is checked after each (two 15 s amp_fp16 steps
-            # of a conv net on a CPU ran as one window, past a 60 s budget)
+            # each warm-up step too, so the budget is checked after each (search._warmup_pace)
             end = min(leg_end, step + 1 if warmup else step + length)
             failure = loop.run_window(step, end - step, warmup)
             step = end

@@ -65,8 +65,8 @@ class TrialProgress:
     pass_seconds: tuple[float, ...] = ()
     """Each forward-and-backward pass before the timed windows (a pass settling amp_fp16's loss
     scale, a warm-up step) of an eager run: the fastest is a floor on its step time known
-    before any window is timed (a CPU's amp_fp16 step of a conv net took 15 s). Empty for a
-    compiled run, whose first passes compile."""
+    before any window is timed (``search._warmup_pace``). Empty for a compiled run, whose
+    first passes compile."""
 
 
 StopCheck = Callable[[TrialProgress], "str | None"]
