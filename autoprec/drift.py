@@ -33,6 +33,7 @@ from autoprec._models import FROZEN_RECORD
 from autoprec.drift_fp16 import fp16_risks
 from autoprec.drift_movement import decay_note, movement_checks
 from autoprec.drift_outside_state import outside_state_reasons
+from autoprec.drift_state_rule import state_rule_reasons
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
 
@@ -89,7 +90,8 @@ class DriftMetrics(BaseModel):
     top1_agreement: float | None = None
     skipped_step_rate: float | None = None
     rounded_beta2: float | None = None
-    """beta2 of a second moment kept in low precision with nearest rounding."""
+    """beta2 of a second moment kept in bf16 with nearest rounding, or of the Adam that trains
+    bf16_pure's nearest-rounded weights with 8-bit states (see ``drift_state_rule``)."""
     eval_gap: float | None = None
     forward_cost: float | None = None
     """The mode's forward pass alone, relative: held-out loss of the trial's own weights in the
@@ -228,36 +230,6 @@ def _loss_checks(
     return reasons
 
 
-def _state_check(
-    record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
-) -> list[str]:
-    """Adam's second moment kept in low precision, rounded to nearest (see max_rounded_beta2)."""
-    moment = record.low_precision_moment
-    if moment is None or moment.rounding != "nearest":
-        return []
-    metrics["rounded_beta2"] = moment.beta2
-    if moment.beta2 <= limits.max_rounded_beta2:
-        return []
-    return [
-        f"optimizer state loses its updates: Adam's second moment is kept in "
-        f"{moment.dtype} rounded to nearest, and with beta2={moment.beta2:g} a step "
-        f"changes it by {1 - moment.beta2:.2g} of itself, below half a {moment.dtype} ulp: "
-        "it can never decrease (long runs end worse). bf16_kahan (its second moment in "
-        "fp32), stochastically rounded states (bf16_sr, bf16_sr_kahan) or beta2 <= "
-        f"{limits.max_rounded_beta2:.4f} avoid it. A rule, not this trial's measurement: on "
-        "autoprec's 8 long-run tasks with beta2 0.999, Kahan-compensated bf16 weights ended "
-        "2-17% worse after 2000 steps on 3 with this moment in bf16, and fine on all 8 with it "
-        "in fp32; to judge by the trial alone set max_rounded_beta2="
-        f"{_at_least(moment.beta2)} (thresholds= in Python, --threshold on the command line)"
-    ]
-
-
-def _at_least(beta2: float) -> str:
-    """A ``max_rounded_beta2`` that lets ``beta2`` through: 0.9995 for Adam's usual 0.999; for
-    a higher beta2 (0.9999) that value still rejected it (found by a hunt)."""
-    return "0.9995" if beta2 <= 0.9995 else f"{beta2:.10g}"
-
-
 def _forward_cost_check(
     record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
 ) -> list[str]:
@@ -373,7 +345,7 @@ def judge(
     reasons = _loss_checks(trial, reference, noise, limits, metrics)
     movement_reasons, movement_notes = movement_checks(trial, reference, paired, limits, metrics)
     reasons += movement_reasons
-    reasons += _state_check(record, limits, metrics)
+    reasons += state_rule_reasons(record, limits, metrics)
     reasons += outside_state_reasons(trial, reference)
     reasons += _forward_cost_check(record, limits, metrics)
     reasons += _output_check(trial, reference, noise, paired, limits, metrics)

@@ -386,6 +386,7 @@ def _record(
         heldout_losses=tuple(figures.get("heldout", ())),
         heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),
         low_precision_moment=figures.get("moment"),
+        nearest_adam_beta2=figures.get("adam_beta2"),
         nearest_rounded_decay=figures.get("decay"),
         eval_score=figures.get("eval"),
         speed_is_meaningful=not spec.emulate,

@@ -35,6 +35,7 @@ from autoprec.trial_measures import (
     compiled_graph_count,
     low_precision_moment,
     max_abs_gradient,
+    nearest_adam_beta2,
     nearest_rounded_decay,
     rss_bytes,
     sampled_weights,
@@ -345,6 +346,7 @@ class TrainingLoop:
         if stepped and "state" not in self.figures:  # steady state: after a real step
             self.figures["state"] = state_bytes(plan)
             self.figures["moment"] = low_precision_moment(plan)
+            self.figures["adam_beta2"] = nearest_adam_beta2(plan)
             self.figures["decay"] = nearest_rounded_decay(plan)  # at the first leg's (peak) lr
 
     def _read_window(self, first_step: int) -> TrialFailure | None:

@@ -40,6 +40,23 @@ def low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
     )
 
 
+def nearest_adam_beta2(plan: PrecisionPlan) -> float | None:
+    """bf16_pure (weights rounded to nearest) trained by an Adam (torch's Adam/AdamW,
+    bitsandbytes' Adam8bit/AdamW8bit): the largest beta2 of the groups holding trainable bf16
+    weights. None for other modes and optimizers (SGD8bit also keeps ``betas``: its name
+    tells it apart)."""
+    optimizer = plan.optimizer
+    if plan.mode.name != "bf16_pure" or "adam" not in type(optimizer).__name__.lower():
+        return None
+    betas = [
+        float(group["betas"][1])
+        for group in optimizer.param_groups
+        if "betas" in group
+        and any(p.dtype == torch.bfloat16 and p.requires_grad for p in group["params"])
+    ]
+    return max(betas) if betas else None
+
+
 def nearest_rounded_decay(plan: PrecisionPlan) -> float | None:
     """The smallest ``lr x weight_decay`` per step of the parameter groups whose decoupled
     weight decay multiplies bf16 weights on its own, rounded to nearest: bf16_pure with torch's

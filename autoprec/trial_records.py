@@ -182,6 +182,10 @@ class TrialRecord(BaseModel):
     """The learning rates of the trial's legs, in the order trained."""
     low_precision_moment: LowPrecisionMoment | None = None
     """Adam's second moment when the optimizer keeps it in bf16 (read after the first step)."""
+    nearest_adam_beta2: float | None = None
+    """bf16_pure trained by an Adam: the largest beta2 of its groups holding bf16 weights,
+    wherever the optimizer keeps the moments (bf16, or bitsandbytes' 8-bit states; read after
+    the first step). The optimizer-state rule reads it (``drift_state_rule``)."""
     nearest_rounded_decay: float | None = None
     """The largest lr x weight_decay per step of decoupled weight decay applied to bf16 weights
     by its own nearest-rounded multiply (bf16_pure with AdamW; read after the first step)."""

@@ -54,6 +54,7 @@ import torch
 import autoprec
 from autoprec._files import write_text_atomically
 from autoprec.batching import forward_and_loss
+from autoprec.drift_state_rule import is_state_rule_reason
 from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.screening import QualityReport
@@ -216,7 +217,8 @@ class Pair:
     gate: str  # safe / unsafe / failed
     reason: str
     state_rule_only: bool = False
-    """Rejected by the optimizer-state rule alone (a second moment rounded to nearest)."""
+    """Rejected by the optimizer-state rule alone (a bf16 second moment rounded to nearest, or
+    pure bf16's nearest-rounded weights with 8-bit states: ``autoprec.drift_state_rule``)."""
     runs: int = 1
     """The mode's long runs behind ``metric`` (``MODE_SEEDS``; fewer when one failed)."""
     line: float = 0.0
@@ -383,7 +385,7 @@ def score(
             gate=verdict.status,
             reason=reason if failure is None else f"{reason} (long run: {failure})",
             state_rule_only=bool(verdict.reasons)
-            and all(r.startswith("optimizer state loses") for r in verdict.reasons),
+            and all(is_state_rule_reason(r) for r in verdict.reasons),
             runs=runs,
             line=hurt_line(fp32, runs),
             paired=paired_differences(long_runs, fp32),
