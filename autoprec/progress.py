@@ -48,11 +48,24 @@ def status_line(event: SearchEvent) -> str:
             f"{_seconds(event.elapsed_seconds)} of {_seconds(event.budget_seconds)}, "
             f"{_seconds(event.remaining_seconds)} left"
         )
-    else:  # no budget (autoprec check): time so far
+    else:  # no budget (autoprec check): this trial's pace and time to go, time so far
+        parts.extend(_to_go(event))
         parts.append(f"{_seconds(event.elapsed_seconds)} elapsed")
     if event.in_search and event.best is not None:
         parts.append(f"best {event.best}")
     return " · ".join(parts)
+
+
+def _to_go(event: SearchEvent) -> list[str]:
+    """Without a budget nothing bounds a trial, and a mode can be very slow where it has no
+    fast kernels (on a CPU amp_fp16's step of ``examples.small_convnet`` took 15-17 s, fp32's
+    0.11-0.19 s: about 50 minutes for check()'s 200 steps), so the line says so as soon as the
+    first warm-up pass is timed."""
+    if event.step_seconds is None or event.step is None or not event.steps:
+        return []
+    per_step = event.step_seconds
+    rate = f"{per_step:.2g} s" if per_step < 10 else _seconds(per_step)
+    return [f"{rate}/step, ~{_seconds((event.steps - event.step) * per_step)} to go"]
 
 
 def outcome_line(outcome: TrialOutcome, *, earlier: bool = False) -> Text:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -10,7 +11,7 @@ from pydantic import BaseModel
 
 from autoprec._models import FROZEN_RECORD
 from autoprec.outcomes import TrialOutcome
-from autoprec.trial_records import StopCheck, TrialProgress
+from autoprec.trial_records import StopCheck, TrialProgress, measured_windows
 
 EventKind = Literal["phase", "start", "step", "done", "skip"]
 
@@ -48,6 +49,9 @@ class SearchEvent(BaseModel):
     outcome: TrialOutcome | None = None
     step: int | None = None
     steps: int | None = None
+    step_seconds: float | None = None
+    """``"step"`` events: the current trial's or phase's pace so far, the median step of its
+    timed windows, or before any its fastest warm-up pass (an eager run); None before either."""
 
     @property
     def remaining_seconds(self) -> float:
@@ -86,6 +90,7 @@ class EventSink:
         outcome: TrialOutcome | None = None,
         step: int | None = None,
         steps: int | None = None,
+        step_seconds: float | None = None,
     ) -> None:
         if self.on_event is None:
             return
@@ -101,6 +106,7 @@ class EventSink:
                 outcome=outcome,
                 step=step,
                 steps=steps,
+                step_seconds=step_seconds,
             )
         )
 
@@ -132,7 +138,16 @@ class EventSink:
                     best=best,
                     step=done,
                     steps=progress.steps_planned,
+                    step_seconds=pace(progress),
                 )
             return None if stop is None else stop(progress)
 
         return check
+
+
+def pace(progress: TrialProgress) -> float | None:
+    """Seconds per step so far (see ``SearchEvent.step_seconds``)."""
+    measured = measured_windows(progress.windows)
+    if measured:
+        return statistics.median(window.step_seconds for window in measured)
+    return min(progress.pass_seconds) if progress.pass_seconds else None

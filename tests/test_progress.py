@@ -9,18 +9,20 @@ from rich.console import Console
 
 from autoprec.outcomes import TrialOutcome
 from autoprec.progress import TuneProgress, status_line
-from autoprec.search_events import SearchEvent
+from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
+from autoprec.trial_records import StepWindow, TrialProgress
 from autoprec.tuning import tune
 from examples import tiny_gpt
 
 
 def event(kind: str, elapsed: float, **fields: object) -> SearchEvent:
-    defaults: dict[str, object] = {"index": 1, "total": 9, "label": "bf16_pure+8bit-optim"}
+    defaults: dict[str, object] = {
+        "index": 1, "total": 9, "label": "bf16_pure+8bit-optim", "budget_seconds": 1800
+    }  # fmt: skip
     return SearchEvent(
         kind=kind,  # type: ignore[arg-type]
         elapsed_seconds=elapsed,
-        budget_seconds=1800,
         **{**defaults, **fields},  # type: ignore[arg-type]
     )
 
@@ -32,6 +34,45 @@ def test_status_line_has_step_budget_left_and_best() -> None:
     )
     phase = status_line(event("phase", 3.0, index=-1, label="fp32 reference", steps=120))
     assert phase == "fp32 reference · 120 steps · 3 s of 30:00, 29:57 left"
+
+
+def test_without_a_budget_the_line_gives_the_trials_pace_and_time_to_go() -> None:
+    """autoprec check has no budget: a trial's own pace is all that says how long it runs
+    (amp_fp16 on a CPU conv net: 16 s a step, about 50 minutes for 200 steps)."""
+    slow = event("step", 62.0, step=3, steps=200, step_seconds=16.0, budget_seconds=0.0)
+    assert status_line(slow) == (
+        "trial 2/9 bf16_pure+8bit-optim · step 3/200 · 16 s/step, ~52:32 to go · 62 s elapsed"
+    )
+    fast = event("step", 5.0, step=150, steps=200, step_seconds=0.0123, budget_seconds=0.0)
+    assert "0.012 s/step, ~1 s to go · 5 s elapsed" in status_line(fast)
+    unknown = event("step", 5.0, step=0, steps=200, budget_seconds=0.0)  # nothing timed yet
+    assert status_line(unknown).endswith("step 0/200 · 5 s elapsed")
+    # with a budget the line gives the budget's time instead (tune stops what cannot fit)
+    assert "to go" not in status_line(event("step", 62.0, step=3, steps=200, step_seconds=16.0))
+
+
+def test_step_events_carry_the_pace_from_passes_then_timed_windows() -> None:
+    events: list[SearchEvent] = []
+    clock = iter(range(100))
+    sink = EventSink(events.append, started=0.0, budget_seconds=0.0, clock=lambda: next(clock))
+    watch = sink.watch(None, "amp_fp16", index=0, total=1)
+    assert watch is not None
+
+    def window(first: int, seconds: float, warmup: bool = False) -> StepWindow:
+        return StepWindow(
+            first_step=first, steps=1, seconds=seconds, samples=8, tokens=None, warmup=warmup
+        )
+
+    def progress(step: int, windows: tuple, passes: tuple) -> TrialProgress:
+        return TrialProgress(step, 200, windows, None, passes)
+
+    watch(progress(-1, (), ()))  # before any pass: no pace
+    watch(progress(-1, (), (16.5,)))  # the loss-scale pass
+    warm = (window(0, 17.0, True), window(1, 15.5, True))
+    watch(progress(1, warm, (16.5, 17.0, 15.5)))  # warm-up steps: the fastest pass
+    timed = (*warm, window(2, 15.0), window(3, 16.0), window(4, 14.0))
+    watch(progress(4, timed, (16.5, 17.0, 15.5)))  # timed windows: their median
+    assert [e.step_seconds for e in events] == [None, 16.5, 15.5, 15.0]
 
 
 def test_plain_progress_prints_starts_ends_and_a_step_line_every_15_s() -> None:
