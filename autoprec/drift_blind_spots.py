@@ -37,9 +37,10 @@ BF16_LATE_ROUNDING = (
     "passed it on the same conv net (99.3% of fp32's movement) and its runs ended +58.3% (8 "
     "seeds against 16 fp32 seeds, `python -m benchmarks.truth_power`), and on a recommender "
     "(embeddings, Adam 1e-3) +12.5%: fp32 left a loss plateau at step ~1000 that pure bf16 "
-    "had not left by 2000, and a check from 90% of the run passed it too. The rule judges "
-    "8-bit states too since; nanoGPT's recipe (beta2 0.95), where the gate accepted both and "
-    "both ended fine, is the one long-run task under its line. Prefer bf16_sr, "
+    "had not left by 2000, and a check from 90% of the run passed it too; so the rule now "
+    "judges pure bf16 with 8-bit states as well. nanoGPT's recipe (beta2 0.95), where the "
+    "gate accepted both pure-bf16 modes and both ended fine, is the one long-run task under "
+    "its line. Prefer bf16_sr, "
     "bf16_sr_kahan or bf16_kahan, which passed and ended within the fp32 seeds' spread on "
     "every task"
 )

@@ -538,7 +538,7 @@ def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
     assert "late_checkpoint" in FP8_CONVERGED_COST  # and what to run instead
     assert "+58.8%" in BF16_LATE_ROUNDING and "+12.5%" in BF16_LATE_ROUNDING  # the misses
     assert "truth_power" in BF16_LATE_ROUNDING  # 8-bit states on the conv net
-    assert "The rule judges 8-bit states too" in BF16_LATE_ROUNDING  # since the misses
+    assert "the rule now judges pure bf16 with 8-bit states" in BF16_LATE_ROUNDING  # since
 
 
 def test_the_quality_table_prints_each_blind_spot_once() -> None:
