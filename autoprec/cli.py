@@ -396,7 +396,13 @@ def _check(args: argparse.Namespace) -> int:
     _check_recipe_numbers(args)
     inputs = _training_inputs(args)
     with TuneProgress() as progress:
-        report = check(steps=args.steps, on_event=progress, progress=False, **inputs)
+        report = check(
+            steps=args.steps,
+            on_event=progress,
+            progress=False,
+            max_trial_minutes=args.max_trial_minutes,
+            **inputs,
+        )
     if args.json:
         sys.stdout.write(report.model_dump_json(indent=2) + "\n")
     else:

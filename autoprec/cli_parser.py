@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="optimizer steps per mode (default 200, as a tune trial)",
     )
+    check.add_argument(
+        "--max-trial-minutes",
+        type=float,
+        metavar="M",
+        help="stop a mode whose trial runs longer than M minutes, or whose pace says it would, "
+        "and report it as stopped, not judged (default: no limit; progress shows each "
+        "trial's pace and time to go)",
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     report = commands.add_parser(

@@ -282,7 +282,7 @@ def tune_table(result: TuneResult, *, wide: bool = False) -> Table | Group:
     return Group(table, *lines)
 
 
-_SCREEN_STYLE = {"safe": "green", "unsafe": "red", "failed": "red"}
+_SCREEN_STYLE = {"safe": "green", "unsafe": "red", "failed": "red", "stopped": "yellow"}
 
 
 def quality_table(report: QualityReport) -> Group:

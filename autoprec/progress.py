@@ -63,9 +63,9 @@ def _to_go(event: SearchEvent) -> list[str]:
     first warm-up pass is timed."""
     if event.step_seconds is None or event.step is None or not event.steps:
         return []
-    per_step = event.step_seconds
-    rate = f"{per_step:.2g} s" if per_step < 10 else _seconds(per_step)
-    return [f"{rate}/step, ~{_seconds((event.steps - event.step) * per_step)} to go"]
+    per_step, remaining = event.step_seconds, event.steps - event.step
+    rate = f"{per_step:.2g} s/step" if per_step < 10 else f"{_seconds(per_step)}/step"
+    return [f"{rate}, ~{_seconds(remaining * per_step)} to go" if remaining > 0 else rate]
 
 
 def outcome_line(outcome: TrialOutcome, *, earlier: bool = False) -> Text:

@@ -52,16 +52,18 @@ from autoprec.run_setup import (
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import TrialResult
+from autoprec.trial_time_limit import time_limit
 
 SCREEN_STEPS = 200
 """Optimizer steps per mode by default: within tune()'s trial lengths (20-300), so a verdict
 here is the verdict tune() would reach with time to run the mode."""
 
-ScreenStatus = Literal["safe", "unsafe", "failed"]
+ScreenStatus = Literal["safe", "unsafe", "failed", "stopped"]
 
 
 class ScreenVerdict(BaseModel):
-    """One mode's quality verdict: safe (passed the gate), unsafe (rejected), failed (crashed)."""
+    """One mode's quality verdict: safe (passed the gate), unsafe (rejected), failed (crashed),
+    stopped (not judged: its trial passed ``max_trial_minutes``)."""
 
     model_config = FROZEN_RECORD
 
@@ -129,7 +131,12 @@ class QualityReport(BaseModel):
 
 
 def _screen(
-    setup: RunSetup, spec: ModeSpec, index: int, steps: int, references: Fp32Runs
+    setup: RunSetup,
+    spec: ModeSpec,
+    index: int,
+    steps: int,
+    references: Fp32Runs,
+    limit_minutes: float | None = None,
 ) -> tuple[ScreenVerdict, TrialResult]:
     raise_if_interrupted()  # a Ctrl-C the garbage collector swallowed in the last trial
     total = len(setup.candidates.specs) - 1  # the reference is not screened
@@ -139,10 +146,20 @@ def _screen(
         steps,
         heldout=setup.heldout,
         eval_fn=setup.eval_fn,
-        stop=setup.events.watch(None, spec.label, index=index, total=total),
+        stop=setup.events.watch(
+            time_limit(limit_minutes, setup.clock), spec.label, index=index, total=total
+        ),
     )
-    failure = result.record.failure
-    if failure is not None and not failure.kind.startswith("non_finite"):
+    failure, stopped = result.record.failure, result.record.stopped
+    if stopped is not None:
+        screened = ScreenVerdict(
+            spec=spec,
+            status="stopped",
+            reasons=(stopped,),
+            steps=result.record.steps_run,
+            seconds=result.record.wall_seconds,
+        )
+    elif failure is not None and not failure.kind.startswith("non_finite"):
         screened = ScreenVerdict(
             spec=spec,
             status="failed",
@@ -162,7 +179,9 @@ def _screen(
             steps=result.record.steps_run,
             seconds=result.record.wall_seconds,
         )
-    status = {"safe": "accepted", "unsafe": "rejected", "failed": "failed"}[screened.status]
+    status = {"safe": "accepted", "unsafe": "rejected", "failed": "failed", "stopped": "pruned"}[
+        screened.status
+    ]
     outcome = TrialOutcome(spec=spec, status=status, reasons=screened.reasons)  # type: ignore[arg-type]
     setup.events.emit("done", spec.label, index=index, total=total, outcome=outcome)
     return screened, result
@@ -215,13 +234,13 @@ def screen_setup(
     )
 
 
-def screen_trials(setup: RunSetup, steps: int) -> ScreenRun:
+def screen_trials(setup: RunSetup, steps: int, limit_minutes: float | None = None) -> ScreenRun:
     """Every candidate of ``setup`` trained ``steps`` steps and judged: check()'s work without
-    the report."""
+    the report. ``limit_minutes`` stops a mode's trial (not fp32's runs) past that time."""
     calibration_run(setup)  # checks the inputs before the long runs
     references = reference_runs(setup, steps, 0, "speed")
     screened = [
-        _screen(setup, spec, index, steps, references)
+        _screen(setup, spec, index, steps, references, limit_minutes)
         for index, spec in enumerate(setup.candidates.specs[1:])
     ]
     return ScreenRun(
@@ -252,6 +271,7 @@ def check(
     compile: bool | Literal["auto"] = "auto",
     on_event: Callable[[SearchEvent], None] | None = None,
     progress: bool | None = None,
+    max_trial_minutes: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> QualityReport:
     """Run every mode whose numerics run here through the drift gate, whatever its speed.
@@ -270,10 +290,18 @@ def check(
     from your model's weights: to judge a mode at the loss your run reaches (FP8's precision
     floor shows only there), pass a model loaded from a checkpoint in the last tenth of your
     run and an optimizer at the lr it ends at (``autoprec check --weights``).
+    ``max_trial_minutes`` (default: none) stops a mode's trial once it has run that long or
+    its pace says it would, and reports the mode as stopped, not judged (fp32's runs are
+    never stopped); progress shows each trial's pace and time to go either way.
 
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
+    if max_trial_minutes is not None and not max_trial_minutes > 0:
+        raise ValueError(
+            f"max_trial_minutes must be a number of minutes > 0 (or None), not "
+            f"{max_trial_minutes!r}."
+        )
     model, use_compile = checked_model(model, device, compile)
     thresholds = resolve_thresholds(thresholds)
     kept = checked_keep_fp32(model, keep_fp32)
@@ -310,7 +338,7 @@ def check(
             compile=use_compile,
             keep_fp32=kept,
         )
-        run = screen_trials(setup, steps)
+        run = screen_trials(setup, steps, max_trial_minutes)
     reference_verdict = run.references.judge(run.references.reference, setup.thresholds)
     return QualityReport(
         verdicts=tuple(run.verdicts),

@@ -45,6 +45,8 @@ def test_without_a_budget_the_line_gives_the_trials_pace_and_time_to_go() -> Non
     )
     fast = event("step", 5.0, step=150, steps=200, step_seconds=0.0123, budget_seconds=0.0)
     assert "0.012 s/step, ~1 s to go · 5 s elapsed" in status_line(fast)
+    done = event("step", 9.0, step=200, steps=200, step_seconds=0.04, budget_seconds=0.0)
+    assert status_line(done).endswith("step 200/200 · 0.04 s/step · 9 s elapsed")
     unknown = event("step", 5.0, step=0, steps=200, budget_seconds=0.0)  # nothing timed yet
     assert status_line(unknown).endswith("step 0/200 · 5 s elapsed")
     # with a budget the line gives the budget's time instead (tune stops what cannot fit)

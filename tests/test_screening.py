@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import io
 import json
 import math
 import re
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 
 import autoprec
 from autoprec.candidates import Skipped
@@ -1838,3 +1840,75 @@ def test_a_single_batch_says_which_checks_it_leaves_out() -> None:
     )
     notes = " ".join(report.checks_not_run + report.verdict("amp_bf16").notes)
     assert "neither the forward cost nor the fp16 activation range is read" in notes
+
+
+class _SlowUnderAutocast(torch.nn.Module):
+    """A model whose forward sleeps inside CPU autocast: AMP slow, fp32 and pure bf16 not (as
+    amp_fp16 on a CPU conv net, 15-17 s a step against fp32's 0.11-0.19 s)."""
+
+    def __init__(self, inner: torch.nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            import time
+
+            time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def test_a_trial_time_limit_stops_a_slow_mode_and_judges_the_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    task = tasks.regression(lr=1e-3)
+    model = _SlowUnderAutocast(task.model, 0.1)
+    common = {"loss_fn": task.mse, "steps": 40, "modes": ["amp_bf16", "bf16_sr"]}
+    report = autoprec.check(model, task.batches, max_trial_minutes=0.01, **common)
+    slow, fast = report.verdict("amp_bf16"), report.verdict("bf16_sr")
+    assert slow.status == "stopped" and slow.steps < 40 and slow.seconds < 1.5
+    [reason] = slow.reasons
+    assert re.match(r"stopped after \d+ of 40 steps: at 0\.1\d* s a step the trial would ", reason)
+    assert "over max_trial_minutes=0.01: check it where it runs fast" in reason
+    assert fast.status == "safe" and fast.steps == 40, fast.reasons  # fp32's runs not stopped
+    printed = Console(file=io.StringIO(), width=100)
+    printed.print(quality_table(report))
+    assert "stopped  amp_bf16" in printed.file.getvalue()
+    # without a limit the slow mode is judged; a limit must be a positive number of minutes
+    unlimited = autoprec.check(model, task.batches, **{**common, "modes": ["amp_bf16"]})
+    assert unlimited.verdict("amp_bf16").status == "safe"
+    with pytest.raises(ValueError, match="max_trial_minutes must be a number of minutes > 0"):
+        autoprec.check(model, task.batches, max_trial_minutes=0, **common)
+
+
+def test_check_command_takes_a_trial_time_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    command = [*RAW_PARAM_CHECK, "--steps", "20", "--modes", "bf16_sr", "--json"]
+    assert main([*command, "--max-trial-minutes", "0.0001"]) == 0
+    (stopped,) = json.loads(capsys.readouterr().out)["verdicts"]
+    assert stopped["status"] == "stopped", stopped
+    assert "--max-trial-minutes on the command line" in stopped["reasons"][0]
+    assert main([*command, "--max-trial-minutes", "-1"]) == 2
+    assert "max_trial_minutes must be a number of minutes > 0" in capsys.readouterr().err
+
+
+def test_the_trial_time_limit_needs_two_timings_to_project() -> None:
+    """One pass may be a stall (a 2.8 s first step of a 10 ms one was seen): alone it stops a
+    trial only once the time itself has passed the limit."""
+    from autoprec.trial_records import StepWindow, TrialProgress
+    from autoprec.trial_time_limit import time_limit
+
+    now = [0.0]
+    assert time_limit(None) is None
+    stop = time_limit(1.0, clock=lambda: now[0])  # 60 s
+    assert stop is not None
+    now[0] = 3.0
+    assert stop(TrialProgress(0, 200, (), None, (3.0,))) is None  # 200 x 3 s, but one pass
+    reason = stop(TrialProgress(1, 200, (), None, (3.0, 2.5)))
+    assert reason is not None and reason.startswith(
+        "stopped after 2 of 200 steps: at 2.5 s a step the trial would take about 8.3 min here"
+    )
+    window = StepWindow(first_step=2, steps=10, seconds=1.0, samples=80, tokens=None, warmup=False)
+    assert stop(TrialProgress(11, 200, (window,) * 2, None, (3.0, 2.5))) is None  # 0.1 s a step
+    now[0] = 61.0
+    late = stop(TrialProgress(11, 200, (window,) * 2, None, (3.0, 2.5)))
+    assert late is not None and late.startswith("stopped after 1.02 min and 12 steps, over ")
