@@ -112,7 +112,7 @@ class QualityReport(BaseModel):
         return [note for note in verdict.notes if note not in self.checks_not_run]
 
     def summary(self) -> str:
-        """A plain-text table: every mode, safe / unsafe / failed, every reason."""
+        """A plain-text table: every mode, safe / unsafe / failed / stopped, every reason."""
         lines = [f"quality screen: {self.steps} steps per mode on {self.device}"]
         for verdict in self.verdicts:
             cost = verdict.drift.get("forward_cost")
@@ -297,7 +297,9 @@ def check(
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
-    if max_trial_minutes is not None and not max_trial_minutes > 0:
+    if max_trial_minutes is not None and (
+        isinstance(max_trial_minutes, bool) or not max_trial_minutes > 0
+    ):
         raise ValueError(
             f"max_trial_minutes must be a number of minutes > 0 (or None), not "
             f"{max_trial_minutes!r}."

@@ -1879,6 +1879,8 @@ def test_a_trial_time_limit_stops_a_slow_mode_and_judges_the_others(
     assert unlimited.verdict("amp_bf16").status == "safe"
     with pytest.raises(ValueError, match="max_trial_minutes must be a number of minutes > 0"):
         autoprec.check(model, task.batches, max_trial_minutes=0, **common)
+    with pytest.raises(ValueError, match="not True"):  # a flag is not a number of minutes
+        autoprec.check(model, task.batches, max_trial_minutes=True, **common)
 
 
 def test_check_command_takes_a_trial_time_limit(capsys: pytest.CaptureFixture[str]) -> None:
