@@ -555,6 +555,10 @@ def test_state_rule_horizon_benchmark_runs_in_quick_mode(tmp_path: Path) -> None
     rows = state_rule_horizon.main(["--quick", "--cache", str(tmp_path)])
     assert {row.label for row in rows} == {"bf16_kahan", "bf16_pure"}
     assert all(row.task == "digits_convnet" and row.fp32_sd > 0 for row in rows)
+    # a held-out task and the modes asked for (the rule's 8-bit form, since 2026-11-28)
+    chosen = ["--quick", "--tasks", "recommender", "--modes", "bf16_pure+8bit-optim"]
+    rows = state_rule_horizon.main([*chosen, "--cache", str(tmp_path)])
+    assert [(row.task, row.label) for row in rows] == [("recommender", "bf16_pure+8bit-optim")]
 
 
 def test_kahan_step_benchmark_runs_in_quick_mode() -> None:
