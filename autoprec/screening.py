@@ -294,7 +294,8 @@ def check(
     its pace says it would, and reports the mode as stopped, not judged (fp32's runs are
     never stopped); progress shows each trial's pace and time to go either way.
 
-    Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed, every reason),
+    Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed / stopped, every
+    reason),
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
     if max_trial_minutes is not None and (
