@@ -49,10 +49,10 @@ from autoprec.run_setup import (
     setup_run,
     short_trial_notes,
 )
+from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
-from autoprec.trial_records import TrialResult
-from autoprec.trial_time_limit import time_limit
+from autoprec.trial_records import StopCheck, TrialProgress, TrialResult
 
 SCREEN_STEPS = 200
 """Optimizer steps per mode by default: within tune()'s trial lengths (20-300), so a verdict
@@ -128,6 +128,33 @@ class QualityReport(BaseModel):
             lines.append(f"{skipped.spec.label:42} not checked: {'; '.join(skipped.reasons)}")
         lines.extend(f"note: {note}" for note in self.checks_not_run)
         return "\n".join(lines)
+
+
+def time_limit(
+    limit_minutes: float | None, clock: Callable[[], float] = time.monotonic
+) -> StopCheck | None:
+    """``max_trial_minutes`` for one trial, started now: tune's budget stop with the limit as
+    its deadline (``search.make_stop_check``: a pass alone stops a run only when it outlasts
+    the time left, as it may be a stall; from two on, a pace that would take over twice the
+    time left). None without a limit. check() has no budget otherwise, and a mode without fast
+    kernels can take very long (on a CPU amp_fp16's step of ``examples.small_convnet`` took
+    15-17 s, fp32's 0.11-0.19 s: about 50 minutes for 200 steps)."""
+    if limit_minutes is None:
+        return None
+    budget = make_stop_check(None, "speed", deadline=clock() + 60 * limit_minutes, clock=clock)
+
+    def stop(progress: TrialProgress) -> str | None:
+        reason = budget(progress)
+        if reason is None:
+            return None
+        return (
+            f"stopped by max_trial_minutes={limit_minutes:g} after {progress.step + 1} of "
+            f"{progress.steps_planned} steps ({reason.removeprefix('budget: ')}): check it "
+            "where it runs fast, or raise the limit (max_trial_minutes= in Python, "
+            "--max-trial-minutes on the command line)"
+        )
+
+    return stop
 
 
 def _screen(
@@ -290,9 +317,9 @@ def check(
     from your model's weights: to judge a mode at the loss your run reaches (FP8's precision
     floor shows only there), pass a model loaded from a checkpoint in the last tenth of your
     run and an optimizer at the lr it ends at (``autoprec check --weights``).
-    ``max_trial_minutes`` (default: none) stops a mode's trial once it has run that long or
-    its pace says it would, and reports the mode as stopped, not judged (fp32's runs are
-    never stopped); progress shows each trial's pace and time to go either way.
+    ``max_trial_minutes`` (default: none) stops a mode's trial as tune's budget would with
+    that many minutes (:func:`time_limit`) and reports the mode as stopped, not judged (fp32's
+    runs are never stopped); progress shows each trial's pace and time to go either way.
 
     Returns a :class:`QualityReport`: ``.verdicts`` (safe / unsafe / failed / stopped, every
     reason),

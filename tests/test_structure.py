@@ -26,8 +26,7 @@ ORDER = [
     "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",
     "drift_movement", "drift_outside_state", "drift_state_rule", "drift_fp16", "drift",
     "drift_blind_spots",
-    "outcomes", "search_events", "trial_time_limit", "search", "retiming", "choice",
-    "fingerprint",
+    "outcomes", "search_events", "search", "retiming", "choice", "fingerprint",
     "integrations", "profile",                                       # artifact
     "factories", "progress", "run_inputs", "run_setup", "tune_result", "tuning", "screening",
     "trainers",
