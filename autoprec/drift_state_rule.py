@@ -54,8 +54,8 @@ def state_rule_reasons(
     moment = record.low_precision_moment
     if moment is not None and moment.rounding == "nearest":
         return _moment_reasons(moment, limits, metrics)
-    beta2 = record.nearest_adam_beta2
-    if beta2 is None or moment is not None:  # stochastically rounded states are exempt
+    beta2 = record.nearest_adam_beta2  # bf16_pure's alone: other modes' states are exempt
+    if beta2 is None:
         return []
     metrics["rounded_beta2"] = beta2
     if beta2 <= limits.max_rounded_beta2:
