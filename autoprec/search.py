@@ -26,7 +26,7 @@ from typing import Any
 from autoprec.errors import read_stored
 from autoprec.interrupts import raise_if_interrupted
 from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome, balanced_gain
-from autoprec.search_events import EventSink
+from autoprec.search_events import EventSink, pace
 from autoprec.specs import ModeSpec
 from autoprec.trial_records import StepWindow, StopCheck, TrialProgress, measured_windows
 
@@ -170,7 +170,8 @@ def make_stop_check(
             if remaining > 0 and clock() >= deadline:
                 return f"budget: the deadline passed during warm-up, {remaining} steps left"
             return _warmup_pace(progress, remaining, deadline - clock(), best)
-        per_step = statistics.median(w.step_seconds for w in measured)
+        per_step = pace(progress)  # the figure progress shows: the timed windows' median step
+        assert per_step is not None  # measured windows exist
         if remaining > 0 and clock() >= deadline:
             return f"budget: the deadline passed, {remaining} steps left"
         # projected from MIN_MEASURED_WINDOWS windows at least: one stalled first step (2.8 s
