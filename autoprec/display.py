@@ -178,7 +178,13 @@ def print_profile(
         console.print(Panel(Text(warning), title="hardware differs", style="yellow"))
 
 
-_STATUS_STYLE = {"accepted": "green", "rejected": "red", "pruned": "yellow", "failed": "red"}
+_STATUS_STYLE = {
+    "accepted": "green",
+    "rejected": "red",
+    "pruned": "yellow",
+    "failed": "red",
+    "stopped": "yellow",
+}
 
 
 RETIMED_MARK = " ↻"

@@ -12,7 +12,9 @@ from autoprec.trial_records import StepWindow
 
 Objective = Literal["speed", "memory", "balanced"]
 OBJECTIVES: tuple[Objective, ...] = ("speed", "memory", "balanced")
-TrialStatus = Literal["accepted", "rejected", "pruned", "failed"]
+TrialStatus = Literal["accepted", "rejected", "pruned", "failed", "stopped"]
+"""``stopped``: only the quality screen's (``check(max_trial_minutes=)``) trial time limit; a
+tune trial past its budget is ``pruned``."""
 MemoryKind = Literal["cuda_peak", "state_bytes", "state_and_activations"]
 """What ``TrialOutcome.memory_bytes`` counts: the CUDA allocator's peak (GPU); on a CPU the
 exact parameter + gradient + optimizer-state bytes, plus the bytes saved for backward when they

@@ -15,7 +15,13 @@ PLAIN_STEP_SECONDS = 15.0
 """Without a live terminal, a trial's step count is printed at most every 15 s of the budget:
 a CI log shows a long trial moving without one line per second."""
 
-STATUS_STYLE = {"accepted": "green", "rejected": "red", "pruned": "yellow", "failed": "red"}
+STATUS_STYLE = {
+    "accepted": "green",
+    "rejected": "red",
+    "pruned": "yellow",
+    "failed": "red",
+    "stopped": "yellow",
+}
 
 
 def interactive(console: Console | None = None) -> bool:

@@ -22,6 +22,7 @@ _STYLE = {
     "rejected": {"marker": "X", "color": "tab:red"},
     "pruned": {"marker": "s", "color": "tab:gray"},
     "failed": {"marker": "v", "color": "black"},
+    "stopped": {"marker": "s", "color": "tab:gray"},
 }
 
 

@@ -206,9 +206,7 @@ def _screen(
             steps=result.record.steps_run,
             seconds=result.record.wall_seconds,
         )
-    status = {"safe": "accepted", "unsafe": "rejected", "failed": "failed", "stopped": "pruned"}[
-        screened.status
-    ]
+    status = {"safe": "accepted", "unsafe": "rejected"}.get(screened.status, screened.status)
     outcome = TrialOutcome(spec=spec, status=status, reasons=screened.reasons)  # type: ignore[arg-type]
     setup.events.emit("done", spec.label, index=index, total=total, outcome=outcome)
     return screened, result

@@ -32,6 +32,7 @@ from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.recipe import RecipeSummary
 from autoprec.running_state import running_buffers
 from autoprec.screening import QualityReport, ScreenVerdict
+from autoprec.search_events import SearchEvent
 from autoprec.specs import ModeSpec
 from examples import tasks
 from tests.test_layers import _qlora_model
@@ -1864,8 +1865,13 @@ def test_a_trial_time_limit_stops_a_slow_mode_and_judges_the_others(
     task = tasks.regression(lr=1e-3)
     model = _SlowUnderAutocast(task.model, 0.1)
     common = {"loss_fn": task.mse, "steps": 40, "modes": ["amp_bf16", "bf16_sr"]}
-    report = autoprec.check(model, task.batches, max_trial_minutes=0.01, **common)
+    events: list[SearchEvent] = []
+    report = autoprec.check(
+        model, task.batches, max_trial_minutes=0.01, on_event=events.append, **common
+    )
     slow, fast = report.verdict("amp_bf16"), report.verdict("bf16_sr")
+    done = {e.label: e.outcome.status for e in events if e.kind == "done" and e.outcome}
+    assert done == {"amp_bf16": "stopped", "bf16_sr": "accepted"}, done  # not tune's "pruned"
     assert slow.status == "stopped" and slow.steps < 40 and slow.seconds < 1.5
     [reason] = slow.reasons
     assert re.match(r"stopped by max_trial_minutes=0.01 after \d+ of 40 steps \(\d+ more ", reason)
