@@ -32,6 +32,7 @@ EIGHT_BIT_MODES: tuple[ModeName, ...] = (
     "amp_bf16",
     "amp_fp16",
     "bf16_pure",
+    "bf16_sr",
     "fp8_torchao",
     "fp8_te",
 )

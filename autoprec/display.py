@@ -14,7 +14,7 @@ from autoprec.modes.pure_bf16 import Bf16PureMode
 from autoprec.profile import Profile, TrialFigures
 from autoprec.recipe import RecipeSummary
 from autoprec.screening import QualityReport
-from autoprec.specs import MODE_DESCRIPTIONS, ModeSpec
+from autoprec.specs import MODE_DESCRIPTIONS, OWN_8BIT_MODES, ModeSpec
 from autoprec.tune_result import TuneResult, trial_count
 
 
@@ -31,6 +31,8 @@ def optimizer_states(spec: ModeSpec) -> str:
     """What the mode keeps the optimizer's states in: a pure-bf16 mode's are bf16 like its
     weights (its "32-bit" optimizer_bits means "not 8-bit"; shown as such, the states the
     gate's state rule is about read as fp32)."""
+    if spec.optimizer_bits == 8 and spec.mode in OWN_8BIT_MODES:
+        return "8-bit (bitsandbytes' format, in autoprec's stochastic-rounding optimizer)"
     if spec.optimizer_bits == 8:
         return "8-bit (bitsandbytes)"
     mode = MODE_CLASSES[spec.mode]

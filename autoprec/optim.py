@@ -25,9 +25,16 @@ from torch import nn
 from autoprec._imports import require
 from autoprec.stochastic_optim import StochasticAdamW, StochasticSGD
 
-OptimizerTarget = Literal["same", "bnb_8bit", "optimi_kahan", "stochastic", "stochastic_kahan"]
+OptimizerTarget = Literal[
+    "same", "bnb_8bit", "optimi_kahan", "stochastic", "stochastic_kahan", "stochastic_8bit"
+]
 """What to rebuild into: the user's own class (new parameter objects only), bitsandbytes
-8-bit states, torch-optimi with Kahan summation, stochastic rounding (with Kahan)."""
+8-bit states, torch-optimi with Kahan summation, stochastic rounding (with Kahan, or with 8-bit
+moments)."""
+
+STOCHASTIC_TARGETS: tuple[OptimizerTarget, ...] = (
+    "stochastic", "stochastic_kahan", "stochastic_8bit"
+)  # fmt: skip
 
 SourceKind = Literal["adamw", "adam", "sgd"]
 
@@ -39,6 +46,7 @@ _TARGET_NAMES: dict[OptimizerTarget, str] = {
     "optimi_kahan": "torch-optimi with Kahan summation",
     "stochastic": "stochastic-rounding Adam/SGD",
     "stochastic_kahan": "stochastic-rounding Adam/SGD with Kahan summation",
+    "stochastic_8bit": "stochastic-rounding Adam/SGD with 8-bit states",
 }
 
 
@@ -148,7 +156,7 @@ def refuse_untranslatable(
     group being rebuilt, or one a checkpoint brings in)."""
     if kind in ("adam", "adamw"):
         _refuse(options, target, amsgrad=False, maximize=False)
-    elif target in ("stochastic", "stochastic_kahan"):  # SGD's own options all translate
+    elif target in STOCHASTIC_TARGETS:  # SGD's own options all translate
         _refuse(options, target, maximize=False)
     else:
         _refuse(options, target, nesterov=False, maximize=False, dampening=0)
@@ -212,16 +220,23 @@ def translate_group(
             translated["decouple_wd"] = False
             return KahanAdam, translated
         return KahanDecayAdamW, translated  # its decay through the compensation
-    if target in ("stochastic", "stochastic_kahan"):
+    if target in STOCHASTIC_TARGETS:
+        storage = {"kahan": target == "stochastic_kahan"}
+        if target == "stochastic_8bit":
+            require("bitsandbytes")  # its block-wise quantisation keeps the moments
+            storage["state_bits"] = 8
         if kind == "sgd":
+            if target == "stochastic_8bit" and not options["momentum"]:
+                raise ValueError(
+                    "SGD without momentum keeps no optimizer state: 8-bit states have nothing to "
+                    "save. Use optimizer_bits=32."
+                )
             keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
             translated = {key: options[key] for key in keys}
-            translated["kahan"] = target == "stochastic_kahan"
-            return StochasticSGD, translated
+            return StochasticSGD, {**translated, **storage}
         translated = _adam_options(options)
         translated["decoupled_weight_decay"] = kind == "adamw"
-        translated["kahan"] = target == "stochastic_kahan"
-        return StochasticAdamW, translated
+        return StochasticAdamW, {**translated, **storage}
     raise ValueError(f"Unknown optimizer target {target!r}.")
 
 

@@ -25,7 +25,11 @@ ModeName = Literal[
 
 MODE_NAMES: tuple[ModeName, ...] = get_args(ModeName)
 OWN_OPTIMIZER_MODES: tuple[ModeName, ...] = ("bf16_sr", "bf16_kahan", "bf16_sr_kahan")
-"""Modes that rebuild the optimizer as their own (SR, Kahan): 8-bit states cannot join them."""
+"""Modes that rebuild the optimizer as their own (SR, Kahan)."""
+OWN_8BIT_MODES: tuple[ModeName, ...] = ("bf16_sr",)
+"""Of those, the ones whose own optimizer keeps 8-bit moments with ``optimizer_bits=8``
+(``autoprec.eight_bit_states``): bf16 weights and 8-bit states, 4 bytes a parameter. The
+Kahan modes are left out: their bf16 buffer takes back the 2 bytes the 8-bit states save."""
 
 MODE_DESCRIPTIONS: dict[ModeName, str] = {
     "fp32": "full fp32, TF32 off (the reference)",
@@ -126,11 +130,16 @@ class ModeSpec(BaseModel):
                     f"fp8_recipe {self.fp8_recipe!r} belongs to mode 'fp8_{family}', "
                     f"not {self.mode!r}."
                 )
-        if self.optimizer_bits == 8 and self.mode in OWN_OPTIMIZER_MODES:
+        if (
+            self.optimizer_bits == 8
+            and self.mode in OWN_OPTIMIZER_MODES
+            and self.mode not in OWN_8BIT_MODES
+        ):
             raise ValueError(
                 f"optimizer_bits=8 does not compose with {self.mode!r}: it brings its own "
-                "optimizer implementation (stochastic rounding or Kahan summation of bf16 "
-                "states). Use bf16_pure or an AMP mode with optimizer_bits=8."
+                "optimizer implementation (Kahan summation, whose bf16 buffer costs what 8-bit "
+                "states save). Use bf16_sr (stochastically rounded weights, 8-bit states), "
+                "bf16_pure or an AMP mode with optimizer_bits=8."
             )
         if self.emulate and self.mode != "fp8_torchao":
             raise ValueError(f"emulate=True applies only to 'fp8_torchao', not {self.mode!r}.")

@@ -11,6 +11,13 @@ back with stochastic rounding, optionally with a Kahan compensation buffer that 
 rounding lost into the next step. fp32 parameters are updated normally; complex ones (a
 Fourier layer's spectral weights) as torch's optimizers update them: their real and imaginary
 parts as two real numbers.
+
+With ``state_bits=8`` (``bf16_sr+8bit-optim``) the moments are kept 8-bit as bitsandbytes' 8-bit
+optimizers keep them: block-wise (blocks of 256, an fp32 absmax each) on its dynamic maps (signed
+for Adam's first moment and SGD's momentum, unsigned for the second moment), rounded to nearest,
+fp32 for tensors under 4096 elements (its ``min_8bit_size``). Each step reads them back to fp32,
+updates them there and quantises them again, as bitsandbytes' fused kernels do. bf16 weights with
+8-bit moments hold 4 bytes a parameter, against 6 with bf16 moments.
 """
 
 from __future__ import annotations
@@ -24,8 +31,37 @@ from typing import Any
 import torch
 
 from autoprec._imports import require
+from autoprec.eight_bit_states import (
+    SIGNED_MOMENTS,
+    EightBitStates,
+    absmax_key,
+    blocks,
+    codes_key,
+    keeps_8bit,
+)
 from autoprec.random_streams import seed_torch
 from autoprec.weight_dtypes import as_real
+
+_STORAGE_KEYS = ("state_bits",)
+"""Group options that say how the optimizer stores its moments: its own, not a checkpoint's."""
+
+
+SAVED_KEYS = {*SIGNED_MOMENTS, *(absmax_key(key) for key in SIGNED_MOMENTS)}
+
+
+def _saved_moments(state_dict: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """Each parameter's moments (and 8-bit block scales) in a checkpoint, in the groups'
+    parameter order (the order torch's load pairs them with the optimizer's parameters)."""
+    state = state_dict.get("state", {})
+    order = [index for group in state_dict.get("param_groups", []) for index in group["params"]]
+    return [
+        {
+            key: value
+            for key, value in state.get(index, {}).items()
+            if key in SAVED_KEYS and isinstance(value, torch.Tensor)
+        }
+        for index in order
+    ]
 
 
 class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
@@ -34,15 +70,24 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
     saved in its state dict."""
 
     def __init__(
-        self, params: Iterable[Any], defaults: dict[str, Any], *, kahan: bool, seed: int | None
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        kahan: bool,
+        state_bits: int,
+        seed: int | None,
     ) -> None:
+        if state_bits not in (8, 32):
+            raise ValueError(f"state_bits must be 8 or 32 but got {state_bits!r}.")
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
+        self._eight_bit = EightBitStates() if state_bits == 8 else None
         # None: torch's seed (torch.manual_seed's, a trial's run seed), read without a draw;
         # a fixed 0 made every seed of `tune --seed` round with the same noise
         self._seed = (torch.initial_seed() if seed is None else seed) % 2**63
         self._rng_states: dict[str, torch.Tensor] = {}
         self._cuda_devices: list[int] = []
-        super().__init__(params, {**defaults, "kahan": kahan})
+        super().__init__(params, {**defaults, "kahan": kahan, "state_bits": state_bits})
 
     @abc.abstractmethod
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -54,6 +99,51 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             self._copy_stochastic(target, value)
         else:
             as_real(target).copy_(value)
+
+    def _new_moment(self, param: torch.Tensor, group: dict[str, Any], key: str) -> None:
+        """A zero moment: in the parameter's dtype, or with ``state_bits=8`` 8-bit codes
+        (fp32 for a tensor under ``MIN_8BIT_SIZE`` elements, as bitsandbytes keeps it)."""
+        state = self.state[param]
+        if group["state_bits"] != 8:
+            state[key] = torch.zeros_like(param)
+        elif param.is_complex():
+            raise ValueError(
+                "8-bit optimizer states take real parameters only (as bitsandbytes'), but a "
+                f"{tuple(param.shape)} parameter is {param.dtype}; keep its module in fp32 with "
+                "32-bit states, or use bf16_sr without 8-bit states."
+            )
+        elif keeps_8bit(param):
+            state[codes_key(key)], state[absmax_key(key)] = self._quantizer().fresh(param)
+        else:
+            state[key] = torch.zeros_like(param, dtype=torch.float32)
+
+    def _has_moment(self, param: torch.Tensor, key: str) -> bool:
+        state = self.state[param]
+        return state.get(key) is not None or codes_key(key) in state
+
+    def _read_moment(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        """A moment in fp32, to update in place and write back with ``_write_moment``."""
+        state = self.state[param]
+        if codes_key(key) in state:
+            signed = SIGNED_MOMENTS[key]
+            return self._quantizer().dequantize(
+                state[codes_key(key)], state[absmax_key(key)], signed=signed
+            )
+        return as_real(state[key]).float()
+
+    def _write_moment(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        state = self.state[param]
+        if codes_key(key) in state:
+            codes, absmax = self._quantizer().quantize(value, signed=SIGNED_MOMENTS[key])
+            state[codes_key(key)].copy_(codes)
+            state[absmax_key(key)].copy_(absmax)
+        else:
+            self._write(state[key], value)
+
+    def _quantizer(self) -> EightBitStates:
+        if self._eight_bit is None:  # a group added or loaded with state_bits=8
+            self._eight_bit = EightBitStates()
+        return self._eight_bit
 
     def _start_weight(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """The weight in fp32, plus its Kahan compensation when the group keeps one (created
@@ -79,18 +169,71 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         from a checkpoint draws the rounding noise an uninterrupted run would draw, not the
         stream's start again (which would repeat the first steps' noise)."""
         state = super().state_dict()
+        state["state"] = {
+            index: self._torch_layout(entry) for index, entry in state["state"].items()
+        }
         state["rounding_rng"] = {device: rng.clone() for device, rng in self._rng_states.items()}
         return state
 
+    def _torch_layout(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's saved state with its 8-bit moments as fp32 tensors under torch's
+        names, beside their block scales (``exp_avg_absmax``, 1/256 of the size; a new dict:
+        the optimizer's own state is not touched). Every mode's optimizer, and torch's, loads
+        that; the 8-bit load encodes them again on those scales, the codes they came from."""
+        if not any(codes_key(key) in entry for key in SIGNED_MOMENTS):
+            return entry
+        saved = dict(entry)
+        for key, signed in SIGNED_MOMENTS.items():
+            if codes_key(key) in saved:
+                codes, absmax = saved.pop(codes_key(key)), saved[absmax_key(key)].clone()
+                saved[key] = self._quantizer().dequantize(codes, absmax, signed=signed)
+                saved[absmax_key(key)] = absmax  # the load re-encodes on it: resumes exactly
+        return saved
+
+    def _eight_bit_layout(self, saved_moments: list[dict[str, torch.Tensor]]) -> None:
+        """After a load: the moments of ``state_bits=8`` groups as they train (8-bit codes, or
+        fp32 under ``MIN_8BIT_SIZE``), made from the checkpoint's own tensors (torch's load
+        cast them to the parameter's dtype, bf16, which moved an fp32 moment's codes); the
+        block scales a 32-bit group does not use dropped."""
+        parameters = [p for group in self.param_groups for p in group["params"]]
+        groups = [group for group in self.param_groups for _ in group["params"]]
+        for param, group, saved in zip(parameters, groups, saved_moments, strict=True):
+            state = self.state.get(param, {})
+            for key, signed in SIGNED_MOMENTS.items():
+                state.pop(absmax_key(key), None)  # torch's load cast it to bf16
+                value = state.get(key)
+                if group["state_bits"] != 8 or not isinstance(value, torch.Tensor):
+                    continue
+                value = saved.get(key, value).to(param.device).float()
+                if not keeps_8bit(param) or param.is_complex():
+                    state[key] = value
+                    continue
+                del state[key]
+                scale = saved.get(absmax_key(key))
+                quantizer = self._quantizer()
+                if scale is not None and scale.numel() == blocks(value):
+                    absmax = scale.float().to(param.device)
+                    codes = quantizer.encode(value, absmax, signed=signed)
+                else:  # a moment saved without 8-bit scales (torch's, bf16_sr's)
+                    codes, absmax = quantizer.quantize(value, signed=signed)
+                state[codes_key(key)], state[absmax_key(key)] = codes, absmax
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's optimizer state and, when the checkpoint carries one, the rounding
-        stream (checkpoints of torch's own AdamW have none: the stream starts from ``seed``)."""
+        stream (checkpoints of torch's own AdamW have none: the stream starts from ``seed``).
+        ``state_bits`` stays this optimizer's: it says how the moments are stored, not a
+        hyper-parameter to take from the checkpoint (a ``bf16_sr`` checkpoint loaded into
+        ``bf16_sr+8bit-optim``'s optimizer trains on with 8-bit moments, and back)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("rounding_rng", None) or {}
+        own = [{key: group[key] for key in _STORAGE_KEYS} for group in self.param_groups]
+        saved_moments = _saved_moments(state_dict)  # as saved: torch's load casts them
         super().load_state_dict(state_dict)
-        for group in self.param_groups:  # torch's own groups lack our options ("kahan")
-            for key, value in self.defaults.items():
+        for group, storage in zip(self.param_groups, own, strict=True):
+            for key, value in self.defaults.items():  # torch's own groups lack our options
                 group.setdefault(key, value)
+            group.update(storage)
+        self._eight_bit_layout(saved_moments)
         self._rng_states = {device: rng.clone() for device, rng in saved.items()}
         self._cuda_devices = self._parameter_cuda_devices()
 
@@ -154,6 +297,8 @@ class StochasticAdamW(_StochasticOptimizer):
         decoupled_weight_decay: True for AdamW (decay the weight by ``lr * weight_decay``),
             False for Adam (add ``weight_decay * weight`` to the gradient).
         kahan: keep a bf16 compensation buffer per bf16 parameter.
+        state_bits: 32 (moments in the parameter's dtype) or 8 (8-bit moments,
+            ``autoprec.eight_bit_states``).
         seed: seed of the optimizer's own random stream for the rounding noise (None: torch's
             seed, ``torch.initial_seed()``, as ``torch.manual_seed`` set it).
     """
@@ -168,6 +313,7 @@ class StochasticAdamW(_StochasticOptimizer):
         *,
         decoupled_weight_decay: bool = True,
         kahan: bool = False,
+        state_bits: int = 32,
         seed: int | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
@@ -183,14 +329,14 @@ class StochasticAdamW(_StochasticOptimizer):
             "weight_decay": weight_decay,
             "decoupled_weight_decay": decoupled_weight_decay,
         }
-        super().__init__(params, defaults, kahan=kahan, seed=seed)
+        super().__init__(params, defaults, kahan=kahan, state_bits=state_bits, seed=seed)
 
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[param]
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(param)
-            state["exp_avg_sq"] = torch.zeros_like(param)
+            self._new_moment(param, group, "exp_avg")
+            self._new_moment(param, group, "exp_avg_sq")
         state["step"] += 1
         step = float(state["step"])
         lr, weight_decay = group["lr"], group["weight_decay"]
@@ -208,14 +354,14 @@ class StochasticAdamW(_StochasticOptimizer):
                 weight.mul_(1 - lr * weight_decay)
             else:
                 grad = grad.add(weight, alpha=weight_decay)
-        exp_avg = as_real(state["exp_avg"]).float().mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq = as_real(state["exp_avg_sq"]).float().mul_(beta2)
+        exp_avg = self._read_moment(param, "exp_avg").mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = self._read_moment(param, "exp_avg_sq").mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
         weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
-        self._write(state["exp_avg"], exp_avg)
-        self._write(state["exp_avg_sq"], exp_avg_sq)
+        self._write_moment(param, "exp_avg", exp_avg)
+        self._write_moment(param, "exp_avg_sq", exp_avg_sq)
         self._finish_weight(param, weight)
 
 
@@ -227,6 +373,8 @@ class StochasticSGD(_StochasticOptimizer):
         params: parameters or parameter groups, as for any torch optimizer.
         lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
         kahan: keep a bf16 compensation buffer per bf16 parameter.
+        state_bits: 32 (moments in the parameter's dtype) or 8 (8-bit moments,
+            ``autoprec.eight_bit_states``).
         seed: seed of the optimizer's own random stream for the rounding noise (None: torch's
             seed, ``torch.initial_seed()``, as ``torch.manual_seed`` set it).
     """
@@ -241,6 +389,7 @@ class StochasticSGD(_StochasticOptimizer):
         nesterov: bool = False,
         *,
         kahan: bool = False,
+        state_bits: int = 32,
         seed: int | None = None,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
@@ -257,10 +406,9 @@ class StochasticSGD(_StochasticOptimizer):
             "weight_decay": weight_decay,
             "nesterov": nesterov,
         }
-        super().__init__(params, defaults, kahan=kahan, seed=seed)
+        super().__init__(params, defaults, kahan=kahan, state_bits=state_bits, seed=seed)
 
     def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[param]
         momentum = group["momentum"]
         # A sparse gradient (nn.Embedding(sparse=True)) made dense: torch's SGD gives the same
         # weights (its sparse momentum buffer sums to the dense one; rows without a gradient
@@ -271,13 +419,13 @@ class StochasticSGD(_StochasticOptimizer):
         if group["weight_decay"]:
             grad = grad.add(weight, alpha=group["weight_decay"])
         if momentum:
-            if state.get("momentum_buffer") is None:
+            if not self._has_moment(param, "momentum_buffer"):
                 buffer = grad.clone()
-                state["momentum_buffer"] = torch.zeros_like(param)
+                self._new_moment(param, group, "momentum_buffer")
             else:
-                buffer = as_real(state["momentum_buffer"]).float().mul_(momentum)
+                buffer = self._read_moment(param, "momentum_buffer").mul_(momentum)
                 buffer.add_(grad, alpha=1 - group["dampening"])
             grad = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-            self._write(state["momentum_buffer"], buffer)
+            self._write_moment(param, "momentum_buffer", buffer)
         weight.add_(grad, alpha=-group["lr"])
         self._finish_weight(param, weight)

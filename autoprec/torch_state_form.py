@@ -43,8 +43,12 @@ HYPER_KEYS: dict[SourceKind, set[str]] = {
 }
 """The group keys of each family's hyper-parameters, in torch's names."""
 
-STOCHASTIC_EXTRA_KEYS = {"compensation", "rounding_rng"}
-"""What autoprec's stochastic-rounding optimizers save besides torch's keys."""
+STOCHASTIC_EXTRA_KEYS = {
+    "compensation", "rounding_rng",
+    "exp_avg_absmax", "exp_avg_sq_absmax", "momentum_buffer_absmax",
+}  # fmt: skip
+"""What autoprec's stochastic-rounding optimizers save besides torch's keys (the Kahan
+compensation, the rounding stream, 8-bit moments' block scales)."""
 
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 _BNB_BLOCKSIZE = 256

@@ -895,7 +895,7 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
 
     args = ["--quick", "--tasks", "tiny_lr_finetune", "--cache", str(quick_truth_cache)]
     rows = late_checkpoint.main(args)
-    assert len(rows) == 12 and {r.task for r in rows} == {"tiny_lr_finetune"}
+    assert len(rows) == 13 and {r.task for r in rows} == {"tiny_lr_finetune"}
     costs = {r.label: r.forward_cost for r in rows}
     assert costs["fp32+8bit-optim"] == 0.0  # fp32's forward: nothing to compare
     assert 0 < abs(costs["amp_bf16"]) < 0.01

@@ -10,7 +10,9 @@ from torch import nn
 
 import autoprec
 from autoprec.eligibility import Situation
-from autoprec.errors import OptimizerRebuiltWarning, UnsupportedModeError
+from autoprec.errors import ExportError, OptimizerRebuiltWarning, UnsupportedModeError
+from autoprec.integrations.accelerate import accelerate_settings
+from autoprec.integrations.lightning import lightning_settings
 from autoprec.layers import scan_model
 from autoprec.plan import CONVERTED_MARK, build_plan, prepare
 from autoprec.specs import ModeSpec
@@ -74,15 +76,56 @@ def test_real_cpu_refusals() -> None:
             autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
 
 
-def test_8bit_does_not_compose_with_a_mode_of_its_own_optimizer() -> None:
-    """The spec validated, its exports gave bitsandbytes advice, and only apply() refused."""
+def test_8bit_does_not_compose_with_a_kahan_mode() -> None:
+    """The spec validated, its exports gave bitsandbytes advice, and only apply() refused.
+    bf16_sr keeps 8-bit moments in its own optimizer (its exports name profile.apply())."""
     import pydantic
 
-    for mode in ("bf16_sr", "bf16_kahan", "bf16_sr_kahan"):
+    for mode in ("bf16_kahan", "bf16_sr_kahan"):
         with pytest.raises(
             pydantic.ValidationError, match=f"optimizer_bits=8 does not compose with '{mode}'"
         ):
             ModeSpec(mode=mode, optimizer_bits=8)
+    spec = ModeSpec(mode="bf16_sr", optimizer_bits=8)
+    assert spec.label == "bf16_sr+8bit-optim"
+    for export in (lightning_settings, accelerate_settings):
+        with pytest.raises(ExportError, match=r"bf16_sr.*profile.apply|AutoprecPrecision"):
+            export(spec)
+
+
+def test_bf16_sr_with_8bit_states_trains_bf16_weights_on_8bit_moments() -> None:
+    """plan.optimizer is the stochastic-rounding optimizer with 8-bit moments: 4 bytes a
+    parameter of weights and states against bf16_sr's 6, and it trains."""
+    pytest.importorskip("bitsandbytes")
+    from autoprec.trial_measures import state_bytes
+
+    figures = {}
+    for bits in (32, 8):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)
+        )
+        spec = ModeSpec(mode="bf16_sr", optimizer_bits=bits)
+        with pytest.warns(OptimizerRebuiltWarning):
+            plan = autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        inputs = torch.randn(256, 64)
+        target = inputs[:, :1] * 2
+        losses = []
+        for _ in range(100):
+            with plan.autocast():
+                loss = torch.nn.functional.mse_loss(plan.model(inputs).float(), target)
+            plan.backward(loss)
+            plan.optimizer.step()
+            plan.optimizer.zero_grad()
+            losses.append(loss.item())
+        assert type(plan.optimizer).__name__ == "StochasticAdamW"
+        assert plan.optimizer.param_groups[0]["state_bits"] == bits
+        assert losses[-1] < 0.1 * losses[0], losses[::20]
+        figures[bits] = state_bytes(plan)
+    # 4 step counters; the 64x256 weight's two moments: bf16, or 8-bit with 64 fp32 block
+    # scales each; the 513 elements of the three smaller tensors: bf16, or fp32 (under 4096)
+    assert figures[32].optimizer == 4 * 4 + (16384 + 513) * 2 * 2
+    assert figures[8].optimizer == 4 * 4 + 16384 * 2 + 64 * 2 * 4 + 513 * 2 * 4
 
 
 def test_missing_backend_names_the_extra() -> None:

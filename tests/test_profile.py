@@ -925,6 +925,8 @@ def test_show_names_the_states_a_pure_bf16_mode_keeps() -> None:
     )
     assert optimizer_states(ModeSpec(mode="bf16_sr")).startswith("bf16, stochastically")
     assert optimizer_states(ModeSpec(mode="bf16_pure", optimizer_bits=8)).startswith("8-bit")
+    sr_8bit = optimizer_states(ModeSpec(mode="bf16_sr", optimizer_bits=8))
+    assert sr_8bit == "8-bit (bitsandbytes' format, in autoprec's stochastic-rounding optimizer)"
     assert optimizer_states(ModeSpec(mode="amp_bf16")) == "32-bit"
 
 

@@ -172,6 +172,29 @@ def test_modes_that_cannot_rebuild_the_optimizer_are_not_checked_with_the_reason
     assert all(v.status != "failed" for v in report.verdicts)
 
 
+def test_bf16_sr_with_8bit_states_is_screened_and_refuses_sgd_without_momentum() -> None:
+    """The lean stochastic-rounding variant is one of check()'s modes (named, or with every
+    mode); SGD without momentum keeps no state for it to hold in 8 bits: not checked, with
+    the reason, as bitsandbytes' 8-bit states."""
+    task = tasks.regression(lr=1e-3)
+    batches = task.batches + task.heldout
+    report = autoprec.check(
+        task.model, batches, loss_fn=task.mse, steps=40, modes=["bf16_sr+8bit-optim"]
+    )
+    verdict = report.verdict("bf16_sr+8bit-optim")
+    assert verdict.status == "safe", verdict.reasons
+    assert verdict.drift["update_fraction"] == pytest.approx(1.0, abs=0.1)
+
+    def plain_sgd(parameters: object) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=1e-2)  # type: ignore[arg-type]
+
+    report = autoprec.check(task.model, batches, loss_fn=task.mse, steps=4, optimizer=plain_sgd)
+    skipped = {s.spec.label: s.reasons for s in report.not_checked}
+    for label in ("bf16_sr+8bit-optim", "fp32+8bit-optim"):
+        assert "8-bit states have nothing to save" in skipped[label][0], skipped[label]
+    assert "bf16_sr" in {v.label for v in report.verdicts}
+
+
 class _FourierLayer(torch.nn.Module):
     """FNO-style: complex weights mix the lowest modes of an FFT over the positions."""
 

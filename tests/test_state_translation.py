@@ -172,13 +172,13 @@ def _resumed_error(kind: str, target: str, width: int, dtype: torch.dtype, load:
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
-@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit"])
+@pytest.mark.parametrize("target", ["optimi_kahan", "bnb_8bit", "stochastic_8bit"])
 def test_a_torch_optimizers_state_is_translated_into_the_rebuild(kind: str, target: str) -> None:
     """A run switched mid-way from fp32 to bf16_kahan or 8-bit states resumes with its Adam
     moments or SGD momentum: the load was refused before. Where the target keeps fp32 state
-    (torch-optimi over fp32 weights; bitsandbytes below min_8bit_size) the resumed run is
-    torch's to rounding; with bf16 weights or 8-bit states it is far closer to the run
-    continued in fp32 than a restart with fresh state."""
+    (torch-optimi over fp32 weights; bitsandbytes and bf16_sr's 8-bit moments below
+    min_8bit_size) the resumed run is torch's to rounding; with bf16 weights or 8-bit states
+    it is far closer to the run continued in fp32 than a restart with fresh state."""
     pytest.importorskip("optimi" if target == "optimi_kahan" else "bitsandbytes")
     exact = _resumed_error(kind, target, width=40, dtype=torch.float32, load=True)
     assert exact < 1e-5, exact

@@ -228,3 +228,142 @@ def test_seeding_a_run_draws_on_the_cpu_as_torch_manual_seed_does() -> None:
     ours = torch.rand(4)
     torch.manual_seed(123)
     assert torch.equal(ours, torch.rand(4))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_8bit_moments_on_fp32_weights_follow_bitsandbytes_exactly(kind: str) -> None:
+    """``state_bits=8`` keeps the moments as bitsandbytes' 8-bit optimizers keep them: on fp32
+    weights (no rounding) 50 steps end bit for bit where AdamW8bit / Adam8bit / SGD8bit end,
+    and away from 32-bit states (the 8-bit moments are really used)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    adam = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8}
+    if kind == "sgd":
+        options = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+        ours_from = lambda p: StochasticSGD(p, state_bits=8, **options)  # noqa: E731
+        theirs_from = lambda p: bnb.optim.SGD8bit(p, **options)  # noqa: E731
+        full_from = lambda p: torch.optim.SGD(p, **options)  # noqa: E731
+    else:
+        decoupled = kind == "adamw"
+        options = {**adam, "weight_decay": 0.05 if decoupled else 0.0}
+        ours_from = lambda p: StochasticAdamW(  # noqa: E731
+            p, state_bits=8, decoupled_weight_decay=decoupled, **options
+        )
+        eight_bit = bnb.optim.AdamW8bit if decoupled else bnb.optim.Adam8bit
+        theirs_from = lambda p: eight_bit(p, **options)  # noqa: E731
+        full_from = lambda p: torch.optim.AdamW(p, **options)  # noqa: E731
+    torch.manual_seed(0)
+    start = torch.randn(128, 64)  # 8192 elements: over bitsandbytes' 4096-element floor
+    weights = [torch.nn.Parameter(start.clone()) for _ in range(3)]
+    optimizers = [
+        make([w]) for make, w in zip((ours_from, theirs_from, full_from), weights, strict=True)
+    ]
+    for step in range(50):
+        grad = torch.randn(128, 64, generator=torch.Generator().manual_seed(step))
+        for weight, optimizer in zip(weights, optimizers, strict=True):
+            weight.grad = grad.clone()
+            optimizer.step()
+    ours, theirs, full = (w.detach() for w in weights)
+    assert torch.equal(ours, theirs)
+    assert (ours - full).abs().max() > 1e-4
+    state = optimizers[0].state[weights[0]]
+    codes = [key for key in state if key.endswith("_codes")]
+    assert codes and all(state[key].dtype == torch.uint8 for key in codes), sorted(state)
+
+
+def test_8bit_moments_hold_a_quarter_of_bf16_ones_and_small_tensors_stay_fp32() -> None:
+    pytest.importorskip("bitsandbytes")
+    big = torch.nn.Parameter(torch.randn(128, 64, dtype=torch.bfloat16))
+    small = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))  # under 4096 elements
+
+    def state_bytes(state_bits: int) -> tuple[int, dict[str, torch.dtype]]:
+        weights = [torch.nn.Parameter(big.detach().clone()), torch.nn.Parameter(small.detach())]
+        optimizer = StochasticAdamW(weights, state_bits=state_bits)
+        for weight in weights:
+            weight.grad = torch.ones_like(weight)
+        optimizer.step()
+        sizes = [
+            value.numel() * value.element_size()
+            for state in optimizer.state.values()
+            for key, value in state.items()
+            if key != "step"
+        ]
+        return sum(sizes), {k: v.dtype for k, v in optimizer.state[weights[1]].items()}
+
+    eight, small_state = state_bytes(8)
+    sixteen, _ = state_bytes(32)
+    # 8192 x 2 moments x 1 byte + 32 blocks x 2 x 4 bytes, + the small one's 64 x 2 x 4 (fp32)
+    assert eight == 8192 * 2 + 32 * 2 * 4 + 64 * 2 * 4
+    assert sixteen == (8192 + 64) * 2 * 2
+    assert small_state == {
+        "step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32
+    }  # fmt: skip
+
+
+def test_8bit_checkpoints_are_torch_layout_and_keep_their_storage() -> None:
+    """A checkpoint of 8-bit moments holds torch's keys (fp32 moments, beside their block
+    scales) and resumes exactly; torch's AdamW loads it; a ``bf16_sr`` (32-bit) checkpoint
+    loaded into the 8-bit optimizer trains on with 8-bit moments, and an 8-bit one loaded into
+    bf16_sr's with bf16 moments (``state_bits`` is the optimizer's, not the checkpoint's)."""
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    starts = [torch.randn(128, 64).bfloat16(), torch.randn(64).bfloat16()]  # 8-bit, fp32
+
+    def trained(optimizer_from: Callable, steps: range, state: dict | None = None) -> tuple:
+        weights = [torch.nn.Parameter(start.clone()) for start in starts]
+        optimizer = optimizer_from(weights)
+        if state is not None:
+            for weight, saved in zip(weights, state["weights"], strict=True):
+                weight.data.copy_(saved)
+            optimizer.load_state_dict(state["optimizer"])
+        for step in steps:
+            for weight in weights:
+                grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(step))
+                weight.grad = grad.to(torch.bfloat16)
+            optimizer.step()
+        return weights, optimizer
+
+    def checkpoint(weights: list, optimizer: torch.optim.Optimizer) -> dict:
+        state = {"weights": [w.detach() for w in weights], "optimizer": optimizer.state_dict()}
+        return copy.deepcopy(state)
+
+    eight_bit = lambda p: StochasticAdamW(p, state_bits=8, seed=3)  # noqa: E731
+    sixteen_bit = lambda p: StochasticAdamW(p, seed=3)  # noqa: E731
+    straight, _ = trained(eight_bit, range(20))
+    half, optimizer = trained(eight_bit, range(10))
+    saved = checkpoint(half, optimizer)
+    big, small = (saved["optimizer"]["state"][index] for index in (0, 1))
+    assert {k: v.dtype for k, v in big.items()} == {
+        "step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
+        "exp_avg_absmax": torch.float32, "exp_avg_sq_absmax": torch.float32,
+    }  # fmt: skip
+    assert set(small) == {"step", "exp_avg", "exp_avg_sq"}
+    assert "exp_avg_codes" in optimizer.state[half[0]]  # saving did not touch the live state
+    resumed, again = trained(eight_bit, range(10, 20), saved)
+    for ours, theirs in zip(resumed, straight, strict=True):
+        assert torch.equal(ours.detach(), theirs.detach())
+    assert again.param_groups[0]["state_bits"] == 8
+    assert sorted(again.state[resumed[0]]) == [
+        "exp_avg_absmax", "exp_avg_codes", "exp_avg_sq_absmax", "exp_avg_sq_codes", "step"
+    ]  # fmt: skip
+    assert again.state[resumed[1]]["exp_avg"].dtype == torch.float32
+    torch.optim.AdamW([torch.nn.Parameter(s.float()) for s in starts]).load_state_dict(
+        saved["optimizer"]
+    )  # torch's own optimizer takes it
+    _, bf16_sr = trained(sixteen_bit, range(10))
+    weights, loaded = trained(eight_bit, range(10, 11), checkpoint(half, bf16_sr))
+    assert loaded.param_groups[0]["state_bits"] == 8
+    assert loaded.state[weights[0]]["exp_avg_codes"].dtype == torch.uint8
+    weights, back = trained(sixteen_bit, range(10, 11), saved)
+    assert back.param_groups[0]["state_bits"] == 32
+    assert sorted(back.state[weights[0]]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert back.state[weights[0]]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_8bit_moments_refuse_complex_parameters() -> None:
+    pytest.importorskip("bitsandbytes")
+    weight = torch.nn.Parameter(torch.randn(128, 64, dtype=torch.complex64))
+    weight.grad = torch.randn_like(weight)
+    with pytest.raises(ValueError, match="8-bit optimizer states take real parameters only"):
+        StochasticAdamW([weight], state_bits=8).step()
+    with pytest.raises(ValueError, match="state_bits must be 8 or 32 but got 16"):
+        StochasticAdamW([weight], state_bits=16)

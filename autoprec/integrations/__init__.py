@@ -11,7 +11,7 @@ from __future__ import annotations
 from autoprec.errors import ExportError
 from autoprec.optim import BNB_8BIT
 from autoprec.recipe import RecipeSummary
-from autoprec.specs import ModeSpec
+from autoprec.specs import OWN_OPTIMIZER_MODES, ModeSpec
 
 # Modes whose numerics do not depend on where keep_fp32 modules run.
 _FULL_PRECISION = ("fp32", "tf32")
@@ -70,8 +70,10 @@ def refuse_8bit_optimizer(
     spec: ModeSpec, target: str, how: str, recipe: RecipeSummary | None
 ) -> None:
     """8-bit states are an optimizer, which no precision flag builds: say which one to build.
-    ``how`` names it as ``{cls}``."""
-    if spec.optimizer_bits != 8:
+    ``how`` names it as ``{cls}``. A mode of autoprec's own optimizer (bf16_sr's 8-bit
+    moments) is left to the mode's own refusal, which names ``profile.apply()``: no
+    bitsandbytes class trains it."""
+    if spec.optimizer_bits != 8 or spec.mode in OWN_OPTIMIZER_MODES:
         return
     cls = bnb_8bit_class(recipe)
     shown = (

@@ -111,7 +111,7 @@ class PrecisionMode:
     def requirements(self, situation: Situation) -> list[str]:
         """Every reason this mode (with its knobs) cannot run in ``situation``; empty if it can."""
         reasons = list(mode_eligibility(self.name, situation).reasons)
-        if self.spec.optimizer_bits == 8:  # with a mode of its own optimizer: ModeSpec refuses
+        if self.spec.optimizer_bits == 8:  # bitsandbytes' states, or its quantisation (bf16_sr)
             reasons.extend(optimizer_8bit_eligibility(situation).reasons)
         return reasons
 
@@ -176,8 +176,11 @@ class PrecisionMode:
 
     @property
     def rebuilt_optimizer_target(self) -> OptimizerTarget | None:
-        """The implementation this mode rebuilds the user's optimizer as; None: it keeps it."""
-        return "bnb_8bit" if self.spec.optimizer_bits == 8 else self.optimizer_target
+        """The implementation this mode rebuilds the user's optimizer as; None: it keeps it.
+        8-bit states: bitsandbytes', or the mode's own optimizer with 8-bit moments (bf16_sr)."""
+        if self.spec.optimizer_bits != 8:
+            return self.optimizer_target
+        return "stochastic_8bit" if self.optimizer_target == "stochastic" else "bnb_8bit"
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise what rebuilding ``optimizer`` for this mode would raise (its class, an option
