@@ -26,6 +26,13 @@ WAYS_OUT = (
 )
 """The modes that fixed pure bf16 on every long-run task (docs/ground-truth.md)."""
 
+EIGHT_BIT_WAY_OUT = (
+    "bf16_sr+8bit-optim (the same bf16 weights and 8-bit states, 4 bytes a parameter, with "
+    "the weights rounded stochastically)"
+)
+"""The lean fix: ended within the fp32 seeds' spread and passed its trial on every long-run
+task it trained on (docs/ground-truth.md, "bf16_sr with 8-bit states")."""
+
 EIGHT_BIT_EVIDENCE = (
     "on autoprec's 12 long-run tasks with beta2 0.999, pure bf16 with 8-bit states ended worse "
     "than fp32 on 9 after 2000 steps (a conv net +58.3%, a recommender +12.5%, 8 seeds each) "
@@ -64,7 +71,7 @@ def state_rule_reasons(
         f"{WEIGHTS_REASON} with beta2={beta2:g}: the second moment "
         "is not in bf16 (8-bit states keep its decay), but late in a run Adam's steps fall "
         "below half a bf16 ulp of the weights and are lost (long runs end worse). "
-        f"{WAYS_OUT} or beta2 <= "
+        f"{EIGHT_BIT_WAY_OUT}, {WAYS_OUT} or beta2 <= "
         f"{limits.max_rounded_beta2:.4f} avoid it. A rule, not this trial's measurement: "
         f"{EIGHT_BIT_EVIDENCE}; {_lift(beta2)}"
     ]

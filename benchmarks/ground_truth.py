@@ -343,11 +343,6 @@ def gate(task: GroundTask, trial_steps: int, modes: list[str] | None = None) -> 
     )
 
 
-def score_task(name: str, steps: int, trial_steps: int, cache: Path, seeds: Seeds) -> list[Pair]:
-    """:func:`score` on the task ``name`` of ``ALL_TASKS``."""
-    return score(name, ALL_TASKS[name](steps), steps, trial_steps, cache, seeds)
-
-
 def score(
     name: str,
     task: GroundTask,
@@ -583,6 +578,11 @@ def heldout_option(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"the held-out tasks ({', '.join(HELDOUT_TASKS)}) instead of the tuned ones",
     )
+    parser.add_argument(
+        "--modes",
+        help="comma-separated mode labels to score (default: every mode check() screens); "
+        "a new mode's pairs without the others' long runs (bf16_sr+8bit-optim)",
+    )
 
 
 def main(argv: list[str] | None = None) -> list[Pair]:
@@ -602,7 +602,12 @@ def main(argv: list[str] | None = None) -> list[Pair]:
         f"{trial_steps} steps; a mode hurts beyond {HURT_SDS:g} standard errors and "
         f"{HURT_RELATIVE:.1%}, on the mean of {seeds.mode} seeds of each mode"
     )
-    pairs = [pair for name in names for pair in score_task(name, steps, trial_steps, cache, seeds)]
+    modes = known.modes.split(",") if known.modes else None
+    pairs = [
+        pair
+        for name in names
+        for pair in score(name, ALL_TASKS[name](steps), steps, trial_steps, cache, seeds, modes)
+    ]
     print("\n" + confusion(pairs))
     print(
         "\nThe paired reading (each mode run against the fp32 run of its seed; the truth "

@@ -170,7 +170,7 @@ def test_pure_bf16_with_8bit_states_falls_under_the_state_rule() -> None:
     assert verdict.metrics.rounded_beta2 == 0.999
     [reason] = verdict.reasons
     assert reason.startswith("bf16 weights rounded to nearest under Adam with beta2=0.999")
-    assert "8-bit states keep its decay" in reason and "bf16_sr" in reason
+    assert "8-bit states keep its decay" in reason and "bf16_sr+8bit-optim (the same" in reason
     assert "A rule, not this trial's measurement" in reason and "+58.3%" in reason
     assert reason.endswith(
         "set max_rounded_beta2=0.9995 (thresholds= in Python, --threshold on the command line)"

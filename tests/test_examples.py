@@ -184,6 +184,12 @@ def test_ground_truth_benchmark_quick_scores_the_gate_and_caches_the_truth(
     )
     truth = {p.label: (p.truth_hurts, p.metric) for p in pairs if p.task == "digits_mlp"}
     assert {p.label: (p.truth_hurts, p.metric) for p in again} == truth
+    chosen = ["--modes", "amp_bf16,bf16_sr+8bit-optim", "--tasks", "digits_mlp"]
+    only = ground_truth.main(["--quick", "--cache", str(quick_truth_cache), *chosen])
+    assert [p.label for p in only] == ["amp_bf16", "bf16_sr+8bit-optim"]  # --modes: just these
+    assert {p.label: (p.truth_hurts, p.metric) for p in only} == {
+        label: truth[label] for label in ("amp_bf16", "bf16_sr+8bit-optim")
+    }
 
     # the threshold sweep judges the gate's trials again under other thresholds, on this truth
     from benchmarks import threshold_sweep
@@ -568,6 +574,21 @@ def test_kahan_step_benchmark_runs_in_quick_mode() -> None:
     figures = kahan_step.main(["--quick"])
     assert len(figures) == 3 and "second moment fp32, list step (bf16_kahan)" in figures
     assert all(0 < milliseconds < 1e4 for milliseconds in figures.values())
+
+
+def test_sr_8bit_step_benchmark_runs_in_quick_mode() -> None:
+    """bf16_sr+8bit-optim's step against bf16_sr's, AdamW8bit's and fp32's: each timed, and
+    its weights and states the leanest of the stochastic-rounding pair (bf16 weights, 8-bit
+    moments plus their block scales, fp32 moments for the small bias tensors)."""
+    pytest.importorskip("bitsandbytes")
+    from benchmarks import sr_8bit_step
+
+    figures = sr_8bit_step.main(["--quick"])
+    assert all(0 < milliseconds < 1e4 for milliseconds, _ in figures.values())
+    per_parameter = {name: figure[1] for name, figure in figures.items()}
+    assert per_parameter["fp32 (torch AdamW)"] == pytest.approx(12, abs=0.01)  # + steps
+    assert per_parameter["bf16_sr (bf16 moments)"] == pytest.approx(6, abs=0.01)
+    assert 4 < per_parameter["bf16_sr+8bit-optim"] < 4.2
 
 
 def test_fp8_movement_benchmark_runs_in_quick_mode() -> None:
