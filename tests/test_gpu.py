@@ -18,6 +18,7 @@ GPU_SPECS = [
     ModeSpec(mode="amp_fp16"),
     ModeSpec(mode="bf16_kahan"),
     ModeSpec(mode="amp_bf16", optimizer_bits=8),
+    ModeSpec(mode="bf16_sr", optimizer_bits=8),
     # torchao with fp8_layers="all": by its size rule ("worthwhile") neither Linear of _model() is
     # converted, and the FP8 specs trained as plain bf16 autocast
     ModeSpec(mode="fp8_torchao", fp8_recipe="torchao_tensorwise", fp8_layers="all"),
@@ -97,6 +98,32 @@ def test_stochastic_rounding_sgd_trains_on_gpu_and_leaves_the_cuda_stream(mode: 
     losses = _sine_losses(plan, keeps_cuda_stream=True)  # the rounding draws its own stream
     assert losses[-1] < 0.85 * losses[0], losses[::10]
     assert losses[-1] < expected[-1] * 1.01, (losses[::10], expected[::10])
+
+
+def test_8bit_moments_follow_bitsandbytes_on_the_gpu() -> None:
+    """bf16_sr+8bit-optim's moments against AdamW8bit's fused CUDA kernel, on fp32 weights (no
+    rounding): bit for bit on the CPU (tests/test_stochastic_optim.py); on a GPU the fused
+    kernel may order its float operations otherwise, so within 1e-5 after 50 steps. Not yet
+    run on a GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (found: CPU only)")
+    bnb = pytest.importorskip("bitsandbytes")
+    from autoprec.stochastic_optim import StochasticAdamW
+
+    options = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
+    start = torch.randn(128, 64, generator=torch.Generator().manual_seed(0)).cuda()
+    ours, theirs = (torch.nn.Parameter(start.clone()) for _ in range(2))
+    optimizers = (
+        StochasticAdamW([ours], state_bits=8, **options),
+        bnb.optim.AdamW8bit([theirs], **options),
+    )
+    for step in range(50):
+        grad = torch.randn(128, 64, generator=torch.Generator().manual_seed(step)).cuda()
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert (ours.detach() - theirs.detach()).abs().max().item() < 1e-5
+    assert optimizers[0].state[ours]["exp_avg_codes"].device.type == "cuda"
 
 
 def test_mapping_batches_that_are_not_dicts_move_to_the_gpu() -> None:
