@@ -46,7 +46,8 @@ _STORAGE_KEYS = ("state_bits",)
 """Group options that say how the optimizer stores its moments: its own, not a checkpoint's."""
 
 
-SAVED_KEYS = {*SIGNED_MOMENTS, *(absmax_key(key) for key in SIGNED_MOMENTS)}
+_SAVED_KEYS = {*SIGNED_MOMENTS, *(absmax_key(key) for key in SIGNED_MOMENTS)}
+"""A checkpoint's per-parameter tensors a load reads before torch's load casts them."""
 
 
 def _saved_moments(state_dict: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
@@ -58,7 +59,7 @@ def _saved_moments(state_dict: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
         {
             key: value
             for key, value in state.get(index, {}).items()
-            if key in SAVED_KEYS and isinstance(value, torch.Tensor)
+            if key in _SAVED_KEYS and isinstance(value, torch.Tensor)
         }
         for index in order
     ]
