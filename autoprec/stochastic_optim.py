@@ -42,8 +42,9 @@ from autoprec.eight_bit_states import (
 from autoprec.random_streams import seed_torch
 from autoprec.weight_dtypes import as_real
 
-_STORAGE_KEYS = ("state_bits",)
-"""Group options that say how the optimizer stores its moments: its own, not a checkpoint's."""
+_STORAGE_KEYS = ("kahan", "state_bits")
+"""Group options that say how the optimizer keeps its weights and moments: its own, not a
+checkpoint's."""
 
 
 _SAVED_KEYS = {*SIGNED_MOMENTS, *(absmax_key(key) for key in SIGNED_MOMENTS)}
@@ -222,9 +223,11 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's optimizer state and, when the checkpoint carries one, the rounding
         stream (checkpoints of torch's own AdamW have none: the stream starts from ``seed``).
-        ``state_bits`` stays this optimizer's: it says how the moments are stored, not a
-        hyper-parameter to take from the checkpoint (a ``bf16_sr`` checkpoint loaded into
-        ``bf16_sr+8bit-optim``'s optimizer trains on with 8-bit moments, and back)."""
+        ``kahan`` and ``state_bits`` stay this optimizer's: they say how it keeps weights and
+        moments, not a hyper-parameter to take from the checkpoint (a ``bf16_sr`` checkpoint
+        loaded into ``bf16_sr+8bit-optim``'s optimizer trains on with 8-bit moments, and
+        back; a ``bf16_sr_kahan`` one loaded into ``bf16_sr``'s trains on without the Kahan
+        buffer, which it drops, where it trained on as ``bf16_sr_kahan``)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("rounding_rng", None) or {}
         own = [{key: group[key] for key in _STORAGE_KEYS} for group in self.param_groups]
@@ -234,6 +237,9 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             for key, value in self.defaults.items():  # torch's own groups lack our options
                 group.setdefault(key, value)
             group.update(storage)
+            if not group["kahan"]:  # a Kahan run's buffer: this optimizer keeps none
+                for param in group["params"]:
+                    self.state.get(param, {}).pop("compensation", None)
         self._eight_bit_layout(saved_moments)
         self._rng_states = {device: rng.clone() for device, rng in saved.items()}
         self._cuda_devices = self._parameter_cuda_devices()

@@ -112,6 +112,17 @@ def test_a_checkpoint_carries_the_rounding_stream() -> None:
     _steps(fresh, bf16, 2)
     assert fresh.state[bf16]["compensation"].dtype == torch.bfloat16  # Kahan stays on
     assert fresh.state[bf16]["exp_avg_sq"].dtype == torch.bfloat16
+    # Kahan is the optimizer's own, not the checkpoint's: a bf16_sr_kahan checkpoint loaded
+    # into bf16_sr's optimizer trained on with the buffer (the checkpoint's kahan=True)
+    plain_sr = StochasticAdamW([bf16], lr=1e-4)
+    plain_sr.load_state_dict(fresh.state_dict())
+    assert plain_sr.param_groups[0]["kahan"] is False
+    assert "compensation" not in plain_sr.state[bf16]
+    _steps(plain_sr, bf16, 1)
+    assert "compensation" not in plain_sr.state[bf16]
+    kahan_again = StochasticAdamW([bf16], lr=1e-4, kahan=True)
+    kahan_again.load_state_dict(plain_sr.state_dict())
+    assert kahan_again.param_groups[0]["kahan"] is True
 
 
 @pytest.mark.parametrize(
