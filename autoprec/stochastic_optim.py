@@ -83,7 +83,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         if state_bits not in (8, 32):
             raise ValueError(f"state_bits must be 8 or 32 but got {state_bits!r}.")
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
-        self._eight_bit = EightBitStates() if state_bits == 8 else None
+        self._eight_bit: EightBitStates | None = None  # made at the first 8-bit moment
         # None: torch's seed (torch.manual_seed's, a trial's run seed), read without a draw;
         # a fixed 0 made every seed of `tune --seed` round with the same noise
         self._seed = (torch.initial_seed() if seed is None else seed) % 2**63
@@ -143,7 +143,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             self._write(state[key], value)
 
     def _quantizer(self) -> EightBitStates:
-        if self._eight_bit is None:  # a group added or loaded with state_bits=8
+        if self._eight_bit is None:  # bitsandbytes is required here (and by the rebuild)
             self._eight_bit = EightBitStates()
         return self._eight_bit
 
