@@ -18,30 +18,18 @@ where torch-optimi is (its bias correction, ``optimi.utils.debias_beta``, is the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from optimi.utils import debias_beta
 from torch import Tensor
 
+from autoprec.flat_chunks import chunks
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 CHUNK_ELEMENTS = 2**24
 """At most this many weight elements per list op: the fp32 denominators of a chunk take 64 MiB."""
-
-
-def _chunks(indices: list[int], sizes: list[int]) -> Iterator[list[int]]:
-    chunk: list[int] = []
-    elements = 0
-    for index in indices:
-        if chunk and elements + sizes[index] > CHUNK_ELEMENTS:
-            yield chunk
-            chunk, elements = [], 0
-        chunk.append(index)
-        elements += sizes[index]
-    if chunk:
-        yield chunk
 
 
 @torch.no_grad()
@@ -69,26 +57,28 @@ def foreach_adam_step(
         decay = 1 - (lr / group["max_lr"]) * decay
     elif decay and group["decouple_wd"]:
         decay = 1 - lr * decay
-    by_kind: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
-    for index, param in enumerate(params):
-        kahan = bool(group["kahan_sum"]) and param.dtype in LOW_PRECISION
-        by_kind.setdefault((param.device, param.dtype, kahan), []).append(index)
-    sizes = [param.numel() for param in params]
-    for (_, _, kahan), indices in by_kind.items():
-        for chunk in _chunks(indices, sizes):
-            _step_lists(
-                [params[i] for i in chunk],
-                [grads[i] for i in chunk],
-                [exp_avgs[i] for i in chunk],
-                [exp_avg_sqs[i] for i in chunk],
-                [kahan_comps[i] for i in chunk] if kahan else None,
-                lr=lr,
-                eps=eps,
-                beta1_comp=beta1_comp,
-                beta2_hat=beta2_hat,
-                decay=decay,
-                decoupled=decoupled,
-            )
+
+    def kind(param: Tensor) -> tuple[torch.device, torch.dtype, bool]:
+        summed = bool(group["kahan_sum"]) and param.dtype in LOW_PRECISION
+        return param.device, param.dtype, summed
+
+    position = {id(param): index for index, param in enumerate(params)}
+    for members in chunks(params, kind, limit=CHUNK_ELEMENTS):
+        chunk = [position[id(param)] for param in members]
+        kahan = kind(members[0])[2]
+        _step_lists(
+            [params[i] for i in chunk],
+            [grads[i] for i in chunk],
+            [exp_avgs[i] for i in chunk],
+            [exp_avg_sqs[i] for i in chunk],
+            [kahan_comps[i] for i in chunk] if kahan else None,
+            lr=lr,
+            eps=eps,
+            beta1_comp=beta1_comp,
+            beta2_hat=beta2_hat,
+            decay=decay,
+            decoupled=decoupled,
+        )
 
 
 def _step_lists(

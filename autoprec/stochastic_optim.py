@@ -10,13 +10,16 @@ bias-corrected step size, which would be a silent hyper-parameter change against
 back with stochastic rounding, optionally with a Kahan compensation buffer that carries what the
 rounding lost into the next step. fp32 parameters are updated normally; complex ones (a
 Fourier layer's spectral weights) as torch's optimizers update them: their real and imaginary
-parts as two real numbers.
+parts as two real numbers. Parameters are updated in chunks (``autoprec.flat_chunks``): a
+chunk's weights, gradients and moments are gathered into flat fp32 buffers, updated there with
+one operation each, and written back, the rounding noise drawn for the whole chunk at once.
 
 With ``state_bits=8`` (``bf16_sr+8bit-optim``) the moments are kept 8-bit as bitsandbytes' 8-bit
 optimizers keep them: block-wise (blocks of 256, an fp32 absmax each) on its dynamic maps (signed
 for Adam's first moment and SGD's momentum, unsigned for the second moment), rounded to nearest,
 fp32 for tensors under 4096 elements (its ``min_8bit_size``). Each step reads them back to fp32,
-updates them there and quantises them again, as bitsandbytes' fused kernels do. bf16 weights with
+updates them there and quantises them again, tensor by tensor (each its own blocks), as
+bitsandbytes' fused kernels do. bf16 weights with
 8-bit moments hold 4 bytes a parameter, against 6 with bf16 moments.
 """
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ from autoprec.eight_bit_states import (
     codes_key,
     keeps_8bit,
 )
+from autoprec.flat_chunks import chunks, gather, pieces, scatter
 from autoprec.random_streams import seed_torch
 from autoprec.weight_dtypes import as_real
 
@@ -92,15 +96,29 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         super().__init__(params, {**defaults, "kahan": kahan, "state_bits": state_bits})
 
     @abc.abstractmethod
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        """Update one parameter (it has a gradient) with its group's options, in fp32
-        arithmetic, writing bf16 tensors back through ``_write`` / ``_finish_weight``."""
+    def _chunk_key(self, param: torch.Tensor) -> Hashable:
+        """What parameters updated together share (their device and dtype at least)."""
 
-    def _write(self, target: torch.Tensor, value: torch.Tensor) -> None:
-        if target.dtype == torch.bfloat16:
-            self._copy_stochastic(target, value)
-        else:
-            as_real(target).copy_(value)
+    @abc.abstractmethod
+    def _update(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Update a chunk of parameters (each has a gradient; they share ``_chunk_key``) with
+        their group's options, in fp32 arithmetic on flat buffers (``autoprec.flat_chunks``),
+        writing them back through ``_write`` / ``_finish_weights``."""
+
+    def _write(self, targets: list[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+        """Write flat fp32 ``values`` into the targets (one dtype): bf16 ones rounded
+        stochastically. Returns what was written, flat (bf16 for bf16 targets)."""
+        if targets[0].dtype != torch.bfloat16:
+            scatter(values, targets)
+            return values
+        if len(targets) == 1 and targets[0].is_contiguous():  # straight into it: one pass less
+            rounded = targets[0].view(-1)
+            self._copy_stochastic(rounded, values)
+            return rounded
+        rounded = torch.empty_like(values, dtype=torch.bfloat16)
+        self._copy_stochastic(rounded, values)
+        scatter(rounded, targets)
+        return rounded
 
     def _new_moment(self, param: torch.Tensor, group: dict[str, Any], key: str) -> None:
         """A zero moment: in the parameter's dtype, or with ``state_bits=8`` 8-bit codes
@@ -124,7 +142,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         return state.get(key) is not None or codes_key(key) in state
 
     def _read_moment(self, param: torch.Tensor, key: str) -> torch.Tensor:
-        """A moment in fp32, to update in place and write back with ``_write_moment``."""
+        """One parameter's moment in fp32 (a new tensor for 8-bit codes)."""
         state = self.state[param]
         if codes_key(key) in state:
             signed = SIGNED_MOMENTS[key]
@@ -133,38 +151,58 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             )
         return as_real(state[key]).float()
 
-    def _write_moment(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
-        state = self.state[param]
-        if codes_key(key) in state:
-            codes, absmax = self._quantizer().quantize(value, signed=SIGNED_MOMENTS[key])
-            state[codes_key(key)].copy_(codes)
-            state[absmax_key(key)].copy_(absmax)
-        else:
-            self._write(state[key], value)
+    def _read_moments(
+        self, chunk: list[torch.Tensor], group: dict[str, Any], key: str
+    ) -> torch.Tensor:
+        """A chunk's moments as one flat fp32 tensor, to update in place and write back with
+        ``_write_moments``: gathered, or with ``state_bits=8`` read tensor by tensor."""
+        if group["state_bits"] != 8:
+            return gather([self.state[param][key] for param in chunk])
+        moments = [self._read_moment(param, key).reshape(-1) for param in chunk]
+        return moments[0] if len(moments) == 1 else torch.cat(moments)
+
+    def _write_moments(
+        self, chunk: list[torch.Tensor], group: dict[str, Any], key: str, values: torch.Tensor
+    ) -> None:
+        """Write a chunk's updated moments back: in the parameters' dtype (bf16 rounded
+        stochastically), or with ``state_bits=8`` quantised tensor by tensor (fp32 below
+        ``MIN_8BIT_SIZE``)."""
+        if group["state_bits"] != 8:
+            self._write([self.state[param][key] for param in chunk], values)
+            return
+        for param, value in zip(chunk, pieces(values, chunk), strict=True):
+            state = self.state[param]
+            if codes_key(key) in state:
+                codes, absmax = self._quantizer().quantize(value, signed=SIGNED_MOMENTS[key])
+                state[codes_key(key)].copy_(codes)
+                state[absmax_key(key)].copy_(absmax)
+            else:
+                state[key].copy_(value)
 
     def _quantizer(self) -> EightBitStates:
         if self._eight_bit is None:  # bitsandbytes is required here (and by the rebuild)
             self._eight_bit = EightBitStates()
         return self._eight_bit
 
-    def _start_weight(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """The weight in fp32, plus its Kahan compensation when the group keeps one (created
-        at the first step, and after loading the state of an optimizer without one)."""
-        state = self.state[param]
-        if group["kahan"] and param.dtype == torch.bfloat16 and "compensation" not in state:
-            state["compensation"] = torch.zeros_like(param)
-        weight = as_real(param).float()
-        compensation = state.get("compensation")
-        if compensation is not None:
-            weight.add_(compensation.float())
+    def _start_weights(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> torch.Tensor:
+        """The chunk's weights as one flat fp32 tensor, plus their Kahan compensation when the
+        group keeps one for bf16 weights (created at the first step, and after loading the
+        state of an optimizer without one)."""
+        weight = gather(chunk)
+        if group["kahan"] and chunk[0].dtype == torch.bfloat16:
+            for param in chunk:
+                if "compensation" not in self.state[param]:
+                    self.state[param]["compensation"] = torch.zeros_like(param)
+            weight.add_(gather([self.state[param]["compensation"] for param in chunk]))
         return weight
 
-    def _finish_weight(self, param: torch.Tensor, weight: torch.Tensor) -> None:
-        """Write the updated fp32 weight back, keeping what rounding lost as compensation."""
-        self._write(param, weight)
-        compensation = self.state[param].get("compensation")
-        if compensation is not None:
-            compensation.copy_(weight - param.float())
+    def _finish_weights(self, chunk: list[torch.Tensor], weight: torch.Tensor) -> None:
+        """Write the updated fp32 weights back, keeping what rounding lost as compensation."""
+        written = self._write(chunk, weight)
+        if "compensation" in self.state[chunk[0]]:
+            compensations = [self.state[param]["compensation"] for param in chunk]
+            # cast first: a copy between dtypes takes torch's per-tensor path on a GPU
+            scatter(weight.sub_(written.float()).bfloat16(), compensations)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus the rounding stream (``"rounding_rng"``): a run resumed
@@ -289,9 +327,9 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
                 loss = closure()
         with self._own_random_stream():
             for group in self.param_groups:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        self._update(param, group)
+                updated = [param for param in group["params"] if param.grad is not None]
+                for chunk in chunks(updated, self._chunk_key):
+                    self._update(chunk, group)
         return loss
 
 
@@ -338,38 +376,46 @@ class StochasticAdamW(_StochasticOptimizer):
         }
         super().__init__(params, defaults, kahan=kahan, state_bits=state_bits, seed=seed)
 
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[param]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)
-            self._new_moment(param, group, "exp_avg")
-            self._new_moment(param, group, "exp_avg_sq")
-        state["step"] += 1
-        step = float(state["step"])
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        if param.grad.is_sparse:  # as torch's Adam and AdamW
+    def _chunk_key(self, param: torch.Tensor) -> Hashable:
+        """Device, dtype and step count (a parameter without a gradient at some step counts
+        fewer steps, and Adam's bias correction differs with it)."""
+        step = self.state[param].get("step", 0)
+        return param.device, param.dtype, float(step)
+
+    def _update(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> None:
+        if any(param.grad.is_sparse for param in chunk):  # as torch's Adam and AdamW
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients, please consider "
                 "SparseAdam instead"
             )
+        for param in chunk:
+            state = self.state[param]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+                self._new_moment(param, group, "exp_avg")
+                self._new_moment(param, group, "exp_avg_sq")
+            state["step"] += 1
+        step = float(self.state[chunk[0]]["step"])
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
 
-        grad = as_real(param.grad).float()
-        weight = self._start_weight(param, group)
+        grad = gather([param.grad for param in chunk])
+        weight = self._start_weights(chunk, group)
         if weight_decay:
             if group["decoupled_weight_decay"]:
                 weight.mul_(1 - lr * weight_decay)
             else:
-                grad = grad.add(weight, alpha=weight_decay)
-        exp_avg = self._read_moment(param, "exp_avg").mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq = self._read_moment(param, "exp_avg_sq").mul_(beta2)
+                grad.add_(weight, alpha=weight_decay)
+        exp_avg = self._read_moments(chunk, group, "exp_avg").mul_(beta1)
+        exp_avg.add_(grad, alpha=1 - beta1)
+        exp_avg_sq = self._read_moments(chunk, group, "exp_avg_sq").mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
         weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
-        self._write_moment(param, "exp_avg", exp_avg)
-        self._write_moment(param, "exp_avg_sq", exp_avg_sq)
-        self._finish_weight(param, weight)
+        self._write_moments(chunk, group, "exp_avg", exp_avg)
+        self._write_moments(chunk, group, "exp_avg_sq", exp_avg_sq)
+        self._finish_weights(chunk, weight)
 
 
 class StochasticSGD(_StochasticOptimizer):
@@ -415,24 +461,30 @@ class StochasticSGD(_StochasticOptimizer):
         }
         super().__init__(params, defaults, kahan=kahan, state_bits=state_bits, seed=seed)
 
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+    def _chunk_key(self, param: torch.Tensor) -> Hashable:
+        """Device, dtype and whether the momentum buffer exists (torch starts it from the
+        first gradient)."""
+        return param.device, param.dtype, self._has_moment(param, "momentum_buffer")
+
+    def _update(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> None:
         momentum = group["momentum"]
         # A sparse gradient (nn.Embedding(sparse=True)) made dense: torch's SGD gives the same
         # weights (its sparse momentum buffer sums to the dense one; rows without a gradient
         # and without momentum stay exactly as they are, rounding an unchanged fp32 value
         # included); the dense copy is this mode's cost, and the trial measures it.
-        grad = as_real(param.grad.to_dense() if param.grad.is_sparse else param.grad).float()
-        weight = self._start_weight(param, group)
+        grad = gather([p.grad.to_dense() if p.grad.is_sparse else p.grad for p in chunk])
+        weight = self._start_weights(chunk, group)
         if group["weight_decay"]:
-            grad = grad.add(weight, alpha=group["weight_decay"])
+            grad.add_(weight, alpha=group["weight_decay"])
         if momentum:
-            if not self._has_moment(param, "momentum_buffer"):
+            if not self._has_moment(chunk[0], "momentum_buffer"):
                 buffer = grad.clone()
-                self._new_moment(param, group, "momentum_buffer")
+                for param in chunk:
+                    self._new_moment(param, group, "momentum_buffer")
             else:
-                buffer = self._read_moment(param, "momentum_buffer").mul_(momentum)
+                buffer = self._read_moments(chunk, group, "momentum_buffer").mul_(momentum)
                 buffer.add_(grad, alpha=1 - group["dampening"])
             grad = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-            self._write_moment(param, "momentum_buffer", buffer)
+            self._write_moments(chunk, group, "momentum_buffer", buffer)
         weight.add_(grad, alpha=-group["lr"])
-        self._finish_weight(param, weight)
+        self._finish_weights(chunk, weight)

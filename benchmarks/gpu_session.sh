@@ -26,6 +26,11 @@
 #                                               # fp32 rerun, tf32 and amp_bf16, in the tune's
 #                                               # 86-step trials and in 300-step ones (the
 #                                               # third H200 session's runs, 2026-11-27)
+#   bash benchmarks/gpu_session.sh sr           # (~3 min) the stochastic-rounding optimizers'
+#                                               # chunked step: its tests on the GPU, its
+#                                               # step time (sr_8bit_step, 16 large and 96
+#                                               # small tensors), bf16_sr against bf16_pure
+#                                               # and amp_bf16 on the 59M GPT, eager
 #   bash benchmarks/gpu_session.sh truth        # (~11.5 min: run it twice, the second goes on
 #                                               # from the cache; first thing in the next lease)
 #                                               # ground_truth_gpu: real FP8 on the 59M
@@ -38,10 +43,10 @@
 # (default python3). The wheels are installed only where nvidia-smi exists. A stage that fails or
 # runs out of its time leaves its log, and the script exits with its last command's status.
 set -uo pipefail
-stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup|fp8|truth"}
+stage=${1:?"usage: $0 tests|validation|timing|reference|lease|recheck|followup|fp8|sr|truth"}
 case "$stage" in
-  tests|validation|timing|reference|lease|recheck|followup|fp8|truth) ;;
-  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck, followup, fp8 or truth" >&2
+  tests|validation|timing|reference|lease|recheck|followup|fp8|sr|truth) ;;
+  *) echo "unknown stage '$stage': tests, validation, timing, reference, lease, recheck, followup, fp8, sr or truth" >&2
      exit 2 ;;
 esac
 out=${OUT:-runs/gpu_session}
@@ -68,6 +73,7 @@ case "$stage" in
       tests/test_mode_contract.py \
       "tests/test_optim.py::test_bf16_kahan_keeps_adams_second_moment_in_fp32_so_it_can_decrease" \
       "tests/test_optim.py::test_bf16_kahans_list_step_matches_torch_optimis_loop_to_the_bit" \
+      tests/test_stochastic_optim.py tests/test_flat_chunks.py \
       2>&1 | tee "$log" ;;
   validation)
     timeout 560 "$python" -m benchmarks.gpu_validation --profile-out "$out/gpu-profile.json" \
@@ -120,6 +126,15 @@ case "$stage" in
     {
       timeout 150 "$python" -m benchmarks.fp8_movement --steps 86
       timeout 400 "$python" -m benchmarks.fp8_movement --steps 300
+    } 2>&1 | tee "$log" ;;
+  sr)
+    {
+      timeout 90 "$python" -m pytest -q -p no:cacheprovider -rs tests/test_stochastic_optim.py \
+        tests/test_flat_chunks.py
+      timeout 60 "$python" -m benchmarks.sr_8bit_step
+      timeout 60 "$python" -m benchmarks.sr_8bit_step --width 256 --layers 48
+      timeout 120 "$python" -m benchmarks.gpu_validation --steps 100 --eager-only --no-tune \
+        --modes fp32,amp_bf16,bf16_pure,bf16_sr,bf16_sr+8bit-optim
     } 2>&1 | tee "$log" ;;
   truth)
     timeout 560 "$python" -m benchmarks.ground_truth_gpu 2>&1 | tee "$log"

@@ -1,14 +1,15 @@
-"""bf16_sr+8bit-optim's optimizer step and memory, against the optimizers beside it.
+"""The stochastic-rounding optimizers' step and memory, against the optimizers beside them.
 
-``bf16_sr+8bit-optim`` steps with autoprec's stochastic-rounding AdamW, its moments in
-bitsandbytes' block-wise 8-bit format (``autoprec.eight_bit_states``): each step dequantises a
-tensor's moments to fp32, updates them and the weight there, and quantises them again, one
-tensor at a time. This times that step against the same optimizer with bf16 moments
-(``bf16_sr``), bitsandbytes' fused ``AdamW8bit`` on bf16 weights (``bf16_pure+8bit-optim``) and
-torch's AdamW on fp32 weights (fp32), over the same model and fixed random gradients:
-``--steps`` optimizer steps after 3 of warm-up, best of ``--rounds`` rounds, interleaved in each
-round. Printed: milliseconds per step and the bytes of weights plus optimizer state per
-parameter, on a GPU where there is one, else on the CPU.
+``bf16_sr`` and ``bf16_sr+8bit-optim`` step with autoprec's stochastic-rounding AdamW, which
+updates parameters in chunks through flat fp32 buffers (``autoprec.flat_chunks``); with 8-bit
+moments (``autoprec.eight_bit_states``) it dequantises a tensor's moments to fp32, updates them
+and quantises them again. This times both against bitsandbytes' fused ``AdamW8bit`` on bf16
+weights (``bf16_pure+8bit-optim``), torch's AdamW on bf16 weights (``bf16_pure``) and on fp32
+weights (fp32), over the same model and fixed random gradients: ``--steps`` optimizer steps
+after 3 of warm-up, best of ``--rounds`` rounds, interleaved in each round. Printed:
+milliseconds per step and the bytes of weights plus optimizer state per parameter, on a GPU
+where there is one, else on the CPU. Many small tensors (``--width 256 --layers 48``) show the
+per-tensor cost a chunk saves: kernel launches on a GPU.
 
     python -m benchmarks.sr_8bit_step [--width 1024] [--layers 8] [--steps 20] [--rounds 3]
     python -m benchmarks.sr_8bit_step --quick    # a small model, 2 steps, 1 round (CI)
@@ -31,6 +32,7 @@ CONTENDERS: dict[
     str, tuple[torch.dtype, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]
 ] = {
     "fp32 (torch AdamW)": (torch.float32, lambda p: torch.optim.AdamW(p, **OPTIONS)),
+    "bf16_pure (torch AdamW on bf16)": (torch.bfloat16, lambda p: torch.optim.AdamW(p, **OPTIONS)),
     "bf16_sr (bf16 moments)": (torch.bfloat16, lambda p: StochasticAdamW(p, **OPTIONS)),
     "bf16_sr+8bit-optim": (torch.bfloat16, lambda p: StochasticAdamW(p, state_bits=8, **OPTIONS)),
     "bf16_pure+8bit-optim (AdamW8bit)": (

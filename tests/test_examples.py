@@ -588,6 +588,7 @@ def test_sr_8bit_step_benchmark_runs_in_quick_mode() -> None:
     per_parameter = {name: figure[1] for name, figure in figures.items()}
     assert per_parameter["fp32 (torch AdamW)"] == pytest.approx(12, abs=0.01)  # + steps
     assert per_parameter["bf16_sr (bf16 moments)"] == pytest.approx(6, abs=0.01)
+    assert per_parameter["bf16_pure (torch AdamW on bf16)"] == pytest.approx(6, abs=0.01)
     assert 4 < per_parameter["bf16_sr+8bit-optim"] < 4.2
 
 

@@ -263,20 +263,26 @@ def test_8bit_moments_on_fp32_weights_follow_bitsandbytes_exactly(kind: str) -> 
         theirs_from = lambda p: eight_bit(p, **options)  # noqa: E731
         full_from = lambda p: torch.optim.AdamW(p, **options)  # noqa: E731
     torch.manual_seed(0)
-    start = torch.randn(128, 64)  # 8192 elements: over bitsandbytes' 4096-element floor
-    weights = [torch.nn.Parameter(start.clone()) for _ in range(3)]
-    optimizers = [
-        make([w]) for make, w in zip((ours_from, theirs_from, full_from), weights, strict=True)
-    ]
+    # 8192 and 5000 elements (over bitsandbytes' 4096-element floor; the second's last block
+    # part full) and 64 (fp32 moments), updated in one chunk
+    starts = [torch.randn(128, 64), torch.randn(100, 50), torch.randn(64)]
+    weights = [[torch.nn.Parameter(start.clone()) for start in starts] for _ in range(3)]
+    makers = (ours_from, theirs_from, full_from)
+    optimizers = [make(w) for make, w in zip(makers, weights, strict=True)]
     for step in range(50):
-        grad = torch.randn(128, 64, generator=torch.Generator().manual_seed(step))
-        for weight, optimizer in zip(weights, optimizers, strict=True):
-            weight.grad = grad.clone()
+        generator = torch.Generator().manual_seed(step)
+        grads = [torch.randn(start.shape, generator=generator) for start in starts]
+        for group, optimizer in zip(weights, optimizers, strict=True):
+            for weight, grad in zip(group, grads, strict=True):
+                weight.grad = grad.clone()
             optimizer.step()
-    ours, theirs, full = (w.detach() for w in weights)
-    assert torch.equal(ours, theirs)
-    assert (ours - full).abs().max() > 1e-4
-    state = optimizers[0].state[weights[0]]
+    *eight_bit, small = zip(*weights, strict=True)
+    for ours, theirs, full in eight_bit:
+        assert torch.equal(ours, theirs)
+        assert (ours - full).abs().max() > 1e-4
+    # fp32 moments: bitsandbytes' 32-bit kernel orders its float operations otherwise
+    torch.testing.assert_close(small[0], small[1], rtol=1e-6, atol=1e-6)
+    state = optimizers[0].state[weights[0][1]]
     codes = [key for key in state if key.endswith("_codes")]
     assert codes and all(state[key].dtype == torch.uint8 for key in codes), sorted(state)
 
@@ -378,3 +384,120 @@ def test_8bit_moments_refuse_complex_parameters() -> None:
         StochasticAdamW([weight], state_bits=8).step()
     with pytest.raises(ValueError, match="state_bits must be 8 or 32 but got 16"):
         StochasticAdamW([weight], state_bits=16)
+
+
+def _mixed_weights(
+    dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[torch.nn.Parameter]:
+    """Weights of several sizes (one larger than the test's chunks) and a non-contiguous one."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (8,), (40, 30), (4, 4), (700,), (3,)]
+    weights = [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
+    transposed = torch.randn(12, 20, generator=generator).to(device, dtype).t()  # non-contiguous
+    return [torch.nn.Parameter(w) for w in [*weights, transposed]]
+
+
+def _needs(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (found: CPU only)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+@pytest.mark.parametrize(
+    ("ours_from", "theirs_from"),
+    [
+        (
+            lambda p: StochasticAdamW(p, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.05),
+            lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.05),
+        ),
+        (
+            lambda p: StochasticAdamW(p, lr=1e-2, weight_decay=0.05, decoupled_weight_decay=False),
+            lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05),
+        ),
+        (
+            lambda p: StochasticSGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True),
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True),
+        ),
+    ],
+    ids=["adamw", "adam", "sgd"],
+)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_parameters_updated_in_chunks_follow_torch(
+    ours_from: Callable,
+    theirs_from: Callable,
+    dtype: torch.dtype,
+    device: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step updates parameters in chunks through flat buffers (``autoprec.flat_chunks``):
+    on fp32 and complex weights (no rounding) every weight and moment ends bit for bit where
+    one tensor a chunk puts it, and where torch's loop does (to float error: torch's Adam
+    lerps the first moment), over several chunks, a weight larger than a chunk, a
+    non-contiguous one, and weights that miss gradients at some steps (Adam's step counts and
+    SGD's momentum buffers then differ within the group; benchmarks/gpu_session.sh runs it
+    on a GPU)."""
+    from autoprec import flat_chunks
+
+    _needs(device)
+    runs = []
+    for limit in (500, 1):
+        monkeypatch.setattr(flat_chunks, "CPU_CHUNK_ELEMENTS", limit)
+        monkeypatch.setattr(flat_chunks, "GPU_CHUNK_ELEMENTS", limit)
+        ours, theirs = _mixed_weights(dtype, device), _mixed_weights(dtype, device)
+        mine, torchs = ours_from(ours), theirs_from(theirs)
+        for step in range(12):
+            generator = torch.Generator().manual_seed(step)
+            for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                if (index + step) % 5 == 0:  # no gradient this step
+                    a.grad = b.grad = None
+                    continue
+                grad = torch.randn(a.shape, generator=generator, dtype=dtype).to(device)
+                a.grad, b.grad = grad.clone(), grad.clone()
+            mine.step()
+            torchs.step()
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            for key, value in torchs.state[b].items():
+                torch.testing.assert_close(mine.state[a][key], value, rtol=1e-5, atol=1e-6)
+        runs.append((ours, mine))
+    (chunked, chunked_optimizer), (alone, alone_optimizer) = runs
+    for a, b in zip(chunked, alone, strict=True):
+        assert torch.equal(a, b)
+        first, second = chunked_optimizer.state[a], alone_optimizer.state[b]
+        assert first.keys() == second.keys()
+        assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("kahan", [False, True])
+def test_bf16_weights_and_moments_round_to_a_neighbour_of_the_fp32_update(
+    kahan: bool, device: str
+) -> None:
+    """Many bf16 tensors in one chunk (and a non-contiguous one, written on its own): after a
+    step each weight and moment is one of the two bf16 neighbours of what fp32 AdamW computes
+    from the same values, in its own place (a value scattered to another tensor or position
+    would not be)."""
+    _needs(device)
+    ours = _mixed_weights(torch.bfloat16, device)
+    reference = [torch.nn.Parameter(w.detach().float()) for w in ours]
+    mine = StochasticAdamW(ours, lr=1e-2, kahan=kahan, seed=5)
+    torchs = torch.optim.AdamW(reference, lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for a, b in zip(ours, reference, strict=True):
+        grad = torch.randn(a.shape, generator=generator).to(device, torch.bfloat16)
+        a.grad, b.grad = grad, grad.float()
+    mine.step()
+    torchs.step()
+    pairs = [(a, b) for a, b in zip(ours, reference, strict=True)]
+    pairs += [
+        (mine.state[a][k], torchs.state[b][k]) for a, b in pairs for k in ("exp_avg", "exp_avg_sq")
+    ]
+    for rounded, exact in pairs:
+        down = exact.detach().bfloat16().float()
+        ulp = (down.abs() * 2**-7).clamp_min(2**-133)
+        gap = (rounded.detach().float() - exact.detach()).abs()
+        assert bool((gap <= ulp).all())
+    if kahan:  # the compensation holds what the rounding left out of each weight
+        for a, b in zip(ours, reference, strict=True):
+            kept = a.detach().float() + mine.state[a]["compensation"].float()
+            torch.testing.assert_close(kept, b.detach(), rtol=2**-14, atol=1e-7)

@@ -19,7 +19,8 @@ ORDER = [
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layer_mix", "layer_keep", "layer_findings", "layers",
     "eligibility",
-    "eight_bit_states", "stochastic_optim", "kahan_foreach", "kahan_adamw", "optim",  # runtime
+    "flat_chunks",  # runtime
+    "eight_bit_states", "stochastic_optim", "kahan_foreach", "kahan_adamw", "optim",
     "torch_state_form",
     "state_translation",
     "modes", "model_copies", "plan", "testing",

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import torch
+
+from autoprec import flat_chunks
+from autoprec.flat_chunks import chunks, gather, pieces, scatter
+
+
+def test_chunks_keep_order_within_a_key_and_cut_at_the_limit() -> None:
+    sizes = [3, 4, 2, 9, 1, 1]
+    tensors = [
+        torch.zeros(size, dtype=torch.float32 if i != 2 else torch.bfloat16)
+        for i, size in enumerate(sizes)
+    ]
+    runs = chunks(tensors, key=lambda t: t.dtype, limit=5)
+    as_sizes = [[t.numel() for t in run] for run in runs]
+    # fp32: 3 | 4 | 9 (larger than the limit: its own run) | 1 1; bf16: 2
+    assert as_sizes == [[3], [4], [9], [1, 1], [2]]
+    assert chunks([], key=lambda t: t.dtype) == []
+
+
+def test_a_cpu_chunk_is_smaller_than_a_gpu_one() -> None:
+    """The default limit is the device's: cache-sized on a CPU, launch-saving on a GPU."""
+    assert flat_chunks.chunk_elements(torch.device("cpu")) == flat_chunks.CPU_CHUNK_ELEMENTS
+    assert flat_chunks.chunk_elements(torch.device("cuda", 0)) == flat_chunks.GPU_CHUNK_ELEMENTS
+    assert flat_chunks.CPU_CHUNK_ELEMENTS < flat_chunks.GPU_CHUNK_ELEMENTS
+    tensors = [torch.zeros(flat_chunks.CPU_CHUNK_ELEMENTS // 2 + 1) for _ in range(3)]
+    assert len(chunks(tensors, key=lambda t: t.device)) == 3
+
+
+def test_gather_and_scatter_round_trip_every_dtype_and_layout() -> None:
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 4, generator=generator),
+        torch.randn(5, generator=generator, dtype=torch.complex64),
+        torch.randn(4, 6, generator=generator).t(),  # non-contiguous
+    ]
+    flat = gather(tensors)
+    assert flat.dtype == torch.float32 and flat.numel() == 12 + 10 + 24
+    assert all(
+        piece.data_ptr() != t.data_ptr()
+        for piece, t in zip(pieces(flat, tensors), tensors, strict=True)
+    )
+    targets = [torch.zeros_like(t) for t in tensors]
+    scatter(flat, targets)
+    assert all(torch.equal(a, b) for a, b in zip(targets, tensors, strict=True))
+    one = torch.randn(7, generator=generator)
+    before = one.clone()
+    gather([one]).add_(1)  # a new tensor, never the weight itself
+    assert torch.equal(one, before)
