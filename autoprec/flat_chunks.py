@@ -5,9 +5,12 @@ some 25 tensor operations a parameter, each a kernel launch on a GPU and Python 
 overhead on a CPU: on an H100, ``bf16_sr``'s step made a 59M-parameter GPT 2.3x slower than
 ``bf16_pure`` (README, "Development"), and on our CPU its optimizer step took 13-23 ms on the
 0.47M-parameter TinyGPT against torch AdamW's 2.5-3.6 ms. Gathered into one flat fp32 buffer, the
-same element-wise arithmetic is one operation a chunk of parameters. A chunk holds at most
-``chunk_elements`` elements (a larger tensor is a chunk of its own, as it was its own update
-before), which bounds the step's temporary memory at what one tensor of that size takes.
+same element-wise arithmetic is one operation a chunk of parameters. On a GPU a chunk holds no
+more elements than the largest tensor beside it (a larger tensor is a chunk of its own, as it
+was its own update before): the step's temporary memory, some 28 bytes an element of the chunk
+being updated (weight, gradient, moments, rounding noise in fp32), stays what the per-tensor
+loop's was, whose peak was its largest tensor's. On a CPU chunks are smaller still
+(``CPU_CHUNK_ELEMENTS``).
 """
 
 from __future__ import annotations
@@ -18,23 +21,22 @@ import torch
 
 from autoprec.weight_dtypes import as_real
 
-GPU_CHUNK_ELEMENTS = 1 << 24
-"""Elements a chunk holds at most on a GPU, where launches cost and passes over memory are
-cheap: a 4096 x 4096 matrix. The step's fp32 temporaries (weight, gradient, moments, rounding
-noise) take some 28 bytes an element of the chunk being updated."""
-
 CPU_CHUNK_ELEMENTS = 1 << 16
 """On a CPU, where the rounding noise (one draw from a sequential generator an element) and
-passes over memory cost and launches hardly do: chunks of up to 256 KiB of fp32 stay in cache.
+passes over memory cost and launches hardly do: chunks of up to 256 KiB of fp32 stay in cache
+(and take at most some 2 MiB of temporaries where every tensor is smaller).
 Measured on our 2-core Xeon against the per-tensor loop (one thread, interleaved, best of 4-10
 rounds; ``benchmarks.sr_8bit_step``'s parameters): the TinyGPT's step 14.3 ms against the
 loop's 14.5, 8.4M parameters in 16 tensors 234 ms against 256; chunks of 2^24 took 17.1 and
 380."""
 
 
-def chunk_elements(device: torch.device) -> int:
-    """The most elements a chunk holds on ``device``."""
-    return CPU_CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
+def chunk_elements(tensors: Sequence[torch.Tensor]) -> int:
+    """The most elements a chunk of these tensors (on one device) holds: on a CPU
+    ``CPU_CHUNK_ELEMENTS``, elsewhere as many as the largest of them holds."""
+    if tensors[0].device.type == "cpu":
+        return CPU_CHUNK_ELEMENTS
+    return max(as_real(tensor).numel() for tensor in tensors)
 
 
 def chunks(
@@ -43,14 +45,14 @@ def chunks(
     limit: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """The tensors in runs that share ``key`` (in their order) of at most ``limit`` elements
-    each (default: ``chunk_elements`` of their device); a tensor larger than that is a run of
-    its own."""
+    each (default: ``chunk_elements`` of those that share it; ``key`` must tell devices
+    apart); a tensor larger than that is a run of its own."""
     by_key: dict[Hashable, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_key.setdefault(key(tensor), []).append(tensor)
     runs: list[list[torch.Tensor]] = []
     for members in by_key.values():
-        most = chunk_elements(members[0].device) if limit is None else limit
+        most = chunk_elements(members) if limit is None else limit
         run: list[torch.Tensor] = []
         size = 0
         for tensor in members:

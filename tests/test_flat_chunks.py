@@ -19,13 +19,20 @@ def test_chunks_keep_order_within_a_key_and_cut_at_the_limit() -> None:
     assert chunks([], key=lambda t: t.dtype) == []
 
 
-def test_a_cpu_chunk_is_smaller_than_a_gpu_one() -> None:
-    """The default limit is the device's: cache-sized on a CPU, launch-saving on a GPU."""
-    assert flat_chunks.chunk_elements(torch.device("cpu")) == flat_chunks.CPU_CHUNK_ELEMENTS
-    assert flat_chunks.chunk_elements(torch.device("cuda", 0)) == flat_chunks.GPU_CHUNK_ELEMENTS
-    assert flat_chunks.CPU_CHUNK_ELEMENTS < flat_chunks.GPU_CHUNK_ELEMENTS
-    tensors = [torch.zeros(flat_chunks.CPU_CHUNK_ELEMENTS // 2 + 1) for _ in range(3)]
-    assert len(chunks(tensors, key=lambda t: t.device)) == 3
+def test_a_gpu_chunk_holds_no_more_than_its_largest_tensor_and_a_cpu_one_stays_in_cache() -> None:
+    """Off the CPU (meta tensors stand in for a GPU's) a chunk holds no more elements than the
+    largest tensor beside it, so the step's temporaries stay the per-tensor loop's; on a CPU
+    chunks hold up to ``CPU_CHUNK_ELEMENTS``."""
+    sizes = [10, 30, 5, 20, 25]
+    gpu = [torch.empty(size, device="meta") for size in sizes]
+    assert flat_chunks.chunk_elements(gpu) == 30
+    runs = chunks(gpu, key=lambda t: t.device)
+    assert [[t.numel() for t in run] for run in runs] == [[10], [30], [5, 20], [25]]
+    cpu = [torch.zeros(size) for size in sizes]
+    assert flat_chunks.chunk_elements(cpu) == flat_chunks.CPU_CHUNK_ELEMENTS
+    assert len(chunks(cpu, key=lambda t: t.device)) == 1
+    half = flat_chunks.CPU_CHUNK_ELEMENTS // 2 + 1
+    assert len(chunks([torch.zeros(half) for _ in range(3)], key=lambda t: t.device)) == 3
 
 
 def test_gather_and_scatter_round_trip_every_dtype_and_layout() -> None:

@@ -441,8 +441,7 @@ def test_parameters_updated_in_chunks_follow_torch(
     _needs(device)
     runs = []
     for limit in (500, 1):
-        monkeypatch.setattr(flat_chunks, "CPU_CHUNK_ELEMENTS", limit)
-        monkeypatch.setattr(flat_chunks, "GPU_CHUNK_ELEMENTS", limit)
+        monkeypatch.setattr(flat_chunks, "chunk_elements", lambda tensors: limit)  # noqa: B023
         ours, theirs = _mixed_weights(dtype, device), _mixed_weights(dtype, device)
         mine, torchs = ours_from(ours), theirs_from(theirs)
         for step in range(12):
