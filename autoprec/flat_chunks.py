@@ -46,10 +46,10 @@ def chunks(
 ) -> list[list[torch.Tensor]]:
     """The tensors in runs that share ``key`` (in their order) of at most ``limit`` elements
     each (default: ``chunk_elements`` of those that share it; ``key`` must tell devices
-    apart); a tensor larger than that is a run of its own."""
+    apart); a tensor larger than that, or ``alone``, is a run of its own."""
     by_key: dict[Hashable, list[torch.Tensor]] = {}
     for tensor in tensors:
-        by_key.setdefault(key(tensor), []).append(tensor)
+        by_key.setdefault((key(tensor), id(tensor) if alone(tensor) else None), []).append(tensor)
     runs: list[list[torch.Tensor]] = []
     for members in by_key.values():
         most = chunk_elements(members) if limit is None else limit
@@ -67,21 +67,32 @@ def chunks(
 
 
 def gather(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new flat fp32 tensor of the tensors' values, one after the other (complex ones as
-    their real and imaginary parts, as ``as_real`` views them)."""
-    flat = [as_real(tensor).reshape(-1) for tensor in tensors]
-    if len(flat) == 1:  # one pass, where a concatenation and a cast would take two
-        return flat[0].to(torch.float32, copy=True)
-    return torch.cat(flat).float()
+    """A new fp32 tensor of the tensors' values (complex ones as their real and imaginary parts,
+    as ``as_real`` views them): one tensor's in its shape, several flat, one after the other."""
+    if len(tensors) == 1:  # one pass, where a concatenation and a cast would take two
+        return as_real(tensors[0]).to(torch.float32, copy=True)
+    return torch.cat([as_real(tensor).reshape(-1) for tensor in tensors]).float()
 
 
-def pieces(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat``'s consecutive pieces, shaped as ``as_real`` views each of ``like``."""
+def pieces(values: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``gather``'s values tensor by tensor: views shaped as ``as_real`` views each of ``like``."""
+    if len(like) == 1:
+        return [values]
     shapes = [as_real(tensor).shape for tensor in like]
     sizes = [as_real(tensor).numel() for tensor in like]
-    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
+    return [piece.view(shape) for piece, shape in zip(values.split(sizes), shapes, strict=True)]
 
 
-def scatter(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
-    """Copy ``flat``'s pieces into the targets, in the targets' dtype (one foreach copy)."""
-    torch._foreach_copy_([as_real(target) for target in targets], pieces(flat, targets))
+def scatter(values: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copy ``gather``-shaped values into the targets, in the targets' dtype (one foreach copy
+    for several)."""
+    if len(targets) == 1:
+        as_real(targets[0]).copy_(values)
+        return
+    torch._foreach_copy_([as_real(target) for target in targets], pieces(values, targets))
+
+
+def alone(tensor: torch.Tensor) -> bool:
+    """Whether a tensor is updated in a chunk of its own: a tensor subclass (FSDP2's DTensor
+    shards), whose ops (a concatenation, a foreach copy) may be missing or gather the shards."""
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)

@@ -106,15 +106,15 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         writing them back through ``_write`` / ``_finish_weights``."""
 
     def _write(self, targets: list[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
-        """Write flat fp32 ``values`` into the targets (one dtype): bf16 ones rounded
-        stochastically. Returns what was written, flat (bf16 for bf16 targets)."""
+        """Write fp32 ``values`` (``gather``-shaped) into the targets (one dtype): bf16 ones
+        rounded stochastically. Returns what was written, as ``values`` is shaped (bf16 for
+        bf16 targets)."""
         if targets[0].dtype != torch.bfloat16:
             scatter(values, targets)
             return values
-        if len(targets) == 1 and targets[0].is_contiguous():  # straight into it: one pass less
-            rounded = targets[0].view(-1)
-            self._copy_stochastic(rounded, values)
-            return rounded
+        if len(targets) == 1:  # straight into it, as shaped as the values
+            self._copy_stochastic(targets[0], values)
+            return targets[0]
         rounded = torch.empty_like(values, dtype=torch.bfloat16)
         self._copy_stochastic(rounded, values)
         scatter(rounded, targets)
@@ -154,12 +154,14 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
     def _read_moments(
         self, chunk: list[torch.Tensor], group: dict[str, Any], key: str
     ) -> torch.Tensor:
-        """A chunk's moments as one flat fp32 tensor, to update in place and write back with
-        ``_write_moments``: gathered, or with ``state_bits=8`` read tensor by tensor."""
+        """A chunk's moments in fp32, shaped as ``gather`` shapes them, to update in place and
+        write back with ``_write_moments``: gathered, or with ``state_bits=8`` read tensor by
+        tensor."""
         if group["state_bits"] != 8:
             return gather([self.state[param][key] for param in chunk])
-        moments = [self._read_moment(param, key).reshape(-1) for param in chunk]
-        return moments[0] if len(moments) == 1 else torch.cat(moments)
+        if len(chunk) == 1:
+            return self._read_moment(chunk[0], key)
+        return torch.cat([self._read_moment(param, key).reshape(-1) for param in chunk])
 
     def _write_moments(
         self, chunk: list[torch.Tensor], group: dict[str, Any], key: str, values: torch.Tensor
@@ -185,7 +187,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         return self._eight_bit
 
     def _start_weights(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> torch.Tensor:
-        """The chunk's weights as one flat fp32 tensor, plus their Kahan compensation when the
+        """The chunk's weights in fp32 (``gather``), plus their Kahan compensation when the
         group keeps one for bf16 weights (created at the first step, and after loading the
         state of an optimizer without one)."""
         weight = gather(chunk)

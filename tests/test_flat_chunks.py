@@ -55,3 +55,16 @@ def test_gather_and_scatter_round_trip_every_dtype_and_layout() -> None:
     before = one.clone()
     gather([one]).add_(1)  # a new tensor, never the weight itself
     assert torch.equal(one, before)
+
+
+def test_a_tensor_subclass_is_a_chunk_of_its_own() -> None:
+    """FSDP2's DTensor shards and other tensor subclasses are never concatenated."""
+
+    class Shard(torch.Tensor):
+        pass
+
+    plain = [torch.zeros(2), torch.zeros(3)]
+    shards = [torch.zeros(2).as_subclass(Shard), torch.zeros(3).as_subclass(Shard)]
+    assert flat_chunks.alone(shards[0]) and not flat_chunks.alone(torch.nn.Parameter(plain[0]))
+    runs = chunks([*plain, *shards], key=lambda t: t.device)
+    assert [len(run) for run in runs] == [2, 1, 1]
