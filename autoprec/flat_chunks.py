@@ -9,8 +9,8 @@ same element-wise arithmetic is one operation a chunk of parameters. On a GPU a 
 more elements than the largest tensor beside it (a larger tensor is a chunk of its own, as it
 was its own update before): the step's temporary memory, some 28 bytes an element of the chunk
 being updated (weight, gradient, moments, rounding noise in fp32), stays what the per-tensor
-loop's was, whose peak was its largest tensor's. On a CPU chunks are smaller still
-(``CPU_CHUNK_ELEMENTS``).
+loop's was, whose peak was its largest tensor's. On a CPU a chunk holds up to
+``CPU_CHUNK_ELEMENTS``. A single tensor is updated in its shape, as the loop updated it.
 """
 
 from __future__ import annotations
