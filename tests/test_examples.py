@@ -64,11 +64,12 @@ def test_readme_training_snippet_runs(monkeypatch) -> None:
 
 
 EXAMPLES = ("tiny_gpt", "small_convnet", "raw_param_mlp", "flow_unet")
-SMOKE_BUDGET_MINUTES = {"small_convnet": 0.4, "flow_unet": 0.4}
+SMOKE_BUDGET_MINUTES = {"small_convnet": 0.4, "flow_unet": 1.0}
 """The conv net's fp32 step takes 0.27-0.31 s on a 2-core machine with another job running
 (measured), where 0.2 minutes cannot fit the reference and noise runs' 40 steps; the flow
 U-Net's took 0.107 s with the test suite running beside it, where 0.2 minutes did not fit its
-4 runs of 20 steps (2026-11-27); the others fit in 0.2 with room to spare."""
+4 runs of 20 steps (2026-11-27), and 0.189 s in a CI run on 2026-11-28, where 0.4 did not
+(tune asked for 0.73); the others fit in 0.2 with room to spare."""
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
