@@ -167,11 +167,11 @@ def sampled_weights(
     return values
 
 
-def state_bytes(plan: PrecisionPlan) -> StateBytes:
-    parameters = [p for p in plan.model.parameters()]
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors, each storage once."""
     seen: set[tuple[int, str]] = set()
-    optimizer = 0
-    for state in plan.optimizer.state.values():
+    total = 0
+    for state in optimizer.state.values():
         for value in state.values():
             if not isinstance(value, torch.Tensor):
                 continue
@@ -182,12 +182,17 @@ def state_bytes(plan: PrecisionPlan) -> StateBytes:
                 key = (part.data_ptr(), str(part.device))
                 if key not in seen:
                     seen.add(key)
-                    optimizer += part.numel() * part.element_size()
+                    total += part.numel() * part.element_size()
+    return total
+
+
+def state_bytes(plan: PrecisionPlan) -> StateBytes:
+    parameters = [p for p in plan.model.parameters()]
     return StateBytes(
         parameters=sum(p.numel() * p.element_size() for p in parameters),
         gradients=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
         + plan.mode.accumulation_bytes(),
-        optimizer=optimizer,
+        optimizer=optimizer_state_bytes(plan.optimizer),
     )
 
 

@@ -25,6 +25,7 @@ import bitsandbytes as bnb
 import torch
 
 from autoprec.stochastic_optim import StochasticAdamW
+from autoprec.trial_measures import optimizer_state_bytes
 
 OPTIONS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
@@ -57,14 +58,8 @@ def _parameters(
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer, parameters: list[torch.nn.Parameter]) -> int:
-    seen: set[int] = set()
-    total = sum(p.numel() * p.element_size() for p in parameters)
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                total += value.numel() * value.element_size()
-    return total
+    """Weights and optimizer state, as a trial counts them."""
+    return sum(p.numel() * p.element_size() for p in parameters) + optimizer_state_bytes(optimizer)
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:

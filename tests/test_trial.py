@@ -140,6 +140,27 @@ def test_state_bytes_separate_fp32_bf16_and_8bit() -> None:
     assert eight < totals["fp32"].optimizer  # 8-bit states for the 4096+ element tensors
 
 
+def test_optimizer_state_bytes_counts_each_storage_once_and_sparse_buffers() -> None:
+    weight = torch.nn.Parameter(torch.zeros(10, 4))
+    adam = torch.optim.Adam([weight])
+    weight.grad = torch.ones_like(weight)
+    adam.step()
+    # two fp32 moments of 40 elements and the 0-dim fp32 step count
+    assert trial_measures.optimizer_state_bytes(adam) == 2 * 40 * 4 + 4
+    adam.state[weight]["alias"] = adam.state[weight]["exp_avg"][:2]  # a view: no new storage
+    assert trial_measures.optimizer_state_bytes(adam) == 2 * 40 * 4 + 4
+
+    table = torch.nn.Embedding(100, 8, sparse=True)
+    sgd = torch.optim.SGD(table.parameters(), lr=0.1, momentum=0.9)
+    table(torch.tensor([1, 2, 2])).sum().backward()
+    sgd.step()
+    # the momentum buffer is the sparse gradient: its indices (int64) and values (fp32)
+    (buffer,) = (state["momentum_buffer"] for state in sgd.state.values())
+    assert buffer.is_sparse
+    expected = buffer._indices().numel() * 8 + buffer._values().numel() * 4
+    assert trial_measures.optimizer_state_bytes(sgd) == expected > 0
+
+
 def test_tokens_per_second_for_token_batches() -> None:
     model, tokens = tiny_gpt.make_model(vocab_size=64, block_size=16, n_layer=1, n_embd=32)
     batches = [(tokens, torch.roll(tokens, -1, 1))] * 4
