@@ -41,7 +41,7 @@ from benchmarks.ground_truth_tasks import GroundTask, _markov_tokens, nanogpt_tr
 from examples import tiny_gpt
 
 SMALL = {"vocab_size": 128, "block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 64}
-"""``--quick``: a GPT that trains a 300-step run in seconds on a CPU."""
+"""``--quick``: a GPT that trains a 150-step run in seconds on a CPU."""
 
 
 def gpt_markov(
@@ -71,7 +71,7 @@ def gpt_markov(
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small GPT, 300-step runs (CI)")
+    parser.add_argument("--quick", action="store_true", help="a small GPT, 150-step runs (CI)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of a long run")
     parser.add_argument(
         "--trial-steps", default="86,300", help="the gate's trial lengths, comma-separated"
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[int, list[Pair]]:
     args = _arguments(argv)
     logging.getLogger("autoprec").setLevel(logging.ERROR)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    config, steps, batch_count = (SMALL, 300, 60) if args.quick else (LARGE, args.steps, 500)
+    config, steps, batch_count = (SMALL, 150, 60) if args.quick else (LARGE, args.steps, 500)
     trials = [30] if args.quick else [int(value) for value in args.trial_steps.split(",")]
     task = gpt_markov(steps, config=config, device=device, batch_count=batch_count)
     parameters = sum(p.numel() for p in task.model.parameters())
