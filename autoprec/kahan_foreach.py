@@ -5,10 +5,10 @@ torch-optimi's Triton kernel stores Adam's second moment in the weight's dtype, 
 foreach step copies that moment into the bf16 gradient to take its square root (a bf16
 denominator), so bf16_kahan ran torch-optimi's per-tensor loop: about ten small ops per tensor
 from Python. On an H200 that loop cost bf16_kahan 12-30% of its samples/s on a 59M-parameter GPT
-against the Triton kernel (README, "Second H200 session"). This step runs the loop's exact ops,
-each over a list of tensors: the same figures to the bit (tested), in fewer launches. Ops whose
-lists mix dtypes (the fp32 moment beside bf16 gradients) take torch's per-tensor path inside the
-op, the others its fused one.
+against the Triton kernel (docs/gpu-sessions.md, "Second H200 session"). This step runs the
+loop's exact ops, each over a list of tensors: the same figures to the bit (tested), in fewer
+launches. Ops whose lists mix dtypes (the fp32 moment beside bf16 gradients) take torch's
+per-tensor path inside the op, the others its fused one.
 
 The denominator is a new fp32 tensor per weight, as in the loop; the loop holds one at a time,
 a list op one per tensor of its list, so the lists are cut into chunks of at most

@@ -14,7 +14,7 @@ and FP8 tensorwise and rowwise, each real (on FP8 hardware) and emulated. For ea
 every lr leg's projection onto the reference's movement, the share of moved weights it never
 moved, and the gate's verdict.
 
-On an H200 (third session, 2026-11-27; README "Development") the answer was both. Real FP8
+On an H200 (third session, 2026-11-27; docs/gpu-sessions.md) the answer was both. Real FP8
 moved less than its emulation on the same GPU (floor lr, 86 steps: tensorwise 0.786 against
 0.864 emulated, rowwise 0.699 against 0.859; amp_bf16 0.923), and emulated FP8 moved less on
 this model than on the CPU's (0.864 against 0.982 on the 2.1M-parameter ``--medium`` GPT). Every

@@ -3,17 +3,16 @@
 On an H200 a 3-minute ``tune()`` of ``gpu_validation``'s GPT under nanoGPT's recipe rejected FP8
 (torchao, tensorwise) because its 86-step trial took 79% of fp32's weight movement at the
 schedule's floor lr; in 300-step trials it took 89% and passed (``benchmarks.fp8_movement``,
-README "Third H200 session"). Real FP8 kernels moved the weights less than their CPU emulation,
-so the CPU ground truth (emulated FP8 only) cannot say which verdict is right. This trains the
-same GPT (4 layers, n_embd 1024, 16 x 256 tokens a batch) on a language with learnable structure
-(``ground_truth_tasks``' sparse Markov chain over 8192 tokens, its loss floor at most
-ln 4 = 1.386) as the ground
-truth does: ``--steps`` long runs under nanoGPT's recipe over that many steps (AdamW, betas 0.9 /
-0.95, warm-up then cosine to a tenth, clipping at 1.0), fp32 at ``--fp32-seeds`` seeds and every
-mode at ``--mode-seeds``, each judged by its final test loss against fp32's spread (the truth of
-``benchmarks.ground_truth``), and scores the gate's verdicts at each ``--trial-steps`` against
-that truth. Long runs are cached (``--cache``), so a run cut by a device command's time limit
-goes on where it stopped.
+docs/gpu-sessions.md, "Third H200 session"). Real FP8 kernels moved the weights less than their CPU
+emulation, so the CPU ground truth (emulated FP8 only) cannot say which verdict is right. This
+trains the same GPT (4 layers, n_embd 1024, 16 x 256 tokens a batch) on a language with learnable
+structure (``ground_truth_tasks``' sparse Markov chain over 8192 tokens, its loss floor at most
+ln 4 = 1.386) as the ground truth does: ``--steps`` long runs under nanoGPT's recipe over that
+many steps (AdamW, betas 0.9 / 0.95, warm-up then cosine to a tenth, clipping at 1.0), fp32 at
+``--fp32-seeds`` seeds and every mode at ``--mode-seeds``, each judged by its final test loss
+against fp32's spread (the truth of ``benchmarks.ground_truth``), and scores the gate's verdicts at
+each ``--trial-steps`` against that truth. Long runs are cached (``--cache``), so a run cut by a
+device command's time limit goes on where it stopped.
 
     python -m benchmarks.ground_truth_gpu              # a GPU with FP8 (an H200: about 11.5
                                                        # minutes, two device commands)
