@@ -9,7 +9,8 @@ weights (fp32), over the same model and fixed random gradients: ``--steps`` opti
 after 3 of warm-up, best of ``--rounds`` rounds, interleaved in each round. Printed:
 milliseconds per step and the bytes of weights plus optimizer state per parameter, on a GPU
 where there is one, else on the CPU. Many small tensors (``--width 256 --layers 48``) show the
-per-tensor cost a chunk saves: kernel launches on a GPU.
+per-tensor cost a chunk saves: kernel launches on a GPU; the "one tensor a chunk" rows are the
+same optimizers stepping one parameter at a time, as they did before the chunked step.
 
     python -m benchmarks.sr_8bit_step [--width 1024] [--layers 8] [--steps 20] [--rounds 3]
     python -m benchmarks.sr_8bit_step --quick    # a small model, 2 steps, 1 round (CI)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import bitsandbytes as bnb
 import torch
@@ -29,13 +30,28 @@ from autoprec.trial_measures import optimizer_state_bytes
 
 OPTIONS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
+
+class OneTensorAChunk(StochasticAdamW):
+    """The same optimizer with every parameter a chunk of its own: the per-tensor loop the
+    chunked step replaced (2026-11-28), its ops and writes unchanged (a single tensor is
+    updated in its shape and written straight back)."""
+
+    def _chunk_key(self, param: torch.Tensor) -> Hashable:
+        return id(param)
+
+
 CONTENDERS: dict[
     str, tuple[torch.dtype, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]
 ] = {
     "fp32 (torch AdamW)": (torch.float32, lambda p: torch.optim.AdamW(p, **OPTIONS)),
     "bf16_pure (torch AdamW on bf16)": (torch.bfloat16, lambda p: torch.optim.AdamW(p, **OPTIONS)),
     "bf16_sr (bf16 moments)": (torch.bfloat16, lambda p: StochasticAdamW(p, **OPTIONS)),
+    "bf16_sr, one tensor a chunk": (torch.bfloat16, lambda p: OneTensorAChunk(p, **OPTIONS)),
     "bf16_sr+8bit-optim": (torch.bfloat16, lambda p: StochasticAdamW(p, state_bits=8, **OPTIONS)),
+    "bf16_sr+8bit-optim, one tensor a chunk": (
+        torch.bfloat16,
+        lambda p: OneTensorAChunk(p, state_bits=8, **OPTIONS),
+    ),
     "bf16_pure+8bit-optim (AdamW8bit)": (
         torch.bfloat16,
         lambda p: bnb.optim.AdamW8bit(p, **OPTIONS),
@@ -97,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     for name, (parameters, optimizer) in built.items():
         per_parameter = _state_bytes(optimizer, parameters) / count
         figures[name] = (best[name] * 1e3, per_parameter)
-        print(f"  {name:34s} {best[name] * 1e3:8.2f} ms/step  {per_parameter:5.2f} bytes/parameter")
+        print(f"  {name:40s} {best[name] * 1e3:8.2f} ms/step  {per_parameter:5.2f} bytes/parameter")
     return figures
 
 

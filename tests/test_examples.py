@@ -580,7 +580,8 @@ def test_kahan_step_benchmark_runs_in_quick_mode() -> None:
 
 
 def test_sr_8bit_step_benchmark_runs_in_quick_mode() -> None:
-    """bf16_sr+8bit-optim's step against bf16_sr's, AdamW8bit's and fp32's: each timed, and
+    """bf16_sr+8bit-optim's step against bf16_sr's, AdamW8bit's, fp32's and the per-tensor
+    loop's (one tensor a chunk): each timed, and
     its weights and states the leanest of the stochastic-rounding pair (bf16 weights, 8-bit
     moments plus their block scales, fp32 moments for the small bias tensors)."""
     pytest.importorskip("bitsandbytes")
@@ -593,6 +594,17 @@ def test_sr_8bit_step_benchmark_runs_in_quick_mode() -> None:
     assert per_parameter["bf16_sr (bf16 moments)"] == pytest.approx(6, abs=0.01)
     assert per_parameter["bf16_pure (torch AdamW on bf16)"] == pytest.approx(6, abs=0.01)
     assert 4 < per_parameter["bf16_sr+8bit-optim"] < 4.2
+    # the loop the chunked step replaced: the same bytes, every parameter a chunk of its own
+    assert per_parameter["bf16_sr, one tensor a chunk"] == per_parameter["bf16_sr (bf16 moments)"]
+    loop = "bf16_sr+8bit-optim, one tensor a chunk"
+    assert per_parameter[loop] == per_parameter["bf16_sr+8bit-optim"]
+    from autoprec.flat_chunks import chunks
+
+    parameters = [torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)) for _ in range(3)]
+    optimizer = sr_8bit_step.OneTensorAChunk(parameters)
+    assert [len(run) for run in chunks(parameters, optimizer._chunk_key)] == [1, 1, 1]
+    chunked = sr_8bit_step.StochasticAdamW(parameters)
+    assert [len(run) for run in chunks(parameters, chunked._chunk_key)] == [3]
 
 
 def test_fp8_movement_benchmark_runs_in_quick_mode() -> None:
