@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(VENV)/torch-constraint.txt
 	$(BIN)/python -m pip install -q --no-compile -c $(VENV)/torch-constraint.txt -e '.[dev]'
 	# bytecode for what pip installed, on every core (pip compiles file by file: setup took
-	# 139 s, 100 s this way); like pip, it goes on past a file written for a newer Python
+	# 139 s, 100-114 s this way); like pip, it goes on past a file written for a newer Python
 	# (torch ships one): its exit status is not the setup's, and missing bytecode only costs time
 	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	touch $(STAMP)

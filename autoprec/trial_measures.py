@@ -168,7 +168,8 @@ def sampled_weights(
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state tensors, each storage once."""
+    """Bytes of the optimizer's state tensors: a tensor held twice (the same data pointer on the
+    same device) counts once, a sparse one by its indices and values."""
     seen: set[tuple[int, str]] = set()
     total = 0
     for state in optimizer.state.values():

@@ -581,9 +581,9 @@ def test_kahan_step_benchmark_runs_in_quick_mode() -> None:
 
 def test_sr_8bit_step_benchmark_runs_in_quick_mode() -> None:
     """bf16_sr+8bit-optim's step against bf16_sr's, AdamW8bit's, fp32's and the per-tensor
-    loop's (one tensor a chunk): each timed, and
-    its weights and states the leanest of the stochastic-rounding pair (bf16 weights, 8-bit
-    moments plus their block scales, fp32 moments for the small bias tensors)."""
+    loop's (one tensor a chunk): each timed, and its weights and states the leanest of the
+    stochastic-rounding pair (bf16 weights, 8-bit moments plus their block scales, fp32 moments
+    for the small bias tensors)."""
     pytest.importorskip("bitsandbytes")
     from benchmarks import sr_8bit_step
 
@@ -599,11 +599,12 @@ def test_sr_8bit_step_benchmark_runs_in_quick_mode() -> None:
     loop = "bf16_sr+8bit-optim, one tensor a chunk"
     assert per_parameter[loop] == per_parameter["bf16_sr+8bit-optim"]
     from autoprec.flat_chunks import chunks
+    from autoprec.stochastic_optim import StochasticAdamW
 
     parameters = [torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)) for _ in range(3)]
     optimizer = sr_8bit_step.OneTensorAChunk(parameters)
     assert [len(run) for run in chunks(parameters, optimizer._chunk_key)] == [1, 1, 1]
-    chunked = sr_8bit_step.StochasticAdamW(parameters)
+    chunked = StochasticAdamW(parameters)
     assert [len(run) for run in chunks(parameters, chunked._chunk_key)] == [3]
 
 

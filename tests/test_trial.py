@@ -147,7 +147,7 @@ def test_optimizer_state_bytes_counts_each_storage_once_and_sparse_buffers() -> 
     adam.step()
     # two fp32 moments of 40 elements and the 0-dim fp32 step count
     assert trial_measures.optimizer_state_bytes(adam) == 2 * 40 * 4 + 4
-    adam.state[weight]["alias"] = adam.state[weight]["exp_avg"][:2]  # a view: no new storage
+    adam.state[weight]["alias"] = adam.state[weight]["exp_avg"][:2]  # held twice: counted once
     assert trial_measures.optimizer_state_bytes(adam) == 2 * 40 * 4 + 4
 
     table = torch.nn.Embedding(100, 8, sparse=True)
