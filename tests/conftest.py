@@ -218,6 +218,24 @@ def fake_nvml() -> type[FakeNvml]:
     return FakeNvml
 
 
+@pytest.fixture
+def single_process_group() -> Iterator[None]:
+    """A gloo process group of world size 1 on a free local port (what FSDP2's
+    ``fully_shard`` needs on a CPU), destroyed after the test."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 class AttentionNet(nn.Module):
     """A Linear, nn.MultiheadAttention (which never calls its out_proj), a Linear: 64 wide."""
 

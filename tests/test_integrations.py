@@ -324,12 +324,11 @@ def test_hf_trainer_trains_with_the_export(tmp_path) -> None:
     assert args.bf16 is True  # (an 8-bit profile is refused for a model with embeddings)
 
 
-def test_fsdp2_under_autocast_is_amp_bf16_and_its_bf16_policy_is_not() -> None:
+def test_fsdp2_under_autocast_is_amp_bf16_and_its_bf16_policy_is_not(
+    single_process_group: None,
+) -> None:
     """The route amp_bf16's refusal gives (an fp32 policy under autocast) computes what the
     trials measured; the bf16 policy the export used to return computes the loss in bf16."""
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def model() -> nn.Module:
@@ -343,27 +342,20 @@ def test_fsdp2_under_autocast_is_amp_bf16_and_its_bf16_policy_is_not() -> None:
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast = loss_of(model())
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        port = probe_socket.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        losses = []
-        for policy, under_autocast in (
-            (MixedPrecisionPolicy(**_profile(mode="fp32").to_fsdp2()), True),
-            (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), False),
-        ):
-            sharded = model()
-            fully_shard(sharded, mp_policy=policy)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
-                loss = loss_of(sharded)
-            loss.backward()
-            assert all(
-                p.grad is not None and p.grad.dtype == torch.float32 for p in sharded.parameters()
-            )
-            losses.append(loss)
-    finally:
-        dist.destroy_process_group()
+    losses = []
+    for policy, under_autocast in (
+        (MixedPrecisionPolicy(**_profile(mode="fp32").to_fsdp2()), True),
+        (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), False),
+    ):
+        sharded = model()
+        fully_shard(sharded, mp_policy=policy)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+            loss = loss_of(sharded)
+        loss.backward()
+        assert all(
+            p.grad is not None and p.grad.dtype == torch.float32 for p in sharded.parameters()
+        )
+        losses.append(loss)
     exact, bf16_policy = losses
     assert exact.dtype == torch.float32 and torch.equal(exact.detach(), autocast.detach())
     assert bf16_policy.dtype == torch.bfloat16  # the loss itself computed in bf16

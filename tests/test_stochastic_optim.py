@@ -504,15 +504,12 @@ def test_bf16_weights_and_moments_round_to_a_neighbour_of_the_fp32_update(
 
 # the rounding noise of a bf16 shard is a DTensor random op; on a CPU mesh torch warns so
 @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")
-def test_fsdp2_shards_are_updated_each_on_its_own() -> None:
+def test_fsdp2_shards_are_updated_each_on_its_own(single_process_group: None) -> None:
     """FSDP2 (``fully_shard``) makes parameters DTensor shards, which have no concatenation
     or foreach copy that keeps them sharded: each is a chunk of its own, updated as torch's
     loop updates it (fp32 weights: torch's AdamW on the same model unsharded), and bf16
     shards train on as DTensors (the README's route for pure bf16 under FSDP2: apply the
     profile before ``fully_shard``, build the optimizer with ``profile.apply()``)."""
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     def model(dtype: torch.dtype) -> torch.nn.Module:
@@ -527,24 +524,17 @@ def test_fsdp2_shards_are_updated_each_on_its_own() -> None:
             optimizer.step()
             optimizer.zero_grad()
 
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        port = probe_socket.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        sharded, plain = model(torch.float32), model(torch.float32)
-        fully_shard(sharded)
-        train(sharded, StochasticAdamW(sharded.parameters(), lr=1e-2), torch.float32)
-        train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), torch.float32)
-        for ours, theirs in zip(sharded.parameters(), plain.parameters(), strict=True):
-            assert type(ours).__name__ == "DTensor"
-            torch.testing.assert_close(ours.full_tensor(), theirs.detach(), rtol=1e-5, atol=1e-6)
-        bf16 = model(torch.bfloat16)
-        start = [p.detach().clone() for p in bf16.parameters()]
-        fully_shard(bf16)
-        train(bf16, StochasticAdamW(bf16.parameters(), lr=1e-2, kahan=True), torch.bfloat16)
-        for before, after in zip(start, bf16.parameters(), strict=True):
-            assert after.dtype == torch.bfloat16 and type(after).__name__ == "DTensor"
-            assert not torch.equal(after.full_tensor(), before)
-    finally:
-        dist.destroy_process_group()
+    sharded, plain = model(torch.float32), model(torch.float32)
+    fully_shard(sharded)
+    train(sharded, StochasticAdamW(sharded.parameters(), lr=1e-2), torch.float32)
+    train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), torch.float32)
+    for ours, theirs in zip(sharded.parameters(), plain.parameters(), strict=True):
+        assert type(ours).__name__ == "DTensor"
+        torch.testing.assert_close(ours.full_tensor(), theirs.detach(), rtol=1e-5, atol=1e-6)
+    bf16 = model(torch.bfloat16)
+    start = [p.detach().clone() for p in bf16.parameters()]
+    fully_shard(bf16)
+    train(bf16, StochasticAdamW(bf16.parameters(), lr=1e-2, kahan=True), torch.bfloat16)
+    for before, after in zip(start, bf16.parameters(), strict=True):
+        assert after.dtype == torch.bfloat16 and type(after).__name__ == "DTensor"
+        assert not torch.equal(after.full_tensor(), before)
