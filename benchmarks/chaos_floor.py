@@ -35,6 +35,7 @@ from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import TrialResult
+from benchmarks import objects_frozen
 from examples import small_convnet, tasks
 
 
@@ -116,6 +117,7 @@ def measure(task: ChaosTask, steps: int) -> dict[str, Any]:
     }
 
 
+@objects_frozen
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=82, help="trial steps (tune picked 82)")

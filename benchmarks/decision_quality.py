@@ -23,6 +23,7 @@ from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.tuning import tune
+from benchmarks import objects_frozen
 from examples import tasks, tiny_gpt
 
 
@@ -44,6 +45,7 @@ def _tasks() -> dict[str, tuple[tasks.Task, object]]:
     }
 
 
+@objects_frozen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)

@@ -18,6 +18,7 @@ from autoprec.drift import judge
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
+from benchmarks import objects_frozen
 from examples import tasks, tiny_gpt
 
 MODES = [
@@ -56,6 +57,7 @@ TASKS = {
 }
 
 
+@objects_frozen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)

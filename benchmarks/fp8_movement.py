@@ -39,6 +39,7 @@ from autoprec.recipe import TrainingRecipe
 from autoprec.run_setup import RunSetup, calibration_run, reference_runs
 from autoprec.screening import screen_setup
 from autoprec.specs import ModeSpec
+from benchmarks import objects_frozen
 from benchmarks.gpu_validation import LARGE
 from examples import tiny_gpt
 
@@ -111,6 +112,7 @@ def fp8_specs_to_compare(setup: RunSetup) -> list[ModeSpec]:
     return screened
 
 
+@objects_frozen
 def main(argv: list[str] | None = None) -> list[LegRow]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, 8 steps (CPU check)")

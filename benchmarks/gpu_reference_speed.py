@@ -27,6 +27,7 @@ from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.tuning import tune
+from benchmarks import objects_frozen
 from benchmarks.gpu_validation import validation_model
 from examples import tiny_gpt
 
@@ -123,6 +124,7 @@ def after_each_mode(model: torch.nn.Module, batches: list, steps: int) -> None:
             )
 
 
+@objects_frozen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps (CPU check)")

@@ -47,6 +47,7 @@ from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_loop import MAX_WINDOW_STEPS
 from autoprec.tuning import tune
+from benchmarks import objects_frozen
 from examples import tiny_gpt
 
 LARGE = {"vocab_size": 8192, "block_size": 256, "n_layer": 4, "n_head": 16, "n_embd": 1024}
@@ -156,6 +157,7 @@ def validation_model(quick: bool) -> tuple[str, torch.nn.Module, list]:
     return device, model.to(device), [tuple(t.to(device) for t in batch) for batch in batches]
 
 
+@objects_frozen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps (CPU check)")

@@ -42,6 +42,7 @@ from autoprec.plan import prepare
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
+from benchmarks import objects_frozen
 from benchmarks.ground_truth_tasks import cosine_to, warmup_linear
 from examples import tasks
 
@@ -152,6 +153,7 @@ def _quantile_sweep(task: tasks.Task, recipe: TrainingRecipe, steps: int) -> Non
     print("   floor quantile vs bf16_pure (verdict, movement): " + "; ".join(cells))
 
 
+@objects_frozen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000, help="optimizer steps of a long run")

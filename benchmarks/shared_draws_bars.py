@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from autoprec.drift import judge
 from autoprec.run_setup import calibration_run
 from autoprec.screening import screen_setup, screen_trials
+from benchmarks import objects_frozen
 from benchmarks.ground_truth import ALL_TASKS
 from benchmarks.ground_truth_tasks import GroundTask
 from examples import tasks
@@ -78,6 +79,7 @@ def _verdict(reasons: tuple[str, ...]) -> str:
     return "accept" if not reasons else f"reject ({reasons[0][:60]})"
 
 
+@objects_frozen
 def main(argv: list[str] | None = None) -> list[Rejudged]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", help="comma-separated (default: every ground-truth task)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from autoprec.drift_movement import MIN_PAIRED_MOVEMENT, _movement
 from autoprec.screening import screen_setup, screen_trials
 from autoprec.trial_records import TrialResult
+from benchmarks import objects_frozen
 from benchmarks.ground_truth import (
     ALL_TASKS,
     Scoring,
@@ -126,6 +127,7 @@ def bar_report(rows: list[TensorShare]) -> tuple[float | None, list[TensorShare]
     return bar, [row for row in rows if row.accepted and not row.truth_hurts and row.share <= bar]
 
 
+@objects_frozen
 def main(argv: list[str] | None = None) -> list[TensorShare]:
     scoring = scoring_arguments(__doc__, argv, default=tuple(TASKS), known=ALL_TASKS)
     print("each gate trial's movement over its noise run's: pooled, and its weakest tensor's")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.screening import ScreenRun, screen_setup, screen_trials
+from benchmarks import objects_frozen
 from benchmarks.ground_truth import (
     Scoring,
     fp32_metrics,
@@ -157,6 +158,7 @@ def sweep(
     return rows
 
 
+@objects_frozen
 def main(argv: list[str] | None = None) -> list[tuple[str, float, int, int]]:
     scoring = scoring_arguments(__doc__, argv)
     pairs = [pair for name in scoring.names for pair in task_pairs(name, scoring)]

@@ -38,6 +38,7 @@ from autoprec.search import MIN_MEASURED_WINDOWS, PRUNE_MARGIN, paired_step_rati
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
 from autoprec.trial_records import StepWindow
+from benchmarks import objects_frozen
 from benchmarks.gpu_validation import loop_speed, validation_model
 from examples import tiny_gpt
 
@@ -129,6 +130,7 @@ def report(timing: ModeTiming) -> str:
     )
 
 
+@objects_frozen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, 1 round (CI)")

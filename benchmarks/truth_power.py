@@ -27,6 +27,7 @@ from pathlib import Path
 from autoprec.run_inputs import checked_keep_fp32
 from autoprec.screening import screen_setup
 from autoprec.specs import ModeSpec
+from benchmarks import objects_frozen
 from benchmarks.ground_truth import (
     ALL_TASKS,
     FULL_SEEDS,
@@ -135,6 +136,7 @@ def shown(row: PowerRow) -> str:
     )
 
 
+@objects_frozen
 def main(argv: list[str] | None = None) -> list[PowerRow]:
     parser = task_parser(__doc__, quick="digits_mlp, bf16_pure, 300 steps, 4/3 seeds (CI)")
     parser.add_argument("--modes", help="comma-separated labels (default: the SGD conv net's)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import zlib
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from autoprec._imports import BACKENDS, BackendStatus
+from autoprec.collector import callers_objects_frozen
 from autoprec.cpu_info import AutocastCheck, CpuInfo
 from autoprec.hardware import GpuInfo, HardwareInfo
 from autoprec.random_streams import seeded_streams
@@ -47,6 +49,22 @@ def _seed_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
         seed = zlib.crc32(request.node.nodeid.encode())
     with seeded_streams(torch.device("cpu"), seed):  # torch's, Python's and NumPy's, as a trial
         yield
+
+
+@pytest.fixture(autouse=True)
+def _suite_objects_frozen(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every object alive when a test starts (the suite's modules, pytest's own, what earlier
+    tests left) is frozen out of the collector's full walks while it runs, as tune() and
+    check() freeze their caller's (``autoprec.collector``); the test's own garbage is collected
+    before they are unfrozen. Tests calling ``run_trial`` or the screen directly paid two full
+    walks of the worker's heap a trial: test_trial.py and test_drift.py took 97 s on two
+    workers, 40 s frozen. Tests of the freezing itself are marked ``unfrozen``."""
+    if request.node.get_closest_marker("unfrozen"):
+        yield
+        return
+    with callers_objects_frozen():
+        yield
+        gc.collect()  # the test's garbage, before the suite's objects are walked again
 
 
 # name, compute capability, memory GiB: the GPUs the capability table must get right.

@@ -1062,6 +1062,7 @@ def test_shared_draws_bars_judges_every_mode_both_ways() -> None:
     assert not by_mode["amp_bf16"].with_nudged  # a faithful mode passes both ways
 
 
+@pytest.mark.unfrozen
 def test_gc_pauses_benchmark_times_the_collector_both_ways() -> None:
     """The measurement behind freezing the caller's objects; --quick keeps it in CI."""
     from benchmarks import gc_pauses

@@ -1165,6 +1165,7 @@ def test_a_keep_fp32_pattern_naming_a_second_name_points_at_the_first() -> None:
     assert checked_keep_fp32(model, ["1"]) == ("1",)
 
 
+@pytest.mark.unfrozen
 @pytest.mark.parametrize("run", ["tune", "check"])
 @pytest.mark.parametrize("callers_freeze", [False, True])
 def test_the_callers_objects_stay_out_of_the_collectors_walks_while_it_runs(
@@ -1204,6 +1205,7 @@ def test_the_callers_objects_stay_out_of_the_collectors_walks_while_it_runs(
         assert before == 0 and seen[0] > 0 and after == 0
 
 
+@pytest.mark.unfrozen
 def test_garbage_made_while_the_callers_objects_are_frozen_is_collected() -> None:
     import gc
     import weakref
