@@ -13,6 +13,7 @@ import dataclasses
 from pydantic import BaseModel
 
 from autoprec._models import FROZEN_RECORD
+from autoprec._wording import first_names
 from autoprec.eligibility import Situation, mode_eligibility
 from autoprec.layer_keep import FP8_SKIP_REASONS, PURE_BF16_KEEP_REASONS
 from autoprec.layer_kinds import fp8_worthwhile
@@ -101,18 +102,18 @@ def no_fp8_layer(spec: ModeSpec, report: ProbeReport) -> str | None:
     parts = []
     if uncalled:
         parts.append(
-            f"{', '.join(uncalled[:4])}{', ...' if len(uncalled) > 4 else ''} never called as "
+            f"{first_names(uncalled, 4)} never called as "
             "a module in the scan's forward (their weight is read by another module's "
             "function, as nn.MultiheadAttention reads out_proj's)"
         )
     if left_out:
         parts.append(
-            f"{', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''} kept out of FP8 "
+            f"{first_names(left_out, 4)} kept out of FP8 "
             "(fp8_skip: the first and last layers, as FP8 training runs them, or keep_fp32)"
         )
     if small:
         parts.append(
-            f"{', '.join(small[:4])}{', ...' if len(small) > 4 else ''} too small for FP8 to "
+            f"{first_names(small, 4)} too small for FP8 to "
             f"pay by torchao's {recipe} rule (fp8_layers='all' converts them)"
         )
     return (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from autoprec._wording import first_names
 from autoprec.trial_records import StateDigest, TrialResult
 
 NARROW_DTYPES = ("torch.bfloat16", "torch.float16")
@@ -64,7 +65,7 @@ def _way_out(names: list[str]) -> str:
             "Keep it in fp32 by holding it in a submodule (keep_fp32 names modules; the "
             "model's root module cannot be kept apart from the model), or outside the model"
         )
-    shown = ", ".join(repr(owner) for owner in owners[:4]) + (", ..." if len(owners) > 4 else "")
+    shown = first_names([repr(owner) for owner in owners], 4)
     on_root = [name for name in names if "." not in name]
     # state on the root beside a submodule's: naming the submodule alone still left the mode
     # rejected (found by a hunt)

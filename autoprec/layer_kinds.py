@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from autoprec._wording import first_names
+
 LayerKind = Literal["linear", "conv", "embedding", "norm", "recurrent", "raw_param", "other"]
 LAYER_KINDS: tuple[LayerKind, ...] = (
     "linear",
@@ -173,8 +175,7 @@ def refuse_torchscript(model: nn.Module) -> None:
         found = (
             "The model is a TorchScript module"
             if scripted == [""]
-            else f"The model holds TorchScript modules ({', '.join(scripted[:3])}"
-            f"{', ...' if len(scripted) > 3 else ''})"
+            else f"The model holds TorchScript modules ({first_names(scripted)})"
         )
         raise TypeError(
             f"{found} (from torch.jit.script or torch.jit.trace): "
@@ -194,7 +195,7 @@ def refuse_lazy(model: nn.Module) -> None:
     lazy += [name for name, b in model.named_buffers() if is_lazy(b)]
     if lazy:
         raise ValueError(
-            f"The model has lazy parameters or buffers without a shape yet ({', '.join(lazy[:3])}"
-            f"{', ...' if len(lazy) > 3 else ''}): run one forward pass on a batch first "
+            f"The model has lazy parameters or buffers without a shape yet ({first_names(lazy)}): "
+            "run one forward pass on a batch first "
             "(model(example)), as PyTorch asks before building an optimizer."
         )

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from autoprec._imports import require
+from autoprec._wording import first_names
 from autoprec.stochastic_optim import StochasticAdamW, StochasticSGD
 
 OptimizerTarget = Literal[
@@ -65,10 +66,10 @@ def named_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Nam
     for index, group in enumerate(optimizer.param_groups):
         missing = [p for p in group["params"] if id(p) not in names]
         if missing:
-            shapes = ", ".join(str(tuple(p.shape)) for p in missing[:3])
+            shapes = first_names([str(tuple(p.shape)) for p in missing])
             raise ValueError(
                 f"Optimizer group {index} holds {len(missing)} parameter(s) that are not in the "
-                f"model (shapes {shapes}{', ...' if len(missing) > 3 else ''}); build the "
+                f"model (shapes {shapes}); build the "
                 "optimizer from model.parameters() (or named groups of them). A parameter "
                 "trained beside the model (a loss's learnable temperature or task weights) must "
                 "be part of it, so that every mode and every trial's copy has it: register it on "

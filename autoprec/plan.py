@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._wording import first_names
 from autoprec.eligibility import Situation, situation_for_model
 from autoprec.errors import (
     OptimizerRebuiltWarning,
@@ -496,7 +497,7 @@ def _refuse_islands_under_fullgraph(spec: ModeSpec, wrapper: Any, inner: nn.Modu
     if not roots:
         return
     raise ValueError(
-        f"{spec.label} keeps {', '.join(roots[:4])}{', ...' if len(roots) > 4 else ''} in fp32 "
+        f"{spec.label} keeps {first_names(roots, 4)} in fp32 "
         "through hooks that run outside the compiled graph, which torch.compile(model, "
         "fullgraph=True) refuses. Compile without fullgraph=True, or use a profile that keeps "
         "nothing in fp32."

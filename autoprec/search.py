@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from autoprec._wording import first_names
 from autoprec.errors import read_stored
 from autoprec.interrupts import raise_if_interrupted
 from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome, balanced_gain
@@ -390,7 +391,7 @@ def refuse_foreign_sqlite(path: Path) -> None:
     except sqlite3.Error:
         return
     if tables and not tables >= OPTUNA_TABLES:
-        shown = ", ".join(sorted(tables)[:6]) + (", ..." if len(tables) > 6 else "")
+        shown = first_names(sorted(tables), 6)
         raise StorageRefused(
             f"{str(path)!r} is an SQLite database of another application (its tables: "
             f"{shown}), not an Optuna study storage; nothing was written to it. Give a new file "

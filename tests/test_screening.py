@@ -1688,6 +1688,16 @@ def test_lazy_parameters_are_refused_with_what_to_do() -> None:
         )
 
 
+def test_a_long_list_of_lazy_tensors_names_the_first_three_then_says_there_are_more() -> None:
+    from autoprec.layer_kinds import refuse_lazy
+
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"yet \(0\.weight, 0\.bias, 1\.weight, \.\.\.\): run"):
+        refuse_lazy(model)
+    with pytest.raises(ValueError, match=r"yet \(0\.weight, 0\.bias, 1\.weight\): run"):
+        refuse_lazy(torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.LazyLinear(4, bias=False)))
+
+
 def test_lazy_buffers_alone_are_refused_and_the_model_left_as_it_was() -> None:
     """Found by a hunt: a LazyBatchNorm1d(affine=False) has only lazy buffers; the probe's
     forward initialised it on the user's model (its class changed)."""
