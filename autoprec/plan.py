@@ -535,6 +535,31 @@ def prepare(
         OptimizerRebuiltWarning: the optimizer was rebuilt and no scheduler was passed: a
             scheduler built on your optimizer would keep driving the old one.
     """
+    _refuse_unfit(spec, model, optimizer, scheduler)
+    inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
+    if inner is not None:
+        _refuse_islands_under_fullgraph(spec, model, inner)
+    plan = build_plan(
+        spec,
+        model if inner is None else inner,
+        optimizer,
+        grad_accumulation_steps=grad_accumulation_steps,
+        clip_grad_norm=clip_grad_norm,
+        situation=situation,
+        compiled_by_user=inner is not None,
+    )
+    if inner is not None:
+        plan.model = model  # the wrapper, which runs the converted model compiled
+    _attach_scheduler(plan, spec, optimizer, scheduler)
+    _warn_bf16_outside_optimizer(plan)
+    return plan
+
+
+def _refuse_unfit(
+    spec: ModeSpec, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> None:
+    """Refuse, before converting anything: a model autoprec already converted, weights not
+    all fp32, a scheduler that drives another optimizer."""
     found = non_fp32_weights(model) if isinstance(model, nn.Module) else None
     converted = _converted_for(model)
     if converted is not None:
@@ -564,25 +589,19 @@ def prepare(
                     f"The scheduler ({type(inner).__name__}) does not drive the optimizer passed "
                     "to apply(): build it on that optimizer, or pass scheduler=None."
                 )
-    inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
-    if inner is not None:
-        _refuse_islands_under_fullgraph(spec, model, inner)
-    plan = build_plan(
-        spec,
-        model if inner is None else inner,
-        optimizer,
-        grad_accumulation_steps=grad_accumulation_steps,
-        clip_grad_norm=clip_grad_norm,
-        situation=situation,
-        compiled_by_user=inner is not None,
-    )
-    if inner is not None:
-        plan.model = model  # the wrapper, which runs the converted model compiled
+
+
+def _attach_scheduler(
+    plan: PrecisionPlan, spec: ModeSpec, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> None:
+    """Rebind the user's scheduler to ``plan.optimizer`` when the mode rebuilt it; without one,
+    warn that a scheduler built on the old optimizer would drive an optimizer nobody steps."""
     if scheduler is not None:
         if plan.optimizer is not optimizer:
             _rebind_scheduler(scheduler, optimizer, plan.optimizer)
         plan.scheduler = scheduler
-    elif plan.optimizer is not optimizer:
+        return
+    if plan.optimizer is not optimizer:
         scheduled = any("initial_lr" in group for group in optimizer.param_groups)
         found = (
             " Your optimizer's groups carry initial_lr, so a scheduler was built on it: it now "
@@ -596,10 +615,8 @@ def prepare(
             "apply(model, optimizer, scheduler) to rebind it, or build schedulers on "
             "plan.optimizer.",
             OptimizerRebuiltWarning,
-            stacklevel=3,
+            stacklevel=4,  # the line calling apply() (or prepare(): then its caller's)
         )
-    _warn_bf16_outside_optimizer(plan)
-    return plan
 
 
 def _warn_bf16_outside_optimizer(plan: PrecisionPlan) -> None:
@@ -625,5 +642,5 @@ def _warn_bf16_outside_optimizer(plan: PrecisionPlan) -> None:
         "(the profile's keep_fp32), or step them with plan.optimizer (a group added later "
         "with plan.optimizer.add_param_group is stepped as the mode steps).",
         OutsideOptimizerWarning,
-        stacklevel=3,
+        stacklevel=4,  # the line calling apply()
     )

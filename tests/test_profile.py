@@ -987,3 +987,20 @@ def test_a_cpu_proven_amp_fp16_profile_is_not_exported_to_flags_that_train_other
     ]:
         with pytest.raises(ExportError, match=f"proven on a CPU.*{said}"):
             export()
+
+
+def test_applys_optimizer_warnings_point_at_the_line_calling_apply() -> None:
+    """The rebuilt-optimizer and outside-optimizer warnings name the caller's line, as the
+    profile's own warnings do: the second pointed at profile.py's apply() (stacklevel counted
+    from prepare(), one frame short)."""
+    from autoprec.errors import OptimizerRebuiltWarning, OutsideOptimizerWarning
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model[1].parameters(), lr=1e-3)  # model[0]: another's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _profile(mode="bf16_sr").apply(model, optimizer)
+    categories = {warning.category: warning.filename for warning in caught}
+    assert categories.keys() >= {OptimizerRebuiltWarning, OutsideOptimizerWarning}, caught
+    assert categories[OptimizerRebuiltWarning] == __file__
+    assert categories[OutsideOptimizerWarning] == __file__
