@@ -15,13 +15,13 @@ import inspect
 import math
 import numbers
 import types
-import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoprec._warnings import warn_caller
 from autoprec._wording import first_names
 from autoprec.eligibility import Situation, situation_for_model
 from autoprec.errors import (
@@ -264,14 +264,13 @@ class PrecisionPlan:
         (proven,) = self.proven_clip or (None,)
         if (math.inf if proven is None else proven) != clip:
             self.proven_clip = None  # once
-            warnings.warn(
+            warn_caller(
                 f"This {self.spec.label} profile was proven under another training recipe: "
                 f"clip_grad_norm: proven at {proven}"
                 f"{' (no clipping)' if proven is None else ''}, applied with {clip} at "
                 "plan.step. Its drift evidence does not cover this recipe; run `autoprec "
                 "tune` (or `autoprec check`) with it.",
                 RecipeMismatchWarning,
-                stacklevel=3,
             )
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
@@ -337,14 +336,13 @@ class PrecisionPlan:
             self.mode.load_state_dict(state["mode"])
         else:
             carried = ", ".join(sorted(state["mode"])) or "nothing"
-            warnings.warn(
+            warn_caller(
                 f"This checkpoint was written by a plan for {saved.label}; resuming it under "
                 f"{self.spec.label} switches the run's precision here. {saved.mode}'s own state "
                 f"({carried}) does not carry over: {self.spec.mode} starts its own. The model's "
                 "and the optimizer's states load as usual (plan.optimizer reads another mode's "
                 "optimizer state).",
                 PrecisionSwitchWarning,
-                stacklevel=2,
             )
         self.micro_step = micro_step
 
@@ -609,13 +607,12 @@ def _attach_scheduler(
             if scheduled
             else ""
         )
-        warnings.warn(
+        warn_caller(
             f"{spec.label} rebuilt the optimizer as plan.optimizer "
             f"({type(plan.optimizer).__name__}).{found} Pass your LR scheduler to "
             "apply(model, optimizer, scheduler) to rebind it, or build schedulers on "
             "plan.optimizer.",
             OptimizerRebuiltWarning,
-            stacklevel=4,  # the line calling apply() (or prepare(): then its caller's)
         )
 
 
@@ -635,12 +632,11 @@ def _warn_bf16_outside_optimizer(plan: PrecisionPlan) -> None:
     if not outside:
         return
     shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
-    warnings.warn(
+    warn_caller(
         f"{plan.mode.spec.label} cast {len(outside)} trainable weight(s) that plan.optimizer "
         f"does not hold to bf16 ({shown}): another optimizer stepping them rounds every update "
         "to nearest, and updates below half a bf16 ulp vanish. Keep their modules in fp32 "
         "(the profile's keep_fp32), or step them with plan.optimizer (a group added later "
         "with plan.optimizer.add_param_group is stepped as the mode steps).",
         OutsideOptimizerWarning,
-        stacklevel=4,  # the line calling apply()
     )

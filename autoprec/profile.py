@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from torch import nn
 from autoprec._files import read_json, write_text_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec._version import __version__
+from autoprec._warnings import warn_caller
 from autoprec.errors import (
     ExportError,
     HardwareMismatchWarning,
@@ -55,14 +55,11 @@ SCHEMA_VERSION = 4
 3: ``evidence.blind_spots``; 4: ``recipe.lr_points[].momenta``."""
 
 
-def _refuse_or_warn(
-    message: str, category: type[Warning], *, strict: bool, stacklevel: int = 4
-) -> None:
-    """Raise, or warn pointing at the user's line: ``stacklevel`` 4 from a check ``apply()``
-    calls, 3 from ``apply()`` itself."""
+def _refuse_or_warn(message: str, category: type[Warning], *, strict: bool) -> None:
+    """Raise, or warn pointing at the user's line."""
     if strict:
         raise ProfileError(message)
-    warnings.warn(message, category, stacklevel=stacklevel)
+    warn_caller(message, category)
 
 
 class HardwareFingerprint(BaseModel):
@@ -359,7 +356,7 @@ class Profile(BaseModel):
                     + ". Its drift evidence does not cover this recipe (rounding losses depend "
                     "on the lr); run `autoprec tune` (or `autoprec check`) with it."
                 )
-                _refuse_or_warn(message, RecipeMismatchWarning, strict=strict, stacklevel=3)
+                _refuse_or_warn(message, RecipeMismatchWarning, strict=strict)
         plan = prepare(
             self.spec,
             model,
@@ -523,11 +520,10 @@ def _check_total_steps(total_steps: object, scheduler: object) -> None:
             f"the profile to) but got {total_steps!r}."
         )
     if scheduler is None:
-        warnings.warn(
+        warn_caller(
             f"total_steps={total_steps} is the length of a schedule, and no scheduler was "
             "passed to apply(): nothing is compared over it. Pass your scheduler too.",
             RecipeMismatchWarning,
-            stacklevel=3,
         )
 
 

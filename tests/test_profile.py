@@ -1004,3 +1004,26 @@ def test_applys_optimizer_warnings_point_at_the_line_calling_apply() -> None:
     assert categories.keys() >= {OptimizerRebuiltWarning, OutsideOptimizerWarning}, caught
     assert categories[OptimizerRebuiltWarning] == __file__
     assert categories[OutsideOptimizerWarning] == __file__
+
+
+def test_a_warning_points_at_the_first_line_outside_autoprec_however_deep_it_is_raised() -> None:
+    """warn_caller walks past every autoprec frame: called here it names this line; raised
+    under apply() -> check_model() -> _refuse_or_warn() it names the line calling apply()."""
+    import sys
+
+    from torch import nn
+
+    from autoprec._warnings import warn_caller
+
+    profile = _tuned_for_tiny_gpt()
+    mlp = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_caller("here", UserWarning)
+        line = sys._getframe().f_lineno - 1
+        profile.apply(mlp, torch.optim.AdamW(mlp.parameters(), lr=3e-4))
+        apply_line = sys._getframe().f_lineno - 1
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    mismatch = [w for w in caught if issubclass(w.category, ModelMismatchWarning)]
+    assert mismatch, caught
+    assert all((w.filename, w.lineno) == (__file__, apply_line) for w in mismatch)

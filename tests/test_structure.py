@@ -13,8 +13,8 @@ PACKAGE = Path(autoprec.__file__).parent
 # Layers: base | facts | runtime (apply path) | pipeline | artifact | drivers.
 # fmt: off
 ORDER = [
-    "_version", "_models", "_files", "_wording", "errors", "_imports", "random_streams",  # base
-    "collector", "interrupts",
+    "_version", "_models", "_files", "_wording", "_warnings", "errors", "_imports",  # base
+    "random_streams", "collector", "interrupts",
     "specs",
     "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
     "layer_mix", "layer_keep", "layer_findings", "layers",

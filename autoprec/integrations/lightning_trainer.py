@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 
+from autoprec._warnings import warn_caller
 from autoprec.errors import RecipeMismatchWarning
 from autoprec.plan import PrecisionPlan, _rebind_scheduler
 
@@ -295,7 +295,7 @@ def _warn_of_value_clipping(trainer: Any) -> None:
     (they clip by norm only, and tune_module refuses value clipping): named, not silent."""
     if not _clips_by_value(trainer) or not trainer.gradient_clip_val:
         return
-    warnings.warn(
+    warn_caller(
         RecipeMismatchWarning(
             f"the Trainer clips gradients by value (gradient_clip_val="
             f"{trainer.gradient_clip_val}, gradient_clip_algorithm="
@@ -303,7 +303,6 @@ def _warn_of_value_clipping(trainer: Any) -> None:
             "trials clip by norm only), so its verdict does not cover this run: clip by norm "
             "(gradient_clip_algorithm='norm') and tune with that clipping"
         ),
-        stacklevel=3,
     )
 
 
@@ -373,13 +372,12 @@ class AutoprecPrecision(Precision):
             return model, optimizers, lr_schedulers
         if not optimizers:  # validate / test / predict without fit: nothing to convert
             if self.plan is None:
-                warnings.warn(
+                warn_caller(
                     f"AutoprecPrecision has no plan on this Trainer (validate, test or predict "
                     f"before any fit): the module runs as it is, not under "
                     f"{self.profile.spec.label}'s autocast. Evaluate with the Trainer that fit "
                     "it, or apply the profile to the module first.",
                     UserWarning,
-                    stacklevel=2,
                 )
             return model, optimizers, lr_schedulers
         if len(optimizers) != 1 or len(lr_schedulers) > 1:
