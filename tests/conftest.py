@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,6 +66,19 @@ def _suite_objects_frozen(request: pytest.FixtureRequest) -> Iterator[None]:
     with callers_objects_frozen():
         yield
         gc.collect()  # the test's garbage, before the suite's objects are walked again
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_state_reset() -> Iterator[None]:
+    """Accelerate keeps one process-wide ``AcceleratorState``, which a Hugging Face Trainer
+    sets up too: a test building an ``Accelerator(mixed_precision="bf16")`` after a Trainer
+    test on its worker failed ("AcceleratorState has already been initialized and cannot be
+    changed"), depending on which tests pytest-xdist sent to that worker. Reset after every
+    test that imported accelerate, as accelerate's own tests do."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # name, compute capability, memory GiB: the GPUs the capability table must get right.
