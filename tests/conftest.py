@@ -81,6 +81,34 @@ def _accelerate_state_reset() -> Iterator[None]:
         state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def _torch_globals() -> dict[str, object]:
+    """Process-wide torch settings a test (or autoprec under it) could leave changed."""
+    return {
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "cpu autocast": torch.is_autocast_enabled("cpu"),
+        "cpu autocast dtype": torch.get_autocast_dtype("cpu"),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "anomaly detection": torch.is_anomaly_enabled(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _torch_globals_kept() -> Iterator[None]:
+    """autoprec works on copies and leaves the caller's process as it found it: every test
+    must leave torch's global settings as they were, or it fails at teardown (and would change
+    the tests after it on its worker). Added on 2026-11-28: one test left the legacy
+    float32 matmul precision at "medium"; no path through autoprec left any changed."""
+    before = _torch_globals()
+    yield
+    after = _torch_globals()
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not changed, f"the test left torch's global settings changed: {changed}"
+
+
 # name, compute capability, memory GiB: the GPUs the capability table must get right.
 KNOWN_GPUS: dict[str, tuple[str, tuple[int, int], int]] = {
     "V100": ("Tesla V100-SXM2-32GB", (7, 0), 32),

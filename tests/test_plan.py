@@ -291,6 +291,7 @@ def test_the_fp32_reference_is_fp32_on_the_cpu_under_medium_matmul_precision() -
     cpu = (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
     backends = (*cpu, torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends)
     before = [backend.fp32_precision for backend in backends]
+    legacy = torch.get_float32_matmul_precision()  # read apart from the backends' settings
     torch.set_float32_matmul_precision("medium")
     try:
         settings = tuple(backend.fp32_precision for backend in cpu)
@@ -299,6 +300,7 @@ def test_the_fp32_reference_is_fp32_on_the_cpu_under_medium_matmul_precision() -
             assert all(backend.fp32_precision == "ieee" for backend in cpu)
         assert tuple(backend.fp32_precision for backend in cpu) == settings
     finally:  # exactly as before ("none" reads the global default, "ieee" does not)
+        torch.set_float32_matmul_precision(legacy)
         for backend, value in zip(backends, before, strict=True):
             backend.fp32_precision = value
 
