@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 
 
 def warn_caller(message: str | Warning, category: type[Warning] | None = None) -> None:
@@ -21,6 +22,6 @@ def warn_caller(message: str | Warning, category: type[Warning] | None = None) -
     warnings.warn(message, category, stacklevel=level)
 
 
-def _inside_autoprec(frame: object) -> bool:
-    name = getattr(frame, "f_globals", {}).get("__name__", "")
+def _inside_autoprec(frame: FrameType) -> bool:
+    name = frame.f_globals.get("__name__", "")
     return name == "autoprec" or name.startswith("autoprec.")
