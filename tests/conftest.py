@@ -93,6 +93,19 @@ def _torch_globals() -> dict[str, object]:
         "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "anomaly detection": torch.is_anomaly_enabled(),
         "threads": torch.get_num_threads(),
+        # what tf32 and the fp32 reference set around a run (autoprec.modes.base), per backend
+        **{
+            f"{name} fp32 precision": getattr(backend, "fp32_precision", None)
+            for name, backend in (
+                ("global", torch.backends),
+                ("cuda matmul", torch.backends.cuda.matmul),
+                ("cudnn conv", torch.backends.cudnn.conv),
+                ("mkldnn matmul", torch.backends.mkldnn.matmul),
+                ("mkldnn conv", torch.backends.mkldnn.conv),
+            )
+        },
+        "cudnn benchmark": torch.backends.cudnn.benchmark,
+        "cudnn deterministic": torch.backends.cudnn.deterministic,
     }
 
 
