@@ -33,7 +33,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 # one pytest worker per core (pytest-xdist), each training on one thread (tests/conftest.py):
-# 6.4-11.0 minutes on our 2-core CPU (README, "Development": 9.3-15.0 before the suite froze
+# 6.4-11.0 minutes on our 2-core CPU (docs/development.md: 9.3-15.0 before the suite froze
 # its objects out of the collector's walks), 29.7 once in one process
 test: lint
 	$(BIN)/python -m pytest -n auto --dist loadgroup

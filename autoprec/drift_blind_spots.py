@@ -70,7 +70,7 @@ BF16_WEIGHT_AVERAGE = (
     "benchmarks.ema_rounding`). Keep it in fp32: AveragedModel(model, "
     "avg_fn=get_ema_avg_fn(0.999)).float()"
 )
-"""Measured on our CPU machines (README, "Weight averages under bf16 weights"). Every mode
+"""Measured on our CPU machines (docs/runtime.md, "Weight averages under bf16 weights"). Every mode
 with bf16 weights: the average is the user's, made after apply()."""
 
 
