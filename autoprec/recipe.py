@@ -44,11 +44,12 @@ DEFAULT_LR = 3e-4
 """Learning rate of the default optimizer, AdamW(lr=3e-4), when none is given."""
 
 FLOOR_QUANTILE = 0.1
-"""The floor leg trains at the learning rate that the real run's last 10% of (non-zero-lr)
-optimizer steps stay at or below: the 10th percentile of the schedule's lr over its steps.
-A cosine decay from 1e-3 to 1e-5 gives 3.4e-5. Lower quantiles pick lrs the run spends too few
-steps at to matter (a linear decay to 0 would be judged at ~0); higher ones miss the end of the
-decay, where pure bf16 loses its updates (measured in benchmarks/lr_schedule_gate.py)."""
+"""The floor leg trains at the learning rate that the real run's last 10% of (non-zero-lr) optimizer
+steps stay at or below: the 10th percentile of the schedule's lr over its steps. A cosine decay
+from 1e-3 to 1e-5 over 3000 steps gives 3.4e-5, its lr at step 2700. Lower quantiles pick lrs the
+run spends too few steps at to matter (a linear decay to 0 would be judged at ~0); higher ones
+miss the end of the decay, where pure bf16 loses its updates (measured in
+benchmarks/lr_schedule_gate.py)."""
 SEPARATE_FLOOR_BELOW = 0.5
 """A floor leg is trained only when the floor lr is below half the peak; otherwise one leg."""
 
@@ -234,7 +235,12 @@ def schedule_points(
     lowest = {step: min(relative(step)) for step in moving}
     peak = max(moving, key=lambda step: (sum(relative(step)), -step))  # all groups highest
     ranked = sorted(moving, key=lambda step: (lowest[step], -step))
-    floor = ranked[min(len(ranked) - 1, math.floor(floor_quantile * len(ranked)))]
+    # nearest rank: the lowest lr that at least floor_quantile of the steps stay at or below
+    # (rounded first: 0.1 x 3000 is 300.00000000000006 in floats). floor(q x n) took one step
+    # more, so a step schedule whose lowest lr lasted exactly its last 10% was judged a step
+    # earlier, at 10x that lr, or on its peak leg alone.
+    rank = max(1, math.ceil(round(floor_quantile * len(ranked), 9)))
+    floor = ranked[rank - 1]
 
     def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
         return LrPoint(

@@ -100,8 +100,30 @@ def test_a_decaying_schedule_adds_a_floor_leg_at_its_tail() -> None:
     # the 10th percentile of a cosine from 1e-3 to 1e-5: 3.4e-5, late in the run
     assert floor.lr == pytest.approx(3.44e-5, rel=0.01)
     assert floor.schedule_step == pytest.approx(3000 * (1 - FLOOR_QUANTILE), abs=2)
-    assert "step 2699 of 3000" in floor.describe()
+    assert "step 2700 of 3000" in floor.describe()  # the last 300 steps: 2700-2999
     assert optimizer.param_groups[0]["lr"] == 1e-3  # the user's optimizer is not scheduled
+
+
+@pytest.mark.parametrize(
+    ("make_scheduler", "floor_lr"),
+    [
+        (lambda opt: torch.optim.lr_scheduler.StepLR(opt, 300, gamma=0.1), 1e-6),
+        (lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, [900], gamma=0.01), 1e-5),
+    ],
+)
+def test_the_floor_is_the_lr_the_last_tenth_of_a_step_schedule_runs_at(
+    make_scheduler, floor_lr: float
+) -> None:
+    """Found by a hunt: the floor took the 101st lowest of 1000 lrs, one step too many, so a
+    run whose lowest lr lasts exactly its last 100 steps was judged at step 899: at 10x that lr
+    under StepLR, and under MultiStepLR([900]) on its peak leg alone (pure bf16 was called safe
+    there while it lost 86% of its updates at the lr the run ends at)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    recipe = TrainingRecipe(optimizer=optimizer, scheduler=make_scheduler, total_steps=1000)
+    peak, floor = recipe.lr_points(model)
+    assert (peak.lr, floor.role) == (1e-3, "floor")
+    assert floor.lr == pytest.approx(floor_lr) and floor.schedule_step >= 900
 
 
 def test_a_one_cycle_schedule_sets_each_legs_momentum_too() -> None:
