@@ -139,7 +139,7 @@ def torch_form(state_dict: dict[str, Any], kind: SourceKind) -> dict[str, Any]:
             "states. Load it into the optimizer that wrote it."
         )
     if writer == "torch":
-        return _torch_written(state_dict, kind)
+        return _torch_family_form(state_dict, kind)
     groups = []
     state: dict[Any, dict[str, Any]] = {}
     for group in state_dict["param_groups"]:
@@ -165,11 +165,20 @@ def check_torch_family(state_dict: dict[str, Any], kind: SourceKind) -> None:
     """Refuse a state in torch's layout that an optimizer of another family wrote: per-parameter
     keys not of ``kind`` (Adam's moments for an SGD), or groups without ``kind``'s
     hyper-parameters (an SGD's groups, which have no betas, for an AdamW)."""
-    _torch_written(state_dict, kind)
+    _torch_family_form(state_dict, kind)
+
+
+def _torch_family_form(state_dict: dict[str, Any], kind: SourceKind) -> dict[str, Any]:
+    """The torch form of a state in torch's layout, refused when another family wrote it. The
+    groups are read too: an SGD without momentum, or an optimizer that has not stepped, saves
+    no per-parameter state, and such a state loaded into another family trained at its lr
+    (found by a hunt: an SGD state without momentum went into AdamW, lr 0.1, as given)."""
+    form = _torch_written(state_dict, kind)
     for group in state_dict.get("param_groups", []):
         missing = HYPER_KEYS[kind] - set(group)
         if missing:
             raise _family_error(kind, "torch", f"its groups hold no {', '.join(sorted(missing))}")
+    return form
 
 
 def _torch_written(state_dict: dict[str, Any], kind: SourceKind) -> dict[str, Any]:

@@ -153,6 +153,27 @@ def test_a_state_of_another_family_or_optimizer_is_refused_with_the_reason() -> 
         torch_optimizer_state(saved, adamw)
 
 
+def test_a_state_without_per_parameter_entries_is_refused_by_its_groups() -> None:
+    """Found by a hunt: SGD without momentum and an optimizer that never stepped save no
+    per-parameter state, and torch_optimizer_state handed such an SGD state to an AdamW as it
+    was (lr 0.1, SGD's keys in its groups; `autoprec check --optimizer-state` trained AdamW so),
+    and an unstepped Adam state to an SGD (lr 1e-3)."""
+    model, _ = _stepped("adamw")
+    plain_sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 64)).sum().backward()
+    plain_sgd.step()
+    assert plain_sgd.state_dict()["state"] == {}
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"another optimizer family \(its groups hold no betas"):
+        torch_optimizer_state(plain_sgd.state_dict(), adamw)
+    unstepped_adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    with pytest.raises(ValueError, match=r"its groups hold no momentum"):
+        torch_optimizer_state(unstepped_adam.state_dict(), sgd)
+    same = torch_optimizer_state(plain_sgd.state_dict(), sgd)  # the family's own: read
+    assert same["param_groups"][0]["lr"] == 0.1
+
+
 WRITERS_AND_READERS = [
     ("bf16_kahan", "amp_bf16"),
     ("bf16_kahan", "bf16_pure"),
