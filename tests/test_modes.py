@@ -278,6 +278,19 @@ def test_fp8_refuses_a_model_it_would_convert_nothing_of() -> None:
     assert type(subclass[0]) is _ScaledLinear
 
 
+def test_fp8_says_when_its_size_rule_left_out_every_fitting_linear() -> None:
+    """Found by a hunt: a model of small plain Linears, all divisible by 16, was refused under
+    the default fp8_layers="worthwhile" for not fitting FP8 kernels, which they do."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    spec = ModeSpec(mode="fp8_torchao", emulate=True)
+    with pytest.raises(ValueError, match=r"Linears that fit FP8 kernels \(0, 2\) are all too sm"):
+        prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert isinstance(model[0], nn.Linear) and model[0].weight.dtype == torch.float32
+    everything = spec.model_copy(update={"fp8_layers": "all"})  # what the refusal advises
+    plan = prepare(everything, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert plan.mode.fp8_modules(plan.model) == ("0", "2")
+
+
 def test_fp32_islands_under_a_fullgraph_compile_are_refused_up_front() -> None:
     """Found by a hunt: apply() on torch.compile(model, fullgraph=True) with keep_fp32 failed
     at the first forward inside dynamo, hinting to remove autoprec's own

@@ -16,12 +16,18 @@ import torch
 from torch import nn
 
 from autoprec._imports import require
+from autoprec._wording import first_names
 from autoprec.eligibility import Situation
 from autoprec.layer_kinds import fp8_linear_fits, fp8_worthwhile
 from autoprec.modes.base import PrecisionMode, override
 from autoprec.modes.islands import install_fp32_islands
 
 _TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
+_RULES = {
+    "tensorwise": ": it skips in_features <= 4096 with out_features <= 1024",
+    "rowwise": ": it skips out_features <= 2048, in_features <= 1024, or both <= 4096 and 2048",
+}
+"""torchao's own size rule (``layer_kinds.fp8_worthwhile``), as a refusal words it."""
 
 
 class Fp8TorchaoMode(PrecisionMode):
@@ -57,6 +63,17 @@ class Fp8TorchaoMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         if not any(self.module_filter_fn(m, fqn) for fqn, m in model.named_modules()):
+            too_small = self._fitting_but_too_small(model)
+            if too_small:
+                recipe = _TORCHAO_RECIPES[self.spec.fp8_recipe or "torchao_tensorwise"]
+                raise ValueError(
+                    f"{self.spec.label} would run no layer of {type(model).__name__} in FP8: its "
+                    f"Linears that fit FP8 kernels ({first_names(too_small)}) are all too "
+                    f"small for FP8 to pay by torchao's size rule for its {recipe} recipe "
+                    f"(fp8_layers='worthwhile', the default{_RULES[recipe]}). fp8_layers='all' "
+                    "converts them, to screen FP8's quality (autoprec check does); for speed use "
+                    "amp_bf16."
+                )
             raise ValueError(
                 f"{self.spec.label} would run no layer of {type(model).__name__} in FP8: no "
                 "Linear below the model's root fits FP8 kernels (both dimensions divisible by "
@@ -70,6 +87,11 @@ class Fp8TorchaoMode(PrecisionMode):
         )
         install_fp32_islands(model, self.kept_roots(model), self.device_type)
         return model
+
+    def _fitting_but_too_small(self, model: nn.Module) -> list[str]:
+        """The Linears ``fp8_layers="all"`` would convert, when the size rule leaves out all."""
+        everything = type(self)(self.spec.model_copy(update={"fp8_layers": "all"}))
+        return [fqn for fqn, m in model.named_modules() if everything.module_filter_fn(m, fqn)]
 
     @override
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
