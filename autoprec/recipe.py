@@ -38,7 +38,8 @@ OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 """An optimizer over the user's model (cloned per trial) or a factory ``params -> optimizer``."""
 SchedulerFactory = Callable[..., Any]
 """``factory(optimizer) -> LRScheduler``; called as ``factory(optimizer, total_steps=N)`` when
-it takes a ``total_steps`` argument."""
+it takes a ``total_steps`` argument, as ``factory(optimizer, N)`` when it is a function whose
+second argument, under another name, has no default."""
 
 DEFAULT_LR = 3e-4
 """Learning rate of the default optimizer, AdamW(lr=3e-4), when none is given."""
@@ -412,17 +413,17 @@ class TrainingRecipe:
         """The user's scheduler built on ``optimizer`` (None without one)."""
         if self.scheduler is None:
             return None
-        try:
-            accepts = "total_steps" in inspect.signature(self.scheduler).parameters
-        except (TypeError, ValueError):
-            accepts = False
+        accepts = _total_steps_argument(self.scheduler)
         users = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
         kept = _group_values(users) if users is not None and users is not optimizer else None
-        if accepts:
+        if accepts == "keyword":
             form = f"(optimizer, total_steps={self.total_steps})"
             made = _called(
                 self.scheduler, "scheduler", form, optimizer, total_steps=self.total_steps
             )
+        elif accepts == "positional":
+            form = f"(optimizer, {self.total_steps})"
+            made = _called(self.scheduler, "scheduler", form, optimizer, self.total_steps)
         else:
             made = _called(self.scheduler, "scheduler", "(optimizer)", optimizer)
         if getattr(made, "optimizer", optimizer) is not optimizer:
@@ -562,6 +563,29 @@ def scheduled_lr_note(recipe: TrainingRecipe) -> str | None:
         "check from your run's checkpoint; to judge every lr your schedule reaches, pass "
         "scheduler=FACTORY and total_steps=N (CLI: --scheduler, --total-steps)."
     )
+
+
+def _total_steps_argument(factory: SchedulerFactory) -> Literal["keyword", "positional"] | None:
+    """How a scheduler factory takes the run's length: as ``total_steps=``, or as a required
+    second positional argument of a function (``lambda optimizer, steps: ...``: found by a
+    hunt, it was called with the optimizer alone and failed), or not at all. A scheduler class
+    passed as the factory is never handed it: ``StepLR``'s second argument is its step size."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(parameter.name == "total_steps" for parameter in parameters):
+        return "keyword"
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    second = parameters[1] if len(parameters) > 1 else None
+    if (
+        not inspect.isclass(factory)
+        and second is not None
+        and second.kind in positional
+        and second.default is inspect.Parameter.empty
+    ):
+        return "positional"
+    return None
 
 
 def _called(factory: Callable[..., Any], role: str, form: str, *args: Any, **kwargs: Any) -> Any:

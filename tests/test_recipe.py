@@ -126,6 +126,27 @@ def test_the_floor_is_the_lr_the_last_tenth_of_a_step_schedule_runs_at(
     assert floor.lr == pytest.approx(floor_lr) and floor.schedule_step >= 900
 
 
+def test_a_scheduler_function_gets_the_runs_length_whatever_its_second_argument_is_named() -> None:
+    """Found by a hunt: `lambda opt, steps: CosineAnnealingLR(opt, steps)` was called with the
+    optimizer alone and failed; only a parameter named total_steps received the run's length.
+    A scheduler class is not handed it: StepLR's second argument is its step size."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    positional = TrainingRecipe(
+        optimizer=optimizer,
+        scheduler=lambda opt, steps: torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps),
+        total_steps=1000,
+    )
+    made = positional.make_scheduler(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert made.T_max == 1000
+    assert [point.role for point in positional.lr_points(model)] == ["peak", "floor"]
+    as_class = TrainingRecipe(
+        optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR, total_steps=1000
+    )
+    with pytest.raises(ValueError, match=r"called as StepLR\(optimizer\), raised TypeError"):
+        as_class.make_scheduler(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
 def test_a_one_cycle_schedule_sets_each_legs_momentum_too() -> None:
     # OneCycleLR cycles Adam's beta1 (SGD's momentum) against the lr: 0.85 at the peak lr, 0.95
     # at the floor; trials kept the optimizer's own 0.9 on every leg
