@@ -515,6 +515,10 @@ CLI_WORDS: tuple[tuple[str, str], ...] = (
     ("or pass None for every mode", "or leave --modes out for every mode"),
     ("Pass scheduler=None (tune_module and tune_trainer take it too)", "Leave --scheduler out"),
     ("budget_minutes (", "--budget ("),
+    (
+        "max_trial_minutes must be a number of minutes > 0 (or None)",
+        "--max-trial-minutes must be > 0",
+    ),
 )
 """Phrases of the Python API's errors in the command line's terms (found by a hunt: a CLI user
 was told to "pass None for every mode" or about "keep_fp32 pattern")."""

@@ -154,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("profile", metavar="PROFILE", help="path to a profile JSON file")
     show.add_argument("--json", action="store_true", help="print the validated profile as JSON")
     show.add_argument(
-        "--strict", action="store_true", help="fail when this hardware differs from the proven"
+        "--strict",
+        action="store_true",
+        help="fail when this hardware differs from the proven, or the profile carries no "
+        "evidence (written by hand: never trained against fp32)",
     )
     show.add_argument("--debug", action="store_true", help="show tracebacks")
     tune = commands.add_parser(

@@ -463,7 +463,9 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
 
     Args:
         path: the JSON file ``autoprec tune`` (or ``Profile.save``) wrote.
-        strict: refuse (ProfileError) instead of warning on a hardware mismatch.
+        strict: refuse (ProfileError) instead of warning on a hardware mismatch
+            (``HardwareMismatchWarning``) or a profile without evidence, one written by hand
+            and never trained against fp32 (``UnprovenProfileWarning``).
     """
     file = Path(path)
     data = read_json(file, "Profile", error=ProfileError, advice=" Re-run `autoprec tune`.")

@@ -288,6 +288,9 @@ def test_show_json_and_strict(capsys: pytest.CaptureFixture[str]) -> None:
     assert "carries no evidence (its note: 'Hand-written example" in shown.err
     assert main(["show", "--strict", path]) == 2
     assert "proven on other hardware" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the help says both refusals (a hunt: it named hardware)
+        main(["show", "--help"])
+    assert "or the profile carries no evidence" in " ".join(capsys.readouterr().out.split())
 
 
 def test_show_bad_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

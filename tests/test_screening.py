@@ -511,6 +511,9 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*command[:8], "--modes", "fp32"]) == 2  # in the command line's words
     assert "--modes ['fp32'] leaves nothing to check" in (err := capsys.readouterr().err)
     assert "or leave --modes out for every mode" in err and "pass None" not in err
+    assert main([*command[:8], "--max-trial-minutes", "0"]) == 2  # a hunt: "(or None)"
+    assert "--max-trial-minutes must be > 0, not 0.0." in (err := capsys.readouterr().err)
+    assert "None" not in err
     for bad, said in [
         ("max_rounded_beta=0.9", "no threshold 'max_rounded_beta'; known: max_loss_gap_units"),
         ("max_loss_gap_units=lots", "'lots' is not a number"),
