@@ -393,9 +393,11 @@ def _paired_for(
     run, which shares those draws too (the floors alone when there is none; a chaotic dropout
     model's amp_bf16 was rejected by them, its outputs 14.6% apart, see
     benchmarks/chaos_floor.py). A mode whose kernels draw otherwise (fused attention's dropout)
-    keeps the paired bars."""
-    if paired is None:
-        return None, ()
+    keeps the paired bars. A model without draws keeps its paired run, the nudged one,
+    whatever the trial: it has no draws to share (found by a hunt: a trial whose first losses
+    were fp32's lost the nudged bars there, with a note about draws the model never made)."""
+    if paired is None or not reference.record.draws_random:
+        return paired, ()
     ours = _early_difference(trial, reference)
     theirs = _early_difference(paired, reference)
     if ours is None or theirs is None or theirs == 0 or ours >= SHARED_DRAWS_RATIO * theirs:
