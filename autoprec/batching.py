@@ -230,8 +230,16 @@ def _loss_from_output(output: Any) -> torch.Tensor | None:
 
 def _predicted(value: Any) -> bool:
     """A real-valued tensor with a batch dimension: what output agreement can compare (a
-    bool mask, class indices or a complex spectrum has no relative error or argmax)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point()
+    bool mask, class indices or a complex spectrum has no relative error or argmax). One
+    number is not one, whatever its shape: a loss returned as shape (1,) (``loss.unsqueeze(0)``,
+    a loss gathered over one device) was compared as the prediction, and chosen over the logits
+    after it in a tuple (found by a hunt); the loss is what ``_loss_from_output`` takes it for."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and value.numel() > 1
+        and value.is_floating_point()
+    )
 
 
 def prediction(output: Any) -> torch.Tensor | None:

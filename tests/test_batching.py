@@ -16,6 +16,7 @@ from autoprec.batching import (
     count_samples,
     count_tokens,
     map_tensors,
+    prediction,
     same_batch,
     to_device,
 )
@@ -121,3 +122,13 @@ def test_fresh_batches_hand_out_copies_and_watched_ones_see_a_change() -> None:
     keyed = WatchedBatches([{"x": torch.ones(2)}])
     keyed[0]["x"] = torch.zeros(2)  # a train_step that replaces a value of its batch dict
     assert keyed.changed() and torch.equal(keyed.batches[0]["x"], torch.ones(2))
+
+
+def test_one_number_is_never_the_prediction_whatever_its_shape() -> None:
+    """Found by a hunt: a loss returned as shape (1,) was compared as the model's prediction,
+    alone or ahead of the logits in a tuple; a scalar loss never was."""
+    loss, logits = torch.tensor([0.7]), torch.randn(4, 10)
+    assert prediction(loss) is None and prediction(loss.squeeze()) is None
+    assert prediction((loss, logits)) is logits
+    assert prediction({"aux": loss, "scores": logits}) is logits
+    assert prediction(torch.randn(4, 1)) is not None  # one output per sample: a prediction
