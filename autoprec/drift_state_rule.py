@@ -35,14 +35,14 @@ task it trained on (docs/ground-truth.md, "bf16_sr with 8-bit states")."""
 
 EIGHT_BIT_EVIDENCE = (
     "on autoprec's 12 long-run tasks with beta2 0.999, pure bf16 with 8-bit states ended worse "
-    "than fp32 on 9 after 2000 steps (a conv net +58.3%, a recommender +12.5%, 8 seeds each) "
+    "than fp32 on 10 after 2000 steps (a conv net +58.3%, a recommender +12.5%, 8 seeds each) "
     "and within fp32's spread on 2; its 200-step trial passed it on 4 of the 12, and on 2 of "
     "those 4 its runs ended worse"
 )
 """Measured on our CPU machines (benchmarks/ground_truth.py, benchmarks/truth_power.py; the
 12 tasks: every ground-truth task trained by Adam with beta2 0.999. The 2 fine: the dropout
-encoder -1.1%, the GRU +0.2%; the 12th, the U-Net's samples, +7.7% on 3 seeds, 1.76 fp32 seed
-deviations against a line of 2.03, harmful under the paired reading, +9.0% against +2.2%)."""
+encoder -1.1%, the GRU +0.2%. The U-Net's samples, +7.7% on 3 seeds and fine by that truth's
+line until 2026-11-28, end +9.7% at 16 fp32 seeds and 8 of the mode, against a line at +5.4%)."""
 
 
 MOMENT_REASON = "optimizer state loses its updates"

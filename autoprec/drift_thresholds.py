@@ -91,7 +91,7 @@ class DriftThresholds(BaseModel):
     rejected by it alone, rightly, and the dropout encoder (-1.4%, fine) wrongly. The same line
     judges bf16_pure with 8-bit states, whose moment keeps its decay but whose weights are
     rounded to nearest (``autoprec.drift_state_rule``: on the 12 long-run tasks with beta2 0.999
-    it hurt on 9; the trial alone passed it on 4, 2 of them harmed)."""
+    it hurt on 10; the trial alone passed it on 4, 2 of them harmed)."""
     max_forward_cost: float = Field(0.01, ge=0)
     """Reject when the mode's forward pass alone makes the held-out loss worse by more than 1%:
     the trial's own trained weights, read once by the mode and once by the user's model in
