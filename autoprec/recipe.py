@@ -237,7 +237,7 @@ def schedule_points(
     peak = max(moving, key=lambda step: (sum(relative(step)), -step))  # all groups highest
     ranked = sorted(moving, key=lambda step: (lowest[step], -step))
     # nearest rank: the lowest lr that at least floor_quantile of the steps stay at or below
-    # (rounded first: 0.1 x 3000 is 300.00000000000006 in floats). floor(q x n) took one step
+    # (rounded first: 0.55 x 100 is 55.00000000000001 in floats). floor(q x n) took one step
     # more, so a step schedule whose lowest lr lasted exactly its last 10% was judged a step
     # earlier, at 10x that lr, or on its peak leg alone.
     rank = max(1, math.ceil(round(floor_quantile * len(ranked), 9)))
