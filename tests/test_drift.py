@@ -858,5 +858,5 @@ def test_the_movement_reason_quotes_the_judged_groups_lr() -> None:
     assert legs and all(r.startswith("updates lost to rounding at lr ") for r in legs)
     assert not any(r.startswith("updates lost to rounding at lr 0.01") for r in legs), legs
     assert any(r.startswith("updates lost to rounding at lr 1e-05") for r in legs), legs
-    floor = 1e-5 * (1 + math.cos(math.pi * 89 / 100)) / 2  # the leg judged weakest
+    floor = 1e-5 * (1 + math.cos(math.pi * 90 / 100)) / 2  # the floor leg: the last 10 steps
     assert verdict.drift["update_fraction_lr"] in (pytest.approx(1e-5), pytest.approx(floor))
