@@ -1932,7 +1932,7 @@ def test_check_command_takes_a_trial_time_limit(capsys: pytest.CaptureFixture[st
     assert stopped["status"] == "stopped", stopped
     assert "--max-trial-minutes on the command line" in stopped["reasons"][0]
     assert main([*command, "--max-trial-minutes", "-1"]) == 2
-    assert "max_trial_minutes must be a number of minutes > 0" in capsys.readouterr().err
+    assert "--max-trial-minutes must be > 0, not -1.0." in capsys.readouterr().err
 
 
 def test_the_trial_time_limit_is_tunes_budget_stop_with_the_limit_as_deadline() -> None:
