@@ -120,8 +120,10 @@ def fp8_worthwhile(in_features: int, out_features: int, recipe: str = "tensorwis
 def computes_weight(module: nn.Module) -> bool:
     """Is the module's ``weight`` computed at each call rather than a Parameter of its own (a
     torch parametrization such as ``weight_norm`` or ``spectral_norm``, or their hook-based
-    forms in ``torch.nn.utils``)?"""
-    return not isinstance(getattr(module, "weight", None), nn.Parameter)
+    forms in ``torch.nn.utils``)? Read from the module's parameter table: reading ``weight``
+    itself runs the parametrization, and spectral norm's then advances its power iteration in
+    place (the probe and ``apply()`` moved a user's vectors that way; found by a hunt)."""
+    return not isinstance(module._parameters.get("weight"), nn.Parameter)
 
 
 def swap_would_drop(module: nn.Module) -> str | None:

@@ -90,6 +90,15 @@ def _restore(
         module.training = training
 
 
+def power_iteration_vectors(model: nn.Module) -> frozenset[str]:
+    """Names of spectral norm's power-iteration vectors in ``model``, under every name a
+    shared module has. Recomputed by each forward, not averaged: the gate's check of state
+    outside the optimizer leaves them out as the probe does (it rejected every pure-bf16 mode
+    on a spectral-normed model, a GAN discriminator, for holding them in bf16; found by a
+    hunt)."""
+    return frozenset(entry.fqn for entry in _entries(model) if _power_iteration(entry))
+
+
 def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     """Names of the floating buffers one training-mode forward of ``example_input`` changes
     (a shared buffer under its first name), spectral norm's vectors left out; () on the meta

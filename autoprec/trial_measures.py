@@ -15,6 +15,7 @@ from torch import nn
 
 from autoprec.layer_flops import storage_key
 from autoprec.plan import PrecisionPlan
+from autoprec.running_state import power_iteration_vectors
 from autoprec.trial_records import LowPrecisionMoment, StateBytes, StateDigest
 from autoprec.weight_dtypes import as_real, is_floating, stored_values
 
@@ -122,10 +123,12 @@ def state_no_optimizer_steps(
 
 def outside_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, StateDigest]:
     """Digests of the model's state no optimizer steps (``state_no_optimizer_steps``) that is
-    floating. Two float64 reductions per tensor, no copy of it."""
+    floating, spectral norm's power-iteration vectors left out (``power_iteration_vectors``).
+    Two float64 reductions per tensor, no copy of it."""
     digests = {}
+    recomputed = power_iteration_vectors(model)
     for name, tensor in state_no_optimizer_steps(model, optimizer):
-        if not is_floating(tensor) or tensor.is_meta:
+        if not is_floating(tensor) or tensor.is_meta or name in recomputed:
             continue
         values = as_real(tensor.detach())
         total = float(torch.nansum(values, dtype=torch.float64))  # a NaN fill value stays put

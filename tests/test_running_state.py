@@ -165,6 +165,51 @@ def test_spectral_norms_vectors_are_told_apart_without_torchs_private_class(
     assert running_buffers(model, torch.randn(4, 16)) == ("1.average",)
 
 
+def _spectral_normed(style: str) -> nn.Module:
+    norm = {
+        "hook": nn.utils.spectral_norm,
+        "parametrization": nn.utils.parametrizations.spectral_norm,
+    }
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), norm[style](nn.Linear(32, 32)), nn.ReLU(), nn.Linear(32, 4)
+    )
+
+
+@pytest.mark.parametrize("style", ["hook", "parametrization"])
+def test_the_gate_does_not_reject_pure_bf16_for_spectral_norms_vectors(style: str) -> None:
+    # the probe leaves them bf16 on purpose; the state check then rejected every pure-bf16
+    # mode on a spectral-normed model for holding them in bf16 (found by a hunt)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator))
+        for _ in range(24)
+    ]
+    report = autoprec.check(
+        _spectral_normed(style),
+        batches,
+        steps=20,
+        loss_fn=nn.functional.mse_loss,
+        modes=["bf16_sr", "bf16_kahan"],
+    )
+    for verdict in report.verdicts:
+        assert verdict.status == "safe", verdict.reasons
+
+
+def test_the_probe_and_prepare_leave_spectral_norms_vectors_where_they_were() -> None:
+    # reading a parametrized weight runs one power iteration in place: the scan moved them
+    # (the hook's weight is an attribute its forward sets: reading it runs nothing)
+    model = _spectral_normed("parametrization")
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    assert len(before) == 2
+    autoprec.probe(model)
+    autoprec.probe(model, torch.randn(2, 16))
+    autoprec.prepare(
+        autoprec.ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters())
+    )
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
+
+
 def test_probe_says_what_it_cannot_keep_or_could_not_find() -> None:
     class OwnBuffer(running_stats.RunningStandardizer):
         def __init__(self) -> None:
