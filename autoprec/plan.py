@@ -406,8 +406,7 @@ def build_plan(
     _refuse_kept_low_precision(mode, model)
     mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
-    _drop_leftover_gradients(model)
-    model = mode.convert_module(model)
+    model = _converted(mode, model)
     optimizer = mode.convert_optimizer(optimizer, model, groups)
     if spec.compile and not compiled_by_user:
         compile_model(model)
@@ -437,13 +436,24 @@ def _refuse_kept_low_precision(mode: PrecisionMode, model: nn.Module) -> None:
             )
 
 
-def _drop_leftover_gradients(model: nn.Module) -> None:
-    """A run switched mid-way in the usual loop order (zero_grad, backward, step) still holds the
+def _converted(mode: PrecisionMode, model: nn.Module) -> nn.Module:
+    """``mode.convert_module(model)`` with the model's leftover gradients dropped first.
+
+    A run switched mid-way in the usual loop order (zero_grad, backward, step) still holds the
     last step's fp32 gradients: a bf16 mode's first step failed on them ("expected dtype
     BFloat16"), and the others added them into the next step's gradient (a cosine of 0.978 to
-    fp32's own next step instead of 1.000). That step has applied them; the next makes its own."""
-    for parameter in model.parameters():
+    fp32's own next step instead of 1.000). That step has applied them; the next makes its own.
+    A conversion that refuses (FP8 with no layer to run in FP8) gives them back: the refusal
+    deleted them (found by a hunt)."""
+    leftover = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for parameter, _ in leftover:
         parameter.grad = None
+    try:
+        return mode.convert_module(model)
+    except Exception:
+        for parameter, gradient in leftover:
+            parameter.grad = gradient
+        raise
 
 
 def _schedulers(scheduler: Any) -> list[Any]:

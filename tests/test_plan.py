@@ -893,6 +893,20 @@ def test_apply_mid_run_carries_the_optimizers_state(spec: ModeSpec, order: str) 
     assert carried > 0.75 and fresh < 0.4, (carried, fresh)
 
 
+def test_a_conversion_that_refuses_leaves_the_models_gradients() -> None:
+    # FP8 refuses in its conversion when no Linear would run in FP8; the leftover gradients,
+    # dropped just before it, were gone (found by a hunt)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    gradients = [p.grad for p in model.parameters()]
+    with pytest.raises(ValueError, match="would run no layer of Sequential in FP8"):
+        autoprec.prepare(ModeSpec(mode="fp8_torchao", emulate=True), model, optimizer)
+    assert all(p.grad is g for p, g in zip(model.parameters(), gradients, strict=True))
+
+
 def test_clip_gradients_before_a_steps_last_micro_batch_is_refused() -> None:
     # under amp_fp16 it unscaled the partial sum and the step's later micro-batches stayed
     # loss-scaled: weights ended at -486 instead of 0.25
