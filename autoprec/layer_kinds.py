@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -59,6 +60,36 @@ def is_uncalled_linear(module: nn.Module) -> bool:
     whose FLOPs went to raw parameters, and an FP8 swap of it was listed as a layer run in
     FP8)."""
     return isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear)
+
+
+def uncalled_kept_module(model: nn.Module, keeps: Callable[[str], bool]) -> str | None:
+    """Why a module ``keeps`` (a keep_fp32 test of module names) keeps apart from its owner
+    cannot run in fp32, or None. An fp32 island hooks the module's own calls; nothing calls
+    nn.MultiheadAttention's ``out_proj`` (:func:`is_uncalled_linear`) or a ParameterList /
+    ParameterDict (their owner computes with their tensors), so keeping one kept nothing
+    under AMP, without a word, and failed under pure bf16 ("mat1 and mat2 must have the same
+    dtype"; found by a hunt)."""
+    for fqn, module in model.named_modules():
+        owner = fqn.rpartition(".")[0]
+        if not fqn or not keeps(fqn) or (owner and keeps(owner)):
+            continue
+        if is_uncalled_linear(module) or isinstance(module, nn.ParameterList | nn.ParameterDict):
+            what = (
+                "nn.MultiheadAttention's out_proj, whose owner multiplies its weight itself"
+                if is_uncalled_linear(module)
+                else f"an nn.{type(module).__name__}, whose tensors its owner computes with"
+            )
+            instead = (
+                f"Keep its owner {owner!r} instead"
+                if owner
+                else "Its owner is the model's root module, which cannot be kept apart from the "
+                "model: leave it out of keep_fp32"
+            )
+            return (
+                f"keep_fp32 keeps {fqn!r} apart from its owner, but it is {what}: it is never "
+                f"called, so nothing of it can run in fp32 alone. {instead}."
+            )
+    return None
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from autoprec.errors import (
     UnsupportedModeError,
 )
 from autoprec.layer_keep import loaded_in_low_precision
-from autoprec.layer_kinds import refuse_torchscript
+from autoprec.layer_kinds import refuse_torchscript, uncalled_kept_module
 from autoprec.model_copies import (
     CompiledForward,
     inside_compile_wrapper,
@@ -404,6 +404,9 @@ def build_plan(
     # refuse before converting anything: a refusal leaves the model and optimizer untouched
     check_step_settings(grad_accumulation_steps, clip_grad_norm)
     _refuse_kept_low_precision(mode, model)
+    uncalled = uncalled_kept_module(model, mode.keeps_fp32)
+    if uncalled:
+        raise ValueError(uncalled)
     mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
     model = _converted(mode, model)

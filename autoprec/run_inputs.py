@@ -19,7 +19,7 @@ from torch import nn
 from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
-from autoprec.layer_kinds import refuse_lazy, refuse_torchscript
+from autoprec.layer_kinds import refuse_lazy, refuse_torchscript, uncalled_kept_module
 from autoprec.model_copies import (
     compiled_in_place,
     inside_compile_wrapper,
@@ -268,6 +268,9 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
                 "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
             )
     _refuse_keeping_everything(model, patterns)
+    uncalled = uncalled_kept_module(model, lambda fqn: matches_keep_fp32(fqn, patterns))
+    if uncalled:
+        raise ValueError(uncalled)
     return tuple(sorted(dict.fromkeys(patterns)))  # in any order: the same study (a hunt)
 
 

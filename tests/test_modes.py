@@ -357,6 +357,68 @@ def test_keep_fp32_modules_really_run_in_fp32(mode: str, tmp_path: Path) -> None
     assert logits.dtype == torch.bfloat16
 
 
+class _Stacked(nn.Module):
+    """Blocks in a ModuleList (never called: its children are), attention, a ParameterList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+        self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(32))])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        x = self.attention(x, x, x)[0]
+        return self.head(x.mean(1) * self.scales[0])
+
+
+@pytest.mark.parametrize("mode", ["amp_bf16", "bf16_sr"])
+def test_keep_fp32_of_a_module_list_keeps_the_blocks_in_it(mode: str) -> None:
+    # the list's hooks never fire: its blocks computed in bf16 under AMP, unsaid, and failed
+    # under pure bf16 ("mat1 and mat2 must have the same dtype"; found by a hunt)
+    model = _Stacked()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        spec = ModeSpec(mode=mode, keep_fp32=("blocks",))
+        plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    inside: dict[str, tuple[torch.dtype, bool]] = {}
+    for name in ("blocks.0", "blocks.1"):  # after autoprec's hooks: what the forward sees
+        plan.model.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, name=name: inside.__setitem__(
+                name, (args[0].dtype, torch.is_autocast_enabled("cpu"))
+            )
+        )
+    with plan.autocast():
+        loss = plan.model(torch.randn(2, 5, 32)).float().pow(2).mean()
+    plan.step(loss)
+    assert inside == {"blocks.0": (torch.float32, False), "blocks.1": (torch.float32, False)}
+    assert {p.dtype for p in plan.model.blocks.parameters()} == {torch.float32}
+    assert plan.model.head.weight.dtype == (torch.float32 if mode == "amp_bf16" else torch.bfloat16)
+
+
+@pytest.mark.parametrize("kept", ["attention.out_proj", "scales"])
+def test_keep_fp32_refuses_a_module_its_owner_never_calls(kept: str) -> None:
+    # an island hooks the module's calls: keeping one of these kept nothing under AMP, unsaid
+    model = _Stacked()
+    owner = "Keep its owner 'attention'" if kept == "attention.out_proj" else "root module"
+    with pytest.raises(ValueError, match=f"keeps '{kept}' apart from its owner.*{owner}"):
+        prepare(
+            ModeSpec(mode="amp_bf16", keep_fp32=(kept,)),
+            model,
+            torch.optim.AdamW(model.parameters()),
+        )
+    batches = [(torch.randn(2, 5, 32), torch.randn(2, 4)) for _ in range(8)]
+    with pytest.raises(ValueError, match=f"keeps '{kept}' apart from its owner"):
+        autoprec.check(model, batches, steps=2, loss_fn=nn.functional.mse_loss, keep_fp32=[kept])
+    assert autoprec.prepare(  # kept whole, the owner's own calls run in fp32
+        ModeSpec(mode="amp_bf16", keep_fp32=("attention",)),
+        model,
+        torch.optim.AdamW(model.parameters()),
+    )
+
+
 def test_user_model_is_converted_in_place_and_returned(tmp_path: Path) -> None:
     model, _ = tiny_gpt.make_model(**SMALL)
     plan = autoprec.prepare(

@@ -140,11 +140,16 @@ class PrecisionMode:
         return {fqn for fqn, _ in model.named_modules() if fqn and self.keeps_fp32(fqn)}
 
     def kept_roots(self, model: nn.Module) -> list[str]:
-        """The outermost kept modules (hooking those covers their children)."""
+        """The outermost kept modules (hooking those covers their children). A ModuleList or
+        ModuleDict is never called, so its hooks never fire: its children are the roots (a
+        kept ``blocks`` list computed in bf16 under AMP and failed under pure bf16; found by a
+        hunt)."""
         kept = self.kept_modules(model)
         roots: list[str] = []
-        for fqn, _ in model.named_modules():
-            if fqn in kept and not any(fqn.startswith(root + ".") for root in roots):
+        for fqn, module in model.named_modules():
+            if fqn not in kept or any(fqn.startswith(root + ".") for root in roots):
+                continue
+            if not isinstance(module, nn.ModuleList | nn.ModuleDict):
                 roots.append(fqn)
         return roots
 
