@@ -366,7 +366,19 @@ def mode_eligibility(mode: ModeName, situation: Situation) -> Eligibility:
     verdict = _Verdict()
     _RULES[mode](situation, verdict)
     _needs_something_to_train(verdict, situation.layers)
+    _needs_fp32_weights(verdict, situation.layers)
     return verdict.done()
+
+
+def _needs_fp32_weights(verdict: _Verdict, layers: LayerMix | None) -> None:
+    """A model whose trainable weights are not fp32 (bf16, fp16, float64): tune, check and
+    apply refuse it, so no mode is worth a trial (the probe offered every mode; found by a
+    hunt)."""
+    if layers is not None and layers.weights_not_fp32 is not None:
+        verdict.doubt(
+            f"the model's weights are not fp32 ({layers.weights_not_fp32}): tune, check and "
+            "apply refuse it until it is passed in fp32 (the findings say how)"
+        )
 
 
 def _needs_something_to_train(verdict: _Verdict, layers: LayerMix | None) -> None:
@@ -386,6 +398,7 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
     _needs_real_parameters(verdict, "optimizer_bits=8", "bitsandbytes", situation.layers)
     _takes_no_sparse_gradients(verdict, "optimizer_bits=8", situation.layers)
     _needs_something_to_train(verdict, situation.layers)
+    _needs_fp32_weights(verdict, situation.layers)
     layers = situation.layers
     if layers is not None and layers.trainable_parameters:
         large = layers.parameters_in_large_tensors

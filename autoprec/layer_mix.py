@@ -98,6 +98,9 @@ class LayerMix(BaseModel):
     normaliser, an EMA codebook): state outside the optimizer (``autoprec.running_state``)."""
     running_buffers_error: str | None = None
     """Why the training-mode forward that finds ``running_buffers`` failed, if it did."""
+    weights_not_fp32: str | None = None
+    """What is not fp32 among the trainable parameters, in words (``weight_dtypes.
+    non_fp32_weights``); None when all are fp32. tune, check and apply refuse such a model."""
 
     def kept_for(self, reasons: str | tuple[str, ...]) -> tuple[str, ...]:
         """The modules of ``keep_fp32`` kept for a reason starting with ``reasons``, once each."""

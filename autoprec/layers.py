@@ -43,7 +43,7 @@ from autoprec.layer_kinds import (
 )
 from autoprec.layer_mix import KindShare, LayerMix, LinearInfo
 from autoprec.running_state import running_buffers
-from autoprec.weight_dtypes import non_fp32_weights
+from autoprec.weight_dtypes import fp32_fix, non_fp32_weights
 
 logger = logging.getLogger(__name__)
 
@@ -215,12 +215,13 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         ),
         running_buffers=running,
         running_buffers_error=running_error,
+        weights_not_fp32=non_fp32_weights(model),
     )
     findings = scan_findings(mix_without_findings)
-    if (not_fp32 := non_fp32_weights(model)) is not None:
+    if mix_without_findings.weights_not_fp32 is not None:
         findings.insert(
             0,
-            f"weights not fp32 ({not_fp32}): tune, check and apply start from fp32 weights; "
-            "pass model.float()",
+            f"weights not fp32 ({mix_without_findings.weights_not_fp32}): tune, check and "
+            f"apply start from fp32 weights and refuse these. {fp32_fix(model)}",
         )
     return mix_without_findings.model_copy(update={"findings": tuple(findings)})

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import autoprec
 from autoprec.cpu_info import AutocastCheck
 from autoprec.eligibility import (
     Situation,
@@ -231,6 +232,24 @@ def test_a_model_with_nothing_to_train_is_worth_no_trial() -> None:
     assert verdict.eligible and not verdict.worth_trying
     assert any("no trainable parameters" in note for note in verdict.notes)
     assert not optimizer_8bit_eligibility(situation).worth_trying
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_whose_weights_are_not_fp32_is_worth_no_trial(dtype: torch.dtype) -> None:
+    # tune, check and apply refuse it; the probe offered every mode for it ("worth a trial
+    # here: fp32, amp_bf16, ...") and told a float64 model only "pass model.float()" (a hunt)
+    from autoprec.eligibility import situation_for_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(dtype)
+    report = autoprec.probe(model, torch.randn(2, 8, dtype=dtype))
+    assert not [m.name for m in report.modes if m.worth_trying]
+    verdict = next(m for m in report.modes if m.name == "amp_bf16")
+    assert any("weights are not fp32" in note for note in verdict.notes)
+    advice = "float64 is wider than every mode" if dtype == torch.float64 else "model.float()"
+    assert advice in report.layers.findings[0]
+    situation = dataclasses.replace(situation_for_model(model.float()), layers=report.layers)
+    assert not optimizer_8bit_eligibility(situation).worth_trying
+    assert not mode_eligibility("bf16_sr", situation).worth_trying
 
 
 def test_fp8_refusal_names_why_the_linears_do_not_fit() -> None:
