@@ -419,6 +419,32 @@ def test_keep_fp32_refuses_a_module_its_owner_never_calls(kept: str) -> None:
     )
 
 
+def test_fp8_swaps_a_linear_registered_twice_under_both_names() -> None:
+    # torchao's swap walks named_modules(), each module once: the second name kept the plain
+    # Linear, half the calls in FP8 and half in bf16, the user's one module split (a hunt)
+    pytest.importorskip("torchao")
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.a, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+            self.b = self.a
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.b(torch.relu(self.a(torch.relu(self.inp(x))))))
+
+    model = Shared()
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", fp8_skip=("inp", "out"))
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert model.a is model.b and type(model.a).__name__ == "Float8Linear"
+    assert type(model.inp) is nn.Linear
+    weight = model.a.weight.detach().clone()
+    with plan.autocast():
+        loss = plan.model(torch.randn(4, 16)).float().pow(2).mean()
+    plan.step(loss)
+    assert not torch.equal(weight, model.b.weight)
+
+
 def test_user_model_is_converted_in_place_and_returned(tmp_path: Path) -> None:
     model, _ = tiny_gpt.make_model(**SMALL)
     plan = autoprec.prepare(

@@ -80,6 +80,27 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
             field.fp32_precision = value
 
 
+@contextlib.contextmanager
+def swaps_under_every_name(model: nn.Module) -> Iterator[None]:
+    """Around a module swap that walks ``named_modules()`` (each module once, under its first
+    name): afterwards every other name of a swapped module points at its replacement. FP8
+    swapped a Linear registered twice (``self.b = self.a``) under its first name only, splitting
+    the user's one module in two, half its calls in FP8 and half in bf16 (found by a hunt)."""
+    before = dict(model.named_modules(remove_duplicate=False))
+    yield
+    after = dict(model.named_modules(remove_duplicate=False))
+    replaced = {
+        id(before[fqn]): module
+        for fqn, module in after.items()
+        if fqn in before and module is not before[fqn]
+    }
+    for fqn, module in after.items():
+        if fqn and id(module) in replaced and module is before.get(fqn):
+            parent_name, _, child_name = fqn.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child_name, replaced[id(module)])
+
+
 BackwardRunner = Callable[[torch.Tensor], None]
 """Runs the backward pass of a (scaled) loss: ``Tensor.backward`` unless a trainer has its own."""
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from autoprec._imports import require
 from autoprec.layer_kinds import fp8_linear_fits
-from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.base import PrecisionMode, override, swaps_under_every_name
 from autoprec.modes.islands import install_fp32_islands
 from autoprec.random_streams import cuda_devices_of, kept_streams
 from autoprec.specs import TeDelayedScaling
@@ -53,6 +53,13 @@ class Fp8TeMode(PrecisionMode):
         model = super().convert_module(model)
         te = require("transformer_engine").pytorch
         self.converted: list[str] = []
+        with swaps_under_every_name(model):
+            self._swap_linears(model, te)
+        install_fp32_islands(model, self.kept_roots(model), self.device_type)
+        return model
+
+    def _swap_linears(self, model: nn.Module, te: Any) -> None:
+        """Replace each Linear the filter takes by a te.Linear holding its Parameters."""
         for fqn, module in list(model.named_modules()):
             if not fqn or not self.module_filter_fn(module, fqn):
                 continue
@@ -75,8 +82,6 @@ class Fp8TeMode(PrecisionMode):
                 replacement.bias = module.bias
             setattr(parent, child_name, replacement)
             self.converted.append(fqn)
-        install_fp32_islands(model, self.kept_roots(model), self.device_type)
-        return model
 
     @override
     def fp8_modules(self, model: nn.Module) -> tuple[str, ...]:

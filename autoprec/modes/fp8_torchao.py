@@ -19,7 +19,7 @@ from autoprec._imports import require
 from autoprec._wording import first_names
 from autoprec.eligibility import Situation
 from autoprec.layer_kinds import fp8_linear_fits, fp8_worthwhile
-from autoprec.modes.base import PrecisionMode, override
+from autoprec.modes.base import PrecisionMode, override, swaps_under_every_name
 from autoprec.modes.islands import install_fp32_islands
 
 _TORCHAO_RECIPES = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
@@ -82,9 +82,10 @@ class Fp8TorchaoMode(PrecisionMode):
                 "label: use amp_bf16."
             )
         float8 = require("torchao").float8
-        float8.convert_to_float8_training(  # the filter leaves keep_fp32 and fp8_skip out
-            model, config=self.float8_config(), module_filter_fn=self.module_filter_fn
-        )
+        with swaps_under_every_name(model):
+            float8.convert_to_float8_training(  # the filter leaves keep_fp32 and fp8_skip out
+                model, config=self.float8_config(), module_filter_fn=self.module_filter_fn
+            )
         install_fp32_islands(model, self.kept_roots(model), self.device_type)
         return model
 
