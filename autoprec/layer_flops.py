@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from autoprec.buffer_slots import buffer_slots, kept_values, restore_buffer_slots
 from autoprec.layer_kinds import LAYER_KINDS, LayerKind, is_bnb_4bit, module_kind
 from autoprec.random_streams import kept_streams
 
@@ -207,7 +208,8 @@ def run_forward(
     # hunt): both are put back
     tensors = (*model.parameters(), *model.buffers())
     cuda = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    slots = buffer_slots(model)
+    values = kept_values(slots)
     try:
         tracked = attribution.tracking(model)
         streams = kept_streams(cuda)
@@ -217,8 +219,4 @@ def run_forward(
         torch.backends.mha.set_fastpath_enabled(fastpath)
         for module, training in modes.items():
             module.training = training
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                kept = buffers.get(name)
-                if kept is not None and kept.shape == buffer.shape:
-                    buffer.copy_(kept)
+        restore_buffer_slots(model, slots, values)

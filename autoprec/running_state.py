@@ -23,35 +23,18 @@ so the user's model is left as it was.
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
+from autoprec.buffer_slots import BufferSlot, buffer_slots, kept_values, restore_buffer_slots
 from autoprec.layer_flops import call_model, renormed_weights_kept
 from autoprec.random_streams import kept_streams
 from autoprec.weight_dtypes import is_floating, same_values
 
 
-class _Entry(NamedTuple):
-    """One module's buffer slot as it was before the forward pass."""
-
-    fqn: str
-    module: nn.Module
-    name: str
-    buffer: torch.Tensor
-
-
-def _entries(model: nn.Module) -> list[_Entry]:
-    return [
-        _Entry(f"{fqn}.{name}" if fqn else name, module, name, buffer)
-        for fqn, module in model.named_modules(remove_duplicate=False)
-        for name, buffer in module._buffers.items()
-        if buffer is not None
-    ]
-
-
-def _power_iteration(entry: _Entry) -> bool:
+def _power_iteration(entry: BufferSlot) -> bool:
     """Is this buffer one of spectral norm's power-iteration vectors (the hook of
     ``nn.utils.spectral_norm``: ``{name}_u`` / ``{name}_v``; the parametrization of
     ``nn.utils.parametrizations.spectral_norm``: ``_u`` / ``_v``)?"""
@@ -71,45 +54,26 @@ def _power_iteration(entry: _Entry) -> bool:
     )
 
 
-def _restore(
-    model: nn.Module,
-    entries: list[_Entry],
-    values: dict[int, torch.Tensor],
-    modes: dict[nn.Module, bool],
-) -> None:
-    """Buffer slots, their tensor objects and values, and training flags as they were."""
-    slots = {(id(entry.module), entry.name) for entry in entries}
-    for module in model.modules():
-        for name in [n for n in module._buffers if (id(module), n) not in slots]:
-            del module._buffers[name]  # made by the forward pass (a lazy initialisation)
-    with torch.no_grad():
-        for entry in entries:
-            entry.module._buffers[entry.name] = entry.buffer
-            entry.buffer.copy_(values[id(entry.buffer)])
-    for module, training in modes.items():
-        module.training = training
-
-
 def power_iteration_vectors(model: nn.Module) -> frozenset[str]:
     """Names of spectral norm's power-iteration vectors in ``model``, under every name a
     shared module has. Recomputed by each forward, not averaged: the gate's check of state
     outside the optimizer leaves them out as the probe does (it rejected every pure-bf16 mode
     on a spectral-normed model, a GAN discriminator, for holding them in bf16; found by a
     hunt)."""
-    return frozenset(entry.fqn for entry in _entries(model) if _power_iteration(entry))
+    return frozenset(entry.fqn for entry in buffer_slots(model) if _power_iteration(entry))
 
 
 def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     """Names of the floating buffers one training-mode forward of ``example_input`` changes
     (a shared buffer under its first name), spectral norm's vectors left out; () on the meta
     device. Raises what the forward pass raises; the model is restored either way."""
-    entries = _entries(model)
+    entries = buffer_slots(model)
     if not any(is_floating(entry.buffer) for entry in entries):
         return ()
     if any(entry.buffer.is_meta for entry in entries):
         return ()
     modes = {module: module.training for module in model.modules()}
-    values = {id(e.buffer): e.buffer.detach().clone() for e in entries}
+    values = kept_values(entries)
     devices = [p.device for p in model.parameters()] + [e.buffer.device for e in entries]
     cuda = sorted({device.index or 0 for device in devices if device.type == "cuda"})
     try:
@@ -133,4 +97,6 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
                 changed.setdefault(id(entry.buffer), entry.fqn)
         return tuple(changed.values())
     finally:
-        _restore(model, entries, values, modes)
+        restore_buffer_slots(model, entries, values)
+        for module, training in modes.items():
+            module.training = training

@@ -440,6 +440,30 @@ class _PairModel(torch.nn.Module):
         return self.head(torch.cat([self.norm(pair[0]), pair[1]], dim=1))
 
 
+class _Reassigning(nn.Module):
+    """A running mean its forward assigns anew (``self.mean = ...``), as many codebases do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("mean", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return self.linear(x - self.mean)
+
+
+def test_the_probe_gives_a_reassigned_buffer_its_own_tensor_back() -> None:
+    # the FLOP scan put back the values only: the slot kept the scan's new tensor, so a
+    # reference the user held no longer tracked the model (found by a hunt)
+    model = nn.Sequential(_Reassigning(), nn.Linear(16, 4))
+    held = model[0].mean
+    mix = autoprec.probe(model, torch.randn(4, 16)).layers
+    assert mix is not None and mix.running_buffers == ("0.mean",)
+    assert model[0].mean is held and torch.equal(held, torch.zeros(16))
+
+
 def _pair_batches() -> list:
     generator = torch.Generator().manual_seed(0)
     batches = []

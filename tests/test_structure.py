@@ -16,7 +16,8 @@ ORDER = [
     "_version", "_models", "_files", "_wording", "_warnings", "errors", "_imports",  # base
     "random_streams", "collector", "interrupts",
     "specs",
-    "cpu_info", "hardware", "layer_kinds", "layer_flops", "weight_dtypes", "running_state",  # facts
+    "cpu_info", "hardware", "layer_kinds", "buffer_slots", "layer_flops",  # facts
+    "weight_dtypes", "running_state",
     "layer_mix", "layer_keep", "layer_findings", "layers",
     "eligibility",
     "flat_chunks",  # runtime
