@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._wording import first_names
 from autoprec.weight_dtypes import same_values
 
 
@@ -107,10 +108,32 @@ def deep_copy(model: nn.Module) -> nn.Module:
         found = f"; the attribute {culprit} cannot be copied" if culprit else ""
         raise TypeError(
             f"autoprec trains copies of your model (copy.deepcopy), and copying "
-            f"{type(model).__name__} failed ({type(error).__name__}: {error}){found}. Keep "
-            "locks, files, open connections and loggers out of the model's attributes (create "
-            "them outside it, or define __deepcopy__)."
+            f"{type(model).__name__} failed ({type(error).__name__}: {error}){found}. "
+            f"{_copy_advice(model)}"
         ) from error
+
+
+def _copy_advice(model: nn.Module) -> str:
+    """What makes a model copyable: torch's old ``nn.utils.weight_norm`` hook leaves a computed
+    weight no deep copy takes (the advice about locks and loggers misled there; found by a
+    hunt); its parametrization form copies."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    hooked = [
+        fqn or type(model).__name__
+        for fqn, module in model.named_modules()
+        if any(isinstance(hook, WeightNorm) for hook in module._forward_pre_hooks.values())
+    ]
+    if hooked:
+        return (
+            f"{first_names(hooked)} use torch.nn.utils.weight_norm, whose hook form cannot be "
+            "copied: use torch.nn.utils.parametrizations.weight_norm (the same "
+            "reparametrization, which torch recommends and which copies)."
+        )
+    return (
+        "Keep locks, files, open connections and loggers out of the model's attributes "
+        "(create them outside it, or define __deepcopy__)."
+    )
 
 
 def refuse_parallel_wrapper(model: nn.Module) -> None:

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -512,6 +513,16 @@ def test_a_model_that_cannot_be_copied_names_the_attribute() -> None:
     for device in (None, "cpu"):
         with pytest.raises(TypeError, match=r"copy\.deepcopy.*attribute lock \(lock\) cannot"):
             tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse, device=device)
+
+
+def test_a_model_with_torchs_old_weight_norm_hook_is_told_the_form_that_copies() -> None:
+    # the hook's computed weight cannot be deep-copied; the advice was about locks and loggers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook form
+        model = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(4, 8)))
+    model.append(torch.nn.Linear(8, 1))
+    with pytest.raises(TypeError, match=r"0 use torch\.nn\.utils\.weight_norm.*parametrizations"):
+        tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
 
 
 def test_an_optimizer_factory_returning_a_lightning_dict_says_what_to_return() -> None:
