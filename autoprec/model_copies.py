@@ -250,6 +250,19 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def _plain(value: Any) -> bool:
+    """Tensors, numbers, strings and None, alone or in lists, tuples and dicts of them."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return True
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(_plain(key) and _plain(item) for key, item in value.items())
+    return False
+
+
 def _carried_attribute(value: Any, current: Any) -> Any:
     """``value`` (a trained module's plain attribute) for the fp32 reader: tensors in the
     reader's own dtype, other values copied."""
@@ -264,7 +277,11 @@ def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
     ``state_dict()``) what a state dict leaves out but a forward may read: non-persistent
     buffers, and the plain attributes training changed (a step counter an annealed
     temperature follows), module by module where names and classes match. Modules a mode
-    swapped (FP8 Linears) and attributes a mode added are left alone."""
+    swapped (FP8 Linears) and attributes a mode added are left alone, and so is anything but
+    plain data (:func:`_plain`): an instance ``forward`` (a ``torch.compile`` wrapper's, or one
+    bound on the instance) deep-copied the trained module it is bound to, so the "fp32" reader
+    ran the trained mode's copy (bf16_sr failed on a regionally compiled model, and the
+    forward-cost check read 0; found by a hunt)."""
     sources = dict(trained.named_modules())
     for name, module in reader.named_modules():
         source = sources.get(name)
@@ -279,7 +296,7 @@ def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
         for key, value in vars(source).items():
             if key.startswith("_") or key == "training" or key not in own:
                 continue
-            if isinstance(value, nn.Module) or value is own[key]:
+            if value is own[key] or not _plain(value):
                 continue
             own[key] = _carried_attribute(value, own[key])
 

@@ -9,6 +9,7 @@ import io
 import json
 import math
 import re
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -1413,6 +1414,46 @@ def test_the_forward_cost_reads_the_trained_model_with_its_unsaved_state() -> No
     assert verdict.status == "safe", verdict.reasons
     assert abs(verdict.drift["forward_cost"]) < 0.01
     assert model[0].steps == 0  # the user's model is untouched
+
+
+def test_the_fp32_read_runs_its_own_forward_not_the_trained_copys() -> None:
+    # an instance forward (a compile wrapper's, or bound on the instance) was deep-copied into
+    # the fp32 reader with the trained module it is bound to: bf16_sr failed on a regionally
+    # compiled model ("expected m1 and m2 to have the same dtype"), and the forward cost of a
+    # model with a bound forward read exactly 0 (found by a hunt)
+    from examples import raw_param_mlp
+
+    compiled, _ = raw_param_mlp.make_model()
+    compiled.embed = torch.compile(compiled.embed)
+    bound, _ = raw_param_mlp.make_model()
+    bound.forward = types.MethodType(lambda self, *a: type(self).forward(self, *a), bound)
+    for model in (compiled, bound):
+        report = autoprec.check(
+            model,
+            raw_param_mlp.make_batches(count=8),
+            loss_fn=raw_param_mlp.loss_fn,
+            steps=12,
+            modes=["bf16_sr"],
+            compile=False,
+        )
+        verdict = report.verdict("bf16_sr")
+        assert verdict.status == "safe", verdict.reasons
+        assert verdict.drift["forward_cost"] != 0.0  # bf16 weights read in fp32 differ
+
+
+def test_only_plain_data_is_carried_into_the_fp32_reader() -> None:
+    from autoprec.model_copies import carry_unsaved_state
+
+    trained, reader = _Annealed(), _Annealed()
+    trained.steps = 7
+    trained.helpers = [torch.nn.Linear(2, 2)]
+    reader.helpers = [torch.nn.Linear(2, 2)]
+    trained.forward = types.MethodType(type(trained).forward, trained)
+    reader.forward = types.MethodType(type(reader).forward, reader)
+    carry_unsaved_state(trained, reader)
+    assert reader.steps == 7  # a step counter is carried
+    assert reader.forward.__self__ is reader
+    assert reader.helpers[0] is not trained.helpers[0]
 
 
 @pytest.mark.parametrize("first", ["mask", "indices", "spectrum"])
