@@ -37,6 +37,9 @@ class TrialOutcome(BaseModel):
     memory_kind: MemoryKind | None = None
     activation_bytes: int | None = None
     """CPU, eager: bytes saved for backward, included in ``memory_bytes``."""
+    compiled_graphs: int | None = None
+    """Compiled trials: graphs torch.compile built during warm-up (more than one forward graph
+    means graph breaks)."""
     recompiles: int | None = None
     """Compiled trials: graphs torch.compile built after warm-up (their time is in the speed)."""
     seconds: float = 0.0

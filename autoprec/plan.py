@@ -497,22 +497,49 @@ def _rebind_scheduler(
     new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
 
 
-def _refuse_islands_under_fullgraph(spec: ModeSpec, wrapper: Any, inner: nn.Module) -> None:
-    """``torch.compile(model, fullgraph=True)`` cannot run the fp32 islands of kept modules
+def _refuse_islands_under_fullgraph(spec: ModeSpec, model: nn.Module, inner: nn.Module) -> None:
+    """``torch.compile(..., fullgraph=True)`` cannot run the fp32 islands of kept modules
     (their hooks leave the graph on purpose): the first forward failed inside dynamo with a
-    hint to remove autoprec's own ``torch.compiler.disable`` (found by a hunt)."""
-    fullgraph = getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False)
-    if not fullgraph or spec.mode in ("fp32", "tf32"):
-        return
+    hint to remove autoprec's own ``torch.compiler.disable`` (found by a hunt). Read from a
+    ``torch.compile(model)`` wrapper, and from ``module.compile(fullgraph=True)`` on the model
+    or a module holding a kept one (missed until a later hunt), or a wrapped submodule."""
+    if not isinstance(spec, ModeSpec) or spec.mode in ("fp32", "tf32"):
+        return  # build_plan refuses what is no ModeSpec
+    scopes = [""] if _fullgraph(getattr(model, "dynamo_ctx", None)) else []
+    scopes += [fqn for fqn, module in inner.named_modules() if _compiled_fullgraph(module)]
     roots = mode_for(spec).kept_roots(inner)
-    if not roots:
+    inside = [
+        root
+        for root in roots
+        if any(not scope or root == scope or root.startswith(scope + ".") for scope in scopes)
+    ]
+    if not inside:
         return
+    where = "the model" if "" in scopes else first_names([repr(scope) for scope in scopes], 3)
     raise ValueError(
-        f"{spec.label} keeps {first_names(roots, 4)} in fp32 "
-        "through hooks that run outside the compiled graph, which torch.compile(model, "
-        "fullgraph=True) refuses. Compile without fullgraph=True, or use a profile that keeps "
-        "nothing in fp32."
+        f"{spec.label} keeps {first_names(inside, 4)} in fp32 through hooks that run outside "
+        f"the compiled graph, and {where} is compiled with fullgraph=True, which refuses them. "
+        "Compile without fullgraph=True, or use a profile that keeps nothing in fp32."
     )
+
+
+def _compiled_fullgraph(module: nn.Module) -> bool:
+    """Is ``module`` a ``torch.compile`` wrapper or compiled in place (``module.compile()``),
+    with ``fullgraph=True``?"""
+    if _fullgraph(getattr(module, "dynamo_ctx", None)):
+        return True
+    compiled = getattr(module, "_compiled_call_impl", None)
+    if compiled is None:
+        return False
+    try:  # torch.compile(fn) closes over its OptimizeContext, which holds fullgraph
+        context = inspect.getclosurevars(compiled).nonlocals.get("self")
+    except (TypeError, ValueError):
+        return False
+    return _fullgraph(context)
+
+
+def _fullgraph(context: Any) -> bool:
+    return getattr(context, "fullgraph", False) is True
 
 
 def prepare(
@@ -548,8 +575,7 @@ def prepare(
     """
     _refuse_unfit(spec, model, optimizer, scheduler)
     inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
-    if inner is not None:
-        _refuse_islands_under_fullgraph(spec, model, inner)
+    _refuse_islands_under_fullgraph(spec, model, model if inner is None else inner)
     plan = build_plan(
         spec,
         model if inner is None else inner,

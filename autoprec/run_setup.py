@@ -511,7 +511,8 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
             f"is too small: one fp32 step takes "
             f"{step_seconds:.3g} s and each of {trials} runs (the fp32 reference, its "
             f"{trials - len(setup.candidates.specs)} noise runs and every candidate) needs "
-            f"{MIN_TRIAL_STEPS} steps. Give at least "
+            f"{MIN_TRIAL_STEPS} steps and about {overhead:.3g} s beyond its steps (copying, "
+            f"converting{', compiling' if setup.compile else ''}; calibration's). Give at least "
             f"{max(math.ceil(needed / 60 * 100) / 100, budget_minutes + 0.01):.2f} minutes "
             "(a run resuming a study keeps the study's budget, another budget being another "
             "run: on a busy machine, run it again, or start a new study).",

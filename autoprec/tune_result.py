@@ -195,6 +195,7 @@ def trial_outcome(result: TrialResult, verdict: Any, device: str) -> TrialOutcom
         memory_bytes=memory,
         memory_kind=kind,
         activation_bytes=activations,
+        compiled_graphs=record.compiled_graphs,
         recompiles=record.recompiles,
         seconds=record.wall_seconds,
         steps=record.steps_run,

@@ -309,6 +309,50 @@ def test_fp32_islands_under_a_fullgraph_compile_are_refused_up_front() -> None:
         prepare(spec, wrapper, torch.optim.AdamW(wrapper.parameters()))
 
 
+@pytest.mark.parametrize("where", ["model", "kept module", "its parent"])
+def test_fp32_islands_under_an_in_place_fullgraph_compile_are_refused_up_front(where: str) -> None:
+    # model.compile(fullgraph=True) was not read: apply() converted the model and its first
+    # forward failed inside dynamo, naming autoprec's own hook (found by a hunt)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.LayerNorm(8)))
+    {"model": model, "kept module": model[1][0], "its parent": model[1]}[where].compile(
+        fullgraph=True
+    )
+    kept = ModeSpec(mode="amp_bf16", keep_fp32=("1.0",))
+    with pytest.raises(ValueError, match=r"keeps 1\.0 in fp32 .* compiled with fullgraph=True"):
+        prepare(kept, model, torch.optim.AdamW(model.parameters()))
+    assert not hasattr(model, "_autoprec_converted_for")  # nothing converted
+    model[0].compile(fullgraph=True)  # a module holding nothing kept: no island inside it
+    loose = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.LayerNorm(8)))
+    loose.compile()
+    prepare(kept, loose, torch.optim.AdamW(loose.parameters()))
+
+
+# dynamo reads .grad of the non-leaf tensors a graph break hands to the resumed frame
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("mode", ["amp_bf16", "bf16_sr"])
+def test_a_kept_module_wrapped_in_torch_compile_stays_fp32_when_the_model_compiles(
+    mode: str,
+) -> None:
+    # dynamo inlines the wrapper of head = torch.compile(head) and skips its hooks: the kept
+    # head computed in bf16 under AMP, unsaid, and failed under pure bf16 (found by a hunt)
+    from examples import raw_param_mlp
+
+    model, _ = raw_param_mlp.make_model()
+    model.head = torch.compile(model.head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        spec = ModeSpec(mode=mode, keep_fp32=("head",), compile=True)
+        plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    seen: list[tuple[torch.dtype, bool]] = []  # after autoprec's hooks: what the forward sees
+    model.head._orig_mod.register_forward_pre_hook(
+        lambda m, args: seen.append((args[0].dtype, torch.is_autocast_enabled("cpu")))
+    )
+    inputs, _ = raw_param_mlp.make_batches(count=1)[0]
+    with plan.autocast():
+        plan.model(inputs)
+    assert seen == [(torch.float32, False)]  # an fp32 island: fp32 input, autocast off
+
+
 @pytest.mark.parametrize("mode", ["fp32", "amp_bf16", "bf16_pure"])
 def test_8bit_optimizer_states(mode: str, tmp_path: Path) -> None:
     plan, _, losses = train(ModeSpec(mode=mode, optimizer_bits=8), tmp_path)

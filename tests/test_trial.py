@@ -845,6 +845,12 @@ def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
     ).record
     assert record.completed, record.failure
     assert record.compiled_graphs == 1 and record.recompiles == 1
+    # what users see: the outcome in TuneResult.trials and *.trials.json (the docs promised
+    # the warm-up graphs there; only the internal record had them)
+    from autoprec.tune_result import trial_outcome
+
+    outcome = trial_outcome(TrialResult(record=record), None, "cpu")
+    assert outcome.compiled_graphs == 1 and outcome.recompiles == 1
 
 
 def test_compiled_heldout_pass_keeps_whole_graphs_and_reads_the_eager_range() -> None:

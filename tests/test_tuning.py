@@ -750,6 +750,7 @@ def test_the_budget_a_too_small_budget_asks_for_is_enough(monkeypatch: pytest.Mo
             candidates=types.SimpleNamespace(specs=[None] * 3),
             deadline=budget_minutes * 60,
             clock=lambda: calibration,  # started at 0, calibration just ended
+            compile=False,
         )
 
     with pytest.raises(ValueError, match=r"too small.*Give at least") as raised:
@@ -757,6 +758,8 @@ def test_the_budget_a_too_small_budget_asks_for_is_enough(monkeypatch: pytest.Mo
     # the CLI names its own flag: "--budget 0.5 is too small", not "budget_minutes=0.5"
     assert isinstance(raised.value, autoprec.BudgetTooSmallError)
     assert str(raised.value).startswith("budget_minutes=0.5 is too small: one fp32 step")
+    # what a run costs beyond its steps is named: under compile it is most of the advice
+    assert "about 1.5 s beyond its steps (copying, converting; calibration's)" in str(raised.value)
     assert raised.value.naming("--budget").startswith("--budget 0.5 is too small: one fp32")
     # copied and pickled whole (a tune in a process pool reports it, not a broken pool)
     import pickle
@@ -786,7 +789,10 @@ def test_a_too_small_budget_counts_the_noise_runs_it_plans(
 
     monkeypatch.setattr(run_setup, "calibration_run", lambda setup: (0.5, 4.0, draws_random))
     setup = types.SimpleNamespace(
-        candidates=types.SimpleNamespace(specs=[None] * 3), deadline=30.0, clock=lambda: 4.0
+        candidates=types.SimpleNamespace(specs=[None] * 3),
+        deadline=30.0,
+        clock=lambda: 4.0,
+        compile=True,
     )
     with pytest.raises(autoprec.BudgetTooSmallError) as raised:
         run_setup.calibrate(setup, 0.5)  # type: ignore[arg-type]
@@ -794,6 +800,7 @@ def test_a_too_small_budget_counts_the_noise_runs_it_plans(
         f"each of {runs} runs (the fp32 reference, its {noise_runs} noise runs and every "
         "candidate)" in str(raised.value)
     )
+    assert "(copying, converting, compiling; calibration's)" in str(raised.value)
 
 
 class _CallbackStop(Exception):

@@ -129,6 +129,16 @@ class AutocastIsland:
             context.__exit__(None, None, None)
 
 
+def hooked_module(model: nn.Module, fqn: str) -> nn.Module:
+    """The module whose hooks make ``fqn`` an island: a ``torch.compile`` wrapper's
+    ``_orig_mod`` (compiling the whole model, dynamo inlines the wrapper and never runs its
+    hooks: a kept ``head = torch.compile(head)`` computed in bf16 under AMP, unsaid, and failed
+    under pure bf16; found by a hunt), else the module itself."""
+    module = model.get_submodule(fqn)
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
 def install_fp32_islands(
     model: nn.Module,
     fqns: list[str],
@@ -140,7 +150,7 @@ def install_fp32_islands(
     """Run the named modules in fp32 (:class:`Fp32Island`)."""
     for fqn in fqns:
         island = Fp32Island(device_type, output_dtype, original, narrow)
-        module = model.get_submodule(fqn)
+        module = hooked_module(model, fqn)
         module.register_forward_pre_hook(EagerHook(island.enter), with_kwargs=True)
         module.register_forward_hook(EagerHook(island.leave), always_call=True)
 
@@ -157,6 +167,6 @@ def install_autocast_islands(
     in bf16 from it (autocast casts the weight per call; its gradient arrives in fp32)."""
     for fqn in fqns:
         island = AutocastIsland(device_type, dtype, active)
-        module = model.get_submodule(fqn)
+        module = hooked_module(model, fqn)
         module.register_forward_pre_hook(EagerHook(island.enter))
         module.register_forward_hook(EagerHook(island.leave), always_call=True)
