@@ -358,6 +358,23 @@ def test_apply_profile_leaves_the_callers_arguments_and_refuses_a_second_call(
     assert trainer.optimizer.plan is plan  # left as the first call made it
     trainer.train()
     assert trainer.state.global_step == 6
+    # after train() Accelerate wraps the plan's optimizer: the refusal blamed a scheduler
+    with pytest.raises(ValueError, match=r"already called on this Trainer .*amp_bf16"):
+        apply_profile(trainer, _profile_for(SPECS[1], hf_tuned[1].profile))
+
+
+def test_apply_profile_refuses_a_trainer_built_with_model_init(
+    hf_tuned: Any, tmp_path: Path
+) -> None:
+    """train() rebuilds the model and optimizer from model_init: the profile's were thrown
+    away and the run trained fp32, unclipped, without a word (found by a hunt)."""
+    built = _gpt2_trainer(tmp_path)
+    trainer = transformers.Trainer(
+        model_init=lambda: built.model, args=built.args, train_dataset=built.train_dataset
+    )
+    with pytest.raises(ValueError, match=r"built with model_init.*model=model_init\(\)"):
+        apply_profile(trainer, _profile_for(SPECS[0], hf_tuned[1].profile))
+    assert trainer.args.max_grad_norm == 1.0  # refused before anything changed
 
 
 def test_apply_profile_refuses_the_trainers_own_mixed_precision(

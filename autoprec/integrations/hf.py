@@ -323,12 +323,22 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     from autoprec.profile import Profile, load_profile
 
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
-    if isinstance(trainer.optimizer, PlanOptimizer):
+    # after train(), Accelerate wraps the plan's optimizer (AcceleratedOptimizer.optimizer):
+    # the second call was refused for a scheduler instead (found by a hunt)
+    installed = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    if isinstance(installed, PlanOptimizer):
         raise ValueError(
             "apply_profile() was already called on this Trainer (its model is converted for "
-            f"{trainer.optimizer.plan.spec.label}); a second profile would convert it again "
+            f"{installed.plan.spec.label}); a second profile would convert it again "
             "and rebind a scheduler the first call built. Build a new Trainer over a fresh "
             "model, or resume its checkpoint under the new profile (resume_from_checkpoint)."
+        )
+    if getattr(trainer, "model_init", None) is not None:
+        raise ValueError(
+            "The Trainer was built with model_init: train() builds a fresh model and optimizer "
+            "from it, which would throw away the profile's converted model and optimizer (and "
+            "train fp32, unclipped: the plan took over clipping). Build the Trainer with "
+            "model=model_init() instead, then call apply_profile()."
         )
     args = trainer.args
     if args.bf16 or args.fp16:
