@@ -472,14 +472,15 @@ def test_every_configure_optimizers_form(form: str) -> None:
 
 
 class _Stepped(_Regression):
-    def __init__(self, frequency: int) -> None:
+    def __init__(self, frequency: int, interval: str = "step") -> None:
         super().__init__("dict")
         self.frequency = frequency
+        self.interval = interval
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.99)
-        config = {"scheduler": scheduler, "interval": "step", "frequency": self.frequency}
+        config = {"scheduler": scheduler, "interval": self.interval, "frequency": self.frequency}
         return {"optimizer": optimizer, "lr_scheduler": config}
 
 
@@ -527,6 +528,30 @@ def test_the_scheduler_steps_read_are_the_ones_lightning_takes(
     read = module_recipe(_Stepped(frequency), _loader(), trainer())["total_steps"]
     fitted = trainer()
     fitted.fit(_Stepped(frequency), _loader())
+    assert read == fitted.lr_scheduler_configs[0].scheduler.last_epoch
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's: workers, no validation
+@pytest.mark.parametrize(
+    ("interval", "max_steps", "max_epochs"),
+    [("step", 1000, 2), ("epoch", 40, -1), ("epoch", 32, -1), ("epoch", 1000, 3)],
+)
+def test_the_run_length_is_read_as_lightning_ends_it(
+    interval: str, max_steps: int, max_epochs: int
+) -> None:
+    """max_epochs ending a run before max_steps was ignored (1000 steps read where 32 ran),
+    and an epoch scheduler was counted for the epoch max_steps cuts short, which Lightning
+    does not step it after (3 read, 2 taken; found by a hunt). 16 optimizer steps an epoch."""
+
+    def trainer() -> Any:
+        return lightning.Trainer(
+            max_steps=max_steps, max_epochs=max_epochs, accelerator="cpu", logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+
+    read = module_recipe(_Stepped(1, interval), _loader(), trainer())["total_steps"]
+    fitted = trainer()
+    fitted.fit(_Stepped(1, interval), _loader())
     assert read == fitted.lr_scheduler_configs[0].scheduler.last_epoch
 
 

@@ -122,8 +122,11 @@ def _scheduler_factory(module: Any, view: _TrainerView | None) -> Any:
 
 
 def _total_steps(trainer: Any, loader: Any, interval: str) -> int | None:
-    """Scheduler steps of the Trainer's run: its max_steps (or epochs x batches per step);
-    its epochs for an ``interval="epoch"`` scheduler."""
+    """Scheduler steps of the Trainer's run: its max_steps or epochs x optimizer steps per
+    epoch, whichever ends it first; for an ``interval="epoch"`` scheduler the epochs it
+    completes (Lightning steps it only after a whole epoch: a last epoch max_steps cuts short
+    is not counted). max_epochs beside max_steps was ignored, and a cut epoch counted (found
+    by a hunt)."""
     if trainer is None:
         return None
     steps, epochs = trainer.max_steps, trainer.max_epochs
@@ -133,10 +136,12 @@ def _total_steps(trainer: Any, loader: Any, interval: str) -> int | None:
         per_epoch = max(-(-batches // trainer.accumulate_grad_batches), 1)
     if interval == "epoch":
         if steps and steps > 0 and per_epoch is not None:
-            epochs_run = -(-steps // per_epoch)
-            return min(epochs_run, epochs) if epochs and epochs > 0 else epochs_run
+            completed = int(steps) // per_epoch
+            return min(completed, int(epochs)) if epochs and epochs > 0 else completed
         return int(epochs) if epochs and epochs > 0 else None
     if steps and steps > 0:
+        if epochs and epochs > 0 and per_epoch is not None:
+            return min(int(steps), int(epochs) * per_epoch)
         return int(steps)
     if epochs and epochs > 0 and per_epoch is not None:
         return int(epochs) * per_epoch
