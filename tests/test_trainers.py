@@ -668,6 +668,26 @@ def test_the_plugin_converts_a_lightning_module_with_a_child_named_module() -> N
     assert lit.module[0].weight.dtype == torch.bfloat16
 
 
+def test_the_plugin_refuses_to_convert_weights_inside_a_strategys_wrapper() -> None:
+    """Lightning connects the plugin after DDP wrapped the module: pure bf16 then cast the
+    weights DDP's buckets were built for (with keep_fp32 the fit failed in DDP's reducer) and
+    its input cast rounded training_step's targets to bf16 (found by a hunt, with a real
+    single-process DDP fit). A stand-in wrapper: DDP's ``module`` attribute."""
+    from autoprec import profile_for
+
+    lit = _Regression()
+    wrapper = nn.Module()
+    wrapper.module = lit
+    for mode in ("bf16_pure", "bf16_sr", "fp8_torchao"):
+        plugin = AutoprecPrecision(profile_for(ModeSpec(mode=mode, emulate=mode == "fp8_torchao")))
+        with pytest.raises(ValueError, match=f"cannot run {mode}.* under Module: Lightning hands"):
+            plugin.connect(wrapper, [torch.optim.AdamW(lit.parameters())], [])
+    assert {p.dtype for p in lit.parameters()} == {torch.float32}
+    plugin = AutoprecPrecision(profile_for(ModeSpec(mode="amp_bf16", keep_fp32=("net.2",))))
+    plugin.connect(wrapper, [torch.optim.AdamW(lit.parameters())], [])  # weights stay fp32
+    assert plugin.plan is not None and plugin.plan.model is lit
+
+
 def test_the_plugin_names_a_trainer_that_clips_otherwise(lightning_tuned: Any) -> None:
     """Lightning clips (gradient_clip_val); the plugin passed apply() no clipping at all, so
     a Trainer without clipping under a profile tuned at 1.0 went unnamed."""

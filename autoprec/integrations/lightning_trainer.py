@@ -355,6 +355,17 @@ def _run_scheduler_steps(trainer: Any, lr_schedulers: list[Any]) -> int | None:
         return None
 
 
+_WEIGHT_CONVERTING_MODES = (
+    "bf16_pure",
+    "bf16_sr",
+    "bf16_kahan",
+    "bf16_sr_kahan",
+    "fp8_torchao",
+    "fp8_te",
+)
+"""Modes whose conversion casts the model's weights or swaps its modules."""
+
+
 class AutoprecPrecision(Precision):
     """``Trainer(plugins=[AutoprecPrecision(profile)])``: train in a profile's mode (a Profile
     or its path) under automatic optimization. The plan is built when the Trainer connects the
@@ -393,6 +404,8 @@ class AutoprecPrecision(Precision):
         # under DDP: the LightningModule inside; a LightningModule's own child named
         # ``module`` is not a wrapper's (it was converted in place of the whole model)
         module = model if isinstance(model, LightningModule) else getattr(model, "module", model)
+        if module is not model:
+            self._refuse_converting_inside(model)
         trainer = getattr(module, "_trainer", None)
         _refuse_accumulation_schedule(trainer)
         accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
@@ -410,6 +423,26 @@ class AutoprecPrecision(Precision):
             self.plan.load_state_dict(self._pending_state)
             self._pending_state = None
         return model, [self.plan.optimizer], lr_schedulers
+
+    def _refuse_converting_inside(self, wrapper: Any) -> None:
+        """Lightning connects the precision plugin after the strategy wrapped the module (DDP),
+        so the plan converts the module inside the wrapper. Modes that cast the weights or
+        swap modules cannot be converted there: DDP's gradient buckets are built for the fp32
+        weights (with keep_fp32 the fit failed in DDP's reducer, "parameters that were not used
+        in producing the loss"), and pure bf16's input cast on the module then caught
+        ``training_step``'s batch, rounding its targets to bf16 (found by a hunt). Autocast
+        modes leave the weights as DDP saw them."""
+        spec = self.profile.spec
+        if spec.mode not in _WEIGHT_CONVERTING_MODES:
+            return
+        raise ValueError(
+            f"AutoprecPrecision cannot run {spec.label} under {type(wrapper).__name__}: Lightning "
+            "hands the plugin the module after the strategy wrapped it, and this mode casts "
+            "the weights or swaps modules, which the wrapper was built before (its gradient "
+            "buckets hold the fp32 weights). Fit it on one device (strategy='auto', devices=1), "
+            "or apply the profile in your own loop and wrap plan.model in DDP afterwards; "
+            "autocast modes (amp_bf16, amp_fp16, tf32) run under DDP with the plugin."
+        )
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         return self.plan.autocast() if self.plan is not None else contextlib.nullcontext()
