@@ -628,8 +628,8 @@ def test_a_plateau_scheduler_is_refused_with_the_way_out() -> None:
     with pytest.raises(ValueError, match=r"ReduceLROnPlateau.*scheduler=None"):
         tune_module(module, loader, budget_minutes=0.2, trainer=_lightning_trainer(),
                     modes=["amp_bf16"], progress=False)  # fmt: skip
-    result = tune_module(
-        module, loader, budget_minutes=0.2, trainer=_lightning_trainer(), modes=["amp_bf16"],
+    result = tune_module(  # 0.4: at 0.2 a busy CI machine pruned the one trial for the budget
+        module, loader, budget_minutes=0.4, trainer=_lightning_trainer(), modes=["amp_bf16"],
         progress=False, objective="memory", scheduler=None,
     )  # fmt: skip
     assert result.recipe.scheduler is None and result.trials[0].status == "accepted"
