@@ -36,9 +36,11 @@ dtype count in full, its values by this sample, so a digest of a large model sta
 
 
 def tensor_digest(tree: Any) -> str:
-    """sha256 (16 hex digits) of every tensor in ``tree`` (or of a module's state dict)."""
+    """sha256 (16 hex digits) of every tensor in ``tree`` (or of a module's state dict and its
+    non-persistent buffers: two models differing only in RoPE's ``inv_freq``, which is not
+    saved, read the same and one resumed the other's study)."""
     if isinstance(tree, torch.nn.Module):
-        tree = sorted(tree.state_dict(keep_vars=False).items())
+        tree = sorted(_module_tensors(tree).items())
     digest = hashlib.sha256()
     leaves, spec = tree_flatten(tree)
     digest.update(repr(spec).encode())
@@ -53,6 +55,14 @@ def tensor_digest(tree: Any) -> str:
             sample = flat[::step].float().cpu()
             digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s state dict, with every buffer it does not save beside it."""
+    tensors: dict[str, Any] = dict(module.state_dict(keep_vars=False))
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        tensors.setdefault(name, buffer.detach())
+    return tensors
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

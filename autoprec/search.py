@@ -413,10 +413,11 @@ def _refuse_non_journal(path: Path) -> None:
 
 def shown_storage(storage: str | None) -> str:
     """``storage`` as messages show it: a URL's password replaced by ``***``
-    (``postgresql://user:***@host/db``), so a refusal or a log line never prints it."""
+    (``postgresql://user:***@host/db``), so a refusal or a log line never prints it. The
+    password runs to the ``@`` as SQLAlchemy reads it: a ``/`` or ``:`` in it stays hidden."""
     if storage is None:
         return "memory"
-    return re.sub(r"^([A-Za-z][\w+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", storage)
+    return re.sub(r"^([A-Za-z][\w+.-]*://[^:/@]*):[^@]*@", r"\1:***@", storage)
 
 
 DEFAULT_STUDY_NAME = "autoprec"

@@ -66,6 +66,20 @@ def test_digest_follows_values_shapes_and_order() -> None:
     assert tensor_digest([spectral]) != tensor_digest([spectral + 1j])
 
 
+def test_a_buffer_the_model_does_not_save_counts_in_its_digest() -> None:
+    # RoPE's ``inv_freq`` is registered with ``persistent=False``: two models with another
+    # ``rope_theta`` had one digest and the second resumed the first one's study
+    def rotary(theta: float) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        frequencies = 1.0 / theta ** (torch.arange(0, 8, 2).float() / 8)
+        model.register_buffer("inv_freq", frequencies, persistent=False)
+        return model
+
+    assert tensor_digest(rotary(10000.0)) == tensor_digest(rotary(10000.0))
+    assert tensor_digest(rotary(10000.0)) != tensor_digest(rotary(500000.0))
+
+
 def test_differences_name_what_changed() -> None:
     stored = _fingerprint()
     assert _fingerprint().differences(stored) == []

@@ -21,6 +21,7 @@ from autoprec.search import (
     optuna_quiet,
     optuna_storage,
     search,
+    shown_storage,
     sqlite_file,
     sqlite_url,
 )
@@ -618,3 +619,13 @@ def test_study_result_fits_a_mysql_text_column_and_reads_back(tmp_path: Path) ->
     assert chosen == "amp_bf16" and len(read) == 18
     assert [o.samples_per_second for o in read] == [o.samples_per_second for o in outcomes]
     assert read[0].spec.keep_fp32 == norms and read[0].windows == ()
+
+
+def test_a_storage_password_is_hidden_whatever_characters_it_holds() -> None:
+    # a password holding '/' was printed whole (the pattern stopped at the first '/')
+    for password in ("s3cret", "a/b", "a:b/c", "p%40ss"):
+        shown = shown_storage(f"postgresql+psycopg2://user:{password}@db.example:5432/studies")
+        assert shown == "postgresql+psycopg2://user:***@db.example:5432/studies"
+    assert shown_storage("postgresql://user@host/db") == "postgresql://user@host/db"
+    assert shown_storage("sqlite:///runs/a:b@c.db") == "sqlite:///runs/a:b@c.db"
+    assert shown_storage(None) == "memory"
