@@ -44,7 +44,7 @@ from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
-from autoprec.trial_records import TrialResult
+from autoprec.trial_records import StepWindow, TrialResult
 
 logger = logging.getLogger(__name__)
 
@@ -450,13 +450,25 @@ def setup_run(
     )
 
 
-def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
+class Calibration(NamedTuple):
+    """What the fp32 calibration measured."""
+
+    step_seconds: float
+    """fp32 seconds per optimizer step."""
+    seconds: float
+    """Seconds the calibration took, its copies and ``eval_fn`` included."""
+    draws_random: bool
+    """Training drew random numbers: then a paired noise run is needed."""
+    steps_run: int = CALIBRATION_STEPS
+    """Fewer than planned: the deadline came first (the budget cannot hold a trial)."""
+
+
+def calibration_run(setup: RunSetup) -> Calibration:
     """A few fp32 steps on copies of the batches: they check the inputs (the batches fit, the
     loss has gradients, ``eval_fn`` runs on the trained copy, whether training changes its
     batches in place: then ``setup.fresh_batches``) and time a step (``eval_fn``'s time counts
-    in the overhead every run pays). Returns (fp32 seconds per optimizer step,
-    seconds taken, whether training drew random numbers: then a paired noise run is
-    needed)."""
+    in the overhead every run pays). They stop at the deadline, as every run does: a model of
+    1.5 s steps was refused after 10.9 s of a 6 s budget."""
     start = setup.clock()
     setup.events.emit("phase", "calibration (fp32)", steps=CALIBRATION_STEPS)
     watched = WatchedBatches(setup.train)  # copies: the user's batches stay as they are
@@ -472,7 +484,9 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
             CALIBRATION_STEPS,
             batches=watched,
             eval_fn=setup.eval_fn,  # a broken eval_fn is found now, not after the reference
-            stop=setup.events.watch(None, "calibration (fp32)"),
+            stop=setup.events.watch(
+                make_stop_check(None, "speed", setup.deadline, setup.clock), "calibration (fp32)"
+            ),
         )
     except BaseException:  # Ctrl-C, a stop: whatever user code did to the model goes back
         user.restore()
@@ -487,21 +501,41 @@ def calibration_run(setup: RunSetup) -> tuple[float, float, bool]:
     if setup.fresh_batches:
         logger.warning(FRESH_BATCHES_NOTE)
     record = calibration.record
-    return record.median_step_seconds or 1e-3, setup.clock() - start, record.draws_random
+    seconds = setup.clock() - start
+    return Calibration(
+        _step_seconds(record.median_step_seconds, record.windows, seconds, record.steps_run),
+        seconds,
+        record.draws_random,
+        record.steps_run if record.stopped is not None else CALIBRATION_STEPS,
+    )
+
+
+def _step_seconds(
+    median: float | None, windows: Sequence[StepWindow], seconds: float, steps_run: int
+) -> float:
+    """fp32 seconds per step: the timed windows' median; for a calibration the deadline cut
+    short before any, its warm-up windows' pace, else its whole time per step."""
+    if median:
+        return median
+    timed = sum(window.steps for window in windows)
+    if timed:
+        return sum(window.seconds for window in windows) / timed
+    return seconds / max(steps_run, 1)
 
 
 def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     """(trial steps, fp32 seconds per optimizer step)."""
-    step_seconds, calibration_seconds, draws_random = calibration_run(setup)
+    step_seconds, calibration_seconds, draws_random, steps_run = calibration_run(setup)
     # every candidate (the reference among them), the noise run and the paired run (other
     # draws, or nudged weights), and for a model with draws the nudged run beside it
     trials = len(setup.candidates.specs) + 2 + int(draws_random)
     # what a run costs beyond its steps (copying, converting, compiling): as calibration's
-    overhead = max(0.0, calibration_seconds - CALIBRATION_STEPS * step_seconds)
+    overhead = max(0.0, calibration_seconds - steps_run * step_seconds)
     setup.run_overhead_seconds = overhead
     available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
-    if steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds:
+    cut_short = steps_run < CALIBRATION_STEPS  # the deadline came before its last step
+    if cut_short or (steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds):
         # what every run needs for its shortest trial, on top of what is spent already
         used = budget_minutes * 60 - (setup.deadline - setup.clock())
         per_run = overhead + 1.5 * MIN_TRIAL_STEPS * step_seconds
