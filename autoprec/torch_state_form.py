@@ -12,7 +12,8 @@ bitsandbytes 0.50; torch's is described in ``state_translation``):
   Its SGD keeps torch's undampened momentum as ``exp_avg``.
 - bitsandbytes: raw moments as ``state1``/``state2`` (8-bit block-wise with ``qmap``/``absmax``, or
   fp32 below ``min_8bit_size``), saved inside ``__bnb_optimizer_quant_state__``, ``step`` per
-  parameter; its SGD8bit keeps the momentum in ``betas[0]``.
+  parameter; its SGD8bit keeps the momentum in ``betas[0]`` (autoprec's keeps the next step's in
+  torch's ``momentum`` too).
 - autoprec's stochastic-rounding optimizers write torch's layout plus ``compensation`` and
   ``rounding_rng``.
 """
@@ -202,7 +203,10 @@ def _torch_group(group: dict[str, Any], writer: Writer, kind: SourceKind) -> dic
         raise _family_error(kind, writer, "Adam moments" if "beta1" in group else "SGD momentum")
     hyper: dict[str, Any] = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
     if kind == "sgd":
-        hyper["momentum"] = group["momentum"] if writer == "optimi" else group["betas"][0]
+        # autoprec's SGD8bit keeps torch's ``momentum`` beside ``betas``: a scheduler cycling it
+        # (OneCycleLR) sets the next step's there, and ``betas[0]`` is the last step's
+        # (``optim._momentum_into_betas``, which a resume follows; found by a hunt)
+        hyper["momentum"] = group["momentum"] if "momentum" in group else group["betas"][0]
     else:
         # torch-optimi keeps the betas it stepped with last as beta1/beta2 and reads "betas",
         # which a momentum-cycling scheduler (OneCycleLR) sets, at its next step: "betas" is what

@@ -240,3 +240,28 @@ def test_a_checkpoint_resumes_under_a_mode_with_another_optimizer(writer: str, r
 
     loaded, fresh = agreement(True), agreement(False)
     assert loaded > 0.8 and fresh < 0.5, (loaded, fresh)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes on a CPU
+def test_an_sgd8bit_state_reads_back_with_the_momentum_its_next_step_takes() -> None:
+    """Found by a hunt: the torch form of an SGD8bit state took ``betas[0]``, the momentum of
+    the step before the save; OneCycleLR had set the next one in ``momentum``, which autoprec's
+    own resume takes. A plain torch SGD resumed from the torch form stepped with the old one."""
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        sgd, max_lr=0.1, total_steps=10, base_momentum=0.5, max_momentum=0.95
+    )
+    plan = autoprec.prepare(autoprec.ModeSpec(mode="fp32", optimizer_bits=8), model, sgd, schedule)
+    for step in range(4):
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        plan.step(plan.model(inputs).pow(2).mean())
+        schedule.step()
+    saved = copy.deepcopy(plan.optimizer.state_dict())
+    next_momentum = saved["param_groups"][0]["momentum"]  # what the next SGD8bit step takes
+    assert next_momentum != saved["param_groups"][0]["betas"][0]  # the step before the save's
+    plain = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plain.load_state_dict(torch_optimizer_state(saved, plain))
+    assert plain.param_groups[0]["momentum"] == next_momentum
