@@ -65,6 +65,7 @@ def accept_source_state(
         return
     own = _OWN_LAYOUT.get(target, "torch")
     source_keys = set(source.defaults)  # not ``source``: the closure would keep it alive
+    forces_decoupled = isinstance(source, torch.optim.AdamW)
 
     def load_state_dict(
         self: torch.optim.Optimizer, state_dict: dict[str, Any], *args: Any, **kwargs: Any
@@ -84,6 +85,9 @@ def accept_source_state(
             # as the rebuild refuses it
             for group in groups:
                 refuse_untranslatable(kind, group, target)
+            if kind != "sgd":
+                state_dict = _decay_as_torch_loads(state_dict, forces_decoupled)
+                _refuse_other_decay(state_dict["param_groups"], kind, target)
         if writer == "torch" and own != "torch":  # to translate: the family's hyper-parameters
             writer = writer if all(HYPER_KEYS[kind] <= set(group) for group in groups) else None
         if writer == own:
@@ -109,6 +113,43 @@ def accept_source_state(
     # bitsandbytes overrides load_state_dict and runs no load hooks, so the instance's method
     # is wrapped (a bound method: a deep copy binds to the copy)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+
+
+def _decay_as_torch_loads(state_dict: dict[str, Any], forces_decoupled: bool) -> dict[str, Any]:
+    """An Adam-family torch checkpoint's groups with the weight decay torch's own load leaves:
+    AdamW decays decoupled whatever the checkpoint says (its ``__setstate__``), Adam takes the
+    checkpoint's ``decoupled_weight_decay``. A rebuild took the checkpoint's always: an Adam
+    checkpoint resumed the user's AdamW with L2 decay under bf16_sr (found by a hunt)."""
+    groups = [
+        {
+            **group,
+            "decoupled_weight_decay": forces_decoupled
+            or bool(group.get("decoupled_weight_decay", False)),
+        }
+        for group in state_dict["param_groups"]
+    ]
+    return {**state_dict, "param_groups": groups}
+
+
+def _refuse_other_decay(
+    groups: list[dict[str, Any]], kind: SourceKind, target: OptimizerTarget | None
+) -> None:
+    """torch-optimi's and bitsandbytes' rebuilds are one class for one kind of weight decay
+    (``KahanAdam``: L2, ``KahanDecayAdamW``: decoupled): a checkpoint that resumes the user's
+    optimizer with the other kind (torch's Adam loading an AdamW checkpoint decays decoupled
+    from then on) cannot resume there. The stochastic-rounding optimizers read it per group."""
+    if target not in _OWN_LAYOUT:
+        return
+    for group in groups:
+        if group["weight_decay"] and group["decoupled_weight_decay"] != (kind == "adamw"):
+            loaded = "decoupled" if group["decoupled_weight_decay"] else "L2"
+            rebuilt = "decoupled" if kind == "adamw" else "L2"
+            raise ValueError(
+                f"This optimizer state resumes your optimizer with {loaded} weight decay (torch's "
+                f"Adam takes the checkpoint's decoupled_weight_decay), where plan.optimizer "
+                f"(rebuilt for {target}) decays {rebuilt}. Build your optimizer as the run that "
+                f"saved it did (AdamW for decoupled decay, Adam for L2), then load it."
+            )
 
 
 def _family_plus_extras(state_dict: dict[str, Any], kind: SourceKind) -> bool:

@@ -236,3 +236,48 @@ def test_a_checkpoint_option_the_rebuilt_optimizer_ignores_is_refused(mode: str)
     with pytest.raises(ValueError, match="maximize=True has no equivalent"):
         plan.optimizer.load_state_dict(saved)
     assert plan.optimizer.state_dict()["param_groups"] == before["param_groups"]
+
+
+def _adam_checkpoint(family: type[torch.optim.Optimizer]) -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 128)
+    optimizer = family(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for _ in range(3):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return copy.deepcopy(optimizer.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes on a CPU; no scheduler
+@pytest.mark.parametrize("target", ["stochastic", "stochastic_8bit", "optimi_kahan", "bnb_8bit"])
+@pytest.mark.parametrize("user", [torch.optim.AdamW, torch.optim.Adam])
+def test_a_checkpoint_of_the_other_adam_decays_as_torchs_load_would(
+    target: str, user: type[torch.optim.Optimizer]
+) -> None:
+    """Found by a hunt: an Adam checkpoint loaded into the rebuild of the user's AdamW resumed
+    it with L2 decay (torch's AdamW decays decoupled whatever it loads), and an AdamW one into
+    the torch-optimi rebuild of an Adam with L2 decay (torch's Adam takes the checkpoint's
+    decoupled decay). The rebuild now decays as torch's load leaves the user's optimizer, or,
+    when its class cannot (torch-optimi's KahanAdam is L2 only), refuses."""
+    pytest.importorskip("bitsandbytes" if "8bit" in target else "optimi")
+    if user is torch.optim.Adam and target == "bnb_8bit":
+        pytest.skip("Adam with weight decay is refused at the rebuild (bitsandbytes: decoupled)")
+    other = torch.optim.Adam if user is torch.optim.AdamW else torch.optim.AdamW
+    saved = _adam_checkpoint(other)
+    model = nn.Linear(64, 128)
+    plain = user(model.parameters(), lr=1e-3, weight_decay=0.1)
+    plain.load_state_dict(copy.deepcopy(saved))
+    decoupled = plain.param_groups[0]["decoupled_weight_decay"]  # True both ways in torch 2.13
+    rebuilt = _rebuild(user(model.parameters(), lr=1e-3, weight_decay=0.1), model, target)
+    if target == "optimi_kahan" and user is torch.optim.Adam:
+        with pytest.raises(ValueError, match=r"resumes your optimizer with decoupled weight"):
+            rebuilt.load_state_dict(saved)
+        return
+    rebuilt.load_state_dict(saved)
+    group = rebuilt.param_groups[0]
+    if target.startswith("stochastic"):
+        assert group["decoupled_weight_decay"] == decoupled
+    elif target == "optimi_kahan":
+        assert group["decouple_wd"] == decoupled
+    assert group["weight_decay"] == 0.1
