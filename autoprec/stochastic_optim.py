@@ -51,6 +51,14 @@ _STORAGE_KEYS = ("kahan", "state_bits")
 checkpoint's."""
 
 
+def _complex_in_8_bits(param: torch.Tensor) -> ValueError:
+    return ValueError(
+        "8-bit optimizer states take real parameters only (as bitsandbytes'), but a "
+        f"{tuple(param.shape)} parameter is {param.dtype}; keep its module in fp32 with "
+        "32-bit states, or use bf16_sr without 8-bit states."
+    )
+
+
 _SAVED_KEYS = {*SIGNED_MOMENTS, *(absmax_key(key) for key in SIGNED_MOMENTS)}
 """A checkpoint's per-parameter tensors a load reads before torch's load casts them."""
 
@@ -127,11 +135,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         if group["state_bits"] != 8:
             state[key] = torch.zeros_like(param)
         elif param.is_complex():
-            raise ValueError(
-                "8-bit optimizer states take real parameters only (as bitsandbytes'), but a "
-                f"{tuple(param.shape)} parameter is {param.dtype}; keep its module in fp32 with "
-                "32-bit states, or use bf16_sr without 8-bit states."
-            )
+            raise _complex_in_8_bits(param)
         elif keeps_8bit(param):
             state[codes_key(key)], state[absmax_key(key)] = self._quantizer().fresh(param)
         else:
@@ -247,7 +251,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
                 if group["state_bits"] != 8 or not isinstance(value, torch.Tensor):
                     continue
                 value = saved.get(key, value).to(param.device).float()
-                if not keeps_8bit(param) or param.is_complex():
+                if not keeps_8bit(param):  # (a complex one was refused before the load)
                     state[key] = value
                     continue
                 del state[key]
@@ -268,6 +272,10 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         loaded into ``bf16_sr+8bit-optim``'s optimizer trains on with 8-bit moments, and
         back; a ``bf16_sr_kahan`` one loaded into ``bf16_sr``'s trains on without the Kahan
         buffer, which it drops, where it trained on as ``bf16_sr_kahan``)."""
+        for group in self.param_groups:  # before anything loads: 8-bit codes hold no complex
+            complex_param = next((p for p in group["params"] if p.is_complex()), None)
+            if group["state_bits"] == 8 and complex_param is not None:
+                raise _complex_in_8_bits(complex_param)  # (its moments lost their imaginary part)
         state_dict = dict(state_dict)
         saved = state_dict.pop("rounding_rng", None) or {}
         own = [{key: group[key] for key in _STORAGE_KEYS} for group in self.param_groups]

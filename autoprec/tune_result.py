@@ -46,8 +46,9 @@ class BudgetReport(BaseModel):
     trials_not_run: int
     reference_reused: bool = False
     """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
-    fp32_noise_runs: int = 1
-    """1, or 2 when the model draws random numbers (the paired run: same batches, other draws)."""
+    fp32_noise_runs: int = 2
+    """2 (another seed and batch order; the weights nudged by one ulp), or 3 when the model
+    draws random numbers (the paired run beside them: same batches, other draws)."""
     speed_noise: float | None = None
     """The largest timing noise the side-by-side re-timing measured (a mode's relative
     difference between its own re-timings); the choice judges each pair of modes on the larger

@@ -384,6 +384,14 @@ def test_8bit_moments_refuse_complex_parameters() -> None:
         StochasticAdamW([weight], state_bits=8).step()
     with pytest.raises(ValueError, match="state_bits must be 8 or 32 but got 16"):
         StochasticAdamW([weight], state_bits=16)
+    # a 32-bit run's checkpoint loaded into 8-bit states: the moments lost their imaginary
+    # part without a word and the next step failed in the quantiser (found by a hunt)
+    thirty_two = StochasticAdamW([weight])
+    thirty_two.step()
+    eight = StochasticAdamW([weight], state_bits=8)
+    with pytest.raises(ValueError, match="8-bit optimizer states take real parameters only"):
+        eight.load_state_dict(copy.deepcopy(thirty_two.state_dict()))
+    assert not eight.state  # nothing loaded
 
 
 def _mixed_weights(
