@@ -38,12 +38,15 @@ def fp16_risks(
             "grew up to 12x after a 200-step trial in autoprec's long-run benchmark; loss "
             "scaling cannot protect the forward pass: keep the module in fp32 or use amp_bf16)"
         )
-    overflowed = _overflowed_outputs(record, reference)
+    overflowed = [name or "the model" for name in _overflowed_leaves(record, reference)]
     if overflowed:
+        shown = ", ".join(overflowed[:4]) + (
+            f" and {len(overflowed) - 4} more" if len(overflowed) > 4 else ""
+        )
         reasons.append(
-            f"fp16 overflow: {overflowed} leaf-module output(s) on the held-out batches reached "
-            "infinity where fp32's did not (a saturating op after it, like tanh, can hide it "
-            "from the loss): keep the module in fp32 or use amp_bf16"
+            f"fp16 overflow: the output of {shown} reached infinity on the held-out batches "
+            "where fp32's did not (a saturating op after it, like tanh, can hide it from the "
+            "loss): keep the module in fp32 or use amp_bf16"
         )
     if gradient > limit:
         reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g}, {margin}")
@@ -59,10 +62,10 @@ def fp16_risks(
     return reasons
 
 
-def _overflowed_outputs(record: TrialRecord, reference: TrialResult) -> int:
-    """Leaf outputs holding an infinity beyond fp32's count (a mask filled with -inf is in
-    both). Found by a hunt: with ``keep_fp32`` only the trial's largest finite value was read,
-    and an overflow to inf before a tanh passed."""
-    own = record.infinite_activation_outputs or 0
-    expected = reference.record.infinite_activation_outputs or 0
-    return max(0, own - expected)
+def _overflowed_leaves(record: TrialRecord, reference: TrialResult) -> list[str]:
+    """Leaves whose output held an infinity where fp32's did not (a mask filled with -inf is
+    in both). Found by hunts: with ``keep_fp32`` only the trial's largest finite value was
+    read, and an overflow to inf before a tanh passed; then counts were compared, and a kept
+    mask's -inf, counted in the reference alone, cancelled the trial's overflow."""
+    expected = set(reference.record.infinite_activation_leaves or ())
+    return [name for name in record.infinite_activation_leaves or () if name not in expected]

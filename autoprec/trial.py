@@ -379,7 +379,7 @@ def _record(
         state_bytes=figures.get("state"),
         activation_bytes=figures.get("activation_bytes"),
         max_abs_activation=figures.get("activation"),
-        infinite_activation_outputs=figures.get("infinite_activations"),
+        infinite_activation_leaves=figures.get("infinite_leaves"),
         max_abs_gradient=figures.get("max_gradient"),
         skipped_steps=getattr(mode, "skipped_steps", 0),
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,

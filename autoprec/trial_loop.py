@@ -113,20 +113,23 @@ def _evaluate(
     """One held-out pass (see :func:`heldout_pass`); the range is empty unless ``watch_range``."""
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
     infinite: list[torch.Tensor] = []
+    called: list[str] = []  # the leaf of each entry of ``infinite``
 
-    def watch(_module: nn.Module, _args: Any, output: Any) -> None:
+    leaves = {  # modules kept in fp32 run in fp32: their range is not the mode's
+        module: fqn
+        for fqn, module in plan.model.named_modules()
+        if watch_range and next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
+    }
+
+    def watch(module: nn.Module, _args: Any, output: Any) -> None:
         for tensor in tensors_in(output):  # a leaf may return (y, aux) or a dict
             parts = tensor.unbind() if tensor.is_nested else (tensor,)
             for part in parts:
                 if part.is_floating_point() and part.numel():
                     maxima.append(_largest_finite(part.detach()))
                     infinite.append(torch.isinf(part.detach()).any())
+                    called.append(leaves[module])
 
-    leaves = [  # modules kept in fp32 run in fp32: their range is not the mode's
-        module
-        for fqn, module in plan.model.named_modules()
-        if watch_range and next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
-    ]
     # eager, also where a compiled model is run eagerly: traced, the growing list in its
     # closure recompiles every call (seen on an H100: the recompile limit hit in every pass)
     watch_eagerly = torch.compiler.disable(watch)
@@ -167,7 +170,17 @@ def _evaluate(
             handle.remove()
     watched = ActivationRange(
         largest=float(torch.stack(maxima).max()) if maxima else 0.0,
-        infinite_outputs=int(torch.stack(infinite).sum()) if infinite else 0,
+        infinite_leaves=tuple(
+            sorted(
+                {
+                    name
+                    for name, hit in zip(called, torch.stack(infinite).tolist(), strict=True)
+                    if hit
+                }
+            )
+        )
+        if infinite
+        else (),
     )
     return losses, outputs, watched
 
@@ -207,8 +220,8 @@ class ActivationRange(NamedTuple):
 
     largest: float
     """The largest finite |value| (0.0 when nothing was watched)."""
-    infinite_outputs: int
-    """How many leaf outputs (one per leaf call) held an infinity: compared with fp32's, an
+    infinite_leaves: tuple[str, ...]
+    """The watched leaves whose output held an infinity (sorted): compared with fp32's, an
     fp16 overflow the largest finite value cannot show."""
 
 
@@ -465,7 +478,7 @@ def measure_trained(
     )
     figures["heldout"] = losses
     figures["activation"] = activation.largest if heldout else None
-    figures["infinite_activations"] = activation.infinite_outputs if heldout else None
+    figures["infinite_leaves"] = activation.infinite_leaves if heldout else None
     if eval_fn is not None:
         plan.model.eval()
         with torch.no_grad(), plan.autocast():

@@ -162,9 +162,11 @@ class TrialRecord(BaseModel):
     """Largest finite |output| of any leaf module not kept in fp32, and of any op computing in
     fp16 (inside a module with children too: attention scores), over the held-out batches
     (fp16 overflow risk)."""
-    infinite_activation_outputs: int | None = None
-    """How many leaf-module outputs (not kept in fp32) held an infinity over the held-out
-    batches: in fp16, an overflow that ``max_abs_activation`` (finite values only) hides."""
+    infinite_activation_leaves: tuple[str, ...] | None = None
+    """The leaf modules (not kept in fp32) whose output held an infinity on a held-out batch:
+    in fp16, an overflow that ``max_abs_activation`` (finite values only) hides. Names, not a
+    count: the reference watches every leaf, a trial with ``keep_fp32`` fewer, and a kept
+    mask's deliberate -inf in the reference cancelled an overflow in the trial (a hunt)."""
     max_abs_gradient: float | None = None
     """Largest |gradient| of the parameters not kept in fp32 over the trial, loss scaling
     removed."""

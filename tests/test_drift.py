@@ -432,10 +432,10 @@ def test_an_fp16_overflow_hidden_by_a_saturating_op_rejects_amp_fp16(
     model = _OverflowBeforeTanh()
     reference = _six_steps(ModeSpec(mode="fp32"), model)
     fp16 = _six_steps(ModeSpec(mode="amp_fp16", keep_fp32=keep), model)
-    assert reference.record.infinite_activation_outputs == 0
-    assert fp16.record.infinite_activation_outputs == 2  # big, on each held-out batch
+    assert reference.record.infinite_activation_leaves == ()
+    assert fp16.record.infinite_activation_leaves == ("big",)
     reasons = judge(fp16, reference, reference).reasons
-    assert any(r.startswith("fp16 overflow: 2 leaf-module output(s)") for r in reasons), reasons
+    assert any(r.startswith("fp16 overflow: the output of big reached") for r in reasons), reasons
 
 
 def test_an_infinity_fp32_has_too_is_no_fp16_overflow() -> None:
@@ -443,10 +443,38 @@ def test_an_infinity_fp32_has_too_is_no_fp16_overflow() -> None:
     model = _OverflowBeforeTanh(masked=True)
     reference = _six_steps(ModeSpec(mode="fp32"), model)
     fp16 = _six_steps(ModeSpec(mode="amp_fp16"), model)
-    assert reference.record.infinite_activation_outputs == 2  # the mask leaf, per batch
-    assert fp16.record.infinite_activation_outputs == 2
+    assert reference.record.infinite_activation_leaves == ("mask",)
+    assert fp16.record.infinite_activation_leaves == ("mask",)
     reasons = judge(fp16, reference, reference).reasons
     assert not any(r.startswith("fp16 overflow") for r in reasons), reasons
+
+
+class _MaskedOverflow(_OverflowBeforeTanh):
+    """``big`` overflows fp16 before a tanh; a separate leaf writes a deliberate -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = _MaskHalf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.act(self.big(x))
+        return self.other(self.head(hidden + torch.softmax(self.mask(hidden), dim=-1)))
+
+
+def test_keeping_a_masking_module_in_fp32_does_not_hide_an_overflow() -> None:
+    """Found by a hunt: the gate compared counts of infinite leaf outputs, the reference's over
+    every leaf, the trial's over those not kept in fp32: keeping the mask in fp32 took its -inf
+    out of the trial's count alone and cancelled ``big``'s overflow."""
+    torch.manual_seed(0)
+    model = _MaskedOverflow()
+    reference = _six_steps(ModeSpec(mode="fp32"), model)
+    for keep in [(), ("mask",)]:
+        fp16 = _six_steps(ModeSpec(mode="amp_fp16", keep_fp32=keep), model)
+        reasons = judge(fp16, reference, reference).reasons
+        assert any(r.startswith("fp16 overflow: the output of big") for r in reasons), (
+            keep,
+            reasons,
+        )
 
 
 class _LargeScores(torch.nn.Module):
