@@ -87,7 +87,7 @@ def accept_source_state(
                 refuse_untranslatable(kind, group, target)
             if kind != "sgd":
                 state_dict = _decay_as_torch_loads(state_dict, forces_decoupled)
-                _refuse_other_decay(state_dict["param_groups"], kind, target)
+                _refuse_other_decay(state_dict["param_groups"], self.param_groups, target)
         if writer == "torch" and own != "torch":  # to translate: the family's hyper-parameters
             writer = writer if all(HYPER_KEYS[kind] <= set(group) for group in groups) else None
         if writer == own:
@@ -132,18 +132,21 @@ def _decay_as_torch_loads(state_dict: dict[str, Any], forces_decoupled: bool) ->
 
 
 def _refuse_other_decay(
-    groups: list[dict[str, Any]], kind: SourceKind, target: OptimizerTarget | None
+    groups: list[dict[str, Any]], rebuilt_groups: list[dict[str, Any]], target: OptimizerTarget
 ) -> None:
     """torch-optimi's and bitsandbytes' rebuilds are one class for one kind of weight decay
-    (``KahanAdam``: L2, ``KahanDecayAdamW``: decoupled): a checkpoint that resumes the user's
-    optimizer with the other kind (torch's Adam loading an AdamW checkpoint decays decoupled
-    from then on) cannot resume there. The stochastic-rounding optimizers read it per group."""
-    if target not in _OWN_LAYOUT:
+    (``KahanAdam``: L2, ``KahanDecayAdamW`` and bitsandbytes': decoupled): a checkpoint that
+    resumes the user's optimizer with the other kind (torch's Adam loading an AdamW checkpoint
+    decays decoupled from then on) cannot resume there. The stochastic-rounding optimizers
+    read it per group. The rebuild's own groups say which kind it has (an Adam whose decaying
+    groups set ``decoupled_weight_decay=True`` is rebuilt decoupled; found by a hunt)."""
+    if target not in _OWN_LAYOUT or len(groups) != len(rebuilt_groups):  # (the load says so)
         return
-    for group in groups:
-        if group["weight_decay"] and group["decoupled_weight_decay"] != (kind == "adamw"):
+    for group, rebuilt_group in zip(groups, rebuilt_groups, strict=True):
+        decoupled = target == "bnb_8bit" or bool(rebuilt_group.get("decouple_wd"))
+        if group["weight_decay"] and group["decoupled_weight_decay"] != decoupled:
             loaded = "decoupled" if group["decoupled_weight_decay"] else "L2"
-            rebuilt = "decoupled" if kind == "adamw" else "L2"
+            rebuilt = "decoupled" if decoupled else "L2"
             raise ValueError(
                 f"This optimizer state resumes your optimizer with {loaded} weight decay (torch's "
                 f"Adam takes the checkpoint's decoupled_weight_decay), where plan.optimizer "

@@ -281,3 +281,39 @@ def test_a_checkpoint_of_the_other_adam_decays_as_torchs_load_would(
     elif target == "optimi_kahan":
         assert group["decouple_wd"] == decoupled
     assert group["weight_decay"] == 0.1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes on a CPU; no scheduler
+@pytest.mark.parametrize("mode", ["bf16_kahan", "amp_bf16+8bit"])
+def test_an_adam_whose_decaying_groups_decouple_resumes_its_own_state(mode: str) -> None:
+    """Found by a hunt: an Adam whose decaying group sets ``decoupled_weight_decay=True`` is
+    rebuilt decoupled (KahanDecayAdamW, AdamW8bit), but its own fp32 checkpoint was refused
+    as "decays L2" (the check read the optimizer's defaults), and switching the stepped run
+    to the mode failed after the model was cast."""
+    import autoprec
+
+    pytest.importorskip("bitsandbytes" if "8bit" in mode else "optimi")
+    spec = autoprec.ModeSpec(mode=mode.split("+")[0], optimizer_bits=8 if "8bit" in mode else 32)
+
+    def model_and_adam() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        decay, no_decay = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
+        groups = [
+            {"params": decay, "weight_decay": 0.1, "decoupled_weight_decay": True},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return model, torch.optim.Adam(groups, lr=1e-2)
+
+    def one_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model(torch.randn(32, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = model_and_adam()
+    one_step(model, optimizer)
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    fresh_model, fresh = model_and_adam()
+    autoprec.prepare(spec, fresh_model, fresh).optimizer.load_state_dict(checkpoint)
+    plan = autoprec.prepare(spec, model, optimizer)  # the stepped run, switched
+    one_step(plan.model, plan.optimizer)
