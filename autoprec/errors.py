@@ -84,8 +84,9 @@ class ModelMismatchWarning(UserWarning):
 
 
 class OutsideOptimizerWarning(UserWarning):
-    """A pure-bf16 mode cast trainable weights that plan.optimizer does not step: nothing of
-    the mode rounds their updates."""
+    """Trainable weights plan.optimizer does not step: a pure-bf16 mode cast them and nothing
+    of the mode rounds their updates, or amp_fp16 scales their gradients and nothing unscales
+    them."""
 
 
 class PrecisionSwitchWarning(UserWarning):

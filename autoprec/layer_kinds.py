@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from autoprec._wording import first_names
+from autoprec.specs import matches_keep_fp32
 
 LayerKind = Literal["linear", "conv", "embedding", "norm", "recurrent", "raw_param", "other"]
 LAYER_KINDS: tuple[LayerKind, ...] = (
@@ -88,6 +89,25 @@ def uncalled_kept_module(model: nn.Module, keeps: Callable[[str], bool]) -> str 
             return (
                 f"keep_fp32 keeps {fqn!r} apart from its owner, but it is {what}: it is never "
                 f"called, so nothing of it can run in fp32 alone. {instead}."
+            )
+    return None
+
+
+def second_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32") -> str | None:
+    """Why ``pattern`` cannot be used when it names a module only by its second name
+    (``self.head = self.blocks[-1]``): ``named_modules()`` gives each module once, under its
+    first name, which ``keep_fp32`` and ``fp8_skip`` match; None when it names a first name
+    or nothing."""
+    first_names_of = {id(module): fqn for fqn, module in model.named_modules()}
+    if any(matches_keep_fp32(fqn, (pattern,)) for fqn in first_names_of.values() if fqn):
+        return None
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if fqn and matches_keep_fp32(fqn, (pattern,)) and first_names_of[id(module)] != fqn:
+            first = first_names_of[id(module)]
+            return (
+                f"{field} pattern {pattern!r} names {fqn!r}, a second name of the module "
+                f"{first!r}: model.named_modules() lists each module once, under its first "
+                f"name, and {field} matches those. Use {first!r}."
             )
     return None
 

@@ -32,7 +32,7 @@ from autoprec.errors import (
     UnsupportedModeError,
 )
 from autoprec.layer_keep import loaded_in_low_precision
-from autoprec.layer_kinds import refuse_torchscript, uncalled_kept_module
+from autoprec.layer_kinds import refuse_torchscript, second_name_refusal, uncalled_kept_module
 from autoprec.model_copies import (
     CompiledForward,
     inside_compile_wrapper,
@@ -60,10 +60,20 @@ def _changes_the_model(mode: PrecisionMode, spec: ModeSpec, compiled_by_user: bo
 
 
 def _converted_for(model: Any) -> str | None:
+    """The mode a conversion left on ``model`` or on any module in it ("for amp_bf16 (on its
+    module 'body')"), None when none did. Every module of a converted model carries the mark:
+    a wrapper around it, a parent of a converted module or a module of a converted model was
+    converted again, and a second fp32 island left autocast off for the layers after it
+    (found by a hunt)."""
     if not isinstance(model, nn.Module):
         return None
     inner = inside_compile_wrapper(model)  # explicit: an empty nn.Sequential is falsy
-    return vars(model if inner is None else inner).get(CONVERTED_MARK)
+    root = model if inner is None else inner
+    for name, module in root.named_modules(remove_duplicate=False):
+        label = vars(module).get(CONVERTED_MARK)
+        if label is not None:
+            return label if not name else f"{label} (on its module {name!r})"
+    return None
 
 
 def check_step_settings(grad_accumulation_steps: Any, clip_grad_norm: Any) -> None:
@@ -407,6 +417,7 @@ def build_plan(
     uncalled = uncalled_kept_module(model, mode.keeps_fp32)
     if uncalled:
         raise ValueError(uncalled)
+    _refuse_second_names(spec, model)
     mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
     model = _converted(mode, model)
@@ -414,7 +425,8 @@ def build_plan(
     if spec.compile and not compiled_by_user:
         compile_model(model)
     if _changes_the_model(mode, spec, compiled_by_user):
-        model.__dict__[CONVERTED_MARK] = spec.label
+        for module in model.modules():
+            module.__dict__[CONVERTED_MARK] = spec.label
     return PrecisionPlan(
         mode,
         model,
@@ -422,6 +434,16 @@ def build_plan(
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
     )
+
+
+def _refuse_second_names(spec: ModeSpec, model: nn.Module) -> None:
+    """A ``keep_fp32`` or ``fp8_skip`` pattern naming a module by its second name only kept
+    nothing, silently (tune refused it; prepare() ran the module in bf16 or FP8; a hunt)."""
+    for field in ("keep_fp32", "fp8_skip"):
+        for pattern in getattr(spec, field):
+            refusal = second_name_refusal(model, pattern, field)
+            if refusal:
+                raise ValueError(refusal)
 
 
 def _refuse_kept_low_precision(mode: PrecisionMode, model: nn.Module) -> None:
@@ -588,7 +610,7 @@ def prepare(
     if inner is not None:
         plan.model = model  # the wrapper, which runs the converted model compiled
     _attach_scheduler(plan, spec, optimizer, scheduler)
-    _warn_bf16_outside_optimizer(plan)
+    _warn_outside_optimizer(plan)
     return plan
 
 
@@ -655,22 +677,36 @@ def _attach_scheduler(
         )
 
 
-def _warn_bf16_outside_optimizer(plan: PrecisionPlan) -> None:
-    """Trainable weights a pure-bf16 mode cast but ``plan.optimizer`` does not hold: another
-    optimizer (Muon for the matrices beside AdamW, SparseAdam for an embedding) steps them in
-    bf16 rounded to nearest (found by a hunt: under bf16_sr and bf16_kahan such a weight kept
-    about 10% of its fp32 movement over 20 steps), and nothing said so."""
+def _warn_outside_optimizer(plan: PrecisionPlan) -> None:
+    """Trainable weights ``plan.optimizer`` does not hold, which another optimizer (Muon for
+    the matrices beside AdamW, SparseAdam for an embedding) steps: a pure-bf16 mode cast them,
+    and that optimizer rounds their updates to nearest (found by a hunt: under bf16_sr and
+    bf16_kahan such a weight kept about 10% of its fp32 movement over 20 steps); under
+    amp_fp16 their gradients arrive multiplied by the loss scale, which only plan.optimizer's
+    are divided by (another hunt: a gradient norm of 28316 for 0.43). Nothing said so."""
     held = {id(p) for group in plan.optimizer.param_groups for p in group["params"]}
+    scaled = plan.mode.spec.mode == "amp_fp16"
     outside = [
         name
         for name, parameter in plan.model.named_parameters()
         if parameter.requires_grad
-        and parameter.dtype in (torch.bfloat16, torch.float16)
+        and (scaled or parameter.dtype in (torch.bfloat16, torch.float16))
         and id(parameter) not in held
     ]
     if not outside:
         return
     shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+    if scaled:
+        warn_caller(
+            f"amp_fp16 scales the loss, and only plan.optimizer's gradients are unscaled: "
+            f"{len(outside)} trainable weight(s) it does not hold ({shown}) get gradients "
+            f"multiplied by the loss scale (2**16 at the start), and a step the scaler skips "
+            "for an overflow is not skipped for them. Step them with plan.optimizer (a group "
+            "added later with plan.optimizer.add_param_group is stepped as the mode steps), "
+            "or use amp_bf16, which scales nothing.",
+            OutsideOptimizerWarning,
+        )
+        return
     warn_caller(
         f"{plan.mode.spec.label} cast {len(outside)} trainable weight(s) that plan.optimizer "
         f"does not hold to bf16 ({shown}): another optimizer stepping them rounds every update "

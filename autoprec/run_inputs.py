@@ -19,7 +19,12 @@ from torch import nn
 from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import field_errors
-from autoprec.layer_kinds import refuse_lazy, refuse_torchscript, uncalled_kept_module
+from autoprec.layer_kinds import (
+    refuse_lazy,
+    refuse_torchscript,
+    second_name_refusal,
+    uncalled_kept_module,
+)
 from autoprec.model_copies import (
     compiled_in_place,
     inside_compile_wrapper,
@@ -257,7 +262,9 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
                 "the whole model cannot be kept (that is fp32, the reference)."
             )
         if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names):
-            _refuse_second_name(model, pattern)
+            second_name = second_name_refusal(model, pattern)
+            if second_name:
+                raise ValueError(second_name)
             close = difflib.get_close_matches(pattern, names, n=3)
             more = f" and {len(names) - 12} more" if len(names) > 12 else ""
             shown = ", ".join(names[:12]) + more
@@ -272,20 +279,6 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
     if uncalled:
         raise ValueError(uncalled)
     return tuple(sorted(dict.fromkeys(patterns)))  # in any order: the same study (a hunt)
-
-
-def _refuse_second_name(model: nn.Module, pattern: str) -> None:
-    """A pattern naming a module only by its second name (``self.head = self.blocks[-1]``):
-    ``named_modules()`` gives each module once, under its first name, which keep_fp32 matches."""
-    first_names = {id(module): fqn for fqn, module in model.named_modules()}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        if fqn and matches_keep_fp32(fqn, (pattern,)) and first_names[id(module)] != fqn:
-            first = first_names[id(module)]
-            raise ValueError(
-                f"keep_fp32 pattern {pattern!r} names {fqn!r}, a second name of the module "
-                f"{first!r}: model.named_modules() lists each module once, under its first "
-                f"name, and keep_fp32 matches those. Use {first!r}."
-            )
 
 
 def _refuse_keeping_everything(model: nn.Module, patterns: tuple[str, ...]) -> None:

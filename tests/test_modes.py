@@ -4,6 +4,7 @@ keep_fp32."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 import warnings
@@ -487,6 +488,42 @@ def test_fp8_swaps_a_linear_registered_twice_under_both_names() -> None:
         loss = plan.model(torch.randn(4, 16)).float().pow(2).mean()
     plan.step(loss)
     assert not torch.equal(weight, model.b.weight)
+
+
+class _SharedAcross(nn.Module):
+    """One Linear registered as ``enc.1`` (its first name) and ``dec.0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(64, 64)
+        self.enc = nn.Sequential(nn.Linear(32, 64), shared)
+        self.dec = nn.Sequential(shared, nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.relu(self.enc(x)))
+
+
+@pytest.mark.parametrize("field", ["keep_fp32", "fp8_skip"])
+def test_fp8_leaves_a_linear_kept_under_its_second_name_out_of_fp8(field: str) -> None:
+    """Found by a hunt: the FP8 filter read a module's first name only, so a Linear shared by
+    ``enc`` and a kept (or skipped) ``dec`` ran in FP8 inside ``dec``: 0.03 from fp32 where
+    keep_fp32 promises fp32, and the plan's FP8 layers under-reported."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = _SharedAcross()
+    reference = copy.deepcopy(model)
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", **{field: ("dec",)})
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert type(model.dec[0]) is nn.Linear and model.dec[0] is model.enc[1]
+    assert plan.mode.fp8_modules(model) == ("enc.0",)
+    hidden = torch.randn(8, 64)
+    with torch.no_grad(), plan.autocast():
+        kept = plan.model.dec(hidden)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        if field == "fp8_skip":  # out of FP8, in bf16 autocast
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        expected = reference.dec(hidden)
+    assert torch.equal(kept.float(), expected.float())
 
 
 def test_user_model_is_converted_in_place_and_returned(tmp_path: Path) -> None:

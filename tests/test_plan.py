@@ -447,6 +447,71 @@ def test_a_second_conversion_of_fp32_weights_is_refused_too() -> None:
         autoprec.prepare(ModeSpec(mode="fp32"), plain, torch.optim.AdamW(plain.parameters()))
 
 
+def test_a_wrapper_a_parent_or_a_part_of_a_converted_model_is_not_converted_again() -> None:
+    """Found by a hunt: only the model object itself was refused. amp_bf16 with keep_fp32 on
+    ``nn.Sequential(net)``, or on ``net`` after ``net.body``, stacked a second fp32 island,
+    and every layer after it computed in fp32."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.body = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+        model.head = nn.Linear(16, 4)
+        model.forward = lambda x: model.head(model.body(x))  # type: ignore[method-assign]
+        return model
+
+    spec = ModeSpec(mode="amp_bf16", keep_fp32=("body.1",))
+    first = net()
+    autoprec.prepare(spec, first, torch.optim.AdamW(first.parameters()))
+    wrapper = nn.Sequential(first)
+    with pytest.raises(ValueError, match=r"already converted by autoprec for amp_bf16 \(on its"):
+        autoprec.prepare(
+            ModeSpec(mode="amp_bf16", keep_fp32=("0.body.1",)),
+            wrapper,
+            torch.optim.AdamW(wrapper.parameters()),
+        )
+    with pytest.raises(ValueError, match=r"already converted by autoprec for amp_bf16"):
+        autoprec.prepare(
+            ModeSpec(mode="amp_bf16", keep_fp32=("1",)),
+            first.body,
+            torch.optim.AdamW(first.body.parameters()),
+        )
+    parent = net()
+    kept_body = ModeSpec(mode="amp_bf16", keep_fp32=("1",))
+    autoprec.prepare(kept_body, parent.body, torch.optim.AdamW(parent.body.parameters()))
+    with pytest.raises(ValueError, match=r"for amp_bf16 \(on its module 'body'\)"):
+        autoprec.prepare(spec, parent, torch.optim.AdamW(parent.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["amp_bf16", "bf16_pure", "fp8_torchao"])
+def test_a_pattern_naming_a_module_by_its_second_name_is_refused(mode: str) -> None:
+    """Found by a hunt: tune refused a keep_fp32 pattern naming a module by its second name
+    (``self.alias = self.shared``, as T5 shares its embeddings), prepare() kept nothing and ran
+    the module in bf16 or FP8 without a word."""
+
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.head = nn.Linear(32, 32), nn.Linear(32, 16)
+            self.alias = self.shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.alias(x))
+
+    model = Aliased()
+    extra = {"emulate": True, "fp8_layers": "all"} if mode == "fp8_torchao" else {}
+    for field in ("keep_fp32", "fp8_skip") if mode == "fp8_torchao" else ("keep_fp32",):
+        spec = ModeSpec(mode=mode, **{field: ("alias",)}, **extra)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=rf"{field} pattern 'alias' names 'alias', a second"):
+            autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+        assert type(model.shared) is nn.Linear and model.shared.weight.dtype == torch.float32
+    autoprec.prepare(
+        ModeSpec(mode=mode, keep_fp32=("shared",), **extra),  # type: ignore[arg-type]
+        model,
+        torch.optim.AdamW(model.parameters()),
+    )
+
+
 @pytest.mark.parametrize("clip", [0, -1.0, float("nan")])
 def test_a_step_refuses_a_clip_norm_that_is_not_positive(clip: float) -> None:
     """plan.step(clip_grad_norm=0) froze the model (and returned True); -1 stepped uphill; NaN
@@ -1051,6 +1116,27 @@ def test_weights_a_pure_bf16_mode_casts_outside_the_optimizer_are_named(mode: st
         autoprec.prepare(ModeSpec(mode=mode), whole, torch.optim.AdamW(whole.parameters()))
         other = nn.Sequential(nn.Linear(8, 2))  # amp keeps fp32 weights: nothing to say
         autoprec.prepare(ModeSpec(mode="amp_bf16"), other, torch.optim.AdamW(other[0].parameters()))
+
+
+def test_weights_amp_fp16_scales_outside_the_optimizer_are_named() -> None:
+    """Found by a hunt: with SGD stepping a layer beside plan.optimizer's AdamW, amp_fp16
+    scaled the whole loss and unscaled plan.optimizer's gradients only: the other layer's
+    gradient norm read 28316 for fp32's 0.43, and nothing said so."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    adamw = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+    with pytest.warns(
+        autoprec.OutsideOptimizerWarning, match=r"only plan.optimizer's gradients are unscaled"
+    ) as caught:
+        plan = autoprec.prepare(ModeSpec(mode="amp_fp16"), model, adamw)
+    assert "2 trainable weight(s) it does not hold (2.weight, 2.bias)" in str(caught[0].message)
+    with plan.autocast():
+        loss = plan.model(torch.randn(16, 8)).float().pow(2).mean()
+    plan.step(loss)
+    assert model[2].weight.grad is not None  # what the warning is about: still scaled
+    whole = nn.Sequential(nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoprec.OutsideOptimizerWarning)
+        autoprec.prepare(ModeSpec(mode="amp_fp16"), whole, torch.optim.AdamW(whole.parameters()))
 
 
 def test_a_model_wrapped_for_data_parallel_training_is_refused_naming_the_order() -> None:

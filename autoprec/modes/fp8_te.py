@@ -24,10 +24,14 @@ from autoprec.specs import TeDelayedScaling
 
 class Fp8TeMode(PrecisionMode):
     name = "fp8_te"
+    kept_out_of_fp8: frozenset[int] = frozenset()
+    """The model's modules kept out of FP8 under any name (``out_of_fp8_anywhere``), read at
+    conversion."""
 
     @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
-        return fp8_linear_fits(module) and not (self.keeps_fp32(fqn) or self.skips_fp8(fqn))
+        kept = self.keeps_fp32(fqn) or self.skips_fp8(fqn) or id(module) in self.kept_out_of_fp8
+        return fp8_linear_fits(module) and not kept
 
     def te_recipe(self) -> Any:
         """The Transformer Engine recipe object this spec describes, field by field."""
@@ -52,6 +56,7 @@ class Fp8TeMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         te = require("transformer_engine").pytorch
+        self.kept_out_of_fp8 = self.out_of_fp8_anywhere(model)
         self.converted: list[str] = []
         with swaps_under_every_name(model):
             self._swap_linears(model, te)

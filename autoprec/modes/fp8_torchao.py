@@ -32,6 +32,9 @@ _RULES = {
 
 class Fp8TorchaoMode(PrecisionMode):
     name = "fp8_torchao"
+    kept_out_of_fp8: frozenset[int] = frozenset()
+    """The model's modules kept out of FP8 under any name (``out_of_fp8_anywhere``), read at
+    conversion."""
 
     @override
     def requirements(self, situation: Situation) -> list[str]:
@@ -42,6 +45,8 @@ class Fp8TorchaoMode(PrecisionMode):
         # torchao on CPU does not enforce the multiple-of-16 rule; autoprec does. The root
         # cannot be swapped in place (torchao returns a new module for a root Linear).
         if not fqn or not fp8_linear_fits(module) or self.keeps_fp32(fqn) or self.skips_fp8(fqn):
+            return False
+        if id(module) in self.kept_out_of_fp8:  # kept under another of its names
             return False
         if self.spec.fp8_layers == "all":
             return True
@@ -62,6 +67,7 @@ class Fp8TorchaoMode(PrecisionMode):
     @override
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
+        self.kept_out_of_fp8 = self.out_of_fp8_anywhere(model)
         if not any(self.module_filter_fn(m, fqn) for fqn, m in model.named_modules()):
             too_small = self._fitting_but_too_small(model)
             if too_small:
