@@ -46,7 +46,7 @@ BF16_LATE_ROUNDING = (
 )
 """Measured on our CPU machines (docs/ground-truth.md: "Each threshold against the truth", "The
 state rule over a longer horizon", "Held-out tasks"). An accepted bf16_pure got past the state rule
-(beta2 <= 0.9961, an optimizer other than Adam, or the rule lifted), so its trial, not the rule,
+(beta2 <= 0.99609375, an optimizer other than Adam, or the rule lifted), so its trial, not the rule,
 spoke for it."""
 
 FP16_LATE_GROWTH = (

@@ -72,7 +72,7 @@ def state_rule_reasons(
         "is not in bf16 (8-bit states keep its decay), but late in a run Adam's steps fall "
         "below half a bf16 ulp of the weights and are lost (long runs end worse). "
         f"{EIGHT_BIT_WAY_OUT}, {WAYS_OUT} or beta2 <= "
-        f"{limits.max_rounded_beta2:.4f} avoid it. A rule, not this trial's measurement: "
+        f"{limits.max_rounded_beta2:.8g} avoid it. A rule, not this trial's measurement: "
         f"{EIGHT_BIT_EVIDENCE}; {_lift(beta2)}"
     ]
 
@@ -88,7 +88,7 @@ def _moment_reasons(
         f"{moment.dtype} rounded to nearest, and with beta2={moment.beta2:g} a step "
         f"changes it by {1 - moment.beta2:.2g} of itself, below half a {moment.dtype} ulp: "
         f"it can never decrease (long runs end worse). {WAYS_OUT} or beta2 <= "
-        f"{limits.max_rounded_beta2:.4f} avoid it. A rule, not this trial's measurement: on "
+        f"{limits.max_rounded_beta2:.8g} avoid it. A rule, not this trial's measurement: on "
         "autoprec's 8 long-run tasks with beta2 0.999, Kahan-compensated bf16 weights ended "
         "2-17% worse after 2000 steps on 3 with this moment in bf16, and fine on all 8 with it "
         f"in fp32; {_lift(moment.beta2)}"

@@ -71,7 +71,7 @@ class DriftThresholds(BaseModel):
     """Reject amp_fp16 when the loss scale collapsed below 1 (gradients overflow even unscaled)."""
     max_rounded_beta2: float = Field(1 - 2**-8, gt=0, lt=1)
     """Reject a mode whose optimizer keeps Adam's second moment in bf16 rounded to nearest with
-    beta2 above 1 - 2**-8 (0.9961). A step moves that moment by (1 - beta2) of itself, which is
+    beta2 above 1 - 2**-8 (0.99609375). A step moves that moment by (1 - beta2) of itself, which is
     below half a bf16 ulp (2**-9 to 2**-8 of the value): with beta2 = 0.999 it can never decrease,
     and rises only on gradient spikes. No short trial shows it (from a zero state the moment still
     grows ~1/t a step); long runs do. Today only bf16_pure keeps it so (torch's Adam on bf16

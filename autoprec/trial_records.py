@@ -189,7 +189,7 @@ class TrialRecord(BaseModel):
     wherever the optimizer keeps the moments (bf16, or bitsandbytes' 8-bit states; read after
     the first step). The optimizer-state rule reads it (``drift_state_rule``)."""
     nearest_rounded_decay: float | None = None
-    """The largest lr x weight_decay per step of decoupled weight decay applied to bf16 weights
+    """The smallest lr x weight_decay per step of decoupled weight decay applied to bf16 weights
     by its own nearest-rounded multiply (bf16_pure with AdamW; read after the first step)."""
     leg_steps: tuple[int, ...] = ()
     """Optimizer steps of each leg."""

@@ -111,6 +111,16 @@ def test_a_second_moment_rounded_to_nearest_in_bf16_is_rejected(low_lr: dict) ->
         "set max_rounded_beta2=0.9999 (thresholds= in Python, --threshold on the command line)"
     )
     assert judge(pure, reference, noise, DriftThresholds(max_rounded_beta2=0.9999)).accepted
+    # the beta2 the advice names passes (found by a hunt: it read "beta2 <= 0.9961", the
+    # line 0.99609375 rounded up, and 0.9961 is rejected)
+    edge = LowPrecisionMoment(dtype="bfloat16", beta2=0.9961, rounding="nearest", elements=1)
+    pure.record = pure.record.model_copy(update={"low_precision_moment": edge})
+    [advice] = judge(pure, reference, noise).reasons
+    named = float(advice.split("or beta2 <= ")[1].split(" avoid it")[0])
+    assert named == 0.99609375
+    at_line = edge.model_copy(update={"beta2": named})
+    pure.record = pure.record.model_copy(update={"low_precision_moment": at_line})
+    assert judge(pure, reference, noise).accepted
     # stochastically rounded states are exempt, bf16_kahan keeps its second moment in fp32
     # (it was rejected here until it did), and a beta2 whose steps bf16 can hold is fine
     assert low_lr["bf16_sr"].record.low_precision_moment.rounding == "stochastic"
@@ -766,9 +776,10 @@ def test_weight_decay_that_rounds_away_is_noted(low_lr: dict) -> None:
     rounded to nearest returns unchanged: pure bf16's verdict notes it; the stochastically
     rounded and Kahan modes apply the decay, and AMP keeps fp32 weights."""
     pure = judge(low_lr["bf16_pure"], low_lr["reference"], low_lr["noise"])
-    assert any(
-        n.startswith("weight decay never applies: lr x weight_decay = 1e-06") for n in pure.notes
-    )
+    [note] = [n for n in pure.notes if n.startswith("weight decay never applies")]
+    assert note.startswith("weight decay never applies: lr x weight_decay = 1e-06")
+    # the smallest group's: it said "every decayed weight" with another group's decay applying
+    assert "(the smallest of the parameter groups')" in note and "every weight it decays" in note
     for mode in ("amp_bf16", "bf16_sr", "bf16_kahan"):
         verdict = judge(low_lr[mode], low_lr["reference"], low_lr["noise"])
         assert not any("weight decay" in note for note in verdict.notes), mode
@@ -888,3 +899,62 @@ def test_the_movement_reason_quotes_the_judged_groups_lr() -> None:
     assert any(r.startswith("updates lost to rounding at lr 1e-05") for r in legs), legs
     floor = 1e-5 * (1 + math.cos(math.pi * 90 / 100)) / 2  # the floor leg: the last 10 steps
     assert verdict.drift["update_fraction_lr"] in (pytest.approx(1e-5), pytest.approx(floor))
+
+
+def _two_legs(mode: str, legs: list[list[float]], draws: bool = False) -> TrialResult:
+    """A result of two legs (a peak lr and a floor lr) of one weight of two elements."""
+    from autoprec.recipe import LrPoint
+    from autoprec.trial_records import TrialRecord
+
+    points = (
+        LrPoint(role="peak", lrs=(1e-3,), schedule_step=0, total_steps=100),
+        LrPoint(role="floor", lrs=(1e-5,), schedule_step=95, total_steps=100),
+    )
+    record = TrialRecord(
+        spec=ModeSpec(mode=mode),  # type: ignore[arg-type]
+        seed=0,
+        steps_planned=4,
+        steps_run=4,
+        warmup_steps=0,
+        lr_points=points,
+        draws_random=draws,
+    )
+    weights = [{"w": torch.tensor(values)} for values in legs]
+    return TrialResult(record=record, leg_weights=weights, parameter_groups={"w": 0})
+
+
+@pytest.mark.parametrize("draws", [False, True])
+def test_the_movement_reason_names_the_run_that_set_its_bar_and_gives_its_figures(
+    draws: bool,
+) -> None:
+    """Found by hunts: the reason said "a second fp32 run with other random draws" of the run
+    from nudged weights too (a model without draws has no such run), and the metrics came
+    from a leg the check did not judge (the floor leg, its paired run at 10%) while the
+    reason named the peak leg."""
+    reference = _two_legs("fp32", [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], draws)
+    paired = _two_legs("fp32", [[0.0, 0.0], [1.0, 1.0], [1.1, 1.1]], draws)  # floor leg: 10%
+    trial = _two_legs("bf16_pure", [[0.0, 0.0], [0.5, 0.5], [0.54, 0.54]], draws)
+    verdict = judge(trial, reference, reference, paired=paired)
+    run = "a second fp32 run with other random draws" if draws else "an fp32 run from weights"
+    [reason] = [r for r in verdict.reasons if r.startswith("updates lost to rounding")]
+    assert "at lr 0.001" in reason and f"; {run}" in reason and "reaches 100%" in reason
+    assert any(n.startswith("weight movement not judged") and run in n for n in verdict.notes)
+    assert verdict.metrics.update_fraction == pytest.approx(0.5)
+    assert verdict.metrics.update_fraction_lr == 1e-3
+    assert verdict.metrics.update_fraction_noise == pytest.approx(1.0)
+
+
+def test_fixed_positions_are_compared_when_nothing_else_is_left_beside_a_mask() -> None:
+    """Found by a hunt: fixed positions are left out as long as something else is left to
+    compare, but a -inf mask beside them made the test read "not all fixed": every finite
+    position was left out and a trial 10x off read an error of 0.0."""
+    from autoprec.drift import _sampled_error
+
+    expected = torch.tensor([-math.inf, 5.0, 6.0])
+    trial = torch.tensor([-math.inf, 50.0, 60.0])
+    fixed = torch.tensor([True, True, True])  # the reference and the noise run agree on all
+    assert _sampled_error(trial, expected, fixed) == pytest.approx(9.0)
+    assert _sampled_error(trial[1:], expected[1:], fixed[1:]) == pytest.approx(9.0)
+    varying = torch.tensor([True, True, False])  # 6.0 varies: only it is compared
+    assert _sampled_error(trial, expected, varying) == pytest.approx(9.0)
+    assert _sampled_error(torch.tensor([-math.inf, 50.0, 6.0]), expected, varying) == 0.0
