@@ -367,13 +367,16 @@ def check(
             keep_fp32=kept,
         )
         run = screen_trials(setup, steps, max_trial_minutes)
+        # inside: it builds the optimizer (and scheduler) again from a factory, which may draw
+        # random numbers (found by a hunt: the global RNG moved after check())
+        summary = recipe.summary(model)
     reference_verdict = run.references.judge(run.references.reference, setup.thresholds)
     return QualityReport(
         verdicts=tuple(run.verdicts),
         not_checked=setup.candidates.skipped,
         steps=steps,
         device=setup.report.device,
-        recipe=recipe.summary(model),
+        recipe=summary,
         checks_not_run=(
             *reference_verdict.notes,
             *setup_notes(setup),

@@ -52,6 +52,35 @@ def test_check_with_trials_under_40_steps_says_they_are_short() -> None:
     assert not any(n.startswith("trials ran") for n in enough.checks_not_run)
 
 
+def test_check_leaves_the_global_rng_alone_with_a_factory_that_draws() -> None:
+    """Found by a hunt: the report's recipe summary built the optimizer again from the user's
+    factory after the RNG states were given back, and a factory drawing random numbers (an
+    initialiser inside it) moved them."""
+    import random
+
+    task = tasks.regression(lr=1e-3)
+
+    def drawing_factory(params: Any) -> torch.optim.Optimizer:
+        torch.randn(3)
+        random.random()
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    torch.manual_seed(1)
+    random.seed(1)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        optimizer=drawing_factory,
+        steps=8,
+        modes=["amp_bf16"],
+        progress=False,
+    )
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert random.getstate() == python_state
+
+
 def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     task = tasks.regression(lr=1e-4)
     before = copy.deepcopy(task.model.state_dict())
