@@ -152,20 +152,27 @@ def _specs_for(mode: ModeName, report: ProbeReport) -> list[ModeSpec]:
     return [ModeSpec(mode=mode, keep_fp32=keep)]
 
 
-def with_user_keep_fp32(candidates: CandidateList, patterns: tuple[str, ...]) -> CandidateList:
+def with_user_keep_fp32(
+    candidates: CandidateList, patterns: tuple[str, ...], report: ProbeReport | None = None
+) -> CandidateList:
     """Every candidate that lowers precision (autocast, pure bf16, FP8) also keeps the user's
     ``keep_fp32`` patterns in fp32, after the probe's own; fp32 and tf32 are left as they are
-    (fp32 keeps everything; tf32 has no per-module setting)."""
+    (fp32 keeps everything; tf32 has no per-module setting). An FP8 candidate whose every
+    Linear they keep is skipped with the reason (found by a hunt: it ran, and failed, after
+    the fp32 runs, where a named mode is refused before any run; None: no scan to check)."""
     if not patterns:
         return candidates
-
-    def kept(spec: ModeSpec) -> ModeSpec:
-        if spec.mode in ("fp32", "tf32"):
-            return spec
-        keep = tuple(dict.fromkeys((*spec.keep_fp32, *patterns)))
-        return spec.model_copy(update={"keep_fp32": keep})
-
-    return candidates.model_copy(update={"specs": tuple(kept(s) for s in candidates.specs)})
+    specs, skipped = [], list(candidates.skipped)
+    for spec in candidates.specs:
+        if spec.mode not in ("fp32", "tf32"):
+            keep = tuple(dict.fromkeys((*spec.keep_fp32, *patterns)))
+            spec = spec.model_copy(update={"keep_fp32": keep})
+        reason = None if report is None else no_fp8_layer(spec, report)
+        if reason is None:
+            specs.append(spec)
+        else:
+            skipped.append(Skipped(spec=spec, reasons=(reason,)))
+    return candidates.model_copy(update={"specs": tuple(specs), "skipped": tuple(skipped)})
 
 
 EIGHT_BIT_SUFFIX = "+8bit-optim"

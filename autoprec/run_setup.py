@@ -430,7 +430,7 @@ def setup_run(
         backends=report.backends,
     )
     candidates = (select or _tune_candidates)(report, situation, modes)
-    candidates = with_user_keep_fp32(candidates, shared.get("keep_fp32", ()))
+    candidates = with_user_keep_fp32(candidates, shared.get("keep_fp32", ()), report)
     candidates = _without_untranslatable(candidates, recipe.make_optimizer(model, trial_model))
     refuse_unrunnable(candidates, modes)
     if shared.get("compile"):

@@ -2033,3 +2033,33 @@ def test_the_trial_time_limit_is_tunes_budget_stop_with_the_limit_as_deadline() 
         "stopped by max_trial_minutes=1 after 12 of 200 steps (the deadline passed, 188 steps "
         "left): "
     ), late
+
+
+def test_keep_fp32_covering_every_fp8_linear_is_refused_before_any_run() -> None:
+    """Found by a hunt: the FP8 candidates were checked for a layer to convert before the
+    user's keep_fp32 joined them, so the fp32 runs trained and fp8_torchao then "failed"
+    where a named mode is refused up front (and listed "not checked" otherwise)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU()]
+    model = torch.nn.Sequential(
+        *layers, torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
+    )
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(32, 32, generator=generator), torch.randn(32, 16, generator=generator))
+        for _ in range(12)
+    ]
+    events: list[Any] = []
+    options: dict[str, Any] = {"loss_fn": torch.nn.functional.mse_loss, "steps": 8}
+    with pytest.raises(autoprec.UnsupportedModeError, match=r"fp8_torchao: .*would run no layer"):
+        autoprec.check(
+            model,
+            batches,
+            modes=["fp8_torchao"],
+            keep_fp32=["2", "4"],
+            on_event=events.append,
+            **options,
+        )
+    assert not [e for e in events if e.kind == "phase"]  # no fp32 run trained
+    report = autoprec.check(model, batches, modes=["amp_bf16", "fp8_torchao"], **options)
+    assert report.verdict("fp8_torchao+tensorwise+emulated") is not None  # without the keep
