@@ -52,7 +52,7 @@ def fp16_risks(
         reasons.append(f"fp16 overflow risk: gradients reach {gradient:.3g}, {margin}")
     rate = record.skipped_steps / max(record.steps_run, 1)  # skips are counted over every step
     metrics["skipped_step_rate"] = rate
-    if rate > limits.max_skipped_step_rate:
+    if rate > limits.max_skipped_step_rate and record.skipped_steps > 1:
         reasons.append(
             f"loss scaler skipped {record.skipped_steps} of {record.steps_run} steps "
             f"({rate * 100:.3g}% > {limits.max_skipped_step_rate * 100:.3g}%)"

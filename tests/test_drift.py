@@ -303,6 +303,19 @@ def test_loss_scaler_health(low_lr: dict) -> None:
     # found by a hunt: rounded to whole percents, 1 skip in 40 against 2% read "(2% > 2%)"
     assert any("(26.7% > 10%)" in r for r in reasons)
     assert "loss scale collapsed to 0.25" in reasons
+    # found by a hunt: one skip in an 8-step trial (GradScaler's own backoff, 2**16 to 2**15)
+    # read 12.5% and rejected a model fine at 40 steps; two still reject
+    for skipped, rejected in [(1, False), (2, True)]:
+        short = record.model_copy(
+            update={"skipped_steps": skipped, "steps_run": 8, "final_loss_scale": 32768.0}
+        )
+        trial = TrialResult(
+            record=short,
+            leg_weights=low_lr["amp_bf16"].leg_weights,
+            heldout_outputs=low_lr["amp_bf16"].heldout_outputs,
+        )
+        reasons = judge(trial, low_lr["reference"], low_lr["noise"]).reasons
+        assert any(r.startswith("loss scaler skipped") for r in reasons) == rejected, reasons
 
 
 def test_eval_fn_beyond_tolerance(low_lr: dict) -> None:
