@@ -193,6 +193,11 @@ def _parse_modes(modes: list[str]) -> tuple[set[str], set[str]]:
     plain: set[str] = set()
     eight_bit: set[str] = set()
     for name in modes:
+        if not isinstance(name, str):  # (found by a hunt: a bare AttributeError on None)
+            raise TypeError(
+                f"modes holds {name!r}: each entry must be a mode name, a string such as "
+                "'amp_bf16' or 'bf16_sr+8bit-optim'."
+            )
         base = name.removesuffix(EIGHT_BIT_SUFFIX)
         (eight_bit if name.endswith(EIGHT_BIT_SUFFIX) else plain).add(base)
     known = set(MODE_NAMES)
@@ -329,7 +334,7 @@ def screen_specs(
         wanted, wanted_8bit = _parse_modes(modes)
         if wanted <= {"fp32"} and not wanted_8bit:
             raise ValueError(
-                f"modes={list(modes)!r} leaves nothing to check: fp32 is the reference every "
+                f"modes {', '.join(modes)} leave nothing to check: fp32 is the reference every "
                 "mode is judged against. Name the modes to check, or pass None for every mode."
             )
     specs: list[ModeSpec] = []

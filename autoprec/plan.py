@@ -397,11 +397,7 @@ def build_plan(
     ``compiled_by_user``: ``model`` runs inside the user's ``torch.compile`` wrapper, which a
     compiled spec does not compile again."""
     check_model_and_optimizer(model, optimizer)
-    if not isinstance(spec, ModeSpec):
-        raise TypeError(
-            f"spec must be an autoprec.ModeSpec, e.g. ModeSpec(mode='amp_bf16'), but got "
-            f"{type(spec).__name__} {spec!r}."
-        )
+    _refuse_non_spec(spec)
     mode = mode_for(spec)
     situation = situation or situation_for_model(model, emulate_fp8=spec.emulate)
     reasons = mode.requirements(situation)
@@ -434,6 +430,14 @@ def build_plan(
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
     )
+
+
+def _refuse_non_spec(spec: Any) -> None:
+    if not isinstance(spec, ModeSpec):
+        raise TypeError(
+            f"spec must be an autoprec.ModeSpec, e.g. ModeSpec(mode='amp_bf16'), but got "
+            f"{type(spec).__name__} {spec!r}."
+        )
 
 
 def _refuse_second_names(spec: ModeSpec, model: nn.Module) -> None:
@@ -595,6 +599,8 @@ def prepare(
         OptimizerRebuiltWarning: the optimizer was rebuilt and no scheduler was passed: a
             scheduler built on your optimizer would keep driving the old one.
     """
+    _refuse_non_spec(spec)  # first: the refusals below name it (found by a hunt: a string
+    # spec for a bf16 model gave "'str' object has no attribute 'label'")
     _refuse_unfit(spec, model, optimizer, scheduler)
     inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
     _refuse_islands_under_fullgraph(spec, model, model if inner is None else inner)

@@ -240,8 +240,13 @@ class Profile(BaseModel):
     # -- files --------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the profile as JSON atomically: a crash never leaves a half-written file."""
-        return write_text_atomically(path, self.model_dump_json(indent=2) + "\n")
+        """Write the profile as JSON atomically: a crash never leaves a half-written file. The
+        file carries this autoprec's ``schema_version``: it is written in today's format,
+        whichever a loaded profile came in (found by a hunt: a version-1 profile saved again
+        held version-4 fields under version 1, which an older autoprec then refused without
+        its "upgrade" advice). ``autoprec_version`` stays the one that proved it."""
+        current = self.model_copy(update={"schema_version": SCHEMA_VERSION})
+        return write_text_atomically(path, current.model_dump_json(indent=2) + "\n")
 
     # -- use ----------------------------------------------------------------------------------
 

@@ -66,7 +66,9 @@ def recipe_differences(
             f"grad_accumulation_steps: proven at {recipe.grad_accumulation_steps}, "
             f"applied with {grad_accumulation_steps}"
         )
-    if clip_grad_norm != recipe.clip_grad_norm:
+    # None and inf both mean no clipping (inf measures the norm only), as plan.step reads
+    # them (found by a hunt: strict=True refused a profile proven at inf, applied with None)
+    if _as_limit(clip_grad_norm) != _as_limit(recipe.clip_grad_norm):
         differences.append(
             f"clip_grad_norm: proven at {_clipping(recipe.clip_grad_norm)}, applied with "
             f"{_clipping(clip_grad_norm)}"
@@ -80,6 +82,10 @@ def _schedule_dropped(recipe: RecipeSummary, groups: list[dict[str, Any]]) -> bo
     compared with the proven constructor lr, which a OneCycleLR run never trains at: a run
     100x above the proven peak passed, one exactly at it was warned about (found by a hunt)."""
     return recipe.scheduler is not None and not any("initial_lr" in g for g in groups)
+
+
+def _as_limit(norm: float | None) -> float:
+    return math.inf if norm is None else norm
 
 
 def _clipping(norm: float | None) -> str:

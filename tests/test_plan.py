@@ -332,6 +332,11 @@ def test_a_mode_name_instead_of_a_spec_is_a_type_error() -> None:
     model = _model()
     with pytest.raises(TypeError, match=r"spec must be an autoprec\.ModeSpec.*'amp_bf16'"):
         autoprec.prepare("amp_bf16", model, torch.optim.AdamW(model.parameters()))  # type: ignore[arg-type]
+    # found by a hunt: for a model the refusals name the spec in (weights not fp32), an
+    # AttributeError ('str' object has no attribute 'label')
+    model.to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"spec must be an autoprec\.ModeSpec.*'amp_bf16'"):
+        autoprec.prepare("amp_bf16", model, torch.optim.AdamW(model.parameters()))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,12 @@ def test_profiles_of_an_earlier_schema_still_load(tmp_path: Path) -> None:
     path = tmp_path / "v2.json"
     path.write_text(json.dumps(data))
     assert load_profile(path).schema_version == 2
+    # saved again, it is in today's format and says so (found by a hunt: it kept version 2
+    # with today's fields); the autoprec that proved it stays named
+    again = load_profile(path).save(tmp_path / "again.json")
+    saved = json.loads(again.read_text())
+    assert saved["schema_version"] == SCHEMA_VERSION
+    assert saved["autoprec_version"] == data["autoprec_version"]
 
 
 def test_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -971,6 +977,13 @@ def test_a_clip_at_plan_step_is_compared_with_the_proven_recipe() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecipeMismatchWarning)
         step(math.inf)
+    # and apply() reads None and inf alike (found by a hunt: strict=True refused a profile
+    # proven at inf, measuring only, applied with None)
+    measured = _tuned_for_tiny_gpt(clip_grad_norm=math.inf)
+    model, tokens = tiny_gpt.make_model()
+    measured.apply(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-4), clip_grad_norm=None, strict=True
+    )
 
 
 def test_a_cpu_proven_amp_fp16_profile_is_not_exported_to_flags_that_train_otherwise() -> None:

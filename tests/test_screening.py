@@ -504,8 +504,12 @@ def test_check_takes_thresholds_as_a_dict_and_refuses_an_empty_selection() -> No
     pure = report.verdict("bf16_pure")
     assert not any(r.startswith("optimizer state loses") for r in pure.reasons), pure.reasons
     # modes=["fp32"] used to return an empty report: fp32 is the reference, nothing was checked
-    with pytest.raises(ValueError, match="leaves nothing to check: fp32 is the reference"):
+    with pytest.raises(ValueError, match="modes fp32 leave nothing to check: fp32 is the"):
         autoprec.check(task.model, task.batches, modes=["fp32"], **common)
+    # found by a hunt: a bare AttributeError ('NoneType' object has no attribute 'removesuffix')
+    for entry in (None, 1):
+        with pytest.raises(TypeError, match=rf"modes holds {entry!r}: each entry must be a mode"):
+            autoprec.check(task.model, task.batches, modes=["amp_bf16", entry], **common)
 
 
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -539,7 +543,8 @@ def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*pure, "--keep-fp32", "haed"]) == 2
     assert "--keep-fp32 pattern 'haed' matches no module of" in capsys.readouterr().err
     assert main([*command[:8], "--modes", "fp32"]) == 2  # in the command line's words
-    assert "--modes ['fp32'] leaves nothing to check" in (err := capsys.readouterr().err)
+    # in words, not a Python list (found by a hunt: "--modes ['fp32'] leaves nothing")
+    assert "modes fp32 leave nothing to check" in (err := capsys.readouterr().err)
     assert "or leave --modes out for every mode" in err and "pass None" not in err
     assert main([*command[:8], "--max-trial-minutes", "0"]) == 2  # a hunt: "(or None)"
     assert "--max-trial-minutes must be > 0, not 0.0." in (err := capsys.readouterr().err)
