@@ -107,8 +107,9 @@ the test suite on our 2-core CPU, 101 s of it training its 54 runs)."""
 QUICK_SEEDS = Seeds(fp32=3, mode=2)
 """``--quick`` (CI) checks that the code runs and scores, not the truth itself: 3 fp32 runs and 2
 of each mode (2 so the paired reading still pools a spread), 27 runs of a quick task instead of
-44. Measured on our 2-core CPU, one thread: ``--quick`` from an empty cache 186 s -> 127 s,
-``--heldout --quick`` 111 s -> 83 s."""
+44 when it had 12 modes (29 and 47 since ``bf16_sr+8bit-optim`` is the 13th). Measured on our
+2-core CPU, one thread: ``--quick`` from an empty cache 186 s -> 127 s, ``--heldout --quick``
+111 s -> 83 s."""
 ALL_TASKS = {**TASKS, **HELDOUT_TASKS}
 """The tuned tasks (the gate's defaults were chosen on them) and the held-out ones
 (``benchmarks.ground_truth_heldout``: scored once, after the defaults were frozen)."""
@@ -197,13 +198,28 @@ def cached_long_run(
         return LongRun(**json.loads(path.read_text()))
     try:
         run = long_run(task, spec, seed, steps)
-    except (MemoryError, OSError):
-        raise  # the machine's, not the mode's: never cached as the mode's failure (a hunt)
-    except Exception as error:  # noqa: BLE001 - a mode that crashes in a real run hurts
+    except Exception as error:  # a mode that crashes in a real run hurts
+        if _the_machines(error):
+            raise  # never cached as the mode's failure (found by hunts)
         run = LongRun(math.inf, math.inf, 0.0, failure=f"{type(error).__name__}: {error}")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(run.__dict__))
     return run
+
+
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+"""What torch's allocators say when memory runs out: torch.OutOfMemoryError on a GPU, a plain
+RuntimeError ("DefaultCPUAllocator: can't allocate memory") on a CPU."""
+
+
+def _the_machines(error: Exception) -> bool:
+    """An error of the machine, not of the mode: out of memory, a full disk. Cached as the
+    mode's failure, a CPU's out-of-memory RuntimeError called the mode harmful for good."""
+    if isinstance(error, MemoryError | OSError | torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        said in str(error).lower() for said in _OUT_OF_MEMORY
+    )
 
 
 @dataclass(frozen=True)
@@ -255,7 +271,15 @@ class Pair:
 def fp32_metrics(cache: Path, task: GroundTask, steps: int, seeds: int) -> list[float]:
     """The truth's unit: the metrics of the task's fp32 long runs at seeds 0 .. ``seeds``-1."""
     fp32 = ModeSpec(mode="fp32")
-    return [cached_long_run(cache, task, fp32, seed, steps).metric for seed in range(seeds)]
+    runs = [cached_long_run(cache, task, fp32, seed, steps) for seed in range(seeds)]
+    failed = [(seed, run.failure) for seed, run in enumerate(runs) if run.failure is not None]
+    if failed:  # the truth's unit: no line without it (a failed one crashed in stdev)
+        seed, failure = failed[0]
+        raise SystemExit(
+            f"{task.cache_name}: the fp32 long run at seed {seed} failed ({failure}); the truth "
+            "has no unit without it. Fix the task, or remove its cached run and run again."
+        )
+    return [run.metric for run in runs]
 
 
 def hurt_line(fp32: list[float], runs: int = 1) -> float:
@@ -404,13 +428,21 @@ def _with_paired_truth(pairs: list[Pair], mode_seeds: int) -> list[Pair]:
     printed."""
     if not pairs:
         return pairs
+    modes = [pair for pair in pairs if len(pair.paired) > 1]
+    if not modes:  # one run of each mode: no spread to pool, the line would be 0.5% alone
+        print("  paired reading: none (one run of each mode has no spread to pool)")
+        return pairs  # (found by a hunt: --mode-seeds 1 called 11 of 11 fine modes harmful)
     line = paired_line(pairs, mode_seeds)
     judged = []
     for pair in pairs:
         difference = statistics.fmean(pair.paired) if pair.paired else math.inf
         judged.append(dataclasses.replace(pair, paired_hurts=difference > line, paired_line=line))
     mean = abs(pairs[0].fp32_mean)
-    print(f"  paired reading: a mode hurts past {line / mean:+.1%} over fp32's runs of its seeds")
+    print(
+        f"  paired reading: a mode hurts past {line / mean:+.1%} over fp32's runs of its seeds "
+        f"(the spread pooled over the {len(modes)} modes scored here: a subset given by "
+        "--modes reads another line than every mode does)"
+    )
     for pair in judged:
         if pair.paired_hurts != pair.truth_hurts:
             difference = statistics.fmean(pair.paired)
@@ -566,6 +598,13 @@ def scoring_arguments(
     args = parser.parse_args(argv)
     names = chosen_tasks(parser, args, default=default, quick=quick, known=known)
     if args.quick:
+        given = [  # (found by a hunt: --quick --steps 500 ran 150-step runs without a word)
+            f"--{name.replace('_', '-')}"
+            for name in ("steps", "trial_steps", "fp32_seeds", "mode_seeds")
+            if getattr(args, name) != parser.get_default(name)
+        ]
+        if given:
+            parser.error(f"--quick sets its own lengths and seeds; leave out {', '.join(given)}")
         return Scoring(names, QUICK_STEPS, 30, args.cache, QUICK_SEEDS, quick=True)
     refuse_unpaired_seeds(parser, args.fp32_seeds, args.mode_seeds)
     seeds = Seeds(fp32=args.fp32_seeds, mode=args.mode_seeds)
@@ -609,6 +648,9 @@ def main(argv: list[str] | None = None) -> list[Pair]:
         for pair in score(name, ALL_TASKS[name](steps), steps, trial_steps, cache, seeds, modes)
     ]
     print("\n" + confusion(pairs))
+    if seeds.mode < 2:
+        print("\nNo paired reading: it needs 2 or more runs of each mode (--mode-seeds).")
+        return pairs
     print(
         "\nThe paired reading (each mode run against the fp32 run of its seed; the truth "
         "above compares means as if the runs were independent, and they share seeds):\n"

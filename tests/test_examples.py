@@ -1130,3 +1130,39 @@ def test_truth_power_reads_a_pair_on_more_seeds_from_the_truths_cache(tmp_path: 
                 str(tmp_path),
             ]
         )
+
+
+def test_ground_truth_never_caches_the_machines_errors_and_refuses_what_it_cannot_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by a hunt: a CPU's out-of-memory RuntimeError was cached as the mode's failure
+    (the mode harmful for good), a failed fp32 run crashed the scoring in stdev, one run of
+    each mode gave the paired reading no spread (11 of 11 fine modes read harmful), and
+    --quick ignored the lengths and seeds given beside it."""
+    import types
+
+    from benchmarks import ground_truth
+
+    task = types.SimpleNamespace(cache_name="t.r1")
+    raised: list[Exception] = []
+
+    def failing(*_: object) -> object:
+        raise raised[-1]
+
+    monkeypatch.setattr(ground_truth, "long_run", failing)
+    spec = ModeSpec(mode="bf16_sr")
+    raised.append(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 8 GB"))
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        ground_truth.cached_long_run(tmp_path, task, spec, 0, 10)  # type: ignore[arg-type]
+    assert not list(tmp_path.rglob("*.json"))
+    raised.append(ValueError("the mode's own failure"))
+    run = ground_truth.cached_long_run(tmp_path, task, spec, 0, 10)  # type: ignore[arg-type]
+    assert run.failure == "ValueError: the mode's own failure"
+    assert len(list(tmp_path.rglob("*.json"))) == 1  # a mode's failure is its truth: kept
+    with pytest.raises(SystemExit, match=r"fp32 long run at seed 0 failed \(ValueError"):
+        ground_truth.fp32_metrics(tmp_path, task, 10, 2)  # type: ignore[arg-type]
+
+    one_run = ground_truth.Pair("t", "m", False, 1.0, 1.0, 0.1, "safe", "", runs=1, paired=(0.2,))
+    assert ground_truth._with_paired_truth([one_run], 1) == [one_run]  # no reading, no line
+    with pytest.raises(SystemExit):
+        ground_truth.scoring_arguments("doc", ["--quick", "--steps", "500"])
