@@ -266,7 +266,7 @@ def run_trial(
             them after training.
         eval_fn: ``eval_fn(model) -> float`` called on the trained copy (lower is better).
         warmup_steps: first steps left out of speed figures (compilation, allocator growth);
-            they are timed as one window of their own.
+            each is timed as a window of its own (the budget is checked after every one).
         window_steps: steps per timed window (default: :func:`window_steps_for`). Speed
             figures are medians over windows; nothing is read back to the host inside one.
         shuffle_seed: train on the batches in a seeded random order (the noise reference).

@@ -780,6 +780,13 @@ def test_pure_bf16_accumulates_micro_batches_in_fp32(mode: str) -> None:
         else:
             plan.backward(loss)  # the last one: .grad holds the whole step's gradients
     assert plan.mode.accumulation_bytes() == 4 * sum(p.numel() for p in parameters)
+    # a frozen weight gets no gradient to sum (found by a hunt: a frozen backbone's 4 bytes a
+    # weight counted, and bf16_pure read larger than fp32 under the memory objective)
+    frozen = parameters[0]
+    frozen.requires_grad_(False)
+    expected = 4 * sum(p.numel() for p in parameters if p is not frozen)
+    assert plan.mode.accumulation_bytes() == expected
+    frozen.requires_grad_(True)
 
     def error(values: list[torch.Tensor]) -> float:
         num = sum(float((v.float() - e).norm() ** 2) for v, e in zip(values, exact, strict=True))

@@ -60,7 +60,10 @@ class Bf16PureMode(PrecisionMode):
 
     @override
     def accumulation_bytes(self) -> int:
-        return sum(4 * p.numel() for p in self._parameters) if self.fp32_accumulation else 0
+        # the sums of the weights that get gradients: a frozen one has none to sum (found by a
+        # hunt: a frozen backbone's 4 bytes a weight made bf16_pure read larger than fp32)
+        trained = (p for p in self._parameters if p.requires_grad)
+        return sum(4 * p.numel() for p in trained) if self.fp32_accumulation else 0
 
     @override
     def backward(self, loss: torch.Tensor, run: BackwardRunner = tensor_backward) -> None:
