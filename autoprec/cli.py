@@ -451,9 +451,12 @@ def _report(args: argparse.Namespace) -> int:
     written = plot_outcomes(outcomes, chosen, args.out, title=f"autoprec: {Path(source).name}")
     count = trials_run(outcomes, noise_runs)
     noise = "the fp32 noise run" if noise_runs == 1 else f"{noise_runs} fp32 noise runs"
+    # a trial without both figures is not drawn (a failed one): said, not hidden (a hunt)
+    unplotted = [o.label for o in outcomes if not (o.samples_per_second and o.memory_bytes)]
+    left_out = f"; not drawn, without figures: {', '.join(unplotted)}" if unplotted else ""
     sys.stdout.write(
-        f"wrote {written} ({count} trials: {count - noise_runs} modes measured and {noise}; "
-        f"chosen: {chosen or 'none'})\n"
+        f"wrote {written} ({count} trials: {count - noise_runs} modes run and {noise}; "
+        f"chosen: {chosen or 'none'}{left_out})\n"
     )
     return EXIT_OK
 

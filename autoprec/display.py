@@ -50,7 +50,8 @@ def format_count(number: int | None) -> str:
     if number is None:
         return "?"
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if number >= size:
+        # as printed below it: 999,999 read "1000.00k" (a hunt); 999 stays 999
+        if number >= size or (size > 1e3 and number >= size * (1 - 5e-6)):
             return f"{number / size:.2f}{unit}"
     return str(number)
 
@@ -96,6 +97,8 @@ def describe_recipe(recipe: RecipeSummary) -> str:
         f" (+{len(recipe.optimizer_groups) - 1} groups)" if len(recipe.optimizer_groups) > 1 else ""
     )
     parts = [f"{optimizer}({options}){more}"]
+    if recipe.optimizer_state_steps is not None:  # (found by a hunt: only --json said so)
+        parts.append(f"from your optimizer state ({recipe.optimizer_state_steps} steps)")
     if recipe.scheduler is not None:
         parts.append(
             f"schedule {recipe.scheduler.rpartition(':')[2]} over {recipe.total_steps} steps"

@@ -32,7 +32,7 @@ def interactive(console: Console | None = None) -> bool:
 
 def _seconds(value: float) -> str:
     value = max(value, 0.0)
-    if value < 100:
+    if round(value) < 100:  # as printed: 99.6 read "100 s", 100.2 "1:40" (a hunt)
         return f"{value:.0f} s"
     minutes, seconds = divmod(round(value), 60)
     return f"{minutes}:{seconds:02d}"
@@ -74,11 +74,16 @@ def _to_go(event: SearchEvent) -> list[str]:
     return [f"{rate}, ~{_seconds(remaining * per_step)} to go" if remaining > 0 else rate]
 
 
-def outcome_line(outcome: TrialOutcome, *, earlier: bool = False) -> Text:
-    """A finished trial in one line: label, status, speed or the first reason."""
-    line = Text.assemble(
-        (f"{outcome.label} ", "bold"), (outcome.status, STATUS_STYLE[outcome.status])
-    )
+SCREEN_WORDS = {"accepted": "safe", "rejected": "unsafe"}
+"""How the quality screen (``check``) names the gate's verdicts: its report says safe/unsafe,
+its progress said tune's accepted/rejected (found by a hunt)."""
+
+
+def outcome_line(outcome: TrialOutcome, *, earlier: bool = False, screen: bool = False) -> Text:
+    """A finished trial in one line: label, status (in the screen's words for ``check``),
+    speed or the first reason."""
+    shown = SCREEN_WORDS.get(outcome.status, outcome.status) if screen else outcome.status
+    line = Text.assemble((f"{outcome.label} ", "bold"), (shown, STATUS_STYLE[outcome.status]))
     if earlier:
         line.append(" (from the study)", style="dim")
     if outcome.status == "accepted" and outcome.samples_per_second:
@@ -96,8 +101,12 @@ class TuneProgress:
     count every ``PLAIN_STEP_SECONDS``, a line when it ends.
     """
 
-    def __init__(self, console: Console | None = None, *, live: bool | None = None) -> None:
+    def __init__(
+        self, console: Console | None = None, *, live: bool | None = None, screen: bool = False
+    ) -> None:
         self.console = console or Console(stderr=True)
+        self.screen = screen
+        """A quality screen's progress (``check``): verdicts as safe/unsafe."""
         self.live = interactive(self.console) if live is None else live
         self._display: Live | None = None
         self._last_plain = -float("inf")
@@ -124,7 +133,7 @@ class TuneProgress:
     def __call__(self, event: SearchEvent) -> None:
         if event.kind in ("done", "skip") and event.outcome is not None:
             earlier = event.kind == "skip" and event.outcome.seconds > 0
-            self._print(outcome_line(event.outcome, earlier=earlier))
+            self._print(outcome_line(event.outcome, earlier=earlier, screen=self.screen))
         status = status_line(event)
         if self._display is not None:
             self._display.update(Text(status, no_wrap=True, overflow="ellipsis"))

@@ -633,15 +633,16 @@ def reference_runs(
 
 @contextlib.contextmanager
 def progress_callback(
-    progress: bool | None, on_event: Callable[[SearchEvent], None] | None
+    progress: bool | None, on_event: Callable[[SearchEvent], None] | None, *, screen: bool = False
 ) -> Iterator[Callable[[SearchEvent], None] | None]:
-    """``on_event``, plus the live display on stderr when progress is wanted."""
+    """``on_event``, plus the live display on stderr when progress is wanted (``screen``: in
+    the quality screen's words)."""
     from autoprec.progress import TuneProgress, interactive
 
     if not (interactive() if progress is None else progress):
         yield on_event
         return
-    with TuneProgress() as display:
+    with TuneProgress(screen=screen) as display:
         if on_event is None:
             yield display
             return

@@ -349,7 +349,7 @@ def check(
         preserved_rng(),
         callers_objects_frozen(),
         callers_blocks_lifted(),
-        progress_callback(progress, on_event) as callback,
+        progress_callback(progress, on_event, screen=True) as callback,
     ):
         events = EventSink(callback, started=start, budget_seconds=0.0, clock=clock)
         setup = screen_setup(

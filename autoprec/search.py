@@ -200,9 +200,9 @@ def make_stop_check(
             and progress.state_bytes is not None
             and progress.state_bytes > best.memory_bytes
         ):
-            return (
-                f"larger than {best.label}: {progress.state_bytes:,} vs "
-                f"{best.memory_bytes:,} state bytes"
+            return (  # (found by a hunt: the best's figure was called "state bytes")
+                f"larger than {best.label}: {progress.state_bytes:,} state bytes, more than "
+                f"{best.label}'s {best.memory_bytes:,} bytes of state and saved activations"
             )
         return None
 

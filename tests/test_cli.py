@@ -619,6 +619,11 @@ def test_the_recipe_line_names_what_sets_each_optimizers_momentum() -> None:
     assert "momentum 0," in plain and "nesterov" not in plain
     adam = line(lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.99)))
     assert adam.startswith("AdamW(lr 0.001, betas [0.8, 0.99], weight_decay 0.01)")
+    # trials from the user's optimizer state say so (found by a hunt: only --json did)
+    summary = TrainingRecipe(optimizer=torch.optim.AdamW).summary(model)
+    resumed = describe_recipe(summary.model_copy(update={"optimizer_state_steps": 10}))
+    assert "; from your optimizer state (10 steps);" in resumed
+    assert "optimizer state" not in describe_recipe(summary)
 
 
 def test_show_prints_the_recipe_a_profile_was_tuned_under(
@@ -1062,3 +1067,29 @@ def test_report_refuses_a_study_name_for_a_trials_file(
     command = ["report", str(trials), "--study", "nope", "--out", str(tmp_path / "r.png")]
     assert main(command) == 2
     assert "--study names a study in a storage" in _one_line_error(capsys)
+
+
+def test_report_names_the_trials_it_does_not_draw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt: a study whose candidates failed drew fp32 alone and said "3 modes
+    measured", nothing of the two failed trials."""
+    from autoprec import report
+    from autoprec.outcomes import TrialOutcome
+    from autoprec.specs import ModeSpec
+
+    outcomes = [
+        TrialOutcome(spec=ModeSpec(mode="fp32"), status="accepted", samples_per_second=10.0,
+                     memory_bytes=1000),
+        TrialOutcome(spec=ModeSpec(mode="amp_bf16"), status="failed", reasons=("boom",)),
+        TrialOutcome(spec=ModeSpec(mode="bf16_sr"), status="failed", reasons=("boom",)),
+    ]  # fmt: skip
+    monkeypatch.setattr(report, "outcomes_from_result", lambda source: (outcomes, "fp32", 2))
+    monkeypatch.setattr(report, "plot_outcomes", lambda *args, **kwargs: tmp_path / "f.png")
+    monkeypatch.setattr(report, "trials_run", lambda found, noise: len(found) + noise)
+    trials = tmp_path / "f.trials.json"
+    trials.write_text("{}")
+    assert main(["report", str(trials), "--out", str(tmp_path / "f.png")]) == 0
+    said = capsys.readouterr().out
+    assert "3 modes run and 2 fp32 noise runs" in said
+    assert said.rstrip().endswith("not drawn, without figures: amp_bf16, bf16_sr)")

@@ -971,3 +971,12 @@ def test_fixed_positions_are_compared_when_nothing_else_is_left_beside_a_mask() 
     varying = torch.tensor([True, True, False])  # 6.0 varies: only it is compared
     assert _sampled_error(trial, expected, varying) == pytest.approx(9.0)
     assert _sampled_error(torch.tensor([-math.inf, 50.0, 6.0]), expected, varying) == 0.0
+
+
+def test_a_figure_past_its_limit_reads_apart_from_it() -> None:
+    """Found by a hunt: "held-out outputs differ from fp32 by 10.0% (relative L2), beyond
+    10.0%" for 10.04% over a 10% floor."""
+    from autoprec.drift import _apart
+
+    assert _apart(0.1004, 0.1) == ("10.04%", "10.00%")
+    assert _apart(0.277, 0.1) == ("27.7%", "10.0%")

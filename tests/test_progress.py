@@ -102,6 +102,12 @@ def test_plain_progress_prints_starts_ends_and_a_step_line_every_15_s() -> None:
     assert lines[3].endswith("…")
     assert "step 60/120" in lines[2] and len(lines) == 4
     assert all(len(line) <= 80 for line in lines)
+    # the quality screen's progress in its report's words (found by a hunt: check printed
+    # tune's "rejected" above a table saying "unsafe")
+    out = io.StringIO()
+    with TuneProgress(Console(file=out, width=80), live=False, screen=True) as screen:
+        screen(event("done", 40.0, outcome=outcome))
+    assert out.getvalue().startswith("bf16_pure+8bit-optim unsafe: updates lost to rounding")
 
 
 def test_live_progress_prints_finished_trials_above_the_status_line() -> None:
@@ -144,3 +150,14 @@ def test_tune_reports_phases_steps_and_trials_from_its_start(
     assert events[first_trial].elapsed_seconds > 0.5  # counted from tune()'s start
     shown = capsys.readouterr().err  # progress=True without a terminal: plain lines
     assert "fp32 reference · " in shown and "trial 1/1 amp_bf16 · " in shown
+
+
+def test_counts_and_durations_change_unit_where_their_printed_figure_does() -> None:
+    """Found by a hunt: 999,999 read "1000.00k" and 99.6 s read "100 s" (100.2 s read 1:40)."""
+    from autoprec.display import format_count
+    from autoprec.progress import _seconds
+
+    assert [format_count(n) for n in (999, 1000, 999_994, 999_999)] == [
+        "999", "1.00k", "999.99k", "1.00M",
+    ]  # fmt: skip
+    assert [_seconds(s) for s in (99.4, 99.6, 100.2)] == ["99 s", "1:40", "1:40"]

@@ -199,7 +199,9 @@ def test_stop_check() -> None:
     assert lone(passes(3.0)) is None  # 48 x 3 s, but one more step still fits the 10 s
     assert lone(passes(12.0, step=-1)).startswith("budget: 50 more steps of at least 12 s")
     memory_stop = make_stop_check(best, "memory", deadline=100, clock=FakeClock())
-    assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000)).startswith("larger than")
+    larger = memory_stop(progress([1.0, 1.0, 1, 1, 1], state=2000))
+    assert larger.startswith("larger than") and "2,000 state bytes, more than" in larger
+    assert "bytes of state and saved activations" in larger  # what the best's figure holds
     assert memory_stop(progress([1.0, 1.0, 1, 1, 1], state=900)) is None
 
 
