@@ -38,6 +38,7 @@ from autoprec.integrations.accelerate import accelerate_settings
 from autoprec.integrations.fsdp2 import fsdp2_policy_args
 from autoprec.integrations.hf_trainer import hf_training_args
 from autoprec.integrations.lightning import lightning_settings
+from autoprec.layer_kinds import second_name_refusal
 from autoprec.layers import LayerMix, scan_model
 from autoprec.model_copies import inside_compile_wrapper
 from autoprec.plan import (
@@ -296,6 +297,10 @@ class Profile(BaseModel):
                 for pattern in getattr(self.spec, field)
                 if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
             ]
+            # a second name is no typo: said as prepare() refuses it (found by a hunt)
+            second_names = [second_name_refusal(model, p, field) for p in unmatched]
+            differences += [said for said in second_names if said]
+            unmatched = [p for p, said in zip(unmatched, second_names, strict=True) if not said]
             if unmatched:
                 differences.append(f"{field} patterns match no module: {', '.join(unmatched)}")
         if not differences:

@@ -387,6 +387,19 @@ def test_an_fp8_skip_pattern_that_matches_nothing_is_said() -> None:
         profile_for(spec).apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
 
 
+def test_a_pattern_naming_a_second_name_is_said_as_such() -> None:
+    """Found by a hunt: a profile's keep_fp32 pattern naming a module by its second name was
+    reported as "match no module", a typo, where it names the module another way."""
+    from autoprec.profile import profile_for
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model.alias = model[0]
+    with pytest.warns(ModelMismatchWarning, match=r"'alias', a second name of the module '0'"):
+        profile_for(ModeSpec(mode="amp_bf16", keep_fp32=("alias",))).check_model(
+            model, strict=False
+        )
+
+
 # dynamo reads .grad of the non-leaf tensors a graph break hands to the resumed frame
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_a_compiled_wrapper_is_converted_inside_and_stays_the_model_to_call() -> None:

@@ -882,7 +882,7 @@ def test_compiled_heldout_pass_keeps_whole_graphs_and_reads_the_eager_range() ->
     assert counters["stats"]["unique_graphs"] == 1
     largest = watched.largest
     assert largest == pytest.approx(expected[2].largest, rel=1e-3) and largest > 1.0  # a Linear's
-    assert watched.infinite_outputs == expected[2].infinite_outputs == 0
+    assert watched.infinite_leaves == expected[2].infinite_leaves == ()
     assert losses == pytest.approx(expected[0], rel=1e-2)
 
 
