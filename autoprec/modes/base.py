@@ -150,11 +150,15 @@ class PrecisionMode:
         """torchao's idiom: True when the mode may convert this module."""
         return not self.keeps_fp32(fqn)
 
-    def out_of_fp8_anywhere(self, model: nn.Module) -> frozenset[int]:
-        """ids of the modules kept in fp32 or skipped from FP8 under *any* of their names: a
-        Linear registered twice (``enc.1`` and ``dec.0``) is filtered by its first name alone,
-        and ran in FP8 inside a kept ``dec`` (found by a hunt)."""
-        return frozenset(
+    kept_out_of_fp8: frozenset[int] = frozenset()
+    """FP8 modes: ids of the modules kept in fp32 or skipped from FP8 under *any* of their
+    names, read at conversion (``read_out_of_fp8``)."""
+
+    def read_out_of_fp8(self, model: nn.Module) -> None:
+        """Set ``kept_out_of_fp8`` for ``model``: a Linear registered twice (``enc.1`` and
+        ``dec.0``) was filtered by its first name alone, and ran in FP8 inside a kept ``dec``
+        (found by a hunt)."""
+        self.kept_out_of_fp8 = frozenset(
             id(module)
             for fqn, module in model.named_modules(remove_duplicate=False)
             if fqn and (self.keeps_fp32(fqn) or self.skips_fp8(fqn))

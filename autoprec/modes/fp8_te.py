@@ -24,9 +24,6 @@ from autoprec.specs import TeDelayedScaling
 
 class Fp8TeMode(PrecisionMode):
     name = "fp8_te"
-    kept_out_of_fp8: frozenset[int] = frozenset()
-    """The model's modules kept out of FP8 under any name (``out_of_fp8_anywhere``), read at
-    conversion."""
 
     @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
@@ -56,7 +53,7 @@ class Fp8TeMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         te = require("transformer_engine").pytorch
-        self.kept_out_of_fp8 = self.out_of_fp8_anywhere(model)
+        self.read_out_of_fp8(model)
         self.converted: list[str] = []
         with swaps_under_every_name(model):
             self._swap_linears(model, te)

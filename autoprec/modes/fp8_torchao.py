@@ -32,9 +32,6 @@ _RULES = {
 
 class Fp8TorchaoMode(PrecisionMode):
     name = "fp8_torchao"
-    kept_out_of_fp8: frozenset[int] = frozenset()
-    """The model's modules kept out of FP8 under any name (``out_of_fp8_anywhere``), read at
-    conversion."""
 
     @override
     def requirements(self, situation: Situation) -> list[str]:
@@ -67,7 +64,7 @@ class Fp8TorchaoMode(PrecisionMode):
     @override
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
-        self.kept_out_of_fp8 = self.out_of_fp8_anywhere(model)
+        self.read_out_of_fp8(model)
         if not any(self.module_filter_fn(m, fqn) for fqn, m in model.named_modules()):
             too_small = self._fitting_but_too_small(model)
             if too_small:
