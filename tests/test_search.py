@@ -498,6 +498,17 @@ def test_pruning_leaves_modes_within_the_races_noise() -> None:
     assert raced(1.25) == "slower than amp_bf16: 1.25x its step time on the same 5 steps"
 
 
+def test_a_pruned_ratio_reads_above_its_cut_off() -> None:
+    """Pruned beyond 1/0.85 = 1.1765x: a trial at 1.177x read "1.18x", the cut-off itself."""
+    best = outcome("amp_bf16", speed=100, windows=windows([1.0, 1.0] + [0.1] * 48))
+    check = make_stop_check(best, "speed", deadline=1e9, clock=FakeClock())
+    times = [1.0, 1.0] + [0.1 * 1.177] * 5
+    reason = check(
+        TrialProgress(step=6, steps_planned=50, windows=windows(times), state_bytes=None)
+    )
+    assert reason == "slower than amp_bf16: 1.177x its step time on the same 5 steps"
+
+
 def test_within_the_measured_noise_the_mode_closest_to_fp32_wins() -> None:
     reference = outcome("fp32", speed=100)
     outcomes = [outcome("bf16_pure", speed=103), outcome("amp_bf16", speed=101)]
