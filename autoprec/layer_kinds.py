@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Literal
 
@@ -110,6 +111,27 @@ def second_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32"
                 f"name, and {field} matches those. Use {first!r}."
             )
     return None
+
+
+def unknown_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32") -> str | None:
+    """Why ``pattern`` names no module ``keep_fp32``/``fp8_skip`` can reach: a second name
+    (:func:`second_name_refusal`), or no name at all (with the model's modules and the closest
+    names); None when it matches a module's first name."""
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    if any(matches_keep_fp32(fqn, (pattern,)) for fqn in names):
+        return None
+    second_name = second_name_refusal(model, pattern, field)
+    if second_name:
+        return second_name
+    close = difflib.get_close_matches(pattern, names, n=3)
+    more = f" and {len(names) - 12} more" if len(names) > 12 else ""
+    shown = ", ".join(names[:12]) + more
+    hint = f"Did you mean {', '.join(map(repr, close))}? " if close else ""
+    return (
+        f"{field} pattern {pattern!r} matches no module of {type(model).__name__} "
+        f"(its modules: {shown or 'none below the root'}). {hint}Use names as "
+        "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
+    )
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from autoprec.errors import (
     UnsupportedModeError,
 )
 from autoprec.layer_keep import loaded_in_low_precision
-from autoprec.layer_kinds import refuse_torchscript, second_name_refusal, uncalled_kept_module
+from autoprec.layer_kinds import refuse_torchscript, uncalled_kept_module, unknown_name_refusal
 from autoprec.model_copies import (
     CompiledForward,
     inside_compile_wrapper,
@@ -413,7 +413,7 @@ def build_plan(
     uncalled = uncalled_kept_module(model, mode.keeps_fp32)
     if uncalled:
         raise ValueError(uncalled)
-    _refuse_second_names(spec, model)
+    _refuse_unknown_names(spec, model)
     mode.check_optimizer(optimizer)
     groups = named_groups(optimizer, model)
     model = _converted(mode, model)
@@ -440,12 +440,14 @@ def _refuse_non_spec(spec: Any) -> None:
         )
 
 
-def _refuse_second_names(spec: ModeSpec, model: nn.Module) -> None:
-    """A ``keep_fp32`` or ``fp8_skip`` pattern naming a module by its second name only kept
-    nothing, silently (tune refused it; prepare() ran the module in bf16 or FP8; a hunt)."""
+def _refuse_unknown_names(spec: ModeSpec, model: nn.Module) -> None:
+    """A ``keep_fp32`` or ``fp8_skip`` pattern naming a module by its second name only, or
+    naming no module (a typo), kept nothing, silently: tune refused both; prepare() ran the
+    module in bf16 or FP8 (found by hunts). ``Profile.apply`` warns of a profile's patterns
+    this model lacks and leaves them out before it gets here."""
     for field in ("keep_fp32", "fp8_skip"):
         for pattern in getattr(spec, field):
-            refusal = second_name_refusal(model, pattern, field)
+            refusal = unknown_name_refusal(model, pattern, field)
             if refusal:
                 raise ValueError(refusal)
 

@@ -220,6 +220,29 @@ class Evidence(BaseModel):
     result's ``checks_not_run``."""
 
 
+def _patterns_reaching(spec: ModeSpec, model: nn.Module) -> ModeSpec:
+    """``spec`` without the ``keep_fp32`` / ``fp8_skip`` patterns that name no module of
+    ``model`` under any name, which ``check_model`` warned of (``prepare()`` refuses them: a
+    hand-written pattern naming nothing is a typo; a profile's is a model that differs)."""
+    inner = inside_compile_wrapper(model)
+    names = [
+        fqn
+        for fqn, _ in (model if inner is None else inner).named_modules(remove_duplicate=False)
+        if fqn
+    ]
+    reaching = {
+        field: tuple(
+            pattern
+            for pattern in getattr(spec, field)
+            if any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
+        )
+        for field in ("keep_fp32", "fp8_skip")
+    }
+    if all(reaching[field] == getattr(spec, field) for field in reaching):
+        return spec
+    return spec.model_copy(update=reaching)
+
+
 class Profile(BaseModel):
     """A precision recipe, the hardware it was proven on and the evidence."""
 
@@ -368,7 +391,7 @@ class Profile(BaseModel):
                 )
                 _refuse_or_warn(message, RecipeMismatchWarning, strict=strict)
         plan = prepare(
-            self.spec,
+            _patterns_reaching(self.spec, model),  # the others were just warned of
             model,
             optimizer,
             scheduler,

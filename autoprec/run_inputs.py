@@ -5,7 +5,6 @@ list of batches; and the global RNG states, left as they were."""
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
 import numbers
 import os
@@ -22,8 +21,8 @@ from autoprec.errors import field_errors
 from autoprec.layer_kinds import (
     refuse_lazy,
     refuse_torchscript,
-    second_name_refusal,
     uncalled_kept_module,
+    unknown_name_refusal,
 )
 from autoprec.model_copies import (
     compiled_in_place,
@@ -254,26 +253,15 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
             f"'blocks.*.ln_1']), not {keep_fp32!r}."
         )
     patterns = tuple(keep_fp32)
-    names = [fqn for fqn, _ in model.named_modules() if fqn]
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(
                 f"keep_fp32 holds {pattern!r}: each entry must be a module name or pattern; "
                 "the whole model cannot be kept (that is fp32, the reference)."
             )
-        if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names):
-            second_name = second_name_refusal(model, pattern)
-            if second_name:
-                raise ValueError(second_name)
-            close = difflib.get_close_matches(pattern, names, n=3)
-            more = f" and {len(names) - 12} more" if len(names) > 12 else ""
-            shown = ", ".join(names[:12]) + more
-            hint = f"Did you mean {', '.join(map(repr, close))}? " if close else ""
-            raise ValueError(
-                f"keep_fp32 pattern {pattern!r} matches no module of {type(model).__name__} "
-                f"(its modules: {shown or 'none below the root'}). {hint}Use names as "
-                "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
-            )
+        unknown = unknown_name_refusal(model, pattern)
+        if unknown:
+            raise ValueError(unknown)
     _refuse_keeping_everything(model, patterns)
     uncalled = uncalled_kept_module(model, lambda fqn: matches_keep_fp32(fqn, patterns))
     if uncalled:

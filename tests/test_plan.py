@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -515,6 +516,24 @@ def test_a_pattern_naming_a_module_by_its_second_name_is_refused(mode: str) -> N
         model,
         torch.optim.AdamW(model.parameters()),
     )
+
+
+@pytest.mark.parametrize("field", ["keep_fp32", "fp8_skip"])
+def test_a_pattern_naming_no_module_is_refused(field: str) -> None:
+    """Found by a hunt: tune refused a keep_fp32 pattern that names no module (a typo);
+    prepare() kept nothing and trained the module it meant in bf16 or FP8 without a word."""
+    model = nn.Sequential(OrderedDict(body=nn.Linear(32, 32), norm=nn.LayerNorm(32)))
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", **{field: ("nrom",)})
+    with pytest.raises(
+        ValueError,
+        match=rf"{field} pattern 'nrom' matches no module of "
+        r"Sequential \(its modules: body, norm\)\. Did you mean 'norm'\?",
+    ):
+        autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert type(model.body) is nn.Linear and model.norm.weight.dtype == torch.float32
+    assert not autoprec.prepare(
+        ModeSpec(mode="amp_bf16", keep_fp32=("norm",)), model, torch.optim.AdamW(model.parameters())
+    ).mode.keeps_fp32("body")
 
 
 @pytest.mark.parametrize("clip", [0, -1.0, float("nan")])

@@ -384,7 +384,8 @@ def test_an_fp8_skip_pattern_that_matches_nothing_is_said() -> None:
     model, _ = tiny_gpt.make_model()
     spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", fp8_skip=("lm_hed",))
     with pytest.warns(ModelMismatchWarning, match="fp8_skip patterns match no module: lm_hed"):
-        profile_for(spec).apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+        plan = profile_for(spec).apply(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    assert plan.spec.fp8_skip == ()  # said, and left out: prepare() refuses it from a user
 
 
 def test_a_pattern_naming_a_second_name_is_said_as_such() -> None:
