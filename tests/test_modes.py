@@ -290,6 +290,11 @@ def test_fp8_says_when_its_size_rule_left_out_every_fitting_linear() -> None:
     everything = spec.model_copy(update={"fp8_layers": "all"})  # what the refusal advises
     plan = prepare(everything, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert plan.mode.fp8_modules(plan.model) == ("0", "2")
+    shared = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    shared.skipped = nn.Sequential(shared[2])  # "2" is skipped under its second name
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_skip=("skipped",))
+    with pytest.raises(ValueError, match=r"Linears that fit FP8 kernels \(0\) are all too sm"):
+        prepare(spec, shared, torch.optim.AdamW(shared.parameters(), lr=1e-3))
 
 
 def test_fp32_islands_under_a_fullgraph_compile_are_refused_up_front() -> None:

@@ -95,6 +95,7 @@ class Fp8TorchaoMode(PrecisionMode):
     def _fitting_but_too_small(self, model: nn.Module) -> list[str]:
         """The Linears ``fp8_layers="all"`` would convert, when the size rule leaves out all."""
         everything = type(self)(self.spec.model_copy(update={"fp8_layers": "all"}))
+        everything.read_out_of_fp8(model)  # a Linear kept under its second name is no answer
         return [fqn for fqn, m in model.named_modules() if everything.module_filter_fn(m, fqn)]
 
     @override
