@@ -1279,3 +1279,34 @@ def test_garbage_made_while_the_callers_objects_are_frozen_is_collected() -> Non
             assert gc.get_freeze_count() == 0 and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_probe_judges_the_device_the_trials_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a hunt: the probe judged the machine's first GPU, not the trials' device:
+    ``device="cpu"`` beside an H100 tried tf32 and FP8 on the CPU, and the profile said it was
+    proven on the H100."""
+    import autoprec.probing as probing
+    from autoprec.recipe import TrainingRecipe, default_optimizer
+    from autoprec.run_setup import setup_run
+    from autoprec.search_events import EventSink
+    from tests.conftest import make_hardware
+
+    monkeypatch.setattr(probing, "detect_hardware", lambda: make_hardware("H100"))
+    model, _ = tiny_gpt.make_small_model()
+    setup = setup_run(
+        model,
+        tiny_gpt.make_small_batches(),
+        TrainingRecipe(optimizer=default_optimizer),
+        modes=None,
+        device="cpu",
+        eval_fn=None,
+        seed=0,
+        budget_seconds=60.0,
+        deadline=math.inf,
+        clock=time.monotonic,
+        thresholds=None,
+        events=EventSink(None, started=0.0, budget_seconds=60.0, clock=time.monotonic),
+    )
+    assert setup.report.device == "cpu"
+    modes = {spec.mode for spec in setup.candidates.specs}
+    assert "tf32" not in modes and "fp8_torchao" not in modes and "amp_bf16" in modes
