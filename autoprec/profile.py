@@ -23,6 +23,7 @@ from autoprec._files import read_json, write_text_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec._version import __version__
 from autoprec._warnings import warn_caller
+from autoprec.eligibility import model_device
 from autoprec.errors import (
     ExportError,
     HardwareMismatchWarning,
@@ -275,8 +276,15 @@ class Profile(BaseModel):
     # -- use ----------------------------------------------------------------------------------
 
     def check_hardware(self, current: HardwareFingerprint | None = None, *, strict: bool) -> None:
-        """Warn (or with ``strict``, refuse) when running on other hardware than proven on."""
-        current = current or HardwareFingerprint.from_hardware(detect_hardware())
+        """Warn (or with ``strict``, refuse) when running on other hardware than proven on:
+        ``current``, or, by default, every device of this machine (the model may train on
+        any of them; ``apply()`` checks the one it is on). A hunt found cuda:0 alone judged:
+        a profile proven on the H100 at cuda:1 beside an A100 was refused there."""
+        if current is None:
+            hardware = detect_hardware()
+            if self._matching_device(hardware) is not None:
+                return
+            current = HardwareFingerprint.from_hardware(hardware)
         differences = self.hardware.differences(current)
         if not differences:
             return
@@ -286,6 +294,33 @@ class Profile(BaseModel):
             + ". Its speed and drift evidence may not hold here; re-run `autoprec tune`."
         )
         _refuse_or_warn(message, HardwareMismatchWarning, strict=strict)
+
+    def _matching_device(self, hardware: HardwareInfo) -> str | None:
+        """The first device of ``hardware`` the profile was proven on hardware like, or None."""
+        devices = ["cpu"] + [f"cuda:{gpu.index}" for gpu in hardware.gpus if gpu.usable_by_torch]
+        for device in devices:
+            here = HardwareFingerprint.from_hardware(hardware, device)
+            if not self.hardware.differences(here):
+                return device
+        return None
+
+    def _check_model_device(self, model: nn.Module, *, strict: bool) -> None:
+        """Warn (or refuse) when ``model`` sits on another device than the one proven, where
+        this machine has one like it (without one, loading the profile said so)."""
+        hardware = detect_hardware()
+        matching = self._matching_device(hardware)
+        device = model_device(model)
+        if matching is None:
+            return
+        differences = self.hardware.differences(HardwareFingerprint.from_hardware(hardware, device))
+        if differences:
+            message = (
+                f"This {self.spec.label} profile was proven on other hardware than the model's "
+                f"device ({device}): " + "; ".join(differences) + f". This machine's {matching} "
+                "is like the one proven: move the model there before apply(), or re-run "
+                f"`autoprec tune` on {device}."
+            )
+            _refuse_or_warn(message, HardwareMismatchWarning, strict=strict)
 
     def check_evidence(self, *, strict: bool) -> None:
         """Warn (or with ``strict``, refuse) when the profile carries no evidence: written by
@@ -355,8 +390,10 @@ class Profile(BaseModel):
                 for profiles without one).
             clip_grad_norm: the gradient norm ``plan.step()`` clips to; ``"recipe"`` (the
                 default) takes the tuned recipe's, ``None`` clips nothing.
-            strict: refuse (ProfileError) a model other than the one the profile was proven
-                for (``ModelMismatchWarning``), or another optimizer class, group
+            strict: refuse (ProfileError) a model on another device than the hardware the
+                profile was proven on, where this machine has a device like it
+                (``HardwareMismatchWarning``), a model other than the one the profile was
+                proven for (``ModelMismatchWarning``), or another optimizer class, group
                 hyper-parameters (lr, betas, ...), accumulation or clipping than the recipe it
                 was tuned under (``RecipeMismatchWarning``), instead of warning.
             total_steps: the scheduler's steps over the run you apply it to (default: the
@@ -372,6 +409,7 @@ class Profile(BaseModel):
         if clip_grad_norm == "recipe":
             clip_grad_norm = recipe.clip_grad_norm if recipe is not None else None
         check_step_settings(grad_accumulation_steps, clip_grad_norm)
+        self._check_model_device(model, strict=strict)
         self.check_model(model, strict=strict)
         if recipe is not None:
             differences = recipe_differences(

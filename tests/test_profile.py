@@ -271,6 +271,38 @@ def test_other_hardware_warns_and_strict_refuses(tmp_path: Path) -> None:
         load_profile(here, strict=True)
 
 
+def test_the_hardware_is_judged_where_the_model_trains(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by a hunt: loading compared the profile with cuda:0 alone (one proven on the H100
+    at cuda:1 beside an A100 was refused there; one proven on a CPU was refused on a machine
+    with a GPU), and apply() never looked at the device the model is on."""
+    import autoprec.profile as profile_module
+
+    mixed = make_hardware("A100", "H100")
+    monkeypatch.setattr(profile_module, "detect_hardware", lambda: mixed)
+    h100 = profile_for(
+        ModeSpec(mode="amp_bf16"), hardware=mixed, device="cuda:1", evidence=MEASURED
+    )
+    cpu = profile_for(ModeSpec(mode="amp_bf16"), hardware=make_hardware(), evidence=MEASURED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each has a device like its own here
+        on_h100 = load_profile(h100.save(tmp_path / "h100.json"), strict=True)
+        on_cpu = load_profile(cpu.save(tmp_path / "cpu.json"), strict=True)
+        model = torch.nn.Linear(16, 16)  # on the CPU
+        on_cpu.apply(model, torch.optim.AdamW(model.parameters()), strict=True)
+    model = torch.nn.Linear(16, 16)
+    said = r"than the model's device \(cpu\): device_kind: .* cuda:1 is like the one proven"
+    with pytest.raises(ProfileError, match=said):
+        on_h100.apply(model, torch.optim.AdamW(model.parameters()), strict=True)
+    assert model.weight.dtype == torch.float32 and not model._forward_pre_hooks
+    with pytest.warns(HardwareMismatchWarning, match=said):
+        on_h100.apply(model, torch.optim.AdamW(model.parameters()))
+    monkeypatch.setattr(profile_module, "detect_hardware", lambda: make_hardware("A100"))
+    with pytest.warns(HardwareMismatchWarning, match="gpu_name: proven on 'NVIDIA H100 80GB HBM3'"):
+        load_profile(tmp_path / "h100.json")  # no device like it: said once, at load
+
+
 def test_a_cpu_profile_from_another_cpu_or_torch_release_warns() -> None:
     # only the device kind, GPU and capability were compared: a CPU profile proven on a Xeon
     # with AMX under torch 2.4 loaded here under strict=True without a word
