@@ -14,9 +14,9 @@ from pydantic import BaseModel
 
 from autoprec._models import FROZEN_RECORD
 from autoprec._wording import first_names
-from autoprec.eligibility import Situation, mode_eligibility
+from autoprec.eligibility import Situation, mode_eligibility, mxfp8_reason
 from autoprec.layer_keep import FP8_SKIP_REASONS, PURE_BF16_KEEP_REASONS
-from autoprec.layer_kinds import fp8_worthwhile
+from autoprec.layer_kinds import MXFP8_BLOCK, fp8_worthwhile
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec, matches_keep_fp32
 
@@ -61,7 +61,8 @@ def _fp8_recipes(mode: ModeName, report: ProbeReport) -> list[str]:
     capability = gpu.capability if gpu else (0, 0)
     if mode == "fp8_torchao":
         return ["torchao_tensorwise"] + (["torchao_rowwise"] if capability >= (9, 0) else [])
-    return ["te_delayed_hybrid", "te_current"] + (["te_mxfp8"] if capability >= (10, 0) else [])
+    mxfp8 = gpu is not None and mxfp8_reason(gpu) is None  # 10.x and 11.x: TE's range
+    return ["te_delayed_hybrid", "te_current"] + (["te_mxfp8"] if mxfp8 else [])
 
 
 def _fp8_skip(report: ProbeReport) -> tuple[str, ...]:
@@ -88,16 +89,24 @@ def no_fp8_layer(spec: ModeSpec, report: ProbeReport) -> str | None:
         if linear.fqn not in uncalled
         and matches_keep_fp32(linear.fqn, spec.fp8_skip + spec.keep_fp32)
     ]
+    # MXFP8 scales blocks of 32: a Linear of 16 x 48 fits the other recipes, not this one
+    unblocked = [
+        linear.fqn
+        for linear in fitting
+        if spec.fp8_recipe == "te_mxfp8"
+        and linear.fqn not in uncalled + left_out
+        and (linear.in_features % MXFP8_BLOCK or linear.out_features % MXFP8_BLOCK)
+    ]
     recipe = (spec.fp8_recipe or "torchao_tensorwise").removeprefix("torchao_")
     small = [
         linear.fqn
         for linear in fitting
-        if linear.fqn not in left_out
+        if linear.fqn not in left_out + unblocked
         and linear.fqn not in uncalled
         and spec.fp8_layers == "worthwhile"
         and not fp8_worthwhile(linear.in_features, linear.out_features, recipe)
     ]
-    if len(uncalled) + len(left_out) + len(small) < len(fitting):
+    if len(uncalled) + len(left_out) + len(unblocked) + len(small) < len(fitting):
         return None
     parts = []
     if uncalled:
@@ -110,6 +119,11 @@ def no_fp8_layer(spec: ModeSpec, report: ProbeReport) -> str | None:
         parts.append(
             f"{first_names(left_out, 4)} kept out of FP8 "
             "(fp8_skip: the first and last layers, as FP8 training runs them, or keep_fp32)"
+        )
+    if unblocked:
+        parts.append(
+            f"{first_names(unblocked, 4)} with a dimension not divisible by {MXFP8_BLOCK}, "
+            "MXFP8's block"
         )
     if small:
         parts.append(

@@ -314,13 +314,40 @@ def _pure_bf16(mode: ModeName, backends: tuple[str, ...]) -> Callable[[Situation
     return rule
 
 
+MXFP8_CAPABILITIES = ((10, 0), (12, 0))
+"""Transformer Engine runs MXFP8 training from compute capability 10.0 (Blackwell) and below
+12.0: its ``_compute_mxfp8_support`` (TE 2.14, 2.15) says "MXFP8 (for all gemm layouts) is not
+supported on 12.0+ architectures yet" (RTX 50xx, RTX PRO 6000, GB10)."""
+
+
+def mxfp8_reason(gpu: GpuInfo | None) -> str | None:
+    """Why the te_mxfp8 recipe cannot run on ``gpu``, or None (no GPU: the mode says so)."""
+    if gpu is None:
+        return None
+    low, high = MXFP8_CAPABILITIES
+    if gpu.capability < low:
+        return f"te_mxfp8 needs compute capability >= 10.0 (found: {gpu.label})"
+    if gpu.capability >= high:
+        return (
+            "te_mxfp8: Transformer Engine does not run MXFP8 training on compute capability "
+            f'12.0 or above ("not supported on 12.0+ architectures yet"; found: {gpu.label}); '
+            "use te_current or te_delayed_hybrid"
+        )
+    return None
+
+
 def _fp8_te(situation: Situation, verdict: _Verdict) -> None:
     _needs_gpu_format(verdict, "fp8_te", "fp8", situation)
     _needs_backends(verdict, "fp8_te", ("transformer_engine",), situation)
     _fp8_model_fit(verdict, "fp8_te", situation.layers)
     gpu = situation.gpu
-    if gpu is not None and gpu.supports("mxfp8"):
-        verdict.notes.append("MXFP8 recipe available (compute capability >= 10.0)")
+    if gpu is not None and gpu.capability >= MXFP8_CAPABILITIES[0]:
+        reason = mxfp8_reason(gpu)
+        verdict.notes.append(
+            "MXFP8 recipe available (compute capability 10.x or 11.x)"
+            if reason is None
+            else f"no MXFP8 recipe: {reason.removeprefix('te_mxfp8').lstrip(': ')}"
+        )
 
 
 def _fp8_torchao(situation: Situation, verdict: _Verdict) -> None:

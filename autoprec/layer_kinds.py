@@ -27,6 +27,10 @@ LAYER_KINDS: tuple[LayerKind, ...] = (
 FP8_DIM_MULTIPLE = 16
 """FP8 GEMM kernels (torch._scaled_mm, Transformer Engine) need both Linear dims divisible by 16."""
 
+MXFP8_BLOCK = 32
+"""MXFP8 scales blocks of 32 elements: TE's ``MXFP8Quantizer`` needs both dimensions of a
+Linear divisible by 32, where the other FP8 recipes need 16."""
+
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes keeps optimizer state of tensors smaller than this in 32 bit (min_8bit_size)."""
 

@@ -133,6 +133,7 @@ KNOWN_GPUS: dict[str, tuple[str, tuple[int, int], int]] = {
     "H100": ("NVIDIA H100 80GB HBM3", (9, 0), 80),
     "H200": ("NVIDIA H200", (9, 0), 141),
     "B200": ("NVIDIA B200", (10, 0), 180),
+    "RTX5090": ("NVIDIA GeForce RTX 5090", (12, 0), 32),
 }
 
 

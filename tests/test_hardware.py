@@ -33,6 +33,7 @@ EXPECTED_FORMATS = {
     "H100": {"fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8"},
     "H200": {"fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8"},
     "B200": {"fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8", "mxfp8", "fp4"},
+    "RTX5090": {"fp16_tensor_cores", "bf16", "tf32", "sparse_2_4", "fp8", "mxfp8", "fp4"},
 }
 
 

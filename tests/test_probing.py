@@ -202,3 +202,45 @@ def test_the_machine_table_says_whether_bf16_has_instructions_of_its_own() -> No
     )
     assert "bfloat16 works (native bf16 instructions), float16 works" in row(True)
     assert "bfloat16 works, float16 works" in row(None)
+
+
+def test_mxfp8_is_offered_and_run_only_where_transformer_engine_runs_it() -> None:
+    """Found by a hunt: te_mxfp8 had no capability check of its own (prepare() took it on an
+    H100) and was offered on 12.x GPUs, where Transformer Engine refuses MXFP8 training ("not
+    supported on 12.0+ architectures yet"); its Linears were checked for 16, not MXFP8's 32."""
+    from torch import nn
+
+    from autoprec.candidates import candidate_specs, no_fp8_layer
+    from autoprec.eligibility import Situation
+    from autoprec.modes import mode_for
+    from autoprec.specs import ModeSpec
+
+    model, example = tiny_gpt.make_model()
+    mxfp8 = ModeSpec(mode="fp8_te", fp8_recipe="te_mxfp8")
+    found = {}
+    for gpu in ("H100", "B200", "RTX5090"):
+        hardware = make_hardware(gpu)
+        report = autoprec.probe(model, example, hardware=hardware, backends=make_backends("all"))
+        recipes = {s.fp8_recipe for s in candidate_specs(report).specs if s.mode == "fp8_te"}
+        situation = Situation(hardware, "cuda:0", report.layers, make_backends("all"))
+        found[gpu] = ("te_mxfp8" in recipes, mode_for(mxfp8).requirements(situation))
+    assert found["B200"] == (True, [])
+    assert found["H100"] == (
+        False,
+        ["te_mxfp8 needs compute capability >= 10.0 (found: NVIDIA H100 80GB HBM3, 9.0)"],
+    )
+    offered, reasons = found["RTX5090"]
+    assert not offered and reasons[0].startswith("te_mxfp8: Transformer Engine does not run")
+    assert reasons[0].endswith(
+        "found: NVIDIA GeForce RTX 5090, 12.0); use te_current or te_delayed_hybrid"
+    )
+    mode = mode_for(mxfp8)
+    assert mode.module_filter_fn(nn.Linear(64, 64), "a")
+    assert not mode.module_filter_fn(nn.Linear(48, 64), "b")  # fits 16, not MXFP8's 32
+    assert mode_for(ModeSpec(mode="fp8_te")).module_filter_fn(nn.Linear(48, 64), "b")
+    narrow = nn.Sequential(nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 48))
+    report = autoprec.probe(
+        narrow, torch.randn(2, 48), hardware=make_hardware("B200"), backends=make_backends("all")
+    )
+    said = no_fp8_layer(mxfp8.model_copy(update={"fp8_layers": "all"}), report)
+    assert said is not None and "0, 2 with a dimension not divisible by 32, MXFP8's block" in said

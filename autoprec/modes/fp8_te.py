@@ -3,7 +3,8 @@
 Needs a CUDA GPU with compute capability >= 8.9 and ``transformer_engine`` (2.x names
 ``te.autocast``; 1.x ``fp8_autocast`` is used when that is what is installed). The recipe is
 stored in full in the profile: delayed scaling (HYBRID or E4M3, with amax history length,
-algorithm and margin), current scaling, or MXFP8 (compute capability >= 10.0).
+algorithm and margin), current scaling, or MXFP8 (compute capability 10.x or 11.x, where TE
+runs it; Linears whose dimensions divide by 32).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from torch import nn
 
 from autoprec._imports import require
-from autoprec.layer_kinds import fp8_linear_fits
+from autoprec.eligibility import Situation, mxfp8_reason
+from autoprec.layer_kinds import MXFP8_BLOCK, fp8_linear_fits
 from autoprec.modes.base import PrecisionMode, override, swaps_under_every_name
 from autoprec.modes.islands import install_fp32_islands
 from autoprec.random_streams import cuda_devices_of, kept_streams
@@ -26,9 +28,22 @@ class Fp8TeMode(PrecisionMode):
     name = "fp8_te"
 
     @override
+    def requirements(self, situation: Situation) -> list[str]:
+        reasons = super().requirements(situation)
+        if self.spec.fp8_recipe == "te_mxfp8":
+            reason = mxfp8_reason(situation.gpu)
+            if reason is not None:
+                reasons.append(reason)
+        return reasons
+
+    @override
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
         kept = self.keeps_fp32(fqn) or self.skips_fp8(fqn) or id(module) in self.kept_out_of_fp8
-        return fp8_linear_fits(module) and not kept
+        if not fp8_linear_fits(module) or kept:
+            return False
+        if self.spec.fp8_recipe == "te_mxfp8":
+            return module.in_features % MXFP8_BLOCK == 0 and module.out_features % MXFP8_BLOCK == 0
+        return True
 
     def te_recipe(self) -> Any:
         """The Transformer Engine recipe object this spec describes, field by field."""
