@@ -363,7 +363,9 @@ def _fp8_torchao(situation: Situation, verdict: _Verdict) -> None:
     gpu = situation.gpu
     if gpu is not None and hardware_ok and gpu.capability < (9, 0):
         verdict.notes.append(
-            f"rowwise scaling needs compute capability >= 9.0 (found: {gpu.label}): tensorwise only"
+            f"rowwise scaling is tried from compute capability 9.0 (found: {gpu.label}): torch "
+            "runs its rowwise kernel on 8.9 since 2.7, not yet measured by autoprec; tune tries "
+            "tensorwise, and a profile or prepare() may name torchao_rowwise"
         )
     if not hardware_ok and len(verdict.reasons) == 1:
         verdict.notes.append(

@@ -205,12 +205,13 @@ def read_nvml(pynvml: ModuleType) -> tuple[list[GpuInfo], str | None, str]:
     except Exception as error:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return [], None, f"NVML unavailable ({_nvml_error(error)})"
     try:
-        try:
-            driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        except Exception:  # noqa: BLE001
-            driver = None
         gpus: list[GpuInfo] = []
         problems: list[str] = []
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        except Exception as error:  # noqa: BLE001 - said in the status (found by a hunt)
+            driver = None
+            problems.append(f"driver version: {_nvml_error(error)}")
         for index in range(pynvml.nvmlDeviceGetCount()):
             try:
                 gpus.append(_read_nvml_device(pynvml, index, driver))
@@ -262,9 +263,13 @@ def read_torch_cuda(cuda: Any, *, free_memory: bool = True) -> tuple[list[GpuInf
     try:
         if not cuda.is_available():
             return [], "torch sees no CUDA device"
-        gpus = []
+        gpus, problems = [], []
         for index in range(cuda.device_count()):
-            props = cuda.get_device_properties(index)
+            try:  # one broken GPU must not hide the others (found by a hunt), as in read_nvml
+                props = cuda.get_device_properties(index)
+            except Exception as error:  # noqa: BLE001
+                problems.append(f"cuda:{index}: {type(error).__name__}: {error}")
+                continue
             free = None
             if free_memory:
                 try:
@@ -288,7 +293,7 @@ def read_torch_cuda(cuda: Any, *, free_memory: bool = True) -> tuple[list[GpuInf
                     rocm_arch=None if rocm_arch is None else str(rocm_arch).split(":")[0],
                 )
             )
-        return gpus, "ok"
+        return gpus, "ok" if not problems else "partial (" + "; ".join(problems) + ")"
     except Exception as error:  # noqa: BLE001 - a broken CUDA setup is a fact, not a crash
         return [], f"torch CUDA query failed ({type(error).__name__}: {error})"
 
@@ -388,6 +393,8 @@ def detect_hardware(
     notes = []
     if torch_status.startswith("torch CUDA query failed"):
         notes.append(torch_status)
+    elif torch_status.startswith("partial"):
+        notes.append(f"torch could not read every GPU, left out: {torch_status[9:-1]}")
     elif nvml_gpus and not torch_gpus:
         notes.append(
             unusable_gpus_note(

@@ -156,7 +156,7 @@ class FakeNvml:
 
     devices: list[FakeNvmlDevice] = field(default_factory=list)
     init_error: Exception | None = None
-    driver: str = "570.86.15"
+    driver: str | Exception = "570.86.15"
     shutdowns: int = 0
 
     def nvmlInit(self) -> None:
@@ -167,6 +167,8 @@ class FakeNvml:
         self.shutdowns += 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
+        if isinstance(self.driver, Exception):
+            raise self.driver
         return self.driver
 
     def nvmlDeviceGetCount(self) -> int:
@@ -212,6 +214,8 @@ class FakeCuda:
 
     def get_device_properties(self, index: int) -> Any:
         device = self.devices[index]
+        if device.broken is not None:
+            raise device.broken
         return SimpleNamespace(
             name=device.name,
             major=device.capability[0],

@@ -94,6 +94,23 @@ def test_one_broken_gpu_does_not_hide_the_others() -> None:
     assert nvml.shutdowns == 1
 
 
+def test_one_gpu_torch_cannot_read_does_not_hide_the_others() -> None:
+    """Found by a hunt: one failing get_device_properties() left torch no GPU at all (with
+    NVML: every GPU unusable, cuda:0 healthy), and a failed driver query was silent."""
+    healthy = FakeNvmlDevice("NVIDIA H100 80GB HBM3", (9, 0), uuid="GPU-1")
+    lost = FakeNvmlDevice("NVIDIA L4", (8, 9), uuid="GPU-2", broken=RuntimeError("GPU lost"))
+    nvml = FakeNvml(devices=[healthy], driver=nvml_error("Unknown"))
+    hardware = detect_hardware(pynvml=nvml, cuda=FakeCuda(devices=[healthy, lost]), cpu=CPU)
+    assert [(gpu.name, gpu.usable_by_torch) for gpu in hardware.gpus] == [
+        ("NVIDIA H100 80GB HBM3", True)
+    ]
+    assert hardware.resolve_device(None) == "cuda:0"
+    assert hardware.warnings == (
+        "torch could not read every GPU, left out: cuda:1: RuntimeError: GPU lost",
+    )
+    assert hardware.nvml_status.startswith("partial (driver version: NVMLError_Unknown")
+
+
 def test_torch_fallback_when_nvml_fails() -> None:
     cuda = FakeCuda(devices=[FakeNvmlDevice("NVIDIA H100 80GB HBM3", (9, 0))])
     hardware = detect_hardware(
