@@ -195,8 +195,8 @@ class StudyFingerprint(BaseModel):
 
     model: str
     architecture: str = ""
-    """Digest of the model's ``repr``: its modules and their settings (a GELU swapped for a
-    ReLU, a Dropout added) change no weight."""
+    """:func:`architecture_digest`: its modules and their settings (a GELU swapped for a
+    ReLU, a Dropout added), other attributes and methods' code change no weight."""
     batches: str
     trainable: str = ""
     """Digest of which parameters train (``requires_grad``) and which optimizer group holds
@@ -212,6 +212,9 @@ class StudyFingerprint(BaseModel):
     hardware: str
     seed: int
     eval_fn: str | None
+    optimizer_state: str = ""
+    """:func:`optimizer_state_digest` of the optimizer passed (a run checked from a
+    checkpoint's state), "" without state."""
     functions: dict[str, str | None] = {}
     """:func:`callable_digest` of ``loss_fn``, ``train_step`` and ``eval_fn``: the recipe and
     ``eval_fn`` above name them only."""
@@ -227,7 +230,9 @@ class StudyFingerprint(BaseModel):
             if name in ("model", "batches"):
                 found.append(f"{name} (other weights or data)")
             elif name == "architecture":
-                found.append("architecture (other modules or module settings)")
+                found.append("architecture (other modules, module settings or code)")
+            elif name == "optimizer_state":
+                found.append("optimizer state (other moments or none)")
             elif name == "trainable":
                 found.append("trainable parameters or their optimizer groups")
             elif name == "functions":
@@ -250,6 +255,42 @@ class StudyFingerprint(BaseModel):
 
     def digest(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def architecture_digest(model: torch.nn.Module) -> str:
+    """sha256 (16 hex digits) of what the model computes beyond its tensors: its ``repr``
+    (modules and their settings), every module's other public attributes (a ``self.scale =
+    50.0`` its forward multiplies by, which no repr shows) and the code of every method its
+    classes define (a forward edited from GELU to ``sin``). Both had resumed another model's
+    study (found by a hunt)."""
+    parts = [repr(model)]
+    classes: dict[type, None] = {}
+    for name, module in model.named_modules():
+        settings = [
+            f"{key}={_stable_repr(value)}"
+            for key, value in _public(module.__dict__)
+            if key != "training" and not isinstance(value, torch.Tensor | torch.nn.Module)
+        ]
+        parts.append(f"{name}: {', '.join(settings)}")
+        classes.setdefault(type(module), None)
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass in (torch.nn.Module, object):
+                break
+            for key, value in sorted(vars(klass).items()):
+                code = getattr(value, "__code__", None)
+                if code is not None:
+                    parts.append(f"{klass.__qualname__}.{key}: {_code_repr(code)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def optimizer_state_digest(optimizer: Any) -> str:
+    """sha256 (16 hex digits) of an optimizer's state (its moments, not only its step count:
+    two checkpoints of one step count resumed each other's study; found by a hunt), or ""
+    without state."""
+    if not isinstance(optimizer, torch.optim.Optimizer) or not optimizer.state:
+        return ""
+    return tensor_digest(optimizer.state_dict()["state"])
 
 
 def trainable_digest(model: torch.nn.Module, groups: list[list[str]]) -> str:

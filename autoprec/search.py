@@ -225,10 +225,15 @@ def _values(outcome: TrialOutcome) -> list[float]:
     return [outcome.samples_per_second or 0.0, float(outcome.memory_bytes or 0)]
 
 
-def record_outcome(study: Any, trial: Any, outcome: TrialOutcome) -> None:
-    """Tell the study how a trial ended, keeping the reasons as data."""
+def record_outcome(
+    study: Any, trial: Any, outcome: TrialOutcome, fingerprint: str | None = None
+) -> None:
+    """Tell the study how a trial ended, keeping the reasons as data, and the digest of the
+    run's fingerprint it was measured under (``finished_outcomes`` reads only its own run's)."""
     import optuna
 
+    if fingerprint is not None:
+        trial.set_user_attr("fingerprint", fingerprint)
     trial.set_user_attr("outcome", outcome.model_dump_json())
     trial.set_user_attr("reasons", list(outcome.reasons))
     if outcome.status in ("accepted", "rejected"):
@@ -285,12 +290,18 @@ def stored_outcome(study: Any, raw: Any, which: str) -> TrialOutcome:
     )
 
 
-def finished_outcomes(study: Any) -> dict[str, TrialOutcome]:
-    """Outcomes already in the study (a resumed run), by label. Failed trials are re-run."""
+def finished_outcomes(study: Any, fingerprint: str | None = None) -> dict[str, TrialOutcome]:
+    """Outcomes already in the study (a resumed run), by label. Failed trials are re-run.
+    With ``fingerprint`` (a digest), only trials measured under it, or recorded before trials
+    carried one: a run with another model that took the study over while this one measured
+    its references had its outcomes adopted as this run's (found by a hunt)."""
     import optuna
 
     done = {}
     for trial in study.get_trials(deepcopy=False):
+        stamp = trial.user_attrs.get("fingerprint")
+        if fingerprint is not None and stamp is not None and stamp != fingerprint:
+            continue
         if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
             raw = trial.user_attrs.get("outcome")
             if raw:
@@ -567,6 +578,7 @@ def search(
     accepted: Sequence[TrialOutcome] = (),
     choices: Sequence[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    fingerprint: str | None = None,
 ) -> list[TrialOutcome]:
     """Run every candidate in order until the budget runs out; returns all outcomes.
 
@@ -580,6 +592,8 @@ def search(
         run_overhead_seconds: a run's fixed cost beyond its steps (calibration's): without
             it a trial started that the budget then cut (found by a hunt: a 10 s trial with
             5 s left), pruned for the budget and re-run by a resumed study.
+        fingerprint: the digest of the run's fingerprint: its trials carry it, and only
+            trials that carry it are reused.
     """
     import optuna
 
@@ -590,7 +604,7 @@ def search(
         raise ValueError(f"Candidates must be distinct; got {labels}.")
     choices = list(choices) if choices is not None else labels
     sink = events or EventSink(None, started=clock(), budget_seconds=0.0, clock=clock)
-    previous = finished_outcomes(study)
+    previous = finished_outcomes(study, fingerprint)
     outcomes: list[TrialOutcome] = []
     best: TrialOutcome | None = None
     reference = accepted[0] if accepted else None
@@ -601,8 +615,8 @@ def search(
     for index, spec in enumerate(candidates):
         label, total = spec.label, len(candidates)
         where = {"index": index, "total": total, "best": None if best is None else best.label}
-        if index and label not in previous:
-            previous = finished_outcomes(study)  # another worker sharing the study may have run it
+        if index and label not in previous:  # another worker sharing the study may have run it
+            previous = finished_outcomes(study, fingerprint)
         if label in previous:
             outcomes.append(previous[label])
             sink.emit("skip", label, outcome=previous[label], **where)
@@ -625,7 +639,7 @@ def search(
             trial.set_user_attr("reasons", ["interrupted"])
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
-        record_outcome(study, trial, outcome)
+        record_outcome(study, trial, outcome, fingerprint)
         logger.info("%s: %s %s", label, outcome.status, "; ".join(outcome.reasons))
         if outcome.status == "accepted" and better(outcome, best, objective, reference):
             best = outcome

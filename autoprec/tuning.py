@@ -8,7 +8,6 @@ The user's model is never touched: every trial trains a deep copy.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,10 +24,12 @@ from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.fingerprint import (
     StudyFingerprint,
+    architecture_digest,
     callable_digest,
     check_study,
     confirm_study,
     load_references,
+    optimizer_state_digest,
     references_path,
     save_references,
     tensor_digest,
@@ -109,7 +110,7 @@ def _hardware(setup: RunSetup) -> str:
 def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -> StudyFingerprint:
     return StudyFingerprint(
         model=tensor_digest(setup.user_model),
-        architecture=hashlib.sha256(repr(setup.user_model).encode()).hexdigest()[:16],
+        architecture=architecture_digest(setup.user_model),
         batches=tensor_digest(as_plain([*setup.train, *setup.heldout])),
         trainable=trainable_digest(setup.user_model, _group_names(setup)),
         recipe=setup.recipe.summary(setup.user_model).model_dump(mode="json"),
@@ -121,6 +122,7 @@ def _fingerprint(setup: RunSetup, objective: Objective, budget_minutes: float) -
         hardware=_hardware(setup),
         seed=setup.seed,
         eval_fn=qualified_name(setup.eval_fn),
+        optimizer_state=optimizer_state_digest(setup.recipe.optimizer),
         functions={
             "loss_fn": callable_digest(setup.recipe.loss_fn),
             "train_step": callable_digest(setup.recipe.train_step),
@@ -258,14 +260,14 @@ def _measured_references(
     setup: RunSetup,
     study: Any,
     storage: str | None,
-    budget_minutes: float,
+    fingerprint: StudyFingerprint,
     objective: Objective,
     planned: tuple[int, float],
 ) -> tuple[Fp32Runs, int, float, bool]:
     """(fp32 runs, trial steps, fp32 step seconds, reused): from the study when it was
     measured under the same fingerprint, else measured now with the ``planned`` (trial steps,
     fp32 step seconds)."""
-    fingerprint = _fingerprint(setup, objective, budget_minutes)
+    budget_minutes = fingerprint.budget_minutes
     where = study_place(study, storage)
     new_run = check_study(study, fingerprint, where)
     cache = references_path(storage, study.study_name)
@@ -312,12 +314,14 @@ def _judged_runner(
     return runner
 
 
-def _record_reference(study: Any, outcome: TrialOutcome, candidates: list[ModeSpec]) -> None:
+def _record_reference(
+    study: Any, outcome: TrialOutcome, candidates: list[ModeSpec], fingerprint: str
+) -> None:
     """The fp32 reference as the study's first trial (once: a resumed study has it)."""
     label = outcome.label  # fp32, or fp32+compiled
-    if label not in {t.params.get("candidate") for t in study.get_trials(deepcopy=False)}:
+    if label not in finished_outcomes(study, fingerprint):
         trial = ask_for(study, label, [s.label for s in candidates])
-        record_outcome(study, trial, outcome)
+        record_outcome(study, trial, outcome, fingerprint)
 
 
 def _search_candidates(
@@ -327,6 +331,7 @@ def _search_candidates(
     fp32_runs: Fp32Runs,
     steps: tuple[int, float],
     reference: TrialOutcome,
+    fingerprint: str,
 ) -> list[TrialOutcome]:
     """Every candidate after the reference, run for ``steps`` (steps, fp32 seconds a step)
     and judged against ``fp32_runs`` within the budget (``search``)."""
@@ -343,6 +348,7 @@ def _search_candidates(
         accepted=[reference],
         choices=[spec.label for spec in specs],
         clock=setup.clock,
+        fingerprint=fingerprint,
     )
 
 
@@ -383,8 +389,9 @@ def _search(
     planned_steps, step_seconds = calibrate(setup, budget_minutes)
     study = create_study(storage, study_name)
     references_started = clock()  # setup, calibration and the study's opening before it
+    fingerprint = _fingerprint(setup, objective, budget_minutes)
     measured = _measured_references(
-        setup, study, storage, budget_minutes, objective, (planned_steps, step_seconds)
+        setup, study, storage, fingerprint, objective, (planned_steps, step_seconds)
     )
     fp32_runs, steps, step_seconds, reused = measured
     # a resumed study's earlier result stops being its last word: an interrupted resume is
@@ -393,10 +400,12 @@ def _search(
     reference_verdict = fp32_runs.judge(fp32_runs.reference, setup.thresholds)
     reference_outcome = trial_outcome(fp32_runs.reference, reference_verdict, setup.report.device)
     reference_seconds = clock() - references_started  # ~0 when read from the study
-    _record_reference(study, reference_outcome, candidates.specs)
-    earlier = frozenset(finished_outcomes(study))  # a resumed run's, measured before
+    confirm_study(study, fingerprint, study_place(study, storage))  # still ours?
+    digest = fingerprint.digest()
+    _record_reference(study, reference_outcome, candidates.specs, digest)
+    earlier = frozenset(finished_outcomes(study, digest))  # a resumed run's, measured before
     outcomes = _search_candidates(
-        setup, study, objective, fp32_runs, (steps, step_seconds), reference_outcome
+        setup, study, objective, fp32_runs, (steps, step_seconds), reference_outcome, digest
     )
     outcomes, reference_outcome, speed_noise = _confirmed_speed(
         setup, objective, outcomes, reference_outcome, steps

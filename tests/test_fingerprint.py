@@ -229,7 +229,9 @@ def test_a_study_refuses_a_resume_with_other_modules_or_another_loss_setting(
     storage = f"sqlite:///{tmp_path / 's.db'}"
     common = {"budget_minutes": 0.2, "modes": ["amp_bf16"], "storage": storage, "study_name": "s"}
     autoprec.tune(model(torch.nn.GELU()), batches, loss_fn=torch.nn.HuberLoss(delta=1.0), **common)
-    with pytest.raises(ValueError, match=r"architecture \(other modules or module settings\)"):
+    with pytest.raises(
+        ValueError, match=r"architecture \(other modules, module settings or code\)"
+    ):
         autoprec.tune(
             model(torch.nn.ReLU()), batches, loss_fn=torch.nn.HuberLoss(delta=1.0), **common
         )
@@ -426,3 +428,55 @@ def test_a_trials_file_of_another_autoprec_is_named_as_one(tmp_path: Path) -> No
     trials.write_text(json.dumps({"profile": {"autoprec_version": "9.0.0"}, "energy": 1}))
     with pytest.raises(ValueError, match=r"written by autoprec 9\.0\.0.*Draw it with the autoprec"):
         outcomes_from_result(trials)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+        self.scale = scale  # a plain float, as nanoGPT keeps self.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)) * self.scale)
+
+
+class _Sine(_Scaled):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sin(30 * self.fc1(x)) * self.scale)
+
+
+def test_the_architecture_digest_reads_plain_attributes_and_code() -> None:
+    """Found by a hunt: a model with ``self.scale = 50`` for 1, or a forward edited from GELU
+    to sin, had the same weights and repr and resumed the other's study."""
+    from autoprec.fingerprint import architecture_digest
+
+    assert architecture_digest(_Scaled(1.0)) == architecture_digest(_Scaled(1.0))
+    assert architecture_digest(_Scaled(50.0)) != architecture_digest(_Scaled(1.0))
+    sine = _Sine(1.0)
+    sine.__class__.__name__ = sine.__class__.__qualname__ = "_Scaled"  # the same repr
+    assert repr(sine) == repr(_Scaled(1.0))
+    assert architecture_digest(sine) != architecture_digest(_Scaled(1.0))
+
+
+def test_the_optimizer_state_counts_in_the_fingerprint_not_only_its_steps() -> None:
+    """Found by a hunt: two checkpoints of one step count (exp_avg 1e-6 and 10) resumed each
+    other's study; only the step count was recorded."""
+    from autoprec.fingerprint import optimizer_state_digest
+
+    def stepped(moment: float) -> torch.optim.Optimizer:
+        model = _Scaled(1.0)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        for state in optimizer.state.values():
+            state["exp_avg"].fill_(moment)
+        return optimizer
+
+    assert optimizer_state_digest(torch.optim.AdamW(_Scaled(1.0).parameters())) == ""
+    assert optimizer_state_digest(stepped(1e-6)) == optimizer_state_digest(stepped(1e-6))
+    assert optimizer_state_digest(stepped(1e-6)) != optimizer_state_digest(stepped(10.0))
+    ours = _fingerprint().model_copy(update={"optimizer_state": "a"})
+    assert ours.differences(ours.model_copy(update={"optimizer_state": ""})) == [
+        "optimizer state (other moments or none)"
+    ]

@@ -105,6 +105,26 @@ def test_every_candidate_in_order_with_states_in_the_study() -> None:
     assert trials[0].values == [180.0, 1000.0]
 
 
+def test_a_run_reuses_only_the_trials_measured_under_its_fingerprint() -> None:
+    """Found by a hunt: a run with another model took the empty study over while this one
+    measured its references; this run then adopted that run's amp_bf16 and bf16_sr outcomes,
+    to the digit, as its own. Trials carry their run's fingerprint digest."""
+    from autoprec.search import finished_outcomes
+
+    clock, log = FakeClock(), []
+    study = create_study(None, None)
+    run = {"study": study, "objective": "speed", "deadline": 1000, "expected_trial_seconds": 10}
+    search(SPECS[:2], fake_runner(clock, log), **run, clock=clock, fingerprint="theirs")
+    assert [t.user_attrs["fingerprint"] for t in study.get_trials()] == ["theirs", "theirs"]
+    assert set(finished_outcomes(study, "theirs")) == {"amp_bf16", "bf16_kahan"}
+    assert finished_outcomes(study, "ours") == {}
+    search(SPECS[:2], fake_runner(clock, log), **run, clock=clock, fingerprint="ours")
+    assert log == ["amp_bf16", "bf16_kahan"] * 2  # measured again, not adopted
+    log.clear()
+    search(SPECS[:2], fake_runner(clock, log), **run, clock=clock, fingerprint="ours")
+    assert log == []  # its own, resumed
+
+
 def test_budget_stops_launching_trials() -> None:
     clock, log = FakeClock(), []
     outcomes = search(

@@ -1310,3 +1310,33 @@ def test_the_probe_judges_the_device_the_trials_run_on(monkeypatch: pytest.Monke
     assert setup.report.device == "cpu"
     modes = {spec.mode for spec in setup.candidates.specs}
     assert "tf32" not in modes and "fp8_torchao" not in modes and "amp_bf16" in modes
+
+
+def test_a_run_that_took_the_study_over_while_references_were_saved_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt: another run took the empty study over while this one saved its fp32
+    references (after its last check), and this run went on to adopt that run's outcomes."""
+    import autoprec.tuning as tuning_module
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    save = tuning_module.save_references
+
+    def taken_over_meanwhile(cache, fingerprint, runs, steps) -> None:
+        save(cache, fingerprint, runs, steps)
+        other = fingerprint.model_copy(update={"seed": 99}).model_dump(mode="json")
+        optuna.load_study(study_name="s", storage=storage).set_user_attr("fingerprint", other)
+
+    monkeypatch.setattr(tuning_module, "save_references", taken_over_meanwhile)
+    model, _ = tiny_gpt.make_small_model()
+    with pytest.raises(ValueError, match=r"Another run took over the study .*seed \(99 -> 0\)"):
+        tune(
+            model,
+            tiny_gpt.make_small_batches(),
+            budget_minutes=0.5,
+            storage=storage,
+            study_name="s",
+            modes=["amp_bf16"],
+            progress=False,
+        )
+    assert optuna.load_study(study_name="s", storage=storage).get_trials() == []
