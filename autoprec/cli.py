@@ -17,7 +17,7 @@ from typing import Any
 from autoprec._imports import demote_import_chatter
 from autoprec.cli_parser import build_parser
 from autoprec.errors import AutoprecError, BudgetTooSmallError
-from autoprec.interrupts import remembered_interrupts
+from autoprec.interrupts import Terminated, remembered_interrupts
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -546,11 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         said = error.naming("--budget") if isinstance(error, BudgetTooSmallError) else error
         sys.stderr.write(f"autoprec: error: {in_cli_words(str(said))}\n")
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         resume = (
             "; run the same command again to resume: finished trials are kept in the study"
             if args.command == "tune"
             else ""
         )
-        sys.stderr.write(f"autoprec: interrupted{resume}\n")
-        return 130
+        terminated = isinstance(interrupt, Terminated)
+        sys.stderr.write(f"autoprec: {'terminated' if terminated else 'interrupted'}{resume}\n")
+        return 143 if terminated else 130

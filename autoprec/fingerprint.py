@@ -323,7 +323,18 @@ def references_path(storage: str | None, study_name: str | None) -> Path | None:
     if file is None:
         return None
     name = quote(study_name or "study", safe=" -_.,+=@()[]")
-    return file.with_name(f"{file.name}.{name}.references.pt")
+    cache = f"{file.name}.{name}.references.pt"
+    if len(cache.encode()) > MAX_CACHE_NAME_BYTES:  # a long study name: its digest instead
+        digest = hashlib.sha256(cache.encode()).hexdigest()[:16]
+        cache = f"{file.name.encode()[:80].decode(errors='ignore')}.{digest}.references.pt"
+    return file.with_name(cache)
+
+
+MAX_CACHE_NAME_BYTES = 240
+"""The longest name a references file takes whole: file systems take 255 bytes, and the
+temporary it is written through adds a dot, 8 characters and its suffix. A 126-character study
+name (the ``--out`` stem) made a 270-byte name, and the run failed after measuring its fp32
+runs with "File name too long", then again at every resume (found by a hunt)."""
 
 
 def _pack(result: TrialResult) -> dict[str, Any]:

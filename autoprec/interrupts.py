@@ -9,6 +9,10 @@ finished with exit code 0 after a Ctrl-C landed in SQLAlchemy's ``_collection_gc
 that run many trials call ``raise_if_interrupted()`` between them, so a swallowed press still
 stops the run at the next trial boundary. It only replaces Python's default handler: a program
 that installed its own, or ignores SIGINT, keeps its choice.
+
+SIGTERM (what ``timeout``, Slurm and ``docker stop`` send) is raised the same way, as
+:class:`Terminated`, where its default action (end the process at once) was in place: it had
+left the trial it hit RUNNING in the study for good, and printed nothing (found by a hunt).
 """
 
 from __future__ import annotations
@@ -20,11 +24,17 @@ from collections.abc import Iterator
 from types import FrameType
 
 _pressed = threading.Event()
+_raised: list[type[KeyboardInterrupt]] = [KeyboardInterrupt]
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised as an interrupt so the run stops as it stops for a Ctrl-C."""
 
 
 def _remember_and_raise(signum: int, frame: FrameType | None) -> None:
+    _raised[0] = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     _pressed.set()
-    raise KeyboardInterrupt
+    raise _raised[0]
 
 
 @contextlib.contextmanager
@@ -35,15 +45,21 @@ def remembered_interrupts() -> Iterator[None]:
         yield
         return
     _pressed.clear()
+    terminate = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     signal.signal(signal.SIGINT, _remember_and_raise)
+    if terminate:
+        signal.signal(signal.SIGTERM, _remember_and_raise)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if terminate:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _pressed.clear()
 
 
 def raise_if_interrupted() -> None:
-    """Raise ``KeyboardInterrupt`` when a Ctrl-C was pressed in the block and then lost."""
+    """Raise ``KeyboardInterrupt`` (``Terminated`` for a SIGTERM) when one came in the block
+    and was then lost."""
     if _pressed.is_set():
-        raise KeyboardInterrupt
+        raise _raised[0]

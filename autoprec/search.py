@@ -432,15 +432,39 @@ def _refuse_non_journal(path: Path) -> None:
             f"line: {first[:60].decode(errors='replace')!r}); nothing was written to it. Give "
             "a new file name or an existing study storage (--storage / storage=)."
         )
+    if first and not _ends_whole(path):
+        raise StorageRefused(
+            f"The journal {str(path)!r} ends in a partial record (a run stopped, or the disk "
+            "filled, while it was written): Optuna would append the next record onto it and "
+            "leave the file unreadable for good. Nothing was written to it. Remove the partial "
+            "last line (everything after the last newline) and run again, or move the file "
+            "aside."
+        )
+
+
+def _ends_whole(path: Path, tries: int = 5) -> bool:
+    """Whether the journal ends in a newline; a worker sharing it may be writing its last
+    record, so a partial one is looked at again, for up to a second."""
+    for attempt in range(tries):
+        with open(path, "rb") as file:
+            file.seek(-1, 2)  # from the end
+            if file.read(1) == b"\n":
+                return True
+        if attempt < tries - 1:
+            time.sleep(0.25)
+    return False
 
 
 def shown_storage(storage: str | None) -> str:
     """``storage`` as messages show it: a URL's password replaced by ``***``
     (``postgresql://user:***@host/db``), so a refusal or a log line never prints it. The
-    password runs to the ``@`` as SQLAlchemy reads it: a ``/`` or ``:`` in it stays hidden."""
+    user name and password are split as SQLAlchemy splits them: the password runs to the
+    ``@`` (a ``/`` or ``:`` in it stays hidden), the user name may hold an ``@`` (Azure's
+    ``user@server``); a ``password=`` in the query string is hidden too (found by a hunt)."""
     if storage is None:
         return "memory"
-    return re.sub(r"^([A-Za-z][\w+.-]*://[^:/@]*):[^@]*@", r"\1:***@", storage)
+    shown = re.sub(r"^([A-Za-z][\w+.-]*://[^:/]*):[^@]*@", r"\1:***@", storage)
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", shown, flags=re.IGNORECASE)
 
 
 DEFAULT_STUDY_NAME = "autoprec"

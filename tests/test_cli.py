@@ -1093,3 +1093,23 @@ def test_report_names_the_trials_it_does_not_draw(
     said = capsys.readouterr().out
     assert "3 modes run and 2 fp32 noise runs" in said
     assert said.rstrip().endswith("not drawn, without figures: amp_bf16, bf16_sr)")
+
+
+def test_a_terminated_run_says_so_and_exits_143(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM is raised as ``Terminated`` (found by a hunt: it ended the process silently,
+    a trial left RUNNING): the CLI says so, with the resume advice, and exits 128 + 15."""
+    import autoprec.cli as cli
+    from autoprec.interrupts import Terminated
+
+    def terminated(args: object) -> int:
+        raise Terminated
+
+    monkeypatch.setitem(cli._COMMANDS, "tune", terminated)
+    code = main(["tune", "m:f", "--data", "m:d", "--budget", "1", "--out", "x.json"])
+    assert code == 143
+    assert capsys.readouterr().err == (
+        "autoprec: terminated; run the same command again to resume: finished trials are kept "
+        "in the study\n"
+    )

@@ -480,3 +480,19 @@ def test_the_optimizer_state_counts_in_the_fingerprint_not_only_its_steps() -> N
     assert ours.differences(ours.model_copy(update={"optimizer_state": ""})) == [
         "optimizer state (other moments or none)"
     ]
+
+
+def test_a_long_study_name_gets_a_references_file_the_file_system_takes(tmp_path: Path) -> None:
+    """Found by a hunt: a 126-character ``--out`` stem named the study, and its references
+    file (storage name + study name) passed 255 bytes: "File name too long" after the fp32
+    runs were measured, and again at every resume."""
+    stem = "sweep_" + "x" * 120
+    storage = str(tmp_path / f"{stem}.study.db")
+    paths = {references_path(storage, stem + suffix) for suffix in ("", "_b")}
+    assert len(paths) == 2  # two long names, two files
+    for path in paths:
+        assert path is not None and len(path.name.encode()) <= 240
+        assert path.name.startswith(f"{stem}.study.db"[:80]) and path.name.endswith(".pt")
+        path.write_bytes(b"")  # the file system takes it
+    short = references_path(storage[: -len(".study.db")][:20] + ".db", "s")
+    assert short is not None and short.name.endswith(".db.s.references.pt")

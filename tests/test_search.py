@@ -310,6 +310,41 @@ def test_a_ctrl_c_in_the_progress_display_leaves_no_running_trial(tmp_path: Path
     assert trials[1].user_attrs["reasons"] == ["interrupted"]
 
 
+def test_a_sigterm_mid_trial_leaves_no_running_trial(tmp_path: Path) -> None:
+    """Found by a hunt: SIGTERM (timeout, Slurm, docker stop) ended the process at once: the
+    trial it hit stayed RUNNING in the study for good, and a resume ran it again beside it."""
+    from autoprec.interrupts import Terminated
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    clock, log = FakeClock(), []
+    runner = fake_runner(clock, log)
+
+    def terminated(spec: ModeSpec, stop) -> TrialOutcome:
+        if spec.mode == "bf16_kahan":
+            signal.raise_signal(signal.SIGTERM)
+        return runner(spec, stop)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with remembered_interrupts(), pytest.raises(Terminated):
+            search(
+                SPECS,
+                terminated,
+                study=create_study(storage, "s"),
+                objective="speed",
+                deadline=1000,
+                expected_trial_seconds=10,
+                clock=clock,
+            )
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, term)
+    trials = optuna.load_study(study_name="s", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL"]
+
+
 class _SwallowsCtrlC:
     """Presses Ctrl-C from its ``__del__``: Python prints "Exception ignored" and goes on, as it
     did when a real Ctrl-C landed in SQLAlchemy's weakref callback during a collection (CI)."""
@@ -573,6 +608,15 @@ def test_a_file_that_is_no_study_storage_is_refused_and_left_as_it_was(tmp_path:
     damaged.write_bytes(damaged.read_bytes()[:2048])  # the header and a little more
     with pytest.raises(ValueError, match=r"not a usable SQLite database .* move it aside"):
         create_study(f"sqlite:///{damaged}", "s")
+    # found by a hunt: a journal cut inside its last record was opened, the next record was
+    # appended onto the partial line, and the file was unreadable for good
+    cut = tmp_path / "cut.log"
+    create_study(str(cut), "s").set_user_attr("k", 1)
+    cut.write_bytes(cut.read_bytes()[:-37])
+    before = cut.read_bytes()
+    with pytest.raises(ValueError, match=r"ends in a partial record .* Nothing was written"):
+        create_study(str(cut), "s")
+    assert cut.read_bytes() == before
 
 
 def test_a_study_of_yours_is_refused_in_one_message(tmp_path: Path) -> None:
@@ -662,3 +706,11 @@ def test_a_storage_password_is_hidden_whatever_characters_it_holds() -> None:
     assert shown_storage("postgresql://user@host/db") == "postgresql://user@host/db"
     assert shown_storage("sqlite:///runs/a:b@c.db") == "sqlite:///runs/a:b@c.db"
     assert shown_storage(None) == "memory"
+    # found by a hunt: a user name holding '@' (Azure's user@server), and a query password
+    assert (
+        shown_storage("postgresql://u@corp:Hunter2pw@db:5432/o")
+        == "postgresql://u@corp:***@db:5432/o"
+    )
+    assert shown_storage("postgresql://u@db/o?sslmode=require&password=Hunter2pw&x=1") == (
+        "postgresql://u@db/o?sslmode=require&password=***&x=1"
+    )
