@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -310,37 +311,47 @@ def test_a_ctrl_c_in_the_progress_display_leaves_no_running_trial(tmp_path: Path
     assert trials[1].user_attrs["reasons"] == ["interrupted"]
 
 
-def test_a_sigterm_mid_trial_leaves_no_running_trial(tmp_path: Path) -> None:
-    """Found by a hunt: SIGTERM (timeout, Slurm, docker stop) ended the process at once: the
-    trial it hit stayed RUNNING in the study for good, and a resume ran it again beside it."""
-    from autoprec.interrupts import Terminated
-
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
+def _interrupted_search(storage: str, signal_at_kahan: Callable[[], None]) -> list[str]:
+    """Search SPECS in ``storage`` under Python's own SIGINT handler and SIGTERM's default (as
+    in a CLI process; a pytest-xdist worker starts with others), calling ``signal_at_kahan``
+    in bf16_kahan's trial; returns the candidates run. Raises what the signal raises."""
     clock, log = FakeClock(), []
     runner = fake_runner(clock, log)
 
-    def terminated(spec: ModeSpec, stop) -> TrialOutcome:
+    def signalling(spec: ModeSpec, stop) -> TrialOutcome:
         if spec.mode == "bf16_kahan":
-            signal.raise_signal(signal.SIGTERM)
+            signal_at_kahan()
         return runner(spec, stop)
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        with remembered_interrupts(), pytest.raises(Terminated):
+        with remembered_interrupts():
             search(
                 SPECS,
-                terminated,
+                signalling,
                 study=create_study(storage, "s"),
                 objective="speed",
                 deadline=1000,
                 expected_trial_seconds=10,
                 clock=clock,
             )
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
     finally:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, term)
+    return log
+
+
+def test_a_sigterm_mid_trial_leaves_no_running_trial(tmp_path: Path) -> None:
+    """Found by a hunt: SIGTERM (timeout, Slurm, docker stop) ended the process at once: the
+    trial it hit stayed RUNNING in the study for good, and a resume ran it again beside it."""
+    from autoprec.interrupts import Terminated
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(Terminated):
+        _interrupted_search(storage, lambda: signal.raise_signal(signal.SIGTERM))
     trials = optuna.load_study(study_name="s", storage=storage).trials
     assert [t.state.name for t in trials] == ["COMPLETE", "FAIL"]
 
@@ -358,33 +369,15 @@ def test_a_ctrl_c_swallowed_by_the_garbage_collector_stops_at_the_next_trial(
     tmp_path: Path,
 ) -> None:
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    clock, log = FakeClock(), []
-    runner = fake_runner(clock, log)
-
-    def swallowing(spec: ModeSpec, stop) -> TrialOutcome:
-        if spec.mode == "bf16_kahan":
-            _SwallowsCtrlC()  # dropped at once: its __del__ runs here, and the interrupt is lost
-        return runner(spec, stop)
-
-    # Python's own handler, as in a CLI process (a pytest-xdist worker starts with another)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with remembered_interrupts(), pytest.raises(KeyboardInterrupt):
-            search(
-                SPECS,
-                swallowing,
-                study=create_study(storage, "s"),
-                objective="speed",
-                deadline=1000,
-                expected_trial_seconds=10,
-                clock=clock,
-            )
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert log == ["amp_bf16", "bf16_kahan"]  # the lost press stopped the run after its trial
+    # dropped at once: its __del__ runs in the trial, and the interrupt is lost
+    with pytest.raises(KeyboardInterrupt):
+        _interrupted_search(storage, _SwallowsCtrlC)
     trials = optuna.load_study(study_name="s", storage=storage).trials
-    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]  # its result is kept
+    # the lost press stopped the run after its trial, whose result is kept
+    assert [(t.params["candidate"], t.state.name) for t in trials] == [
+        ("amp_bf16", "COMPLETE"),
+        ("bf16_kahan", "COMPLETE"),
+    ]
     raise_if_interrupted()  # and forgotten: nothing pending after the block
 
 
