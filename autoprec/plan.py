@@ -194,6 +194,9 @@ class PrecisionPlan:
         self.grad_accumulation_steps = grad_accumulation_steps
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
+        self._awaiting_last_backward = False
+        """plan.step() closed a micro-batch before the step's last, whose backward has not run
+        (``clip_gradients`` then reads partial sums: found by a hunt)."""
         if grad_accumulation_steps > 1 and mode.keeps_sums_apart():
             _zero_grad_discards_sums(optimizer, mode)
         self.last_grad_norm: torch.Tensor | None = None
@@ -239,6 +242,7 @@ class PrecisionPlan:
             loss = loss / self.grad_accumulation_steps
         self.mode.backward(loss)
         if (self.micro_step + 1) % self.grad_accumulation_steps == 0:
+            self._awaiting_last_backward = False
             self.mode.gradients_ready()  # the step's last micro-batch: whole gradients in .grad
 
     def step(
@@ -258,6 +262,7 @@ class PrecisionPlan:
             self.backward(loss)
         self.micro_step += 1
         if self.micro_step % self.grad_accumulation_steps:
+            self._awaiting_last_backward = (self.micro_step + 1) % self.grad_accumulation_steps == 0
             return False
         clip = clip_grad_norm if clip_grad_norm is not None else self.clip_grad_norm
         if clip_grad_norm is not None and self.proven_clip is not None:
@@ -289,8 +294,10 @@ class PrecisionPlan:
         after the backward of a step's last micro-batch (with accumulation, the gradients
         before it are partial sums: loss-scaled under amp_fp16, held apart in fp32 under pure
         bf16), as torch's GradScaler allows one unscale per step."""
-        if (self.micro_step + 1) % self.grad_accumulation_steps:
-            position = self.micro_step % self.grad_accumulation_steps + 1
+        if (self.micro_step + 1) % self.grad_accumulation_steps or self._awaiting_last_backward:
+            position = (self.micro_step - self._awaiting_last_backward) % (
+                self.grad_accumulation_steps
+            ) + 1
             raise RuntimeError(
                 f"clip_gradients was called after micro-batch {position} of "
                 f"{self.grad_accumulation_steps}: the gradients are partial until the step's "

@@ -1022,6 +1022,14 @@ def test_clip_gradients_before_a_steps_last_micro_batch_is_refused() -> None:
     plan.backward(model(torch.randn(2, 4)).sum())
     assert torch.isfinite(plan.clip_gradients(math.inf))  # the step's last: measured
     assert plan.step()
+    # found by a hunt: after plan.step(loss) closed micro-batch 1, the count read as the last's
+    # and the partial sum was unscaled (weights 401.8 off the same run without the call)
+    assert not plan.step(model(torch.randn(2, 4)).sum())
+    with pytest.raises(RuntimeError, match=r"after micro-batch 1 of 2: the gradients are partial"):
+        plan.clip_gradients(math.inf)
+    plan.backward(model(torch.randn(2, 4)).sum())
+    assert torch.isfinite(plan.clip_gradients(math.inf))
+    assert plan.step()
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16_pure", "bf16_sr", "bf16_kahan"])
