@@ -87,6 +87,24 @@ def _scanned_copy(
     return scanned, first_model_call(recipe.train_step, plan, batch)
 
 
+def _scanned_copy_kept_apart(
+    model: nn.Module, trial_model: nn.Module, batch: Any, recipe: TrainingRecipe
+) -> tuple[nn.Module, Any]:
+    """:func:`_scanned_copy`, with the user's ``model`` put back as it was when the scan's
+    ``train_step`` call ran it: a ``train_step`` closing over the user's model (not
+    ``plan.model``) ran its forward there, moving BatchNorm's statistics before the
+    calibration's watch was taken, whose refusal then said they were put back (found by a
+    hunt). The calibration refuses that ``train_step``."""
+    if recipe.train_step is None:
+        return _scanned_copy(trial_model, batch, recipe)
+    watch = UserModelWatch(model, None, copy_weights=True)
+    try:
+        return _scanned_copy(trial_model, batch, recipe)
+    finally:
+        if watch.changed() or watch.changed_values():
+            watch.restore()
+
+
 def _reference_hint(message: str, setup: RunSetup) -> str:
     """What to do about a failing fp32 reference, from what failed (the trial's one-line
     message: exception type and first line)."""
@@ -424,7 +442,8 @@ def setup_run(
     trial_model = model if device is None else deep_copy(model).to(device)
     # judged for the device the trials run on, not the machine's first GPU (found by a hunt:
     # device="cpu" beside an H100 tried tf32 and FP8 on the CPU, "proven" on the H100)
-    report = probe(*_scanned_copy(trial_model, train[0], recipe), device=model_device(trial_model))
+    scanned = _scanned_copy_kept_apart(model, trial_model, train[0], recipe)
+    report = probe(*scanned, device=model_device(trial_model))
     situation = Situation(
         hardware=report.hardware,
         device=report.device,

@@ -6,7 +6,7 @@ import gc
 import os
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -81,6 +81,13 @@ def _accelerate_state_reset() -> Iterator[None]:
         state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def _read_legacy(read: Callable[[], object]) -> object:
+    try:
+        return read()
+    except RuntimeError as error:
+        return f"raises {error}"
+
+
 def _torch_globals() -> dict[str, object]:
     """Process-wide torch settings a test (or autoprec under it) could leave changed."""
     return {
@@ -104,6 +111,10 @@ def _torch_globals() -> dict[str, object]:
                 ("mkldnn conv", torch.backends.mkldnn.conv),
             )
         },
+        # torch's legacy flag, which raises ("a mix of the legacy and new APIs") when it
+        # disagrees with the fields above (found by a hunt: every plan block left it so)
+        "cudnn allow_tf32": _read_legacy(lambda: torch.backends.cudnn.allow_tf32),
+        "cuda matmul allow_tf32": _read_legacy(lambda: torch.backends.cuda.matmul.allow_tf32),
         "cudnn benchmark": torch.backends.cudnn.benchmark,
         "cudnn deterministic": torch.backends.cudnn.deterministic,
     }

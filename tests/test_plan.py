@@ -284,6 +284,33 @@ def test_the_users_matmul_precision_reads_back_after_a_block(users: str) -> None
             field.fp32_precision = value
 
 
+@pytest.mark.parametrize("users", [None, "high"])
+def test_cudnns_legacy_tf32_flag_reads_back_after_a_block(users: str | None) -> None:
+    """Found by a hunt: after any plan block (tune, check, a step of an applied plan)
+    torch.backends.cudnn.allow_tf32 raised "a mix of the legacy and new APIs", and so did
+    torch.backends.cudnn.flags(): the block wrote the legacy flag and put back the fields."""
+    from autoprec.modes.base import float32_matmul_precision
+
+    backends = torch.backends
+    fields = (backends, backends.cuda.matmul, backends.cudnn, backends.mkldnn.matmul)
+    saved = [field.fp32_precision for field in fields]
+    if users is not None:
+        torch.set_float32_matmul_precision(users)
+    try:
+        before = backends.cudnn.allow_tf32
+        for tf32 in (False, True):
+            with float32_matmul_precision(tf32):
+                pass
+            assert backends.cudnn.allow_tf32 == before
+            with backends.cudnn.flags(enabled=False):
+                pass
+    finally:
+        if users is not None:
+            torch.set_float32_matmul_precision("highest")
+            for field, value in zip(fields, saved, strict=True):
+                field.fp32_precision = value
+
+
 def test_the_fp32_reference_is_fp32_on_the_cpu_under_medium_matmul_precision() -> None:
     # set_float32_matmul_precision("medium") (common in Lightning scripts) sets oneDNN's fp32
     # matmuls to bf16 on CPUs with bf16 units: the "fp32" reference ran bf16 matmuls there

@@ -2068,3 +2068,39 @@ def test_keep_fp32_covering_every_fp8_linear_is_refused_before_any_run() -> None
     assert not [e for e in events if e.kind == "phase"]  # no fp32 run trained
     report = autoprec.check(model, batches, modes=["amp_bf16", "fp8_torchao"], **options)
     assert report.verdict("fp8_torchao+tensorwise+emulated") is not None  # without the keep
+
+
+def test_a_train_step_closing_over_the_model_leaves_it_as_it_was() -> None:
+    """Found by a hunt: the probe's train_step call ran the user's own model (a train_step
+    closing over it), moving BatchNorm's statistics and a non-persistent buffer before the
+    calibration's watch was taken; its refusal then said they were put back, and they were
+    not."""
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.bn, self.l2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+            self.register_buffer("ema", torch.zeros(4), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.l2(torch.relu(self.bn(self.l1(x))))
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(out.mean(0), alpha=0.1)
+            return out
+
+    model = Net()
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator))
+        for _ in range(8)
+    ]
+
+    def train_step(plan: Any, batch: Any) -> torch.Tensor:  # the closure bug
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    before = {k: v.clone() for k, v in model.state_dict().items()} | {"ema": model.ema.clone()}
+    with pytest.raises(ValueError, match=r"calls the model it closes over.*put back as they"):
+        autoprec.check(model, batches, steps=4, train_step=train_step, modes=["amp_bf16"])
+    after = model.state_dict() | {"ema": model.ema}
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []

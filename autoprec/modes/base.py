@@ -64,6 +64,10 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
         saved_global: str | None = torch.get_float32_matmul_precision()
     except RuntimeError:
         saved_global = None
+    try:  # cuDNN's legacy flag: written below, so put back below (found by a hunt)
+        saved_cudnn: bool | None = backends.cudnn.allow_tf32
+    except RuntimeError:
+        saved_cudnn = None
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     backends.cudnn.allow_tf32 = tf32  # convolutions and RNNs
     backends.mkldnn.matmul.fp32_precision = backends.mkldnn.conv.fp32_precision = "ieee"
@@ -76,6 +80,8 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
         # new APIs"; Lightning's CUDA accelerator reads it)
         if saved_global is not None:
             torch.set_float32_matmul_precision(saved_global)
+        if saved_cudnn is not None:  # it stayed False beside conv/rnn's "tf32", and reading
+            backends.cudnn.allow_tf32 = saved_cudnn  # it raised ("mix of the legacy and new")
         for field, value in reversed(list(zip(fields, saved, strict=True))):
             field.fp32_precision = value
 
