@@ -132,3 +132,9 @@ def read_json(
             f"{what} {str(path)!r} is not valid JSON (line {problem.lineno}, column "
             f"{problem.colno}: {problem.msg}); it may be truncated.{advice}"
         ) from None
+    except (ValueError, RecursionError) as problem:  # nested past Python's recursion limit,
+        # an integer of more than 4300 digits (found by a hunt: tracebacks from the CLI)
+        raise error(
+            f"{what} {str(path)!r} is JSON autoprec cannot read ({type(problem).__name__}: "
+            f"{str(problem)[:100]}).{advice}"
+        ) from None

@@ -610,6 +610,8 @@ def prepare(
     """
     _refuse_non_spec(spec)  # first: the refusals below name it (found by a hunt: a string
     # spec for a bf16 model gave "'str' object has no attribute 'label'")
+    check_model_and_optimizer(model, optimizer)  # before anything reads them (a list, None,
+    # or the two swapped gave AttributeError: found by a hunt)
     _refuse_unfit(spec, model, optimizer, scheduler)
     inner = inside_compile_wrapper(model)  # torch.compile(model): convert the model inside
     _refuse_islands_under_fullgraph(spec, model, model if inner is None else inner)

@@ -322,7 +322,9 @@ class TrainingRecipe:
                 "drive a trial's copy. Pass e.g. lambda opt: LambdaLR(opt, warmup)."
             )
         if self.total_steps is not None and (
-            not isinstance(self.total_steps, int) or self.total_steps < 1
+            isinstance(self.total_steps, bool)  # True is an int (found by a hunt)
+            or not isinstance(self.total_steps, int)
+            or self.total_steps < 1
         ):
             raise ValueError(f"total_steps must be a positive int but got {self.total_steps!r}.")
         if self.scheduler is not None and self.total_steps is None:
@@ -495,6 +497,7 @@ class TrainingRecipe:
         if not 0 <= floor_quantile < 1:
             raise ValueError(f"floor_quantile must be in [0, 1) but got {floor_quantile}.")
         lrs = self.schedule(model)
+        _refuse_unusable_lrs(lrs)
         if self.scheduler is None:
             _require_moving(lrs[0], self.optimizer)
             return (LrPoint(role="constant", lrs=lrs[0]),)
@@ -614,6 +617,21 @@ def _require_readable(scheduler: Any) -> None:
         "you expect it to reach (lr x factor^k): pure bf16 and other rounding losses show at "
         "low lrs."
     )
+
+
+def _refuse_unusable_lrs(schedule: Sequence[Sequence[float]]) -> None:
+    """A group's lr that is negative or not finite, at any step the schedule reaches (found by
+    a hunt: one group at -1e-3 leaked pydantic's "1 validation error for LrPoint", and NaN
+    in every group was called "lr is 0")."""
+    for step, lrs in enumerate(schedule):
+        for group, lr in enumerate(lrs):
+            if not math.isfinite(lr) or lr < 0:
+                at = "" if len(schedule) == 1 else f" at step {step} of the schedule"
+                raise ValueError(
+                    f"The optimizer's param group {group} has lr {lr!r}{at}: a learning rate "
+                    "must be a finite number >= 0 (a negative one steps uphill). Give each "
+                    "group the lr the run trains at."
+                )
 
 
 def _require_moving(lrs: Sequence[float], source: OptimizerSource) -> None:

@@ -154,6 +154,12 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
             "The loader yielded no batches: every run trains on them, so at least one is "
             f"needed ({_why_empty(loader)})."
         )
+    for index, batch in enumerate(batches):  # a bare NotImplementedError at the first copy
+        if any(tensor.is_meta for tensor in tensors_in(batch)):  # (found by a hunt)
+            raise ValueError(
+                f"Batch {index} of the loader holds meta tensors (shapes without data): "
+                "training cannot read them. Give the loader's batches real data."
+            )
     return batches
 
 

@@ -660,6 +660,12 @@ def progress_callback(
     the quality screen's words)."""
     from autoprec.progress import TuneProgress, interactive
 
+    if on_event is not None and not callable(on_event):  # it failed at the first event
+        raise TypeError(  # (found by a hunt)
+            f"on_event must be a function on_event(event) -> None, not {type(on_event).__name__}."
+        )
+    if progress is not None and not isinstance(progress, bool):  # "yes" read as True
+        raise TypeError(f"progress must be True, False or None (automatic), not {progress!r}.")
     if not (interactive() if progress is None else progress):
         yield on_event
         return

@@ -9,6 +9,7 @@ gate; no study, no speed ranking, no profile.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -324,7 +325,9 @@ def check(
     ``.not_checked`` (modes that cannot run here at all, with reasons), ``.summary()``.
     """
     if max_trial_minutes is not None and (
-        isinstance(max_trial_minutes, bool) or not max_trial_minutes > 0
+        isinstance(max_trial_minutes, bool)
+        or not isinstance(max_trial_minutes, numbers.Real)  # "1" failed comparing (a hunt)
+        or not max_trial_minutes > 0
     ):
         raise ValueError(
             f"max_trial_minutes must be a number of minutes > 0 (or None), not "

@@ -41,6 +41,7 @@ from autoprec.trial_measures import (
     sampled_weights,
     state_bytes,
     state_no_optimizer_steps,
+    torch_settings_kept,
 )
 from autoprec.trial_records import (
     OutputSummary,
@@ -492,7 +493,8 @@ def _eval_score(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> floa
     eval, not a failed training run). A non-finite score is returned as it is: the gate
     judges it."""
     try:
-        score = eval_fn(model)
+        with torch_settings_kept():
+            score = eval_fn(model)
     except Exception as error:
         raise EvalFnError(
             f"eval_fn(model) raised {type(error).__name__}: {first_line(error)}"

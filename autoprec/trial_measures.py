@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from autoprec.layer_flops import storage_key
+from autoprec.modes.base import matmul_precision_kept
 from autoprec.plan import PrecisionPlan
 from autoprec.running_state import power_iteration_vectors
 from autoprec.trial_records import LowPrecisionMoment, StateBytes, StateDigest
@@ -304,6 +305,22 @@ def autocast_state_kept(device: torch.device) -> Iterator[None]:
     finally:
         torch.set_autocast_enabled(kind, enabled)
         torch.set_autocast_dtype(kind, dtype)
+
+
+@contextlib.contextmanager
+def torch_settings_kept() -> Iterator[None]:
+    """torch's process-wide settings user code may change (the default dtype, the thread
+    count, fp32 matmul precision and TF32 flags) as they were after the block: an ``eval_fn``
+    calling ``torch.set_float32_matmul_precision("medium")`` changed every later run (TF32
+    matmuls in an "fp32" reference on a GPU) and outlived tune() (found by a hunt)."""
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    with matmul_precision_kept():
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(dtype)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 class WindowClock:

@@ -1384,3 +1384,18 @@ def test_amp_fp16_steps_nothing_when_no_weight_got_a_gradient() -> None:
         loss = plan.model(torch.linspace(-0.2, 0.2, 8).reshape(2, 4)).float().square().mean()
     assert plan.step(loss) is True
     assert not torch.equal(model.weight, before)
+
+
+def test_prepare_names_a_model_or_optimizer_of_the_wrong_kind() -> None:
+    """Found by a hunt: a list, None or the two swapped gave AttributeError ("'list' object
+    has no attribute 'named_modules'"); the swapped-arguments hint never ran."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec = ModeSpec(mode="amp_bf16")
+    for args, said in [
+        (([model], optimizer), "model must be a torch.nn.Module but got list"),
+        ((None, optimizer), "but got NoneType"),
+        ((optimizer, model), r"but got SGD \(the arguments are swapped\?\)"),
+    ]:
+        with pytest.raises(TypeError, match=said):
+            autoprec.prepare(spec, *args)

@@ -1086,3 +1086,16 @@ def test_a_warning_points_at_the_first_line_outside_autoprec_however_deep_it_is_
     mismatch = [w for w in caught if issubclass(w.category, ModelMismatchWarning)]
     assert mismatch, caught
     assert all((w.filename, w.lineno) == (__file__, apply_line) for w in mismatch)
+
+
+def test_json_nested_past_the_recursion_limit_or_a_huge_number_is_a_profile_error(
+    tmp_path: Path,
+) -> None:
+    """Found by a hunt: RecursionError (the CLI's show and report printed a traceback) and a
+    bare ValueError about 4300 digits that named no file."""
+    deep, huge = tmp_path / "deep.json", tmp_path / "huge.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    huge.write_text('{"schema_version": ' + "9" * 5001 + "}")
+    for path in (deep, huge):
+        with pytest.raises(ProfileError, match=rf"{path.name}' is JSON autoprec cannot read"):
+            load_profile(path)

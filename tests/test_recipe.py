@@ -373,3 +373,14 @@ def test_an_optimizer_factory_over_other_parameters_is_refused_as_the_users_slip
         autoprec.check(
             model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda _: own, steps=4
         )
+
+
+def test_total_steps_true_is_refused_as_apply_refuses_it() -> None:
+    """Found by a hunt: True is an int, and tune/check took it as 1 step."""
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="total_steps must be a positive int but got True"):
+        TrainingRecipe(
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            total_steps=True,  # type: ignore[arg-type]
+        )

@@ -2104,3 +2104,57 @@ def test_a_train_step_closing_over_the_model_leaves_it_as_it_was() -> None:
         autoprec.check(model, batches, steps=4, train_step=train_step, modes=["amp_bf16"])
     after = model.state_dict() | {"ema": model.ema}
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_bad_arguments_to_check_are_refused_in_words() -> None:
+    """Found by a hunt: each failed deep inside with a bare error (a comparison TypeError,
+    "'int' object is not callable", NotImplementedError from a meta tensor's copy, pydantic's
+    "1 validation error for LrPoint"), or was read as something else ("yes" as True, NaN as
+    "lr is 0")."""
+    task = tasks.regression(lr=1e-3)
+    batches = task.batches + task.heldout
+    common: dict[str, Any] = {"loss_fn": task.mse, "steps": 8, "modes": ["amp_bf16"]}
+    refusals: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"max_trial_minutes": "1"}, ValueError, "max_trial_minutes must be a number"),
+        ({"on_event": 3}, TypeError, "on_event must be a function on_event"),
+        ({"progress": "yes"}, TypeError, "progress must be True, False or None"),
+    ]
+    for options, kind, said in refusals:
+        with pytest.raises(kind, match=said):
+            autoprec.check(task.model, batches, optimizer=task.optimizer, **common, **options)
+    meta = [tuple(t.to("meta") for t in batch) for batch in batches]
+    with pytest.raises(ValueError, match="Batch 0 of the loader holds meta tensors"):
+        autoprec.check(task.model, meta, optimizer=task.optimizer, **common)
+    model = task.model
+    for lr, said in [(-1e-3, "group 1 has lr -0.001"), (math.nan, "group 1 has lr nan")]:
+        groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "lr": lr}]
+        optimizer = torch.optim.SGD(groups, lr=1e-3)
+        with pytest.raises(ValueError, match=rf"{said}: a learning rate must be a finite"):
+            autoprec.check(model, batches, optimizer=optimizer, **common)
+
+
+def test_an_eval_fn_that_changes_torch_settings_changes_no_later_run() -> None:
+    """Found by a hunt: an eval_fn setting the matmul precision or the default dtype changed
+    every later run (TF32 in an "fp32" reference on a GPU) and outlived check()."""
+    task = tasks.regression(lr=1e-3)
+    seen: list[str] = []
+
+    def eval_fn(model: torch.nn.Module) -> float:
+        seen.append(torch.get_float32_matmul_precision())
+        torch.set_float32_matmul_precision("medium")
+        torch.set_default_dtype(torch.float64)
+        return 1.0
+
+    before = (torch.get_float32_matmul_precision(), torch.get_default_dtype())
+    autoprec.check(
+        task.model,
+        task.batches + task.heldout,
+        loss_fn=task.mse,
+        optimizer=task.optimizer,
+        eval_fn=eval_fn,
+        steps=8,
+        modes=["amp_bf16"],
+        progress=False,
+    )
+    assert (torch.get_float32_matmul_precision(), torch.get_default_dtype()) == before
+    assert set(seen) == {before[0]}

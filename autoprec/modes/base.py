@@ -41,9 +41,26 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
     the legacy and new APIs") inside the block (inductor's max-autotune reads them), and left
     cuDNN's RNNs at their TF32 default under the fp32 reference."""
     backends = torch.backends
+    with matmul_precision_kept():
+        if not hasattr(backends.cuda.matmul, "fp32_precision"):  # pragma: no cover - torch < 2.9
+            backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = tf32
+        else:
+            torch.set_float32_matmul_precision("high" if tf32 else "highest")
+            backends.cudnn.allow_tf32 = tf32  # convolutions and RNNs
+            backends.mkldnn.matmul.fp32_precision = backends.mkldnn.conv.fp32_precision = "ieee"
+        yield
+
+
+@contextlib.contextmanager
+def matmul_precision_kept() -> Iterator[None]:
+    """torch's fp32 precision settings as they were after the block, whatever it set: the
+    per-backend fields, the global setting and cuDNN's legacy flag, put back in the order
+    that keeps torch's getters readable (a user's "high" left unreadable by
+    ``torch.get_float32_matmul_precision()``; ``cudnn.allow_tf32`` raising "a mix of the
+    legacy and new APIs": both found by hunts)."""
+    backends = torch.backends
     if not hasattr(backends.cuda.matmul, "fp32_precision"):  # pragma: no cover - torch < 2.9
         saved_legacy = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32)
-        backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = tf32
         try:
             yield
         finally:
@@ -64,24 +81,21 @@ def float32_matmul_precision(tf32: bool) -> Iterator[None]:
         saved_global: str | None = torch.get_float32_matmul_precision()
     except RuntimeError:
         saved_global = None
-    try:  # cuDNN's legacy flag: written below, so put back below (found by a hunt)
+    try:
         saved_cudnn: bool | None = backends.cudnn.allow_tf32
     except RuntimeError:
         saved_cudnn = None
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    backends.cudnn.allow_tf32 = tf32  # convolutions and RNNs
-    backends.mkldnn.matmul.fp32_precision = backends.mkldnn.conv.fp32_precision = "ieee"
     try:
         yield
     finally:
-        # the global setter first (it writes torch's legacy flag too), then every field as it
-        # was: the fields alone left a user's "high" readable by the fields and not by
-        # torch.get_float32_matmul_precision(), which then raised ("a mix of the legacy and
-        # new APIs"; Lightning's CUDA accelerator reads it)
+        # the global setter first (it writes torch's legacy flag too), cuDNN's legacy flag,
+        # then every field as it was: the fields alone left a user's "high" readable by the
+        # fields and not by torch.get_float32_matmul_precision() (Lightning's CUDA
+        # accelerator reads it), and cudnn.allow_tf32 False beside conv/rnn's "tf32"
         if saved_global is not None:
             torch.set_float32_matmul_precision(saved_global)
-        if saved_cudnn is not None:  # it stayed False beside conv/rnn's "tf32", and reading
-            backends.cudnn.allow_tf32 = saved_cudnn  # it raised ("mix of the legacy and new")
+        if saved_cudnn is not None:
+            backends.cudnn.allow_tf32 = saved_cudnn
         for field, value in reversed(list(zip(fields, saved, strict=True))):
             field.fp32_precision = value
 
