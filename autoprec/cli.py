@@ -6,15 +6,16 @@ Errors print one line on stderr and exit with code 2; ``--debug`` shows the trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from autoprec._imports import demote_import_chatter
+from autoprec._imports import IMPORT_CHATTER, demote_import_chatter
 from autoprec.cli_parser import build_parser
 from autoprec.errors import AutoprecError, BudgetTooSmallError
 from autoprec.interrupts import Terminated, remembered_interrupts
@@ -533,8 +534,31 @@ def in_cli_words(message: str) -> str:
     return message
 
 
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """``sys.path`` and the loggers the CLI sets up, as they were after ``main()``: called in
+    a process of your own (a notebook, a test), it left the working folder on ``sys.path`` and
+    the root logger at WARNING with autoprec's handler (found by a hunt)."""
+    path = list(sys.path)
+    names = ["", "autoprec", *(name for name, _ in IMPORT_CHATTER)]
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [(list(lg.handlers), lg.level, list(lg.filters)) for lg in loggers]
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for logger, (handlers, level, filters) in zip(loggers, saved, strict=True):
+            logger.handlers[:], logger.filters[:] = handlers, filters
+            logger.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
+    with _process_state_kept():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.debug)
     try:

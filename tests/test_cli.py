@@ -1113,3 +1113,20 @@ def test_a_terminated_run_says_so_and_exits_143(
         "autoprec: terminated; run the same command again to resume: finished trials are kept "
         "in the study\n"
     )
+
+
+def test_main_in_a_process_of_your_own_leaves_its_path_and_loggers() -> None:
+    """Found by a hunt: main() called in a notebook or a test left the working folder on
+    sys.path, the root and autoprec loggers at WARNING with the CLI's handlers, and a filter
+    on torchao's logger."""
+    import logging
+
+    names = ("", "autoprec", "torchao")
+    before = [(list(logging.getLogger(n).handlers), logging.getLogger(n).level) for n in names]
+    filters, path = list(logging.getLogger("torchao").filters), list(sys.path)
+    assert main(["show", str(REPO / "profiles/example-l4-fp8_te.json")]) == 0
+    assert main(["probe", "--model", "examples.raw_param_mlp:make_model"]) == 0
+    assert [(list(logging.getLogger(n).handlers), logging.getLogger(n).level) for n in names] == (
+        before
+    )
+    assert logging.getLogger("torchao").filters == filters and sys.path == path

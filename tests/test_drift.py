@@ -865,7 +865,9 @@ def test_fp8_at_a_converged_loss_is_rejected_for_its_forward_cost() -> None:
         )
 
     reference = trial(ModeSpec(mode="fp32"))
-    fp8 = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", fp8_skip=("0", "6"))
+    # ("6" named no module: the last Linear, "5", always ran in FP8 here; prepare() now
+    # refuses a pattern naming nothing)
+    fp8 = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all", fp8_skip=("0",))
     verdicts = {
         spec.mode: judge(trial(spec), reference, reference)
         for spec in (fp8, ModeSpec(mode="amp_bf16"))
