@@ -93,6 +93,13 @@ def probe(
         report = autoprec.probe(*make_model())
         print(report.eligible_modes)
     """
+    if model is not None and not isinstance(model, nn.Module):  # said in probe's own words
+        raise TypeError(f"model must be a torch.nn.Module (or None), not {type(model).__name__}.")
+    if hardware is not None and not isinstance(hardware, HardwareInfo):
+        raise TypeError(
+            f"hardware must be a HardwareInfo (autoprec.hardware.detect_hardware()) or None, "
+            f"not {type(hardware).__name__}."
+        )
     start = time.perf_counter()
     hardware = hardware if hardware is not None else detect_hardware()
     chosen = hardware.resolve_device(device)

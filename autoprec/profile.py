@@ -538,6 +538,11 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
             (``HardwareMismatchWarning``) or a profile without evidence, one written by hand
             and never trained against fp32 (``UnprovenProfileWarning``).
     """
+    if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
+        raise TypeError(  # pathlib's "expected str, bytes or os.PathLike" named no argument
+            f"path must be the profile's file path (a str or a Path), not "
+            f"{type(path).__name__}."
+        )
     file = Path(path)
     data = read_json(file, "Profile", error=ProfileError, advice=" Re-run `autoprec tune`.")
     if not isinstance(data, dict):

@@ -244,3 +244,14 @@ def test_mxfp8_is_offered_and_run_only_where_transformer_engine_runs_it() -> Non
     )
     said = no_fp8_layer(mxfp8.model_copy(update={"fp8_layers": "all"}), report)
     assert said is not None and "0, 2 with a dimension not divisible by 32, MXFP8's block" in said
+
+
+def test_probe_and_load_profile_name_an_argument_of_the_wrong_kind() -> None:
+    """Found by a hunt: pathlib's "expected str, bytes or os.PathLike object, not int",
+    "scan_model needs a torch.nn.Module" (an internal name), and an AttributeError."""
+    with pytest.raises(TypeError, match=r"path must be the profile.s file path .* not int"):
+        autoprec.load_profile(123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module \(or None\), not list"):
+        autoprec.probe([torch.nn.Linear(2, 2)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hardware must be a HardwareInfo"):
+        autoprec.probe(hardware="x")  # type: ignore[arg-type]
