@@ -540,8 +540,7 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
     """
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
         raise TypeError(  # pathlib's "expected str, bytes or os.PathLike" named no argument
-            f"path must be the profile's file path (a str or a Path), not "
-            f"{type(path).__name__}."
+            f"path must be the profile's file path (a str or a Path), not {type(path).__name__}."
         )
     file = Path(path)
     data = read_json(file, "Profile", error=ProfileError, advice=" Re-run `autoprec tune`.")

@@ -20,6 +20,7 @@ from autoprec.batching import (
     WatchedBatches,
     first_model_call,
     fresh_copy,
+    same_batch,
     to_device,
 )
 from autoprec.candidates import (
@@ -85,6 +86,29 @@ def _scanned_copy(
         logger.debug("no fp32 plan for the scan's train_step call", exc_info=True)
         return scanned, None
     return scanned, first_model_call(recipe.train_step, plan, batch)
+
+
+def _warn_trained_heldout(train: list[Any], heldout: list[Any]) -> None:
+    """Say when held-out batches (the last ones read) are training batches too: a loader
+    cycling over fewer batches than autoprec reads (``while True: yield from loader``) made
+    every held-out comparison one on data the runs trained on, without a word (found by a
+    hunt)."""
+    try:
+        repeated = sum(any(same_batch(batch, seen) for seen in train) for batch in heldout)
+    except Exception:  # a layout whose values cannot be compared (sparse): nothing said
+        logger.debug("held-out batches not compared with the training ones", exc_info=True)
+        return
+    if repeated:
+        logger.warning(
+            "%d of the %d held-out batches (the last ones the loader gave) are training "
+            "batches too: the loader repeats its batches, and the held-out loss and output "
+            "comparisons read data every run trained on. Give a loader of %d or more distinct "
+            "batches (autoprec reads up to %d).",
+            repeated,
+            len(heldout),
+            2 * HELDOUT_BATCHES,
+            MAX_BATCHES,
+        )
 
 
 def _scanned_copy_kept_apart(
@@ -434,6 +458,7 @@ def setup_run(
     batches = collect_batches(loader)
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
+    _warn_trained_heldout(train, heldout)
     lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
     note = scheduled_lr_note(recipe)
     if note is not None:

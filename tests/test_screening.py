@@ -2158,3 +2158,23 @@ def test_an_eval_fn_that_changes_torch_settings_changes_no_later_run() -> None:
     )
     assert (torch.get_float32_matmul_precision(), torch.get_default_dtype()) == before
     assert set(seen) == {before[0]}
+
+
+def test_held_out_batches_that_are_training_batches_are_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a hunt: a loader cycling over 5 batches (``while True: yield from loader``)
+    made all 4 held-out batches training batches, and nothing said so."""
+    import itertools
+
+    task = tasks.regression(lr=1e-3)
+    options: dict[str, Any] = {"loss_fn": task.mse, "steps": 8, "modes": ["amp_bf16"]}
+    with caplog.at_level("WARNING", logger="autoprec"):
+        autoprec.check(task.model, task.batches + task.heldout, **options)
+    assert "held-out batches" not in caplog.text
+    cycling = itertools.cycle(task.batches[:5])
+    with caplog.at_level("WARNING", logger="autoprec"):
+        autoprec.check(task.model, cycling, **options)
+    assert "4 of the 4 held-out batches (the last ones the loader gave) are training" in (
+        caplog.text
+    )
