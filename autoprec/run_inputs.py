@@ -17,7 +17,7 @@ from torch import nn
 
 from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
-from autoprec.errors import field_errors
+from autoprec.errors import BatchError, field_errors
 from autoprec.layer_kinds import (
     refuse_lazy,
     refuse_torchscript,
@@ -128,6 +128,7 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
     overwritten: set[int] = set()
     try:
         for batch in iterator:
+            _refuse_unreadable_tensors(batch, len(batches))
             pointers = _pointers(batch)
             # every tensor in an earlier batch's: a buffer refilled (a constant tensor shared
             # by every batch, such as position ids, is not)
@@ -142,6 +143,8 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
             batches.append(batch)
             if len(batches) - len(overwritten) >= MAX_BATCHES:
                 break
+    except BatchError:
+        raise
     except Exception as error:  # the user's loader: named, with its cause
         raise ValueError(
             f"Reading batch {len(batches)} from the loader raised {type(error).__name__}: "
@@ -154,13 +157,26 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
             "The loader yielded no batches: every run trains on them, so at least one is "
             f"needed ({_why_empty(loader)})."
         )
-    for index, batch in enumerate(batches):  # a bare NotImplementedError at the first copy
-        if any(tensor.is_meta for tensor in tensors_in(batch)):  # (found by a hunt)
-            raise ValueError(
+    return batches
+
+
+def _refuse_unreadable_tensors(batch: Any, index: int) -> None:
+    """Tensors autoprec cannot copy, compare or count a batch by: meta (a bare
+    NotImplementedError at the first copy), sparse and nested ones (blamed on the loader, or
+    a bare torch error in the batch comparison; found by hunts)."""
+    for tensor in tensors_in(batch):
+        if tensor.is_meta:
+            raise BatchError(
                 f"Batch {index} of the loader holds meta tensors (shapes without data): "
                 "training cannot read them. Give the loader's batches real data."
             )
-    return batches
+        if tensor.is_nested or tensor.layout != torch.strided:
+            kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+            raise BatchError(
+                f"Batch {index} of the loader holds a {kind} tensor: autoprec copies, compares "
+                "and counts batches as dense tensors. Give dense batches (x.to_dense(), or "
+                "padded sequences with a mask)."
+            )
 
 
 def _why_empty(loader: Iterable[Any]) -> str:

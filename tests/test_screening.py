@@ -2125,6 +2125,10 @@ def test_bad_arguments_to_check_are_refused_in_words() -> None:
     meta = [tuple(t.to("meta") for t in batch) for batch in batches]
     with pytest.raises(ValueError, match="Batch 0 of the loader holds meta tensors"):
         autoprec.check(task.model, meta, optimizer=task.optimizer, **common)
+    # a sparse batch was blamed on the loader ("Reading batch 0 from the loader raised")
+    sparse = [(x.to_sparse(), y) for x, y in batches]
+    with pytest.raises(ValueError, match="Batch 0 of the loader holds a sparse_coo tensor"):
+        autoprec.check(task.model, sparse, optimizer=task.optimizer, **common)
     model = task.model
     for lr, said in [(-1e-3, "group 1 has lr -0.001"), (math.nan, "group 1 has lr nan")]:
         groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "lr": lr}]
