@@ -8,7 +8,7 @@ import contextlib
 import math
 import numbers
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 
 from autoprec.batching import map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
-from autoprec.errors import BatchError, field_errors
+from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
 from autoprec.layer_kinds import (
     refuse_lazy,
     refuse_torchscript,
@@ -53,16 +53,19 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     return list(unique.values())
 
 
-def collect_batches(loader: Iterable[Any]) -> list[Any]:
-    """Up to ``MAX_BATCHES`` batches of ``loader``. A seeded DataLoader's generator is put back
-    as it was: reading it drew the user's first epoch's order (the global RNGs are kept by
+def collect_batches(
+    loader: Iterable[Any], after_each: Callable[[int], None] | None = None
+) -> list[Any]:
+    """Up to ``MAX_BATCHES`` batches of ``loader``; ``after_each(count)`` is called after each
+    (the budget's check: it raises). A seeded DataLoader's generator is put back as it was:
+    reading it drew the user's first epoch's order (the global RNGs are kept by
     ``preserved_rng``)."""
     generators = _loader_generators(loader)
     states = [generator.get_state() for generator in generators]
     persistent = isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers
     had_iterator = getattr(loader, "_iterator", None) is not None
     try:
-        return _read_batches(loader)
+        return _read_batches(loader, after_each)
     finally:
         if persistent and not had_iterator:
             _drop_persistent_iterator(loader)  # type: ignore[arg-type]
@@ -110,7 +113,9 @@ def _kept(batch: Any) -> Any:
     return map_tensors(copy, batch)
 
 
-def _read_batches(loader: Iterable[Any]) -> list[Any]:
+def _read_batches(
+    loader: Iterable[Any], after_each: Callable[[int], None] | None = None
+) -> list[Any]:
     """Up to ``MAX_BATCHES`` batches. A loader that refills one buffer in place (a prefetcher)
     hands every batch in the same tensors: each stored batch then held the last one read, and
     every run trained and was judged on one batch. A batch whose every tensor is an earlier
@@ -141,9 +146,11 @@ def _read_batches(loader: Iterable[Any]) -> list[Any]:
                 if any(tensor.requires_grad for tensor in tensors_in(batch)):
                     batch = _kept(batch)  # the runs' backward filled the user's own .grad
             batches.append(batch)
+            if after_each is not None:
+                after_each(len(batches))
             if len(batches) - len(overwritten) >= MAX_BATCHES:
                 break
-    except BatchError:
+    except (BatchError, BudgetTooSmallError):  # ours, not the loader's
         raise
     except Exception as error:  # the user's loader: named, with its cause
         raise ValueError(

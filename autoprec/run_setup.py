@@ -88,6 +88,32 @@ def _scanned_copy(
     return scanned, first_model_call(recipe.train_step, plan, batch)
 
 
+def _reading_within_budget(shared: dict[str, Any]) -> Callable[[int], None] | None:
+    """A check, after each batch read, that the budget's end has not passed: a loader of 2 s
+    a batch read 16 batches and tune() then refused the budget 33 s into a 15 s one (found by
+    a hunt). None without a deadline (check())."""
+    deadline, clock = shared.get("deadline"), shared.get("clock")
+    if deadline is None or clock is None or not math.isfinite(deadline):
+        return None
+    started = clock()
+    minutes = shared.get("budget_seconds", 0.0) / 60
+
+    def check(count: int) -> None:
+        now = clock()
+        if now < deadline:
+            return
+        per_batch = (now - started) / count
+        raise BudgetTooSmallError(
+            round(minutes, 4),
+            f"is too small to read the loader's batches: {count} took {now - started:.3g} s "
+            f"and the budget ended. autoprec reads up to {MAX_BATCHES} batches once, before "
+            f"any run (at this pace {per_batch * MAX_BATCHES:.3g} s): give a budget well above "
+            "that, or a loader that reads faster.",
+        )
+
+    return check
+
+
 def _warn_trained_heldout(train: list[Any], heldout: list[Any]) -> None:
     """Say when held-out batches (the last ones read) are training batches too: a loader
     cycling over fewer batches than autoprec reads (``while True: yield from loader``) made
@@ -455,7 +481,7 @@ def setup_run(
     if eval_fn is not None:
         refuse_wrong_arity("eval_fn", eval_fn, "eval_fn(model) -> float", 1)
     check_seed(shared.get("seed", 0))
-    batches = collect_batches(loader)
+    batches = collect_batches(loader, _reading_within_budget(shared))
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
     _warn_trained_heldout(train, heldout)

@@ -1340,3 +1340,22 @@ def test_a_run_that_took_the_study_over_while_references_were_saved_is_refused(
             progress=False,
         )
     assert optuna.load_study(study_name="s", storage=storage).get_trials() == []
+
+
+def test_a_loader_slower_than_the_budget_is_refused_while_it_is_read() -> None:
+    """Found by a hunt: a loader of 2 s a batch was read whole (16 batches), and tune() refused
+    the budget 33 s into a 15 s one. Reading stops when the budget ends, and says so."""
+    now = [0.0]
+
+    def slow_loader():
+        for batch in tiny_gpt.make_small_batches():
+            now[0] += 10.0  # each batch takes 10 s
+            yield batch
+
+    model, _ = tiny_gpt.make_small_model()
+    with pytest.raises(
+        autoprec.BudgetTooSmallError,
+        match=r"budget_minutes=0.25 is too small to read the loader's batches: 2 took 20 s",
+    ):
+        tune(model, slow_loader(), budget_minutes=0.25, clock=lambda: now[0], progress=False)
+    assert now[0] == 20.0  # stopped at the end of the budget, not after all 64
