@@ -343,11 +343,7 @@ def _fp8_te(situation: Situation, verdict: _Verdict) -> None:
     gpu = situation.gpu
     if gpu is not None and gpu.capability >= MXFP8_CAPABILITIES[0]:
         reason = mxfp8_reason(gpu)
-        verdict.notes.append(
-            "MXFP8 recipe available (compute capability 10.x or 11.x)"
-            if reason is None
-            else f"no MXFP8 recipe: {reason.removeprefix('te_mxfp8').lstrip(': ')}"
-        )
+        verdict.notes.append(reason or "MXFP8 recipe available (compute capability 10.x or 11.x)")
 
 
 def _fp8_torchao(situation: Situation, verdict: _Verdict) -> None:

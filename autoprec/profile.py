@@ -221,27 +221,24 @@ class Evidence(BaseModel):
     result's ``checks_not_run``."""
 
 
+def _naming_nothing(patterns: tuple[str, ...], names: list[str]) -> list[str]:
+    """The ``patterns`` that match none of the module ``names``."""
+    return [p for p in patterns if not any(matches_keep_fp32(fqn, (p,)) for fqn in names)]
+
+
 def _patterns_reaching(spec: ModeSpec, model: nn.Module) -> ModeSpec:
     """``spec`` without the ``keep_fp32`` / ``fp8_skip`` patterns that name no module of
     ``model`` under any name, which ``check_model`` warned of (``prepare()`` refuses them: a
     hand-written pattern naming nothing is a typo; a profile's is a model that differs)."""
     inner = inside_compile_wrapper(model)
-    names = [
-        fqn
-        for fqn, _ in (model if inner is None else inner).named_modules(remove_duplicate=False)
-        if fqn
-    ]
-    reaching = {
-        field: tuple(
-            pattern
-            for pattern in getattr(spec, field)
-            if any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
-        )
-        for field in ("keep_fp32", "fp8_skip")
-    }
-    if all(reaching[field] == getattr(spec, field) for field in reaching):
+    modules = (model if inner is None else inner).named_modules(remove_duplicate=False)
+    names = [fqn for fqn, _ in modules if fqn]
+    fields = ("keep_fp32", "fp8_skip")
+    nothing = {field: _naming_nothing(getattr(spec, field), names) for field in fields}
+    if not any(nothing.values()):
         return spec
-    return spec.model_copy(update=reaching)
+    kept = {f: tuple(p for p in getattr(spec, f) if p not in nothing[f]) for f in fields}
+    return spec.model_copy(update=kept)
 
 
 class Profile(BaseModel):
@@ -350,11 +347,7 @@ class Profile(BaseModel):
             differences = self.model.differences(ModelFingerprint.from_layers(scan_model(model)))
         names = [fqn for fqn, _ in model.named_modules() if fqn]
         for field in ("keep_fp32", "fp8_skip"):  # an fp8_skip that matched nothing ran in FP8
-            unmatched = [
-                pattern
-                for pattern in getattr(self.spec, field)
-                if not any(matches_keep_fp32(fqn, (pattern,)) for fqn in names)
-            ]
+            unmatched = _naming_nothing(getattr(self.spec, field), names)
             # a second name is no typo: said as prepare() refuses it (found by a hunt)
             second_names = [second_name_refusal(model, p, field) for p in unmatched]
             differences += [said for said in second_names if said]
