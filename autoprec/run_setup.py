@@ -607,7 +607,18 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
     cut_short = steps_run < CALIBRATION_STEPS  # the deadline came before its last step
-    if cut_short or (steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds):
+    # the fp32 runs (reference and noise runs) must all fit, at the measured pace: a budget
+    # that held 40 steps in all passed here and was refused during the noise runs, 7.4 s into
+    # 7.8, without the budget it needs (found by a hunt)
+    fp32_runs = trials - len(setup.candidates.specs) + 1
+    fp32_short = setup.deadline - setup.clock() < fp32_runs * (
+        overhead + MIN_TRIAL_STEPS * step_seconds
+    )
+    if (
+        cut_short
+        or fp32_short
+        or (steps < MIN_TRIAL_STEPS and available < 2 * MIN_TRIAL_STEPS * step_seconds)
+    ):
         # what every run needs for its shortest trial, on top of what is spent already
         used = budget_minutes * 60 - (setup.deadline - setup.clock())
         per_run = overhead + 1.5 * MIN_TRIAL_STEPS * step_seconds

@@ -1359,3 +1359,32 @@ def test_a_loader_slower_than_the_budget_is_refused_while_it_is_read() -> None:
     ):
         tune(model, slow_loader(), budget_minutes=0.25, clock=lambda: now[0], progress=False)
     assert now[0] == 20.0  # stopped at the end of the budget, not after all 64
+
+
+def test_a_budget_too_small_for_the_fp32_runs_is_refused_at_calibration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a hunt: a budget that held 40 fp32 steps in all passed calibration, and the
+    noise runs then ran out of it (7.4 s into 7.8) with no budget named. The reference and
+    its noise runs must fit at the measured pace, and the refusal says what budget would."""
+    import types
+
+    from autoprec import run_setup
+
+    monkeypatch.setattr(
+        run_setup, "calibration_run", lambda setup: run_setup.Calibration(0.5, 4.0, False)
+    )
+
+    def setup_for(deadline: float) -> object:
+        return types.SimpleNamespace(
+            candidates=types.SimpleNamespace(specs=[None] * 3),
+            deadline=deadline,
+            clock=lambda: 4.0,
+            compile=False,
+        )
+
+    # 31 s left; the 3 fp32 runs need 3 x (1.5 s + 20 steps of 0.5 s) = 34.5 s
+    with pytest.raises(autoprec.BudgetTooSmallError, match=r"Give at least"):
+        run_setup.calibrate(setup_for(35.0), 35 / 60)  # type: ignore[arg-type]
+    steps, _ = run_setup.calibrate(setup_for(45.0), 45 / 60)  # type: ignore[arg-type]
+    assert steps == run_setup.MIN_TRIAL_STEPS  # 41 s left: the fp32 runs fit
