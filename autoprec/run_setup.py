@@ -378,6 +378,9 @@ class RunSetup:
     run_overhead_seconds: float = 0.0
     """What a run costs beyond its steps (copying, converting, warming up), as calibration
     measured it: the re-timing's budget check counts it once per re-timing run."""
+    tail_seconds: float = 0.0
+    """What a run spends after its last step, as calibration measured it (``eval_fn``): the
+    budget's stop checks reserve it."""
 
     @property
     def reference_spec(self) -> ModeSpec:
@@ -563,6 +566,7 @@ def calibration_run(setup: RunSetup) -> Calibration:
     except BaseException:  # Ctrl-C, a stop: whatever user code did to the model goes back
         user.restore()
         raise
+    setup.tail_seconds = calibration.tail_seconds
     touched, moved = user.changed(), user.changed_values()
     if touched or moved:
         raise _trained_the_users_model(touched, moved, user.restore(), setup)
@@ -673,7 +677,7 @@ def reference_runs(
     on the same batches: another seed when the reference drew random numbers, else the same
     seed from weights nudged by one fp32 ulp (``NUDGED_RUN``). A model with random draws gets
     the nudged run too: the noise of a trial that drew the reference's draws."""
-    budget_only = make_stop_check(None, objective, setup.deadline, setup.clock)
+    budget_only = make_stop_check(None, objective, setup.deadline, setup.clock, setup.tail_seconds)
     references: list[TrialResult] = []
     runs = [REFERENCE_RUN, NOISE_RUN]
     while runs:

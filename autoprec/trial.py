@@ -215,10 +215,12 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         if run.stopped is None:
             _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
+            tail_started = time.perf_counter()
             drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
             with replayed_streams(inputs.device, drawn):
                 loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, plan)
+            result.tail_seconds = time.perf_counter() - tail_started
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
     except StopCheckRaised as raised:  # the caller's own callback failed: it stops the run

@@ -267,6 +267,8 @@ class TrialResult:
     outside_state: list[dict[str, StateDigest]] = field(default_factory=list)
     """Floating buffers and frozen floating weights (state no optimizer steps), summarised
     before and after training: the drift gate's state check (``drift_outside_state``)."""
+    tail_seconds: float = 0.0
+    """Seconds the run spent after its last step: the held-out pass and ``eval_fn``."""
 
     def moved(self) -> bool:
         """Did training change any sampled weight?"""

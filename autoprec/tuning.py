@@ -349,6 +349,7 @@ def _search_candidates(
         choices=[spec.label for spec in specs],
         clock=setup.clock,
         fingerprint=fingerprint,
+        tail_seconds=setup.tail_seconds,
     )
 
 

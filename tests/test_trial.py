@@ -1296,3 +1296,21 @@ def test_a_stalled_window_does_not_drag_the_samples_per_second() -> None:
     windows = [(64, 0.1), (64, 0.1), (64, 1.0), (64, 0.1)]
     assert _median_rate(windows) == pytest.approx(640.0)
     assert _median_rate([]) is None
+
+
+def test_a_run_measures_its_tail_after_the_last_step() -> None:
+    """The budget's stop checks reserve what a run spends after its last step (found by a
+    hunt: a slow eval_fn ended runs past the budget); calibration reads it here."""
+    import time
+
+    task = tasks.regression(lr=1e-3)
+
+    def slow_eval(model: nn.Module) -> float:
+        time.sleep(0.3)
+        return 1.0
+
+    recipe = TrainingRecipe(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), loss_fn=task.mse)
+    result = run_trial(
+        ModeSpec(mode="fp32"), task.model, task.batches, recipe=recipe, steps=4, eval_fn=slow_eval
+    )
+    assert 0.3 <= result.tail_seconds < 2.0
