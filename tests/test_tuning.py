@@ -1388,3 +1388,28 @@ def test_a_budget_too_small_for_the_fp32_runs_is_refused_at_calibration(
         run_setup.calibrate(setup_for(35.0), 35 / 60)  # type: ignore[arg-type]
     steps, _ = run_setup.calibrate(setup_for(45.0), 45 / 60)  # type: ignore[arg-type]
     assert steps == run_setup.MIN_TRIAL_STEPS  # 41 s left: the fp32 runs fit
+
+
+def test_the_retiming_is_not_charged_the_eval_fn_it_does_not_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a hunt: calibration's overhead holds eval_fn's time, and the re-timing
+    charged it twice per contender, though its runs call no eval_fn: a 2 s eval_fn skipped
+    the re-timing with 7 s left."""
+    import types
+
+    import autoprec.tuning as tuning_module
+
+    charged: list[float] = []
+
+    def confirm_speed(*args: object) -> tuple[list[TrialOutcome], TrialOutcome, None]:
+        charged.append(args[-1])  # type: ignore[arg-type]
+        return [], args[1], None  # type: ignore[return-value]
+
+    monkeypatch.setattr(tuning_module, "confirm_speed", confirm_speed)
+    setup = types.SimpleNamespace(
+        deadline=100.0, clock=lambda: 0.0, run_overhead_seconds=2.5, tail_seconds=2.0
+    )
+    reference = TrialOutcome(spec=autoprec.ModeSpec(mode="fp32"), status="accepted")
+    tuning_module._confirmed_speed(setup, "speed", [], reference, 20)  # type: ignore[arg-type]
+    assert charged == [0.5]  # copying and converting; not the 2 s eval_fn
