@@ -151,8 +151,7 @@ def _scanned_copy_kept_apart(
     try:
         return _scanned_copy(trial_model, batch, recipe)
     finally:
-        if watch.changed() or watch.changed_values():
-            watch.restore()
+        watch.restore()  # copies back only what changed
 
 
 def _reference_hint(message: str, setup: RunSetup) -> str:
