@@ -196,25 +196,54 @@ def tensors_in(batch: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def count_samples(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    tensors = [t for t in tensors_in(batch) if t.dim() > 0]
-    if not tensors:
+MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features", "inputs_embeds")
+"""Keys a Hugging Face batch holds its model's main input under: samples and tokens are
+counted from it where a batch has one."""
+
+
+def _main_input(plain: Any) -> torch.Tensor | None:
+    if isinstance(plain, Mapping):
+        for key in MAIN_INPUTS:
+            value = plain.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return value
+    return None
+
+
+def count_batch(batch: Any) -> tuple[int, int | None]:
+    """Samples and tokens in a batch (tokens None where it holds no token ids).
+
+    Samples: the leading dimension of its main input (``input_ids``, ...), or else the one
+    most of its tensors share, a leading 1 (a tensor broadcast over the batch) losing a tie.
+    The first tensor's had counted one sample for a batch led by ``position_ids`` of shape
+    (1, T) (found by a hunt). Tokens: the size of its ``input_ids``, or else of its first
+    integer tensor of shape (samples, sequence); padding counts, as the step computes on it."""
+    plain = as_plain(batch)
+    tensors = [leaf for leaf in tree_flatten(plain)[0] if isinstance(leaf, torch.Tensor)]
+    leading = [int(tensor.shape[0]) for tensor in tensors if tensor.dim() > 0]
+    if not leading:
         raise BatchError(
             f"A batch must contain at least one tensor with a batch dimension, inside "
-            f"tuples, lists, mappings or dataclasses (samples/s is counted from the first); "
+            f"tuples, lists, mappings or dataclasses (samples/s is counted from them); "
             f"found none in a {type(batch).__name__}. Make the loader yield one of those, "
             "e.g. a dict of tensors (a train_step reads it as batch['x'])."
         )
-    return int(tensors[0].shape[0])
-
-
-def count_tokens(batch: Any) -> int | None:
-    """Tokens in a batch: the size of its first integer tensor of shape (batch, sequence)."""
-    for tensor in tensors_in(batch):
-        if tensor.dim() == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
-            return int(tensor.numel())
-    return None
+    main = _main_input(plain)
+    if main is not None:
+        samples = int(main.shape[0])
+    else:
+        samples = max(leading, key=lambda n: (leading.count(n), n != 1, -leading.index(n)))
+    if main is not None and main.dim() == 2 and not main.is_floating_point():
+        return samples, int(main.numel())
+    for tensor in tensors:
+        if (
+            tensor.dim() == 2
+            and not tensor.is_floating_point()
+            and tensor.dtype != torch.bool
+            and tensor.shape[0] == samples
+        ):
+            return samples, int(tensor.numel())
+    return samples, None
 
 
 def _loss_from_output(output: Any) -> torch.Tensor | None:

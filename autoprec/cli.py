@@ -559,7 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `autoprec`: the commands
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
     _configure_logging(args.debug)
     try:
         with remembered_interrupts():

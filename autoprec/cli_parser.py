@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from autoprec._version import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line, as every other refusal: argparse printed the command's whole
+    usage (12 lines for tune) above "argument --budget: invalid float value: 'abc'" (found by
+    a hunt). The line names ``--help`` for the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`).\n")
 
 
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +130,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and option of ``autoprec`` (``--help`` prints them)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="autoprec",
         description="Pick the fastest training precision that does not hurt quality.",
     )

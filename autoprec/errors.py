@@ -132,3 +132,10 @@ def read_stored(model: type[Record], raw: Any, what: str, *, writer: object, adv
             f"{what} does not fit this autoprec's records ({wrote}): {field_errors(error)}. "
             f"{advice}"
         ) from None
+
+
+def check_flag(value: Any, name: str) -> None:
+    """Refuse a flag that is not ``True`` or ``False``: ``strict="no"`` is truthy, and was
+    taken as ``strict=True`` (found by a hunt)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r} ({type(value).__name__}).")

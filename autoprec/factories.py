@@ -57,6 +57,11 @@ def user_code_failed(option: str, doing: str, error: BaseException) -> ModelLoad
 
 def _import_file(path_text: str, option: str) -> ModuleType:
     path = Path(path_text)
+    if path.is_dir():  # "does not exist" of a folder that does misled (found by a hunt)
+        raise ModelLoadError(
+            f"{option}: {path_text!r} is a folder, not a Python file; name the file "
+            f"(e.g. {str(path / 'train.py')!r}:model) or a module (package.module:model)."
+        )
     if not path.is_file():
         raise ModelLoadError(f"{option}: file {path_text!r} does not exist.")
     resolved = path.resolve()

@@ -18,6 +18,7 @@ from autoprec.eligibility import (
     mode_eligibility,
     optimizer_8bit_eligibility,
 )
+from autoprec.errors import check_flag
 from autoprec.hardware import HardwareInfo, detect_hardware
 from autoprec.layers import LayerMix, scan_model
 from autoprec.model_copies import inside_compile_wrapper
@@ -100,6 +101,7 @@ def probe(
             f"hardware must be a HardwareInfo (autoprec.hardware.detect_hardware()) or None, "
             f"not {type(hardware).__name__}."
         )
+    check_flag(import_backends, "import_backends")
     start = time.perf_counter()
     hardware = hardware if hardware is not None else detect_hardware()
     chosen = hardware.resolve_device(device)

@@ -31,6 +31,7 @@ from autoprec.errors import (
     ProfileError,
     RecipeMismatchWarning,
     UnprovenProfileWarning,
+    check_flag,
     field_errors,
 )
 from autoprec.hardware import HardwareInfo, detect_hardware
@@ -395,6 +396,7 @@ class Profile(BaseModel):
                 integrations pass their own).
         """
         check_model_and_optimizer(model, optimizer)
+        check_flag(strict, "strict")
         _check_total_steps(total_steps, scheduler)
         recipe = self.recipe
         if grad_accumulation_steps is None:
@@ -531,6 +533,7 @@ def load_profile(path: str | os.PathLike[str], *, strict: bool = False) -> Profi
             (``HardwareMismatchWarning``) or a profile without evidence, one written by hand
             and never trained against fp32 (``UnprovenProfileWarning``).
     """
+    check_flag(strict, "strict")
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
         raise TypeError(  # pathlib's "expected str, bytes or os.PathLike" named no argument
             f"path must be the profile's file path (a str or a Path), not {type(path).__name__}."

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from autoprec.batching import map_tensors, tensors_in
+from autoprec.batching import as_plain, map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
 from autoprec.layer_kinds import (
@@ -99,6 +100,50 @@ def _refuse_dataset(loader: Any) -> None:
         )
 
 
+def _batches_nothing(loader: Any) -> bool:
+    """A loader that hands its dataset's items as they come: an IterableDataset itself, or a
+    DataLoader with ``batch_size=None``."""
+    data = torch.utils.data
+    if isinstance(loader, data.IterableDataset):
+        return True
+    return (
+        isinstance(loader, data.DataLoader)
+        and loader.batch_size is None
+        and loader.batch_sampler is None
+    )
+
+
+def _refuse_single_sample(loader: Any, batch: Any) -> None:
+    """An IterableDataset yielding single samples, ``(features, label)``, was taken for
+    batches: every run trained on one sample a step, and samples/s counted its features
+    (found by a hunt). A batch's tensors share a batch dimension (a leading 1 broadcasts), and
+    its label has one: a 0-d label, or leading dimensions that differ, are a sample's."""
+    if not _batches_nothing(loader):
+        return
+    leaves = tree_flatten(as_plain(batch))[0]
+    scalars = [
+        leaf
+        for leaf in leaves
+        if (isinstance(leaf, torch.Tensor) and leaf.dim() == 0)
+        or (isinstance(leaf, numbers.Number) and not isinstance(leaf, bool))
+    ]
+    leading = sorted(
+        {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+        - {1}
+    )
+    if scalars:
+        found = f"{len(scalars)} value(s) of no dimension, a single sample's label"
+    elif len(leading) > 1:
+        found = f"tensors of leading dimensions {leading}, a single sample's features and label"
+    else:
+        return
+    raise BatchError(
+        f"The loader ({type(loader).__name__}, which batches nothing) yielded an item holding "
+        f"{found}, not a batch's (whose tensors share a batch dimension): wrap it in "
+        "torch.utils.data.DataLoader(dataset, batch_size=...), or make it yield batches."
+    )
+
+
 def _pointers(batch: Any) -> set[int]:
     return {tensor.data_ptr() for tensor in tensors_in(batch) if tensor.numel()}
 
@@ -134,6 +179,8 @@ def _read_batches(
     try:
         for batch in iterator:
             _refuse_unreadable_tensors(batch, len(batches))
+            if not batches:
+                _refuse_single_sample(loader, batch)
             pointers = _pointers(batch)
             # every tensor in an earlier batch's: a buffer refilled (a constant tensor shared
             # by every batch, such as position ids, is not)

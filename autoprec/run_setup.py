@@ -137,6 +137,24 @@ def _warn_trained_heldout(train: list[Any], heldout: list[Any]) -> None:
         )
 
 
+def _warn_accumulating_repeats(accumulation: int, held: int) -> None:
+    """An optimizer step of more micro-batches than the runs train on sums some batch twice:
+    every step then follows nearly the same gradient, with less of the noise the real run's
+    distinct batches carry, and each step takes ``accumulation`` forward passes (found by a
+    hunt: 10**9 ran on without a word)."""
+    if accumulation > held:
+        logger.warning(
+            "Each optimizer step accumulates %d micro-batches, and the runs train on the %d "
+            "batches the loader gave (autoprec reads up to %d, keeping the last for held-out "
+            "comparisons): every step sums the same batches again, nearly the same gradient "
+            "each time, where your run's distinct batches differ. Give a loader of more "
+            "batches, or pass the accumulation of a shorter run.",
+            accumulation,
+            held,
+            MAX_BATCHES,
+        )
+
+
 def _scanned_copy_kept_apart(
     model: nn.Module, trial_model: nn.Module, batch: Any, recipe: TrainingRecipe
 ) -> tuple[nn.Module, Any]:
@@ -487,6 +505,7 @@ def setup_run(
     held = HELDOUT_BATCHES if len(batches) >= 2 * HELDOUT_BATCHES else min(1, len(batches) - 1)
     train, heldout = (batches[:-held], batches[-held:]) if held else (batches, [])
     _warn_trained_heldout(train, heldout)
+    _warn_accumulating_repeats(recipe.grad_accumulation_steps, len(train))
     lr_points = recipe.lr_points(model)  # a run that never moves is refused before anything
     note = scheduled_lr_note(recipe)
     if note is not None:

@@ -17,8 +17,7 @@ from torch.overrides import TorchFunctionMode
 from autoprec.batching import (
     LossFn,
     TrainStep,
-    count_samples,
-    count_tokens,
+    count_batch,
     forward_and_loss,
     prediction,
     tensors_in,
@@ -285,6 +284,7 @@ class TrainingLoop:
         self._losses: list[torch.Tensor] = []  # this window's, on the device
         self._gradient: torch.Tensor | None = None  # at the window's last step, on the device
         self._samples, self._tokens = 0, 0
+        self._batch_counts: dict[int, tuple[int, int | None]] = {}
 
     def run_window(self, first_step: int, steps: int, warmup: bool) -> TrialFailure | None:
         """Steps ``first_step`` to ``first_step + steps - 1``, timed as one window; the
@@ -325,10 +325,10 @@ class TrainingLoop:
         still fails the trial, through the next step's loss."""
         self.current_step = step
         plan, accumulation = self.plan, self.recipe.grad_accumulation_steps
-        losses: list[torch.Tensor] = []
+        summed: torch.Tensor | None = None  # a sum, not a list: 10**9 micro-batches grew 2.5 GB
         for micro in range(accumulation):
-            batch = self.batches[self.order[self.micro % len(self.batches)]]
-            batch = to_device(batch, self.device)
+            index = self.order[self.micro % len(self.batches)]
+            batch = to_device(self.batches[index], self.device)
             self.micro += 1
             counting = self.micro == 1 and self.counts_activations
             saved = SavedForBackward(plan.model) if counting else None
@@ -341,9 +341,10 @@ class TrainingLoop:
                 loss, _ = forward_and_loss(plan, batch, self.recipe.loss_fn, self.recipe.train_step)
             if saved is not None:  # the first micro-batch, a warm-up step: not timed
                 self.figures["activation_bytes"] = saved.bytes
-            losses.append(loss.detach().float().reshape(()))
-            self._samples += count_samples(batch)
-            counted = count_tokens(batch)
+            value = loss.detach().float().reshape(())
+            summed = value if summed is None else summed + value
+            samples, counted = self._counts(index)
+            self._samples += samples
             if counted is None or self._tokens is None:
                 self._tokens = None
             else:
@@ -352,7 +353,8 @@ class TrainingLoop:
                 plan.step(loss)  # backward; an accumulation micro-batch does not step
             else:
                 plan.backward(loss)
-        self._losses.append(torch.stack(losses).mean())
+        assert summed is not None  # accumulation >= 1
+        self._losses.append(summed / accumulation)
         if read_gradient:
             self._gradient = max_abs_gradient(plan, self.kept)
         stepped = plan.step()
@@ -362,6 +364,13 @@ class TrainingLoop:
             self.figures["moment"] = low_precision_moment(plan)
             self.figures["adam_beta2"] = nearest_adam_beta2(plan)
             self.figures["decay"] = nearest_rounded_decay(plan)  # at the first leg's (peak) lr
+
+    def _counts(self, index: int) -> tuple[int, int | None]:
+        """Samples and tokens of held batch ``index``, counted once: a step reads no batch
+        structure the user's loop does not."""
+        if index not in self._batch_counts:
+            self._batch_counts[index] = count_batch(self.batches[index])
+        return self._batch_counts[index]
 
     def _read_window(self, first_step: int) -> TrialFailure | None:
         """The window's one host read: its losses and its last step's gradient maximum,

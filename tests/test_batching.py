@@ -13,8 +13,7 @@ from autoprec.batching import (
     FreshBatches,
     WatchedBatches,
     as_plain,
-    count_samples,
-    count_tokens,
+    count_batch,
     map_tensors,
     prediction,
     same_batch,
@@ -33,8 +32,7 @@ def test_a_mapping_that_is_not_a_dict_is_opened_like_one() -> None:
     # torch's pytree took a UserDict / BatchEncoding as one opaque leaf: no tensor was found
     # ("A batch must contain at least one tensor"), none would be moved to the GPU
     batch = _mapping_batch()
-    assert count_samples(batch) == 4
-    assert count_tokens(batch) == 24
+    assert count_batch(batch) == (4, 24)
     doubled = map_tensors(lambda tensor: tensor * 2, batch)
     assert type(doubled) is UserDict  # the user's type kept (a train_step may rely on it)
     assert torch.equal(doubled["labels"], batch["labels"] * 2)
@@ -132,3 +130,18 @@ def test_one_number_is_never_the_prediction_whatever_its_shape() -> None:
     assert prediction((loss, logits)) is logits
     assert prediction({"aux": loss, "scores": logits}) is logits
     assert prediction(torch.randn(4, 1)) is not None  # one output per sample: a prediction
+
+
+def test_samples_and_tokens_are_counted_from_the_batch_not_its_first_tensor() -> None:
+    """Found by a hunt: the first tensor's leading dimension and the first 2-D integer tensor
+    counted one sample and T tokens for a batch led by position_ids of shape (1, T)."""
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    position_ids = torch.arange(16).unsqueeze(0)
+    assert count_batch({"position_ids": position_ids, "input_ids": ids}) == (8, 128)
+    assert count_batch((position_ids, ids, ids.clone())) == (8, 128)  # no names: most share 8
+    assert count_batch((position_ids, ids)) == (8, 128)  # a tie: the leading 1 is broadcast
+    assert count_batch((torch.randn(4, 3), torch.randint(0, 2, (4,)))) == (4, None)
+    pixels = {"pixel_values": torch.randn(2, 3, 8, 8), "labels": torch.tensor([1, 0])}
+    assert count_batch(pixels) == (2, None)
+    with pytest.raises(autoprec.BatchError, match="at least one tensor with a batch dimension"):
+        count_batch({"x": torch.tensor(1.0)})

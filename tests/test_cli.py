@@ -108,6 +108,7 @@ def test_a_touched_file_keeps_its_functions_names_and_an_edited_one_runs_again(
         ),
         ("examples.tiny_gpt:math", "is a module, not a model or a factory function"),
         ("examples/missing.py:make", "file 'examples/missing.py' does not exist"),
+        ("examples/:make", "'examples/' is a folder, not a Python file; name the file"),
         ("examples.tiny_gpt:TinyGPT.forward", "--model must look like"),
     ],
 )
@@ -268,6 +269,22 @@ def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["tune-everything"])
     assert exit_info.value.code == 2
+    assert "invalid choice: 'tune-everything' (choose from 'probe'" in capsys.readouterr().err
+
+
+def test_usage_error_is_one_line_naming_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a hunt: ``--budget abc`` printed tune's whole usage (12 lines) above the one
+    that said what was wrong."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tune", "examples.tiny_gpt:make_model", "--data", "x:y", "--budget", "abc"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "autoprec tune: error: argument --budget: invalid float value: 'abc' "
+        "(see `autoprec tune --help`).\n"
+    )
+    assert main([]) == 2  # bare `autoprec`: the commands, as --help lists them
+    assert "COMMAND" in capsys.readouterr().err
 
 
 def test_show_profile(capsys: pytest.CaptureFixture[str]) -> None:

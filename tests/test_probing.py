@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -255,3 +257,25 @@ def test_probe_and_load_profile_name_an_argument_of_the_wrong_kind() -> None:
         autoprec.probe([torch.nn.Linear(2, 2)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="hardware must be a HardwareInfo"):
         autoprec.probe(hardware="x")  # type: ignore[arg-type]
+
+
+def test_flags_refuse_anything_but_true_or_false(tmp_path: Path) -> None:
+    """Found by a hunt: ``strict="no"`` is truthy, and was taken as ``strict=True``."""
+    from autoprec.profile import profile_for
+    from autoprec.specs import ModeSpec
+
+    profile = profile_for(ModeSpec(mode="amp_bf16"), hardware=make_hardware("A100"))
+    path = tmp_path / "p.json"
+    profile.save(path)
+    with pytest.raises(TypeError, match=r"strict must be True or False, not 'no' \(str\)"):
+        autoprec.load_profile(path, strict="no")  # type: ignore[arg-type]
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="strict must be True or False, not 0"):
+        profile.apply(model, torch.optim.AdamW(model.parameters()), strict=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ignore_keep_fp32 must be True or False"):
+        profile.to_lightning(ignore_keep_fp32="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="no_embeddings must be True or False"):
+        profile.to_hf_training_args(no_embeddings=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="import_backends must be True or False"):
+        autoprec.probe(import_backends=1)  # type: ignore[arg-type]
+    assert profile.to_lightning(ignore_keep_fp32=True) == {"precision": "bf16-mixed"}

@@ -1873,6 +1873,36 @@ def test_a_dataset_passed_as_the_loader_is_refused() -> None:
         autoprec.check(task.model, dataset, loss_fn=task.mse, steps=4, modes=["amp_bf16"])
 
 
+def test_a_loader_that_batches_nothing_yielding_single_samples_is_refused() -> None:
+    """Found by a hunt: an IterableDataset yielding ``(features, label)`` one sample at a time
+    was taken for batches: every run trained on one sample a step, and samples/s counted its
+    32 features. Batches from the same kind of loader are taken."""
+    task = tasks.regression(lr=1e-4)
+    x, y = map(torch.cat, zip(*task.batches, strict=True))
+
+    class Samples(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(zip(x, y, strict=True))
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(task.batches + task.heldout)
+
+    options: dict[str, Any] = {"loss_fn": task.mse, "steps": 4, "modes": ["amp_bf16"]}
+    refusal = r"\(Samples, which batches nothing\) .* leading dimensions \[16, 32\].*batch_size="
+    with pytest.raises(autoprec.BatchError, match=refusal):
+        autoprec.check(task.model, Samples(), **options)
+    labelled = [(features, torch.tensor(0)) for features in x[:8]]
+    with pytest.raises(autoprec.BatchError, match=r"1 value\(s\) of no dimension"):
+        autoprec.check(task.model, torch.utils.data.DataLoader(labelled, batch_size=None))
+    unbatched = torch.utils.data.DataLoader(Samples(), batch_size=None)
+    with pytest.raises(autoprec.BatchError, match=r"\(DataLoader, which batches nothing\)"):
+        autoprec.check(task.model, unbatched, **options)
+    batched = torch.utils.data.DataLoader(Samples(), batch_size=64)
+    assert autoprec.check(task.model, batched, **options).verdict("amp_bf16").status == "safe"
+    assert autoprec.check(task.model, Batches(), **options).verdict("amp_bf16").status == "safe"
+
+
 def test_a_seeded_loader_with_persistent_workers_keeps_its_first_epochs_order() -> None:
     """Found by a hunt: with persistent_workers the DataLoader kept the iterator autoprec's read
     made (its workers' base seed drawn from the generator); the user's first epoch reused it
@@ -2180,5 +2210,23 @@ def test_held_out_batches_that_are_training_batches_are_said(
     with caplog.at_level("WARNING", logger="autoprec"):
         autoprec.check(task.model, cycling, **options)
     assert "4 of the 4 held-out batches (the last ones the loader gave) are training" in (
+        caplog.text
+    )
+
+
+def test_accumulating_more_micro_batches_than_the_runs_hold_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a hunt: ``grad_accumulation_steps`` above the batches the runs train on summed
+    the same batches at every step (nearly the same gradient each time), without a word."""
+    task = tasks.regression(lr=1e-3)
+    options: dict[str, Any] = {"loss_fn": task.mse, "steps": 4, "modes": ["amp_bf16"]}
+    train = task.batches[:6] + task.heldout  # 6 to train on, 4 held out
+    with caplog.at_level("WARNING", logger="autoprec"):
+        autoprec.check(task.model, train, grad_accumulation_steps=6, **options)
+    assert "accumulates" not in caplog.text
+    with caplog.at_level("WARNING", logger="autoprec"):
+        autoprec.check(task.model, train, grad_accumulation_steps=7, **options)
+    assert "Each optimizer step accumulates 7 micro-batches, and the runs train on the 6" in (
         caplog.text
     )

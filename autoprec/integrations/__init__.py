@@ -8,7 +8,7 @@ approximated silently.
 
 from __future__ import annotations
 
-from autoprec.errors import ExportError
+from autoprec.errors import ExportError, check_flag
 from autoprec.optim import BNB_8BIT
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import OWN_OPTIMIZER_MODES, ModeSpec
@@ -19,6 +19,7 @@ _FULL_PRECISION = ("fp32", "tf32")
 
 def refuse_keep_fp32(spec: ModeSpec, target: str, ignore_keep_fp32: bool) -> None:
     """keep_fp32 cannot be expressed by framework flags: refuse unless told to drop it."""
+    check_flag(ignore_keep_fp32, "ignore_keep_fp32")
     if spec.keep_fp32 and spec.mode not in _FULL_PRECISION and not ignore_keep_fp32:
         raise ExportError(
             f"{target} cannot keep modules {list(spec.keep_fp32)} in fp32 under {spec.mode}. "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoprec.errors import ExportError
+from autoprec.errors import ExportError, check_flag
 from autoprec.integrations import bnb_8bit_class, refuse_keep_fp32
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
@@ -39,6 +39,7 @@ def hf_training_args(
     ``no_embeddings``: the model has no ``nn.Embedding``, whose optimizer states the
     Trainer's 8-bit optimizer keeps in 32 bits (see ``EMBEDDING_STATES``)."""
     refuse_keep_fp32(spec, "TrainingArguments", ignore_keep_fp32)
+    check_flag(no_embeddings, "no_embeddings")
     if spec.mode not in _FLAGS:
         hint = (
             "TrainingArguments has no FP8 flag: use to_accelerate() with an Accelerate config"
