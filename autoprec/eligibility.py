@@ -439,25 +439,60 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
     return verdict.done()
 
 
-def model_device(model: nn.Module) -> str:
-    """``"cpu"`` or ``"cuda:N"``: where the model's first parameter lives."""
-    parameter = next(model.parameters(), None)
-    if parameter is None:
+def model_devices(model: nn.Module) -> tuple[str, ...]:
+    """``"cpu"`` or ``"cuda:N"`` for every device the model's parameters live on, in the order
+    they first appear."""
+    names: dict[str, None] = {}
+    for parameter in model.parameters():
+        device = parameter.device
+        if device.type == "cuda":
+            names[f"cuda:{device.index or 0}"] = None
+        elif device.type == "cpu":
+            names["cpu"] = None
+        else:
+            raise ValueError(f"autoprec trains on CPU or CUDA, but the model is on {device}.")
+    if not names:
         raise ValueError("The model has no parameters: there is nothing to train.")
-    device = parameter.device
-    if device.type == "cuda":
-        return f"cuda:{device.index or 0}"
-    if device.type != "cpu":
-        raise ValueError(f"autoprec trains on CPU or CUDA, but the model is on {device}.")
-    return "cpu"
+    return tuple(names)
 
 
-def situation_for_model(model: nn.Module, *, emulate_fp8: bool = False) -> Situation:
-    """The facts about this machine and ``model`` (where it lives, what it is made of)."""
-    return Situation(
-        hardware=detect_hardware(),
-        device=model_device(model),
-        layers=scan_model(model),
-        backends=tuple(backend_status(name) for name in BACKENDS),
-        emulate_fp8=emulate_fp8,
-    )
+def model_device(model: nn.Module) -> str:
+    """``"cpu"`` or ``"cuda:N"``: where the model's parameters live, refused when they are
+    split over several devices (``device_map="auto"``): a trial times, measures and judges
+    one device, and had judged the first parameter's alone (found by a hunt)."""
+    devices = model_devices(model)
+    if len(devices) > 1:
+        raise ValueError(
+            f"The model's parameters are split over {', '.join(devices)} (a device_map?): "
+            "autoprec times, measures and judges a trial on one device. Pass "
+            f"device={devices[0]!r} (tune() and check() then train a copy there, if it fits), "
+            "or tune a smaller configuration of the model on one device."
+        )
+    return devices[0]
+
+
+def situations_for_model(model: nn.Module, *, emulate_fp8: bool = False) -> list[Situation]:
+    """The facts about this machine and ``model`` (what it is made of), one for each device
+    its parameters live on: a model split over two GPUs (a device_map) runs a mode on both,
+    and had been judged on the first parameter's alone (found by a hunt). A model split over
+    a CPU and a GPU is refused: a mode runs on one kind of device."""
+    devices = model_devices(model)
+    kinds = {device.split(":")[0] for device in devices}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"The model's parameters are split over {', '.join(devices)}: a precision mode "
+            "runs on one kind of device (its autocast, its optimizer's kernels). Move the "
+            "model to one kind of device before applying a mode."
+        )
+    hardware, layers = detect_hardware(), scan_model(model)
+    backends = tuple(backend_status(name) for name in BACKENDS)
+    return [
+        Situation(
+            hardware=hardware,
+            device=device,
+            layers=layers,
+            backends=backends,
+            emulate_fp8=emulate_fp8,
+        )
+        for device in devices
+    ]

@@ -23,7 +23,7 @@ from torch import nn
 
 from autoprec._warnings import warn_caller
 from autoprec._wording import first_names
-from autoprec.eligibility import Situation, situation_for_model
+from autoprec.eligibility import Situation, situations_for_model
 from autoprec.errors import (
     OptimizerRebuiltWarning,
     OutsideOptimizerWarning,
@@ -406,8 +406,8 @@ def build_plan(
     check_model_and_optimizer(model, optimizer)
     _refuse_non_spec(spec)
     mode = mode_for(spec)
-    situation = situation or situation_for_model(model, emulate_fp8=spec.emulate)
-    reasons = mode.requirements(situation)
+    situations = [situation] if situation else situations_for_model(model, emulate_fp8=spec.emulate)
+    reasons = list(dict.fromkeys(r for each in situations for r in mode.requirements(each)))
     if reasons:
         listed = "".join(f"\n  - {reason}" for reason in reasons)
         raise UnsupportedModeError(

@@ -23,7 +23,7 @@ from autoprec._files import read_json, write_text_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec._version import __version__
 from autoprec._warnings import warn_caller
-from autoprec.eligibility import model_device
+from autoprec.eligibility import model_devices
 from autoprec.errors import (
     ExportError,
     HardwareMismatchWarning,
@@ -307,18 +307,19 @@ class Profile(BaseModel):
         this machine has one like it (without one, loading the profile said so)."""
         hardware = detect_hardware()
         matching = self._matching_device(hardware)
-        device = model_device(model)
         if matching is None:
             return
-        differences = self.hardware.differences(HardwareFingerprint.from_hardware(hardware, device))
-        if differences:
-            message = (
-                f"This {self.spec.label} profile was proven on other hardware than the model's "
-                f"device ({device}): " + "; ".join(differences) + f". This machine's {matching} "
-                "is like the one proven: move the model there before apply(), or re-run "
-                f"`autoprec tune` on {device}."
-            )
-            _refuse_or_warn(message, HardwareMismatchWarning, strict=strict)
+        for device in model_devices(model):  # a model split over GPUs: each of them
+            here = HardwareFingerprint.from_hardware(hardware, device)
+            differences = self.hardware.differences(here)
+            if differences:
+                message = (
+                    f"This {self.spec.label} profile was proven on other hardware than the "
+                    f"model's device ({device}): " + "; ".join(differences) + f". This "
+                    f"machine's {matching} is like the one proven: move the model there "
+                    f"before apply(), or re-run `autoprec tune` on {device}."
+                )
+                _refuse_or_warn(message, HardwareMismatchWarning, strict=strict)
 
     def check_evidence(self, *, strict: bool) -> None:
         """Warn (or with ``strict``, refuse) when the profile carries no evidence: written by

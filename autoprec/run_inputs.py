@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoprec.batching import as_plain, map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
+from autoprec.eligibility import model_device
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
 from autoprec.layer_kinds import (
     refuse_lazy,
@@ -290,6 +291,8 @@ def checked_model(model: Any, device: str | None, compile: bool | str) -> tuple[
     model, compiled = uncompiled_model(model)
     check_model(model)
     check_device(device)
+    if device is None:
+        model_device(model)  # trials run where the model is: one device, not a device_map
     return model, resolve_compile(compile, compiled)
 
 

@@ -221,13 +221,13 @@ def test_a_model_with_nothing_to_train_is_worth_no_trial() -> None:
     from autoprec.eligibility import (
         mode_eligibility,
         optimizer_8bit_eligibility,
-        situation_for_model,
+        situations_for_model,
     )
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).requires_grad_(False)
     layers = scan_model(model, torch.randn(2, 8))
     assert any(f.startswith("none of the model's 88 parameters trains") for f in layers.findings)
-    situation = dataclasses.replace(situation_for_model(model), layers=layers)
+    situation = dataclasses.replace(situations_for_model(model)[0], layers=layers)
     verdict = mode_eligibility("amp_bf16", situation)
     assert verdict.eligible and not verdict.worth_trying
     assert any("no trainable parameters" in note for note in verdict.notes)
@@ -238,7 +238,7 @@ def test_a_model_with_nothing_to_train_is_worth_no_trial() -> None:
 def test_a_model_whose_weights_are_not_fp32_is_worth_no_trial(dtype: torch.dtype) -> None:
     # tune, check and apply refuse it; the probe offered every mode for it ("worth a trial
     # here: fp32, amp_bf16, ...") and told a float64 model only "pass model.float()" (a hunt)
-    from autoprec.eligibility import situation_for_model
+    from autoprec.eligibility import situations_for_model
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(dtype)
     report = autoprec.probe(model, torch.randn(2, 8, dtype=dtype))
@@ -247,7 +247,7 @@ def test_a_model_whose_weights_are_not_fp32_is_worth_no_trial(dtype: torch.dtype
     assert any("weights are not fp32" in note for note in verdict.notes)
     advice = "float64 is wider than every mode" if dtype == torch.float64 else "model.float()"
     assert advice in report.layers.findings[0]
-    situation = dataclasses.replace(situation_for_model(model.float()), layers=report.layers)
+    situation = dataclasses.replace(situations_for_model(model.float())[0], layers=report.layers)
     assert not optimizer_8bit_eligibility(situation).worth_trying
     assert not mode_eligibility("bf16_sr", situation).worth_trying
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.eligibility import situation_for_model
+from autoprec.eligibility import situations_for_model
 from autoprec.modes import mode_for
 from autoprec.specs import ModeSpec
 
@@ -43,7 +43,7 @@ def test_mode_trains_on_gpu(spec: ModeSpec) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU (found: CPU only)")
     model = _model().cuda()
-    reasons = mode_for(spec).requirements(situation_for_model(model))
+    reasons = mode_for(spec).requirements(situations_for_model(model)[0])
     if reasons:
         pytest.skip("; ".join(reasons))
     plan = autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -1399,3 +1399,42 @@ def test_prepare_names_a_model_or_optimizer_of_the_wrong_kind() -> None:
     ]:
         with pytest.raises(TypeError, match=said):
             autoprec.prepare(spec, *args)
+
+
+class _OnDevices(nn.Module):
+    """A module whose parameters report the given devices (a device_map split, faked on a
+    machine with no GPU: only ``.device`` is read)."""
+
+    def __init__(self, *devices: torch.device) -> None:
+        super().__init__()
+        self.devices = devices
+
+    def parameters(self, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        return iter([type("P", (), {"device": device})() for device in self.devices])
+
+
+def test_a_model_split_over_devices_is_named_and_judged_on_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a hunt: a model split over two GPUs (a device_map) was judged by its first
+    parameter's device alone, in trials and in prepare()."""
+    import autoprec.eligibility as eligibility
+    from autoprec.eligibility import model_device, model_devices
+
+    cuda = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0)
+    assert model_devices(_OnDevices(*cuda)) == ("cuda:0", "cuda:1")
+    assert model_device(nn.Linear(2, 2)) == "cpu"
+    with pytest.raises(ValueError, match=r"split over cuda:0, cuda:1 .*device='cuda:0'"):
+        model_device(_OnDevices(*cuda))
+    monkeypatch.setattr(eligibility, "detect_hardware", lambda: make_hardware("H100", "V100"))
+    monkeypatch.setattr(eligibility, "model_devices", lambda model: ("cuda:0", "cuda:1"))
+    model = nn.Linear(16, 16)
+    with pytest.raises(UnsupportedModeError, match="V100"):  # cuda:1 has no bf16
+        prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters()))
+    assert model.weight.dtype == torch.float32
+    monkeypatch.setattr(eligibility, "model_devices", lambda model: ("cpu", "cuda:0"))
+    with pytest.raises(ValueError, match=r"split over cpu, cuda:0: a precision mode runs on one"):
+        prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters()))
+    split = nn.Linear(16, 16)
+    with pytest.raises(ValueError, match="split over cpu, cuda:0"):  # before any batch is read
+        autoprec.check(split, iter(()), loss_fn=nn.functional.mse_loss, steps=4)

@@ -271,6 +271,24 @@ def test_other_hardware_warns_and_strict_refuses(tmp_path: Path) -> None:
         load_profile(here, strict=True)
 
 
+def test_apply_judges_every_device_a_split_model_is_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by a hunt: apply() compared the profile's hardware with the first parameter's
+    device alone; a model split over an H100 and an A100 passed as proven."""
+    import autoprec.profile as profile_module
+
+    mixed = make_hardware("H100", "A100")
+    monkeypatch.setattr(profile_module, "detect_hardware", lambda: mixed)
+    proven = profile_for(ModeSpec(mode="amp_bf16"), hardware=mixed, evidence=MEASURED)
+    loaded = load_profile(proven.save(tmp_path / "h100.json"), strict=True)
+    model = torch.nn.Linear(16, 16)
+    monkeypatch.setattr(profile_module, "model_devices", lambda model: ("cuda:0", "cuda:1"))
+    with pytest.raises(ProfileError, match=r"the model's device \(cuda:1\): .*gpu_name"):
+        loaded.apply(model, torch.optim.AdamW(model.parameters()), strict=True)
+    assert model.weight.dtype == torch.float32 and not model._forward_pre_hooks
+
+
 def test_the_hardware_is_judged_where_the_model_trains(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
