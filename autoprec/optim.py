@@ -41,7 +41,7 @@ SourceKind = Literal["adamw", "adam", "sgd"]
 
 SUPPORTED_SOURCES = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
-_TARGET_NAMES: dict[OptimizerTarget, str] = {
+TARGET_NAMES: dict[OptimizerTarget, str] = {
     "same": "the same optimizer class",
     "bnb_8bit": "bitsandbytes 8-bit states",
     "optimi_kahan": "torch-optimi with Kahan summation",
@@ -146,7 +146,7 @@ def _refuse(options: dict[str, Any], target: OptimizerTarget, **forbidden: Any) 
         if value != allowed:
             raise ValueError(
                 f"Optimizer option {key}={value!r} has no equivalent in "
-                f"{_TARGET_NAMES[target]}; use {key}={allowed!r} or another mode."
+                f"{TARGET_NAMES[target]}; use {key}={allowed!r} or another mode."
             )
 
 
@@ -263,7 +263,7 @@ def check_translation(optimizer: torch.optim.Optimizer, target: OptimizerTarget)
                 constructor([{**translated, "params": [placeholder]}], **defaults)
         except (TypeError, ValueError) as error:
             raise ValueError(
-                f"{_TARGET_NAMES[target]} refuses this optimizer's settings ({error}); use "
+                f"{TARGET_NAMES[target]} refuses this optimizer's settings ({error}); use "
                 "settings it takes, or another mode."
             ) from error
 
@@ -493,7 +493,7 @@ def _refuse_mixed_constructors(
     if len(names) > 1:
         raise ValueError(
             f"Your optimizer's groups mix coupled (L2) and decoupled weight decay "
-            f"(decoupled_weight_decay differs between groups), which {_TARGET_NAMES[target]} "
+            f"(decoupled_weight_decay differs between groups), which {TARGET_NAMES[target]} "
             f"builds as different classes ({', '.join(names)}) and one optimizer cannot hold. "
             "Use one kind of decay in every group (or weight_decay=0 where it differs), or a "
             "mode that keeps your optimizer."

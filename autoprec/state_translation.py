@@ -30,6 +30,7 @@ import torch
 from autoprec._imports import require
 from autoprec.optim import (
     SUPPORTED_SOURCES,
+    TARGET_NAMES,
     OptimizerTarget,
     SourceKind,
     refuse_untranslatable,
@@ -95,13 +96,7 @@ def accept_source_state(
                 check_torch_family(state_dict, kind)
             type(self).load_state_dict(self, state_dict, *args, **kwargs)
         elif writer is None:
-            name = f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}"
-            raise ValueError(
-                f"plan.optimizer ({name}) cannot load this optimizer state: another optimizer "
-                f"wrote it. It loads the states of torch ({SUPPORTED_SOURCES}), torch-optimi "
-                "and bitsandbytes, as autoprec's modes save them; load one of those, or keep "
-                "the optimizer fresh and load the model's weights only."
-            )
+            raise _foreign_state(f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}")
         elif own == "torch":
             form = in_layout_of(torch_form(state_dict, kind), self)
             type(self).load_state_dict(self, form, *args, **kwargs)
@@ -113,6 +108,57 @@ def accept_source_state(
     # bitsandbytes overrides load_state_dict and runs no load hooks, so the instance's method
     # is wrapped (a bound method: a deep copy binds to the copy)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+
+
+def _foreign_state(name: str) -> ValueError:
+    return ValueError(
+        f"plan.optimizer ({name}) cannot load this optimizer state: another optimizer wrote "
+        f"it. It loads the states of torch ({SUPPORTED_SOURCES}), torch-optimi and "
+        "bitsandbytes, as autoprec's modes save them; load one of those, or keep the optimizer "
+        "fresh and load the model's weights only."
+    )
+
+
+def refuse_unloadable_state(source: torch.optim.Optimizer, target: OptimizerTarget) -> None:
+    """Raise what loading a stepped ``source``'s state into its rebuild for ``target`` raises,
+    checked on ``source``'s own parameters (the rebuild's have their shapes) before anything is
+    converted: refused at the load, a state had left the user's model converted, its weights
+    bf16 and its hooks on (found by a hunt: a state with a key of its own beside Adam's)."""
+    if not source.state:
+        return
+    try:
+        kind = source_kind(source)
+    except TypeError:
+        return
+    state_dict = source.state_dict()
+    own, writer = _OWN_LAYOUT.get(target, "torch"), state_writer(state_dict)
+    saved_groups = state_dict["param_groups"]
+    if writer == "torch" and own != "torch":
+        writer = writer if all(HYPER_KEYS[kind] <= set(g) for g in saved_groups) else None
+    if writer is None:
+        raise _foreign_state(TARGET_NAMES[target])
+    if writer == "torch" and own == "torch":
+        check_torch_family(state_dict, kind)
+    elif writer == "torch":  # translated by optimi_state or bnb_state: as they check it
+        for group, saved_group in zip(source.param_groups, saved_groups, strict=True):
+            for parameter, index in zip(group["params"], saved_group["params"], strict=True):
+                saved = state_dict["state"].get(index)
+                if saved:
+                    _check_translatable(saved, parameter, kind, own)
+
+
+def _check_translatable(
+    saved: dict[str, Any], parameter: torch.Tensor, kind: SourceKind, own: Writer
+) -> None:
+    """What ``optimi_state`` / ``bnb_state`` refuse in one parameter's saved torch state."""
+    if kind == "sgd":
+        if own == "bnb" or saved.get("momentum_buffer") is not None:  # optimi: may be none
+            _moment(saved, "momentum_buffer", parameter)
+        return
+    _moment(saved, "exp_avg", parameter)
+    _moment(saved, "exp_avg_sq", parameter)
+    if own == "optimi" and saved_step(saved) < 1:
+        raise ValueError(f"The saved Adam state has step {saved_step(saved)}; expected at least 1.")
 
 
 def _decay_as_torch_loads(state_dict: dict[str, Any], forces_decoupled: bool) -> dict[str, Any]:

@@ -317,3 +317,42 @@ def test_an_adam_whose_decaying_groups_decouple_resumes_its_own_state(mode: str)
     autoprec.prepare(spec, fresh_model, fresh).optimizer.load_state_dict(checkpoint)
     plan = autoprec.prepare(spec, model, optimizer)  # the stepped run, switched
     one_step(plan.model, plan.optimizer)
+
+
+@pytest.mark.parametrize(
+    ("spec", "hurt", "said"),
+    [
+        (("bf16_sr", 32), "extra", r"plan.optimizer \(stochastic-rounding Adam/SGD\) cannot load"),
+        (("bf16_kahan", 32), "extra", "torch-optimi with Kahan summation"),
+        (("bf16_pure", 8), "shape", r"'exp_avg' does not fit its parameter .*found shape \(3,\)"),
+        (("bf16_kahan", 32), "missing", "'exp_avg_sq' does not fit its parameter .*found nothing"),
+    ],
+)
+def test_a_stepped_state_that_cannot_load_is_refused_before_the_model_converts(
+    spec: tuple[str, int], hurt: str, said: str
+) -> None:
+    """Found by a hunt: prepare() on a stepped optimizer whose state its rebuild refused (a
+    key of its own beside Adam's, a moment of another shape) raised at the load, after the
+    model had been converted: its weights bf16 and its hooks on."""
+    from autoprec.plan import prepare
+    from autoprec.specs import ModeSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 4096), nn.Linear(4096, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    state = optimizer.state[model[0].weight]
+    if hurt == "extra":
+        state["grad_ema"] = torch.zeros(3)
+    elif hurt == "shape":
+        state["exp_avg"] = torch.zeros(3)
+    else:
+        del state["exp_avg_sq"]
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    mode, bits = spec
+    with pytest.raises(ValueError, match=said):
+        prepare(ModeSpec(mode=mode, optimizer_bits=bits), model, optimizer)  # type: ignore[arg-type]
+    for parameter, was in zip(model.parameters(), before, strict=True):
+        assert parameter.dtype == torch.float32 and torch.equal(parameter, was)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

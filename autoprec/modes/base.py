@@ -25,7 +25,7 @@ from autoprec.optim import (
     translation_problem,
 )
 from autoprec.specs import ModeName, ModeSpec, matches_keep_fp32
-from autoprec.state_translation import accept_source_state
+from autoprec.state_translation import accept_source_state, refuse_unloadable_state
 
 __all__ = ["PrecisionMode", "override"]
 
@@ -248,6 +248,7 @@ class PrecisionMode:
         target = self.rebuilt_optimizer_target
         if target is not None:
             check_translation(optimizer, target)
+            refuse_unloadable_state(optimizer, target)  # a stepped optimizer's state
 
     def optimizer_problem(self, optimizer: torch.optim.Optimizer) -> str | None:
         """Why this mode cannot rebuild ``optimizer`` (its class or options), or None."""
