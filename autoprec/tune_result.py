@@ -7,6 +7,7 @@ chooses the winner among the outcomes and builds its :class:`~autoprec.profile.P
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 from pydantic import BaseModel
@@ -254,7 +255,10 @@ def eager_fp8_advice(
 
 
 def fallback_note(
-    winner: TrialOutcome, reference: TrialOutcome, outcomes: list[TrialOutcome]
+    winner: TrialOutcome,
+    reference: TrialOutcome,
+    outcomes: list[TrialOutcome],
+    budget: BudgetReport | None = None,
 ) -> str | None:
     """Why the profile is the fp32 reference when no candidate was accepted: every candidate,
     with what became of it (it said "no candidate passed the drift gate" when all had failed
@@ -269,7 +273,32 @@ def fallback_note(
         f"({'; '.join(o.reasons) or 'no reason'})."
         for o in outcomes
     )
-    return f"No candidate was accepted ({_tally(outcomes)}); this is the fp32 reference. {said}"
+    note = f"No candidate was accepted ({_tally(outcomes)}); this is the fp32 reference. {said}"
+    return note + _budget_advice(outcomes, budget)
+
+
+def _budget_advice(outcomes: list[TrialOutcome], budget: BudgetReport | None) -> str:
+    """What budget would have judged the candidates, when the budget stopped every one of
+    them before the gate and none was already slower than the best: the summary of such a run
+    read like any other (found by a hunt). Each candidate's run is taken to cost what one fp32
+    run did (the reference and noise runs' time over their count)."""
+    if budget is None or budget.reference_reused or not outcomes:
+        return ""
+    for outcome in outcomes:
+        reason = outcome.reasons[0] if outcome.reasons else ""
+        cut = outcome.status == "pruned" and reason.startswith("budget")
+        if not cut or (outcome.seconds > 0 and slower_when_cut(reason) is not None):
+            return ""
+    per_run = budget.reference_seconds / (1 + budget.fp32_noise_runs)
+    before = budget.calibration_seconds + budget.reference_seconds
+    needed = before + len(outcomes) * per_run
+    return (
+        f" The budget ended before any candidate was judged: calibration and the fp32 runs "
+        f"took {before:.0f} s of its {budget.budget_seconds:.0f} s, and one run takes about "
+        f"{per_run:.0f} s; a budget of {math.ceil(needed / 6) / 10:.1f} minutes or more gives "
+        f"each of the {len(outcomes)} candidates a trial (with another study: --study NAME / "
+        "study_name=, as a study holds its budget)."
+    )
 
 
 def _tally(outcomes: list[TrialOutcome]) -> str:
@@ -338,7 +367,7 @@ def build_result(
     checks_not_run = (*checks_not_run, *unretimed)
     # each re-timed mode's own noise; without re-timing, the measured trial-to-trial margin
     winner = choose(outcomes, reference_outcome, objective, margin)
-    note = fallback_note(winner, reference_outcome, outcomes)
+    note = fallback_note(winner, reference_outcome, outcomes, budget)
     evidence = Evidence(
         trial_steps=budget.trial_steps,
         trial_count=budget.trials_run + budget.trials_from_study,  # all it rests on

@@ -1150,6 +1150,23 @@ def test_the_fp32_fallback_note_names_every_candidate_and_what_became_of_it() ->
         "No candidate was accepted (2 pruned as slower than fp32, 2 cut by the budget when "
         "already slower than fp32, 1 not run for the budget, none rejected by the drift gate)"
     )
+    # found by a hunt: a budget that held the fp32 runs and no candidate read like any run
+    from autoprec.tune_result import BudgetReport
+
+    spent = BudgetReport(
+        budget_seconds=60, used_seconds=58, calibration_seconds=10, reference_seconds=36,
+        search_seconds=12, trial_steps=20, fp32_step_seconds=0.5, trials_run=3, trials_not_run=2,
+    )  # fmt: skip
+    starved = [outcome("amp_bf16", "pruned", budget), outcome("bf16_sr", "pruned", budget, 0.0)]
+    note = fallback_note(reference, reference, starved, spent)
+    assert note is not None and note.endswith(
+        "The budget ended before any candidate was judged: calibration and the fp32 runs took "
+        "46 s of its 60 s, and one run takes about 12 s; a budget of 1.2 minutes or more gives "
+        "each of the 2 candidates a trial (with another study: --study NAME / study_name=, as "
+        "a study holds its budget)."
+    )  # (10 + 36 + 2 x 12) s = 70 s
+    assert "ended before" not in (fallback_note(reference, reference, demo, spent) or "")
+    assert "ended before" not in (fallback_note(reference, reference, never, spent) or "")
 
 
 def test_budgets_of_numpy_numbers_and_paths_as_storage_are_taken(tmp_path: Path) -> None:
