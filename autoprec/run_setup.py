@@ -395,9 +395,13 @@ class RunSetup:
     run_overhead_seconds: float = 0.0
     """What a run costs beyond its steps (copying, converting, warming up), as calibration
     measured it: the re-timing's budget check counts it once per re-timing run."""
+    retime_overhead_seconds: float = 0.0
+    """``run_overhead_seconds`` without calibration's ``eval_fn`` time: what a re-timing run,
+    which calls no ``eval_fn``, costs beyond its steps (found by a hunt: a 2 s ``eval_fn``
+    charged twice skipped the re-timing with 7 s left)."""
     tail_seconds: float = 0.0
-    """What a run spends after its last step, as calibration measured it (``eval_fn``): the
-    budget's stop checks reserve it."""
+    """What a run spends after its last step (held-out pass, ``eval_fn``), the slowest of the
+    runs so far, calibration's first: the budget's stop checks reserve it."""
 
     @property
     def reference_spec(self) -> ModeSpec:
@@ -413,7 +417,7 @@ class RunSetup:
             batches = FreshBatches(batches)
             if options.get("heldout"):
                 options["heldout"] = FreshBatches(options["heldout"])
-        return run_trial(
+        result = run_trial(
             spec,
             self.trial_model,
             batches,
@@ -424,6 +428,10 @@ class RunSetup:
             situation=self.situation,
             **options,
         )
+        # the slowest tail yet is what later runs reserve: an eval_fn slower after its first
+        # call (a cache warmed, a data set loaded) had carried runs past the budget
+        self.tail_seconds = max(self.tail_seconds, result.tail_seconds)
+        return result
 
 
 def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> None:
@@ -584,7 +592,6 @@ def calibration_run(setup: RunSetup) -> Calibration:
     except BaseException:  # Ctrl-C, a stop: whatever user code did to the model goes back
         user.restore()
         raise
-    setup.tail_seconds = calibration.tail_seconds
     touched, moved = user.changed(), user.changed_values()
     if touched or moved:
         raise _trained_the_users_model(touched, moved, user.restore(), setup)
@@ -626,6 +633,7 @@ def calibrate(setup: RunSetup, budget_minutes: float) -> tuple[int, float]:
     # what a run costs beyond its steps (copying, converting, compiling): as calibration's
     overhead = max(0.0, calibration_seconds - steps_run * step_seconds)
     setup.run_overhead_seconds = overhead
+    setup.retime_overhead_seconds = max(0.0, overhead - setup.tail_seconds)  # calibration's
     available = (setup.deadline - setup.clock() - trials * overhead) * (1 - BUDGET_RESERVE)
     steps = int(available / (trials * step_seconds * 1.5))
     cut_short = steps_run < CALIBRATION_STEPS  # the deadline came before its last step
@@ -695,12 +703,13 @@ def reference_runs(
     on the same batches: another seed when the reference drew random numbers, else the same
     seed from weights nudged by one fp32 ulp (``NUDGED_RUN``). A model with random draws gets
     the nudged run too: the noise of a trial that drew the reference's draws."""
-    budget_only = make_stop_check(None, objective, setup.deadline, setup.clock, setup.tail_seconds)
     references: list[TrialResult] = []
     runs = [REFERENCE_RUN, NOISE_RUN]
     while runs:
         run = runs.pop(0)
         label = run.label
+        tail = setup.tail_seconds  # the slowest yet
+        budget_only = make_stop_check(None, objective, setup.deadline, setup.clock, tail)
         setup.events.emit("phase", label, steps=steps)
         watched = None if setup.fresh_batches else WatchedBatches(setup.heldout, HELDOUT_BATCHES)
         result = setup.run(

@@ -612,7 +612,7 @@ def search(
     choices: Sequence[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
     fingerprint: str | None = None,
-    tail_seconds: float = 0.0,
+    tail_seconds: Callable[[], float] = lambda: 0.0,
 ) -> list[TrialOutcome]:
     """Run every candidate in order until the budget runs out; returns all outcomes.
 
@@ -629,7 +629,7 @@ def search(
         fingerprint: the digest of the run's fingerprint: its trials carry it, and only
             trials that carry it are reused.
         tail_seconds: a run's held-out pass and ``eval_fn`` after its last step, reserved
-            by the budget's stop check.
+            by the budget's stop check: read before each run (the slowest one yet).
     """
     import optuna
 
@@ -669,7 +669,7 @@ def search(
         trial = ask_for(study, label, choices)
         try:  # from the ask on: a Ctrl-C in the progress display counts too
             sink.emit("start", label, **where)
-            check = make_stop_check(best, objective, deadline, clock, tail_seconds)
+            check = make_stop_check(best, objective, deadline, clock, tail_seconds())
             stop = sink.watch(check, label, **where)
             outcome = runner(spec, stop)  # type: ignore[arg-type]
         except BaseException:  # Ctrl-C or a crash: leave no RUNNING trial behind, then stop

@@ -752,6 +752,7 @@ def test_the_budget_a_too_small_budget_asks_for_is_enough(monkeypatch: pytest.Mo
             deadline=budget_minutes * 60,
             clock=lambda: calibration,  # started at 0, calibration just ended
             compile=False,
+            tail_seconds=0.0,
         )
 
     with pytest.raises(ValueError, match=r"too small.*Give at least") as raised:
@@ -796,6 +797,7 @@ def test_a_too_small_budget_counts_the_noise_runs_it_plans(
         deadline=30.0,
         clock=lambda: 4.0,
         compile=True,
+        tail_seconds=0.0,
     )
     with pytest.raises(autoprec.BudgetTooSmallError) as raised:
         run_setup.calibrate(setup, 0.5)  # type: ignore[arg-type]
@@ -1398,6 +1400,7 @@ def test_a_budget_too_small_for_the_fp32_runs_is_refused_at_calibration(
             deadline=deadline,
             clock=lambda: 4.0,
             compile=False,
+            tail_seconds=0.0,
         )
 
     # 31 s left; the 3 fp32 runs need 3 x (1.5 s + 20 steps of 0.5 s) = 34.5 s
@@ -1424,9 +1427,74 @@ def test_the_retiming_is_not_charged_the_eval_fn_it_does_not_call(
         return [], args[1], None  # type: ignore[return-value]
 
     monkeypatch.setattr(tuning_module, "confirm_speed", confirm_speed)
-    setup = types.SimpleNamespace(
-        deadline=100.0, clock=lambda: 0.0, run_overhead_seconds=2.5, tail_seconds=2.0
+    from autoprec import run_setup
+
+    monkeypatch.setattr(
+        run_setup, "calibration_run", lambda setup: run_setup.Calibration(0.5, 4.0, False)
     )
+    setup = types.SimpleNamespace(
+        candidates=types.SimpleNamespace(specs=[None] * 3), compile=False,
+        deadline=100.0, clock=lambda: 4.0, tail_seconds=1.0,  # calibration's eval_fn: 1 s
+    )  # fmt: skip
+    run_setup.calibrate(setup, 100 / 60)  # type: ignore[arg-type]
+    assert setup.run_overhead_seconds == 1.5  # 4 s, 5 steps of 0.5 s: 1 s of it eval_fn's
+    setup.tail_seconds = 9.0  # a later run's slower eval_fn moves the reserve, not this
     reference = TrialOutcome(spec=autoprec.ModeSpec(mode="fp32"), status="accepted")
     tuning_module._confirmed_speed(setup, "speed", [], reference, 20)  # type: ignore[arg-type]
-    assert charged == [0.5]  # copying and converting; not the 2 s eval_fn
+    assert charged == [0.5]  # copying and converting; not the 1 s eval_fn
+
+
+def test_runs_reserve_the_slowest_eval_fn_tail_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a hunt: the stop checks reserved calibration's eval_fn time alone, and an
+    eval_fn slower after its first call (a cache filled, a data set loaded) carried runs past
+    the budget. Every run's tail now raises the reserve, and the search reads it before each
+    candidate."""
+    import autoprec.search as search_module
+    from autoprec.recipe import TrainingRecipe
+    from autoprec.run_setup import setup_run
+    from autoprec.search_events import EventSink
+
+    calls: list[float] = []
+
+    def eval_fn(model: torch.nn.Module) -> float:
+        time.sleep(0.0 if not calls else 0.3)  # fast on its first call only
+        calls.append(1.0)
+        return 0.0
+
+    task = tasks.regression(lr=1e-3)
+    setup = setup_run(
+        task.model, task.batches[:8] + task.heldout, TrainingRecipe(loss_fn=task.mse),
+        modes=["amp_bf16"], device=None, eval_fn=eval_fn, seed=0, budget_seconds=60.0,
+        deadline=math.inf, clock=time.monotonic, thresholds=None,
+        events=EventSink(None, started=0.0, budget_seconds=60.0, clock=time.monotonic),
+    )  # fmt: skip
+    setup.run(setup.reference_spec, 4, eval_fn=eval_fn)
+    first = setup.tail_seconds
+    assert first < 0.3
+    setup.run(setup.reference_spec, 4, eval_fn=eval_fn)
+    assert setup.tail_seconds >= 0.3
+    slowest = setup.tail_seconds
+    setup.run(setup.reference_spec, 4)  # no eval_fn: the reserve stays the slowest
+    assert setup.tail_seconds == slowest
+    reserved: list[float] = []
+    made = search_module.make_stop_check
+
+    def spying(*args: object) -> object:
+        reserved.append(args[-1])  # type: ignore[arg-type]
+        return made(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(search_module, "make_stop_check", spying)
+    tails = iter([2.0, 5.0])
+    holder = [0.5]
+
+    def runner(spec: autoprec.ModeSpec, stop: object) -> TrialOutcome:
+        holder[0] = next(tails)  # this run's eval_fn was slower
+        return TrialOutcome(spec=spec, status="rejected", reasons=("drift",))
+
+    study = search_module.create_study(None, None)
+    candidates = [autoprec.ModeSpec(mode="amp_bf16"), autoprec.ModeSpec(mode="bf16_sr")]
+    search_module.search(
+        candidates, runner, study=study, objective="speed", deadline=math.inf,
+        expected_trial_seconds=1.0, tail_seconds=lambda: holder[0],
+    )  # fmt: skip
+    assert reserved == [0.5, 2.0]
