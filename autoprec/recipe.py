@@ -148,15 +148,23 @@ class LrPoint(BaseModel):
         """The first group's lr (what messages quote)."""
         return self.lrs[0]
 
-    def describe(self, group: int = 0) -> str:
-        """This leg's lr of one parameter group (the first by default), and where it is from."""
+    def describe(self, group: int | None = None) -> str:
+        """This leg's lr of one parameter group, or of every group by default (one per group,
+        "lrs 0.0001 / 3.45e-05": group 0's alone read as equal legs and equal schedules where
+        a head's floor differed beside a constant backbone; found by a hunt), and where it is
+        from."""
         where = (
             ""
             if self.schedule_step is None
             else f", the schedule's {self.role} at step {self.schedule_step} of {self.total_steps}"
         )
-        momentum = "" if self.momenta is None else f" (momentum/β1 {self.momenta[group]:.3g})"
-        return f"lr {self.lrs[group]:.3g}{momentum}{where}"
+        groups = range(len(self.lrs)) if group is None else [group]
+        lrs = " / ".join(f"{self.lrs[index]:.3g}" for index in groups)
+        momentum = ""
+        if self.momenta is not None:
+            momenta = " / ".join(f"{self.momenta[index]:.3g}" for index in groups)
+            momentum = f" (momentum/β1 {momenta})"
+        return f"{'lrs' if len(groups) > 1 else 'lr'} {lrs}{momentum}{where}"
 
 
 class RecipeSummary(BaseModel):
@@ -467,6 +475,8 @@ class TrainingRecipe:
         if key in self._cache:
             return self._cache[key]
         optimizer = self.make_optimizer(model, model)
+        if self.scheduler is not None:
+            _from_initial_lrs(optimizer)
         own = group_momenta(optimizer)
         with warnings.catch_warnings():  # stepping a scheduler without optimizer.step()
             warnings.simplefilter("ignore")
@@ -602,6 +612,23 @@ def _called(factory: Callable[..., Any], role: str, form: str, *args: Any, **kwa
             f"The {role} factory {qualified_name(factory)}, called as "
             f"{getattr(factory, '__name__', role)}{form}, raised {type(error).__name__}: {error}"
         ) from error
+
+
+def _from_initial_lrs(optimizer: torch.optim.Optimizer) -> None:
+    """Set each group of a clone of the user's optimizer back to the lr its schedule starts
+    from (``initial_lr``, where a scheduler built on it left one), as SequentialLR's
+    constructor does: a chainable scheduler (LinearLR, CosineAnnealingLR, StepLR, ...) computes
+    from the group's current lr, and one read from a clone of an optimizer a scheduler had
+    already moved ran the whole schedule scaled by current/initial (found by a hunt: a LinearLR
+    warm-up built before tune() read 1e-5 for a run that peaks at 1e-3)."""
+    for group in optimizer.param_groups:
+        if "initial_lr" in group:
+            initial = group["initial_lr"]
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                lr.fill_(float(initial))  # a tensor lr is updated in place, as schedulers do
+            else:
+                group["lr"] = initial
 
 
 def _require_readable(scheduler: Any) -> None:

@@ -384,3 +384,63 @@ def test_total_steps_true_is_refused_as_apply_refuses_it() -> None:
             scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
             total_steps=True,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize(
+    ("factory", "moved", "expected"),
+    [
+        # a warm-up built before tune(): the optimizer sits at 1e-5, its run peaks at 1e-3
+        (lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.01, 1.0, 100), 0, [(1e-3, 100)]),
+        # a checkpoint halfway through a cosine: the run read from its start, not from 5e-4
+        (
+            lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 1000),
+            500,
+            [(1e-3, 0), (2.4471741852423e-05, 900)],
+        ),
+        (  # LambdaLR reads initial_lr itself: it was right before, and stays so
+            lambda o: torch.optim.lr_scheduler.LambdaLR(
+                o, lambda s: 0.5 * (1 + math.cos(math.pi * s / 1000))
+            ),
+            500,
+            [(1e-3, 0), (2.4471741852423e-05, 900)],
+        ),
+    ],
+)
+def test_a_chainable_schedule_is_read_from_its_start_on_a_scheduled_optimizer(
+    factory: object, moved: int, expected: list[tuple[float, int]]
+) -> None:
+    """Found by a hunt: a chainable scheduler (LinearLR, CosineAnnealingLR, ...) computes
+    from the group's current lr, and the schedule was read from a clone of an optimizer a
+    scheduler had already moved: a LinearLR warm-up built before tune() trained every step at
+    1e-5 for a run that peaks at 1e-3."""
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    users = factory(optimizer)  # type: ignore[operator]
+    for _ in range(moved):
+        optimizer.step()
+        users.step()
+    current = optimizer.param_groups[0]["lr"]
+    recipe = TrainingRecipe(optimizer=optimizer, scheduler=factory, total_steps=1000)  # type: ignore[arg-type]
+    points = recipe.lr_points(model)
+    assert [(p.lr, p.schedule_step) for p in points] == [
+        (pytest.approx(lr, rel=1e-9), step) for lr, step in expected
+    ]
+    assert optimizer.param_groups[0]["lr"] == current  # the user's optimizer as it was
+
+
+def test_a_leg_of_several_groups_is_described_by_every_groups_lr() -> None:
+    """Found by a hunt: a leg was described by group 0's lr alone, and a head scheduled beside
+    a constant backbone read the same lr at its peak and its floor, and for the proven and
+    the applied schedules."""
+    from autoprec.recipe import LrPoint
+
+    point = LrPoint(
+        role="floor", lrs=(1e-4, 3.45e-5), momenta=(0.9, 0.95), schedule_step=900, total_steps=1000
+    )
+    assert point.describe() == (
+        "lrs 0.0001 / 3.45e-05 (momentum/β1 0.9 / 0.95), the schedule's floor at step 900 of 1000"
+    )
+    assert point.describe(1) == (
+        "lr 3.45e-05 (momentum/β1 0.95), the schedule's floor at step 900 of 1000"
+    )
+    assert LrPoint(role="constant", lrs=(3e-4,)).describe() == "lr 0.0003"
