@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autoprec.outcomes import Objective, TrialOutcome, balanced_gain
-from autoprec.retiming import within_noise
+from autoprec.retiming import CONFIRM_WITHIN, UNRETIMED_SPEED_MARGIN, within_noise
 
 
 def _key(outcome: TrialOutcome) -> tuple[float, float]:
@@ -61,7 +61,8 @@ def choose(
     when modes were re-timed (``TrialOutcome.retimed``), among those only;
     memory: least memory (more speed breaks ties); balanced: largest product of speed-up and
     memory saving against the reference, among the re-timed modes when any was (the
-    reference is re-timed with them for balanced: ``retiming``).
+    reference is re-timed with them for balanced: ``retiming``), the one closest to fp32
+    among the scores within noise of the best, as under speed.
     """
     pool = [o for o in [reference, *outcomes] if o.status == "accepted" and o.samples_per_second]
     if not pool:
@@ -79,4 +80,34 @@ def choose(
         return min(close, key=lambda o: (fidelity_rank(o), -(o.samples_per_second or 0.0)))
     if objective == "memory":
         return min(pool, key=lambda o: (o.memory_bytes or 0, -(o.samples_per_second or 0.0)))
-    return max(pool, key=lambda o: balanced_gain(o, reference))
+    # balanced: a score is a speed times an exact memory saving, as noisy as the speed; within
+    # that noise the mode closest to fp32 wins, as under speed (found by a hunt: bf16_sr
+    # chosen over bf16_kahan on scores 0.7% apart, both re-timed with 10% noise)
+    top = max(pool, key=lambda o: balanced_gain(o, reference))
+    best, top_noise = balanced_gain(top, reference), max(speed_margin, _noise(top))
+    close = [
+        o for o in pool if within_noise(balanced_gain(o, reference), _noise(o), best, top_noise)
+    ]
+    return min(close, key=lambda o: (fidelity_rank(o), -balanced_gain(o, reference)))
+
+
+def unretimed_margin(
+    objective: Objective, reference: TrialOutcome, outcomes: Sequence[TrialOutcome]
+) -> tuple[float, tuple[str, ...]]:
+    """(the speed choice's margin, the note saying so) when no contender was re-timed: tune()'s
+    choice and ``autoprec report``'s of a study (which chose without it; found by a hunt)."""
+    accepted = [
+        o for o in (reference, *outcomes) if o.status == "accepted" and o.samples_per_second
+    ]
+    if objective != "speed" or len(accepted) < 2 or any(o.retimed for o in accepted):
+        return 0.0, ()
+    fastest = max(o.samples_per_second or 0.0 for o in accepted)
+    close = [o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)]
+    if len(close) < 2:  # the fastest led by more than re-timing looks at: nothing to re-time
+        return 0.0, ()  # (the note said "the budget left no time" with 80% of it left)
+    return UNRETIMED_SPEED_MARGIN, (
+        "speeds not re-timed (the budget left no time for it): the choice compares one trial "
+        f"each and counts modes within {UNRETIMED_SPEED_MARGIN:.1%} of the fastest as equally "
+        "fast (the largest trial-to-trial difference measured on our CPU); a larger budget "
+        "re-times the leaders side by side",
+    )

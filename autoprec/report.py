@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from autoprec._files import atomic_target, read_json, write_atomically
 from autoprec._version import __version__
-from autoprec.choice import choose
+from autoprec.choice import choose, unretimed_margin
 from autoprec.errors import MissingBackendError, read_stored
 from autoprec.outcomes import TrialOutcome
 from autoprec.search import optuna_storage, shown_storage, sqlite_file, stored_outcome
@@ -223,4 +223,5 @@ def outcomes_from_study(
         return outcomes, "", noise_runs
     others = [o for o in outcomes if o is not reference]
     objective = study.user_attrs.get("objective", "speed")
-    return outcomes, choose(others, reference, objective).label, noise_runs
+    margin, _ = unretimed_margin(objective, reference, others)  # as tune() chooses
+    return outcomes, choose(others, reference, objective, margin).label, noise_runs

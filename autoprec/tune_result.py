@@ -14,12 +14,11 @@ from pydantic import BaseModel
 
 from autoprec._models import FROZEN_RECORD
 from autoprec.candidates import Skipped
-from autoprec.choice import choose, pareto_front
+from autoprec.choice import choose, pareto_front, unretimed_margin
 from autoprec.drift_blind_spots import blind_spots
 from autoprec.outcomes import MemoryKind, Objective, TrialOutcome
 from autoprec.profile import Evidence, Profile, TrialFigures, profile_for
 from autoprec.recipe import RecipeSummary
-from autoprec.retiming import CONFIRM_WITHIN
 from autoprec.run_setup import RunSetup
 from autoprec.search import slower_when_cut
 from autoprec.specs import ModeSpec
@@ -326,35 +325,6 @@ def _tally(outcomes: list[TrialOutcome]) -> str:
     return ", ".join(tally)
 
 
-UNRETIMED_SPEED_MARGIN = 0.092
-"""When the budget left no time to re-time, modes within 9.2% of the fastest by one trial each
-count as equally fast (the one closest to fp32 wins): the largest difference between two trials
-of one mode measured on our CPU (bf16_sr 1.092x, ``benchmarks.trial_timing``, 12 trials per
-mode; ``search.PRUNE_MARGIN``). Without it a mode faster by a hair won over modes closer to fp32
-(found by a hunt: bf16_kahan at 455 samples/s over amp_bf16 at 426, one trial each)."""
-
-
-def _unretimed_margin(
-    objective: Objective, reference: TrialOutcome, outcomes: list[TrialOutcome]
-) -> tuple[float, tuple[str, ...]]:
-    """(the speed choice's margin, the note saying so) when no contender was re-timed."""
-    accepted = [
-        o for o in (reference, *outcomes) if o.status == "accepted" and o.samples_per_second
-    ]
-    if objective != "speed" or len(accepted) < 2 or any(o.retimed for o in accepted):
-        return 0.0, ()
-    fastest = max(o.samples_per_second or 0.0 for o in accepted)
-    close = [o for o in accepted if (o.samples_per_second or 0.0) >= fastest * (1 - CONFIRM_WITHIN)]
-    if len(close) < 2:  # the fastest led by more than re-timing looks at: nothing to re-time
-        return 0.0, ()  # (the note said "the budget left no time" with 80% of it left)
-    return UNRETIMED_SPEED_MARGIN, (
-        "speeds not re-timed (the budget left no time for it): the choice compares one trial "
-        f"each and counts modes within {UNRETIMED_SPEED_MARGIN:.1%} of the fastest as equally "
-        "fast (the largest trial-to-trial difference measured on our CPU); a larger budget "
-        "re-times the leaders side by side",
-    )
-
-
 def build_result(
     setup: RunSetup,
     objective: Objective,
@@ -363,7 +333,7 @@ def build_result(
     budget: BudgetReport,
     checks_not_run: tuple[str, ...],
 ) -> TuneResult:
-    margin, unretimed = _unretimed_margin(objective, reference_outcome, outcomes)
+    margin, unretimed = unretimed_margin(objective, reference_outcome, outcomes)
     checks_not_run = (*checks_not_run, *unretimed)
     # each re-timed mode's own noise; without re-timing, the measured trial-to-trial margin
     winner = choose(outcomes, reference_outcome, objective, margin)

@@ -1032,6 +1032,31 @@ def test_report_of_an_interrupted_compiled_study_finds_its_reference(tmp_path: P
     assert len(outcomes) == 2 and chosen == "amp_bf16+compiled"
 
 
+def test_report_of_an_interrupted_study_chooses_with_tunes_margin(tmp_path: Path) -> None:
+    """Found by a hunt: `autoprec report` chose among an interrupted study's one-trial speeds
+    without the margin tune() gives them (``UNRETIMED_SPEED_MARGIN``): bf16_sr at 108 was
+    marked where tune() keeps fp32 at 100."""
+    import optuna
+
+    from autoprec.outcomes import TrialOutcome
+    from autoprec.report import outcomes_from_study
+    from autoprec.specs import ModeSpec
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="s", storage=url, directions=["maximize", "minimize"])
+    study.set_user_attr("result", None)
+    for mode, speed in (("fp32", 100.0), ("amp_bf16", 105.0), ("bf16_sr", 108.0)):
+        trial = study.ask()
+        outcome = TrialOutcome(
+            spec=ModeSpec(mode=mode), status="accepted", samples_per_second=speed,  # type: ignore[arg-type]
+            memory_bytes=2**20,
+        )  # fmt: skip
+        trial.set_user_attr("outcome", outcome.model_dump_json())
+        study.tell(trial, [speed, 2**20])
+    _, chosen, _ = outcomes_from_study(url, "s")
+    assert chosen == "fp32"
+
+
 def test_report_reads_a_journal_storage_named_like_a_trials_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
