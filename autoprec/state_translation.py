@@ -94,6 +94,9 @@ def accept_source_state(
         if writer == own:
             if own == "torch":  # torch would load another family's groups and fail (or not) later
                 check_torch_family(state_dict, kind)
+            elif own == "optimi" and kind != "sgd":  # its own groups: the decay kind they hold
+                groups = _optimi_decay(state_dict["param_groups"], forces_decoupled)
+                _refuse_other_decay(groups, self.param_groups, target)
             type(self).load_state_dict(self, state_dict, *args, **kwargs)
         elif writer is None:
             raise _foreign_state(f"{type(self).__module__.split('.')[0]}'s {type(self).__name__}")
@@ -175,6 +178,20 @@ def _decay_as_torch_loads(state_dict: dict[str, Any], forces_decoupled: bool) ->
         for group in state_dict["param_groups"]
     ]
     return {**state_dict, "param_groups": groups}
+
+
+def _optimi_decay(groups: list[dict[str, Any]], forces_decoupled: bool) -> list[dict[str, Any]]:
+    """A torch-optimi checkpoint's groups' weight decay as torch's own load would leave it
+    (``_decay_as_torch_loads``): its ``decouple_wd`` loaded natively into a KahanAdam had
+    decayed by torch-optimi's own multiply, which rounds away on bf16 weights (found by a
+    hunt: an AdamW's checkpoint resumed with Adam under bf16_kahan never decayed)."""
+    return [
+        {
+            "weight_decay": group["weight_decay"],
+            "decoupled_weight_decay": forces_decoupled or bool(group.get("decouple_wd")),
+        }
+        for group in groups
+    ]
 
 
 def _refuse_other_decay(

@@ -213,6 +213,12 @@ def _torch_group(group: dict[str, Any], writer: Writer, kind: SourceKind) -> dic
         # the next step uses (the last step's beta1 was taken; found by a hunt)
         betas = group.get("betas") or (group["beta1"], group["beta2"])
         hyper.update(betas=tuple(betas), eps=group["eps"])
+        # the kind of decay the run had, which torch's Adam takes from a checkpoint: without
+        # it an AdamW's bf16_kahan or 8-bit state resumed torch's Adam with L2 decay (found by
+        # a hunt). torch-optimi records it; bitsandbytes' Adam decays decoupled always.
+        hyper["decoupled_weight_decay"] = (
+            bool(group.get("decouple_wd")) if writer == "optimi" else True
+        )
     extras = {k: v for k, v in group.items() if k not in _WRITER_GROUP_KEYS[writer]}
     if writer == "optimi" and group.get("max_lr") is not None:
         # torch-optimi reads its own max_lr only with decouple_lr (refused above): a value

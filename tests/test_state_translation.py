@@ -356,3 +356,44 @@ def test_a_stepped_state_that_cannot_load_is_refused_before_the_model_converts(
     for parameter, was in zip(model.parameters(), before, strict=True):
         assert parameter.dtype == torch.float32 and torch.equal(parameter, was)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_an_adamw_checkpoint_in_optimi_or_bnb_layout_resumes_torchs_adam_decoupled() -> None:
+    """Found by a hunt: torch's Adam takes a checkpoint's decoupled_weight_decay, and an
+    AdamW's checkpoint saved under bf16_kahan (torch-optimi's layout) or 8-bit states
+    (bitsandbytes') resumed Adam with L2 decay (mean weight 0.254 where torch's own rule
+    gives 0.904 after 1000 zero-gradient steps); loaded natively into bf16_kahan's KahanAdam
+    it never decayed. Resumed torch's way now, or refused where the rebuild cannot."""
+    import autoprec
+    from autoprec.profile import profile_for
+    from autoprec.specs import ModeSpec
+
+    def plan_for(spec: ModeSpec, optimizer_class: type) -> autoprec.PrecisionPlan:
+        model = nn.Linear(64, 64, bias=False)
+        nn.init.ones_(model.weight)
+        optimizer = optimizer_class(model.parameters(), lr=1e-3, weight_decay=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return profile_for(spec).apply(model, optimizer, clip_grad_norm=None)
+
+    def run(plan: autoprec.PrecisionPlan, steps: int) -> None:
+        for _ in range(steps):
+            plan.backward((plan.model.weight.float() * 0).sum())
+            plan.step()
+
+    fp32 = ModeSpec(mode="fp32")
+    for saved_under in (ModeSpec(mode="bf16_kahan"), ModeSpec(mode="fp32", optimizer_bits=8)):
+        saved = plan_for(saved_under, torch.optim.AdamW)
+        run(saved, 5)
+        state = copy.deepcopy(saved.optimizer.state_dict())
+        resumed = plan_for(fp32, torch.optim.Adam)
+        resumed.optimizer.load_state_dict(state)
+        assert resumed.optimizer.param_groups[0]["decoupled_weight_decay"] is True
+        run(resumed, 1000)
+        assert float(resumed.model.weight.detach().mean()) == pytest.approx(0.904, abs=2e-3)
+    kahan = plan_for(ModeSpec(mode="bf16_kahan"), torch.optim.AdamW)
+    run(kahan, 5)
+    with pytest.raises(ValueError, match="resumes your optimizer with decoupled weight decay"):
+        plan_for(ModeSpec(mode="bf16_kahan"), torch.optim.Adam).optimizer.load_state_dict(
+            copy.deepcopy(kahan.optimizer.state_dict())
+        )
