@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from torch import nn
 
 from autoprec._models import FROZEN_RECORD
@@ -135,13 +135,23 @@ class LrPoint(BaseModel):
     role: Literal["constant", "peak", "floor", "replay"]
     """constant: no schedule; peak / floor: the legs tune() trains; replay: benchmarks only."""
     lrs: tuple[Annotated[float, Field(ge=0, allow_inf_nan=False)], ...] = Field(min_length=1)
-    momenta: tuple[float, ...] | None = None
+    momenta: tuple[float, ...] | None = Field(None, min_length=1)
     """Each group's momentum at that step (β1 of Adam-family optimizers, ``momentum`` of SGD)
     when the schedule sets it (OneCycleLR and CyclicLR cycle it against the lr); None: the
-    optimizer's own."""
+    optimizer's own. One per group, as ``lrs``: a profile's ``[]`` loaded and then failed
+    with a bare IndexError (found by a hunt)."""
     schedule_step: int | None = None
     """The real run's optimizer step these lrs are taken from (None without a schedule)."""
     total_steps: int | None = None
+
+    @model_validator(mode="after")
+    def _one_momentum_a_group(self) -> LrPoint:
+        if self.momenta is not None and len(self.momenta) != len(self.lrs):
+            raise ValueError(
+                f"momenta holds {len(self.momenta)} values for {len(self.lrs)} groups' lrs: "
+                "one per group"
+            )
+        return self
 
     @property
     def lr(self) -> float:

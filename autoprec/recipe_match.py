@@ -157,6 +157,13 @@ def _schedule_differences(
             carried = any(point.momenta is not None for point in proven)
             varying = momenta if carried or any(m != momenta[0] for m in momenta) else None
             applied = schedule_points(lrs, varying, length)  # type: ignore[arg-type]
+            if not _same_points(proven, applied):
+                # a profile whose floor an earlier rule chose (step 179 of 200, today's 180):
+                # the same schedule sets the proven lrs at the proven steps (found by a hunt:
+                # every profile written before 2026-11-28 warned of its own schedule)
+                ahead = _points_ahead(proven, 0, lrs, momenta)
+                if len(ahead[0]) == len(proven) and _same_points(*ahead):
+                    return found
         else:  # a run resumed or switched mid-way: the points it has passed are history
             proven, applied = _points_ahead(proven, position, lrs, momenta)
     except Exception as error:  # noqa: BLE001 - a scheduler that cannot be read apart

@@ -213,6 +213,16 @@ def test_hand_edited_invalid_field_names_the_field(tmp_path: Path) -> None:
     ("field", "value", "said"),
     [
         ("lr_points", [{"role": "constant", "lrs": []}], "recipe.lr_points.0.lrs: Tuple should"),
+        (  # found by a hunt: loaded, then `show` and apply() failed with a bare IndexError
+            "lr_points",
+            [{"role": "peak", "lrs": [1e-3], "momenta": []}],
+            "recipe.lr_points.0.momenta: Tuple should have at least 1 item",
+        ),
+        (
+            "lr_points",
+            [{"role": "peak", "lrs": [1e-3, 1e-4], "momenta": [0.9]}],
+            "momenta holds 1 values for 2 groups' lrs: one per group",
+        ),
         ("grad_accumulation_steps", 0, "recipe.grad_accumulation_steps: Input should be greater"),
         ("clip_grad_norm", -1.0, "recipe.clip_grad_norm: Input should be greater than 0"),
     ],
@@ -602,6 +612,46 @@ def test_under_a_scheduler_apply_compares_the_learning_rates_the_schedule_reache
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.warns(RecipeMismatchWarning, match="schedule: proven without one .*LambdaLR"):
         constant.apply(model, optimizer, LambdaLR(optimizer, lambda step: 0.5**step))
+
+
+def test_a_profile_whose_floor_an_earlier_rule_chose_matches_its_own_schedule() -> None:
+    """Found by a hunt: every profile written before 2026-11-28 took its floor one step
+    earlier (step 179 of a 200-step cosine, today 180), and applied with its own optimizer
+    and schedule warned of a mismatch (refused under strict). The proven lrs at the proven
+    steps are the applied schedule's: it matches; another schedule still does not."""
+    import math
+
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def cosine(optimizer: torch.optim.Optimizer, floor: float = 0.0) -> LambdaLR:
+        return LambdaLR(
+            optimizer, lambda s: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * s / 200))
+        )
+
+    profile = _tuned_for_tiny_gpt(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=cosine,
+        total_steps=200,
+    )
+    assert profile.recipe is not None
+    peak, floor = profile.recipe.lr_points
+    assert floor.schedule_step == 180
+    earlier = 1e-3 * 0.5 * (1 + math.cos(math.pi * 179 / 200))  # the old rule's floor
+    old_floor = floor.model_copy(update={"schedule_step": 179, "lrs": (earlier,)})
+    recipe = profile.recipe.model_copy(update={"lr_points": (peak, old_floor)})
+    old = Profile.model_validate_json(
+        profile.model_copy(update={"recipe": recipe}).model_dump_json()
+    )
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        old.apply(model, optimizer, cosine(optimizer), strict=True)
+    model, _ = tiny_gpt.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(RecipeMismatchWarning, match="the applied schedule reaches"):
+        old.apply(model, optimizer, cosine(optimizer, floor=0.1))
 
 
 def test_a_scheduled_profile_applied_without_a_schedule_says_so() -> None:
