@@ -196,12 +196,14 @@ def _unfit(layers: LayerMix) -> str:
 
 
 _UNFIT_CAUSES = {
+    "already_fp8": "already converted to FP8 (torchao Float8Linear): pass the model before "
+    "converting it, and autoprec converts what its profile says",
     "hf_conv1d": "HF Conv1D, which FP8 swaps do not convert",
     "bnb_4bit": "bitsandbytes 4-bit, which FP8 does not convert",
     "computed_weight": "with a computed weight (weight_norm, spectral_norm), which a swap "
     "cannot take",
-    "swap_drops": "with a forward, tensors or hooks of its own (a LoRA Linear), which a swap "
-    "would drop",
+    "swap_drops": "with a forward, methods, tensors, attributes or hooks of its own (a LoRA "
+    "Linear), which a swap would drop",
 }
 """``LinearInfo`` flags that keep a Linear out of FP8 whatever its dimensions, as said."""
 

@@ -203,14 +203,34 @@ def computes_weight(module: nn.Module) -> bool:
     return not isinstance(module._parameters.get("weight"), nn.Parameter)
 
 
+def is_fp8_linear(module: nn.Module) -> bool:
+    """A Linear already converted to FP8 (torchao's ``Float8Linear``): a model the user
+    converted before autoprec saw it."""
+    return type(module).__module__.startswith("torchao.") and "Float8" in type(module).__name__
+
+
+_HOOK_TABLES = (
+    "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
+"""A module's hooks besides its forward ones, which an FP8 swap drops too."""
+_LINEAR_ATTRIBUTES = frozenset(vars(nn.Linear(1, 1)))
+_HARMLESS_OVERRIDES = frozenset({"__init__", "reset_parameters", "extra_repr", "__repr__"})
+"""A Linear subclass's methods no training step calls: a swap may drop them."""
+
+
 def swap_would_drop(module: nn.Module) -> str | None:
     """What an FP8 module swap (torchao's ``Float8Linear.from_float``, Transformer Engine's
     Linear) would drop from this Linear, or None: it keeps ``weight`` and ``bias`` and runs
-    ``nn.Linear``'s own forward, so a subclass's forward (LoRA's adapters, a scale, dropout),
-    its other parameters, buffers or submodules, and forward hooks registered on it were lost
-    without a word (found by a hunt: a LoRA Linear failed with the model half converted; a
-    subclass scaling its output by 10 trained unscaled, called safe)."""
-    if type(module).forward is not nn.Linear.forward:
+    ``nn.Linear``'s own forward, so a subclass's forward (LoRA's adapters, a scale, dropout)
+    or other methods (a ``_load_from_state_dict`` remapping keys), its other parameters,
+    buffers, submodules or public attributes, and hooks registered on it (forward, backward,
+    state-dict) were lost without a word (found by hunts: a LoRA Linear failed with the model
+    half converted; a subclass scaling its output by 10 trained unscaled, called safe; a
+    backward hook never fired again)."""
+    if is_fp8_linear(module):
+        return f"it is already an FP8 module ({type(module).__name__})"
+    if type(module).forward is not nn.Linear.forward or "forward" in vars(module):
         return f"{type(module).__name__} has its own forward"
     extra = [n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
     extra += [n for n, _ in module.named_buffers(recurse=False)]
@@ -219,6 +239,21 @@ def swap_would_drop(module: nn.Module) -> str | None:
         return f"{type(module).__name__} holds {', '.join(extra)} beside weight and bias"
     if module._forward_hooks or module._forward_pre_hooks:
         return "forward hooks are registered on it"
+    hooks = [table.strip("_") for table in _HOOK_TABLES if getattr(module, table, None)]
+    if hooks:
+        return f"{', '.join(hooks)} are registered on it"
+    mro = type(module).__mro__
+    own = [
+        name
+        for cls in mro[: mro.index(nn.Linear)]
+        for name, value in vars(cls).items()
+        if callable(value) and name not in _HARMLESS_OVERRIDES
+    ]
+    if own:
+        return f"{type(module).__name__} defines {', '.join(own)}"
+    attributes = [n for n in vars(module) if n not in _LINEAR_ATTRIBUTES and not n.startswith("_")]
+    if attributes:
+        return f"it carries attributes of its own ({', '.join(attributes)})"
     return None
 
 

@@ -43,8 +43,11 @@ class LinearInfo(BaseModel):
     """Its weight is computed (weight_norm, spectral_norm, a parametrization): an FP8 swap
     cannot take it (not compatible)."""
     swap_drops: bool = False
-    """An FP8 swap would drop part of it: a subclass's own forward, tensors beside weight and
-    bias, or forward hooks (not compatible; ``layer_kinds.swap_would_drop``)."""
+    """An FP8 swap would drop part of it: a subclass's own forward or methods, tensors beside
+    weight and bias, public attributes, or hooks (not compatible;
+    ``layer_kinds.swap_would_drop``)."""
+    already_fp8: bool = False
+    """Already an FP8 module (torchao's Float8Linear, converted before autoprec saw it)."""
     fp8_worthwhile: bool
     """Compatible and big enough that FP8 is likely to gain (torchao's auto-filter rule)."""
 

@@ -34,6 +34,7 @@ from autoprec.layer_kinds import (
     fp8_linear_fits,
     fp8_worthwhile,
     is_bnb_4bit,
+    is_fp8_linear,
     is_hf_conv1d,
     linear_dims,
     module_kind,
@@ -147,6 +148,7 @@ def _linear_infos(model: nn.Module, attribution: FlopAttribution | None) -> tupl
                 bnb_4bit=is_bnb_4bit(module),
                 computed_weight=computes_weight(module),
                 swap_drops=swap_would_drop(module) is not None,
+                already_fp8=is_fp8_linear(module),
             )
         )
     return tuple(infos)

@@ -274,7 +274,10 @@ def test_fp8_refuses_a_model_it_would_convert_nothing_of() -> None:
     with pytest.raises(ValueError, match=r"would run no layer of Linear in FP8.*use amp_bf16"):
         prepare(spec, root, torch.optim.AdamW(root.parameters(), lr=1e-3))
     subclass = nn.Sequential(_ScaledLinear(64, 64))
-    with pytest.raises(UnsupportedModeError, match=r"1 with a forward, tensors or hooks of its"):
+    with pytest.raises(
+        UnsupportedModeError,
+        match=r"1 with a forward, methods, tensors, attributes or hooks of its",
+    ):
         prepare(spec, subclass, torch.optim.AdamW(subclass.parameters(), lr=1e-3))
     assert type(subclass[0]) is _ScaledLinear
 
@@ -506,6 +509,78 @@ class _SharedAcross(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dec(torch.relu(self.enc(x)))
+
+
+def test_fp8_swaps_a_linear_registered_under_two_parents_into_one_module() -> None:
+    """Found by a hunt: torchao's swap walks each parent's children, so a Linear registered
+    as ``enc.1`` and ``dec.0`` became two Float8Linears (weights shared): a hook put on one
+    after conversion never fired, the forward calling the other."""
+    pytest.importorskip("torchao")
+    model = _SharedAcross()
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert type(model.dec[0]).__name__ == "Float8Linear" and model.dec[0] is model.enc[1]
+    called: list[int] = []
+    model.enc[1].register_forward_hook(lambda *args: called.append(1))
+    with plan.autocast():
+        plan.model(torch.randn(4, 32))
+    assert called == [1, 1]  # both calls: one module
+
+
+def test_an_fp8_swap_keeps_out_a_linear_whose_hooks_methods_or_attributes_it_would_drop() -> None:
+    """Found by a hunt: the swap check read a Linear's forward and forward hooks only; a
+    backward or state-dict hook, a method of its own (``_load_from_state_dict`` remapping a
+    key) or a public attribute was dropped by the swap without a word. Methods no step calls
+    (``reset_parameters``, ``extra_repr``) and private marks (``_is_hf_initialized``) are not
+    kept out."""
+    from autoprec.layer_kinds import swap_would_drop
+
+    def linear() -> nn.Linear:
+        return nn.Linear(32, 32)
+
+    backward = linear()
+    backward.register_full_backward_hook(lambda *args: None)
+    saving = linear()
+    saving.register_state_dict_post_hook(lambda *args: None)
+    marked = linear()
+    marked.is_special = True  # type: ignore[attr-defined]
+
+    class Remap(nn.Linear):
+        def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._load_from_state_dict(*args, **kwargs)
+
+    class Initialised(nn.Linear):
+        def reset_parameters(self) -> None:
+            nn.init.zeros_(self.weight)
+
+    patched = linear()
+    patched.forward = lambda x: x  # type: ignore[method-assign]
+    plain = linear()
+    plain._is_hf_initialized = True  # type: ignore[attr-defined]
+    assert swap_would_drop(backward) == "backward_hooks are registered on it"
+    assert swap_would_drop(saving) == "state_dict_hooks are registered on it"
+    assert swap_would_drop(marked) == "it carries attributes of its own (is_special)"
+    assert swap_would_drop(Remap(32, 32)) == "Remap defines _load_from_state_dict"
+    assert swap_would_drop(patched) == "Linear has its own forward"
+    assert swap_would_drop(Initialised(32, 32)) is None
+    assert swap_would_drop(plain) is None
+    model = nn.Sequential(linear(), nn.ReLU(), backward, nn.ReLU(), linear())
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert plan.mode.fp8_modules(model) == ("0", "4") and model[2] is backward
+
+
+def test_a_model_already_converted_to_fp8_is_refused_saying_so() -> None:
+    """Found by a hunt: a model the user converted with torchao was refused for Linears "with
+    a forward, tensors or hooks of its own (a LoRA Linear)"."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    with pytest.raises(UnsupportedModeError, match=r"2 already converted to FP8 \(torchao"):
+        prepare(spec, model, torch.optim.AdamW(model.parameters()))
 
 
 @pytest.mark.parametrize("field", ["keep_fp32", "fp8_skip"])

@@ -103,22 +103,26 @@ def matmul_precision_kept() -> Iterator[None]:
 @contextlib.contextmanager
 def swaps_under_every_name(model: nn.Module) -> Iterator[None]:
     """Around a module swap that walks ``named_modules()`` (each module once, under its first
-    name): afterwards every other name of a swapped module points at its replacement. FP8
-    swapped a Linear registered twice (``self.b = self.a``) under its first name only, splitting
-    the user's one module in two, half its calls in FP8 and half in bf16 (found by a hunt)."""
+    name) or each parent's children (each parent its own copy): afterwards every name of a
+    swapped module points at one replacement. FP8 swapped a Linear registered twice
+    (``self.b = self.a``) under its first name only, splitting the user's one module in two,
+    half its calls in FP8 and half in bf16 (found by a hunt)."""
     before = dict(model.named_modules(remove_duplicate=False))
     yield
     after = dict(model.named_modules(remove_duplicate=False))
-    replaced = {
-        id(before[fqn]): module
-        for fqn, module in after.items()
-        if fqn in before and module is not before[fqn]
-    }
+    replaced: dict[int, nn.Module] = {}  # each original module's first replacement
     for fqn, module in after.items():
-        if fqn and id(module) in replaced and module is before.get(fqn):
+        if fqn in before and module is not before[fqn]:
+            replaced.setdefault(id(before[fqn]), module)
+    for fqn, module in after.items():
+        first = replaced.get(id(before[fqn])) if fqn in before else None
+        # a name still holding the original, or holding another replacement of it: a Linear
+        # registered under two parents was swapped by each, into two modules (found by a
+        # hunt: a hook on one never fired, the forward calling the other)
+        if fqn and first is not None and module is not first:
             parent_name, _, child_name = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child_name, replaced[id(module)])
+            setattr(parent, child_name, first)
 
 
 BackwardRunner = Callable[[torch.Tensor], None]
