@@ -19,10 +19,11 @@ from autoprec.tune_result import TuneResult, trial_count
 
 
 def format_bytes(count: int | None) -> str:
-    """GiB from 1 GiB up, else MiB (a 17 MiB peak printed "peak 0.0 GiB" on an H200)."""
+    """GiB from 1 GiB up (as printed: 1 GiB less 16 KiB read "1024.0 MiB"; a hunt), else MiB
+    (a 17 MiB peak printed "peak 0.0 GiB" on an H200)."""
     if count is None:
         return "?"
-    if abs(count) < 2**30:
+    if abs(round(count / 2**20, 1)) < 1024:
         return f"{count / 2**20:.1f} MiB"
     return f"{count / 2**30:.1f} GiB"
 
@@ -71,9 +72,9 @@ def _figures(figures: TrialFigures) -> str:
     if figures.peak_memory_bytes is not None:
         parts.append(f"peak {format_bytes(figures.peak_memory_bytes)}")
     if figures.state_bytes is not None:
-        parts.append(f"state {figures.state_bytes / 2**20:.1f} MiB")
+        parts.append(f"state {format_bytes(figures.state_bytes)}")
     if figures.activation_bytes is not None:
-        parts.append(f"saved activations {figures.activation_bytes / 2**20:.1f} MiB")
+        parts.append(f"saved activations {format_bytes(figures.activation_bytes)}")
     if figures.final_loss is not None:
         parts.append(f"loss {figures.final_loss:.4g}")
     return ", ".join(parts) or "—"

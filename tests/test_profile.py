@@ -1016,6 +1016,9 @@ def test_byte_counts_below_a_gibibyte_print_in_mebibytes() -> None:
     assert format_bytes(int(16.93 * 2**20)) == "16.9 MiB"
     assert format_bytes(3 * 2**30) == "3.0 GiB"
     assert format_bytes(None) == "?"
+    # as printed (a hunt): 1 GiB less 16 KiB read "1024.0 MiB"
+    assert format_bytes(2**30 - 2**14) == "1.0 GiB"
+    assert format_bytes(2**30 - 2**17) == "1023.9 MiB"
 
 
 def test_files_beside_a_profile_keep_a_dotted_name() -> None:
