@@ -618,9 +618,21 @@ def _called(factory: Callable[..., Any], role: str, form: str, *args: Any, **kwa
     try:
         return factory(*args, **kwargs)
     except Exception as error:
+        # a functools.partial has no __name__: its function's (it read "scheduler(optimizer)")
+        name = getattr(factory, "__name__", None) or getattr(factory, "func", None)
+        name = getattr(name, "__name__", None) or name or role
+        hint = ""
+        if role == "scheduler" and isinstance(error, TypeError) and "required" in str(error):
+            # found by a hunt: partial(get_cosine_schedule_with_warmup, num_warmup_steps=100)
+            # left num_training_steps keyword-only, never handed the run's length
+            hint = (
+                ". autoprec hands the run's length as total_steps= or as a required second "
+                "positional argument: e.g. lambda optimizer, steps: "
+                "get_cosine_schedule_with_warmup(optimizer, 100, steps)"
+            )
         raise ValueError(
-            f"The {role} factory {qualified_name(factory)}, called as "
-            f"{getattr(factory, '__name__', role)}{form}, raised {type(error).__name__}: {error}"
+            f"The {role} factory {qualified_name(factory)}, called as {name}{form}, raised "
+            f"{type(error).__name__}: {error}{hint}"
         ) from error
 
 

@@ -444,3 +444,24 @@ def test_a_leg_of_several_groups_is_described_by_every_groups_lr() -> None:
         "lr 3.45e-05 (momentum/β1 0.95), the schedule's floor at step 900 of 1000"
     )
     assert LrPoint(role="constant", lrs=(3e-4,)).describe() == "lr 0.0003"
+
+
+def test_a_partial_scheduler_factory_missing_the_runs_length_is_told_how_it_is_handed() -> None:
+    """Found by a hunt: ``partial(get_cosine_schedule_with_warmup, num_warmup_steps=100)``
+    leaves the length keyword-only, never handed; the refusal read "called as
+    scheduler(optimizer)" and said nothing of how autoprec hands the length."""
+
+    def get_cosine_schedule_with_warmup(
+        optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int
+    ) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    factory = functools.partial(get_cosine_schedule_with_warmup, num_warmup_steps=100)
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params), scheduler=factory, total_steps=100
+    )
+    with pytest.raises(ValueError) as raised:
+        recipe.lr_points(nn.Linear(2, 2))
+    said = str(raised.value)
+    assert "called as get_cosine_schedule_with_warmup(optimizer), raised TypeError" in said
+    assert "hands the run's length as total_steps= or as a required second positional" in said
