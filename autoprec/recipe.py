@@ -446,16 +446,26 @@ class TrainingRecipe:
             made = _called(self.scheduler, "scheduler", form, optimizer, self.total_steps)
         else:
             made = _called(self.scheduler, "scheduler", "(optimizer)", optimizer)
-        if getattr(made, "optimizer", optimizer) is not optimizer:
+        foreign = getattr(made, "optimizer", optimizer)
+        if foreign is not optimizer:
+            changed = ""
             if users is not None and kept is not None:
                 _put_group_values(users, kept)  # what building a scheduler on it changed
+            elif isinstance(foreign, torch.optim.Optimizer):
+                # not one autoprec holds (optimizer= is a factory): what building the scheduler
+                # left there is said, as it cannot be put back (found by a hunt)
+                lrs = [plain_value(group["lr"]) for group in foreign.param_groups]
+                changed = (
+                    f" Building it set that optimizer's lrs to the schedule's first ({lrs}, "
+                    "with initial_lr beside them): rebuild it before you train with it."
+                )
             raise ValueError(
                 f"The scheduler factory {qualified_name(self.scheduler)} returned a scheduler "
                 "of another optimizer than the one it was handed (a scheduler built "
                 "beforehand, or on your own optimizer by name): autoprec calls it once per "
                 "run with that run's optimizer, and stepping it would have stepped yours. "
                 "Build it on its argument, e.g. lambda optimizer: "
-                "torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=...)."
+                f"torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=...).{changed}"
             )
         if not callable(getattr(made, "step", None)):
             raise TypeError(

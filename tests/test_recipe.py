@@ -361,6 +361,23 @@ def test_a_scheduler_factory_that_steps_the_users_optimizer_is_refused(built: st
     assert len(stepped.lr_points(model)) == 2  # the factory as meant: peak and floor
 
 
+def test_a_scheduler_factory_on_an_optimizer_autoprec_does_not_hold_says_what_it_changed() -> None:
+    """Found by a hunt: with ``optimizer=`` a factory, a scheduler factory closing over the
+    user's own optimizer was refused, and that optimizer was left at the schedule's first lr
+    (0.0, an ``initial_lr`` beside it) without a word: autoprec holds no copy to put back."""
+    model = _model()
+    users = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=lambda _: torch.optim.lr_scheduler.LambdaLR(users, lambda step: step / 100),
+        total_steps=100,
+    )
+    with pytest.raises(
+        ValueError, match=r"set that optimizer's lrs to the schedule's first \(\[0.0\]"
+    ):
+        recipe.lr_points(model)
+
+
 def test_an_optimizer_factory_over_other_parameters_is_refused_as_the_users_slip() -> None:
     """Found by a hunt: ``optimizer=lambda p: opt`` (the user's own optimizer) was refused as
     "raised by autoprec's own code ... please report it"."""
