@@ -352,8 +352,16 @@ def judge(
     limits = thresholds or DriftThresholds()
     record = trial.record
     if record.failure is not None:
-        reasons = (record.failure.reason(),)
-        return DriftVerdict(accepted=False, reasons=reasons, metrics=DriftMetrics())
+        reason = record.failure.reason()
+        if record.spec.mode == "amp_fp16" and record.failure.kind == "non_finite_loss":
+            # fp32's reference stayed finite on the same batches: fp16's range (found by a
+            # hunt: "loss is nan at step 0" alone, with no cause and no way out)
+            reason += (
+                " (fp32 stayed finite: likely an fp16 overflow, a value above 65504 in the "
+                "forward or the loss; keep the module that makes it in fp32 (keep_fp32), or "
+                "use amp_bf16)"
+            )
+        return DriftVerdict(accepted=False, reasons=(reason,), metrics=DriftMetrics())
     metrics: dict[str, float | None] = {}
     paired, shared_note = _paired_for(trial, reference, paired, nudged)
     reasons = _loss_checks(trial, reference, noise, limits, metrics)

@@ -137,9 +137,10 @@ def refuse_closure_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _zero_grad_discards_sums(optimizer: torch.optim.Optimizer, mode: Any) -> None:
-    """``optimizer.zero_grad()`` also drops the gradient sums the mode keeps beside ``.grad``
-    (pure bf16 sums micro-batches in fp32, ``.grad`` empty between them): a ``zero_grad``
-    within a step's micro-batches discarded nothing, and the sums came back at the step."""
+    """``optimizer.zero_grad()`` also drops what the mode keeps about the gradients: the sums
+    beside ``.grad`` (pure bf16 sums micro-batches in fp32, ``.grad`` empty between them: a
+    ``zero_grad`` within a step's micro-batches discarded nothing, and the sums came back at
+    the step), amp_fp16's record that they were unscaled."""
     zero_grad = type(optimizer).zero_grad
 
     def discarding(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -197,7 +198,7 @@ class PrecisionPlan:
         self._awaiting_last_backward = False
         """plan.step() closed a micro-batch before the step's last, whose backward has not run
         (``clip_gradients`` then reads partial sums: found by a hunt)."""
-        if grad_accumulation_steps > 1 and mode.keeps_sums_apart():
+        if mode.keeps_sums_apart():  # sums beside .grad, or amp_fp16's unscale of them
             _zero_grad_discards_sums(optimizer, mode)
         self.last_grad_norm: torch.Tensor | None = None
         """The total gradient norm before the last clipping, on the device (reading it is a

@@ -428,10 +428,21 @@ class _SettleStopped(Exception):
         self.reason = reason
 
 
+SETTLE_BATCHES = 8
+"""The distinct batches a mode calibrates on before a trial (amp_fp16 halves its loss scale
+until each one's gradients are finite), in the order the trial reads them. Settled on the
+first alone, the scale backed off on the others during the trial, and a short trial counted
+those as skips: 16 batches whose largest gradients ranged 88-547 rejected amp_fp16 in a
+20-step check ("skipped 3 of 20"), and passed it settled on 4 or 8 (found by a hunt;
+``tests/test_screening.py``); a 12-step check of them still reads short on movement (73%)
+unless all 16 settle, and tune()'s trials run 20 steps or more. Each costs one forward and
+backward pass at the settled scale, before any step is timed."""
+
+
 def settle(
     loop: TrainingLoop, device: torch.device, stop: StopCheck | None = None, steps: int = 0
 ) -> str | None:
-    """Let the mode calibrate on the first batch (amp_fp16 settles its loss scale) without
+    """Let the mode calibrate on the trial's first batches (amp_fp16 settles its loss scale) without
     stepping, without moving the model's random stream, and without leaving what its forward
     passes update: BatchNorm's running statistics, a running normaliser, a teacher a
     ``train_step`` moves (the user's loop runs no such forward; an amp_fp16 trial of a
@@ -451,20 +462,25 @@ def settle(
         if reason is not None:
             raise _SettleStopped(reason)
 
-    def compute_loss() -> torch.Tensor:  # called only by modes that calibrate
+    def compute_loss(index: int) -> torch.Tensor:  # called only by modes that calibrate
         check()
         started.append(time.perf_counter())
         if not kept:
             state = state_no_optimizer_steps(plan.model, plan.optimizer)
             kept.extend((tensor, tensor.detach().clone()) for _, tensor in state)
-        batch = to_device(loop.batches[loop.order[0]], device)
+        batch = to_device(loop.batches[index], device)
         with plan.autocast():
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
         return loss / recipe.grad_accumulation_steps
 
+    # the first SETTLE_BATCHES distinct batches the trial reads, each in turn: settled on the
+    # first alone, a scale batches with 6x its gradients overflowed backed off 3 times in a
+    # 20-step trial, counted as skips (found by a hunt)
+    first = list(dict.fromkeys(loop.order))[:SETTLE_BATCHES]
     try:
         with kept_streams(cuda_devices_of(device)):
-            plan.mode.settle(compute_loss, plan.model)
+            for index in first:
+                plan.mode.settle(lambda index=index: compute_loss(index), plan.model)
         if started:
             check()
     except _SettleStopped as stopped:

@@ -1438,3 +1438,37 @@ def test_a_model_split_over_devices_is_named_and_judged_on_each(
     split = nn.Linear(16, 16)
     with pytest.raises(ValueError, match="split over cpu, cuda:0"):  # before any batch is read
         autoprec.check(split, iter(()), loss_fn=nn.functional.mse_loss, steps=4)
+
+
+def test_amp_fp16_a_step_dropped_with_zero_grad_after_clip_gradients_unscales_the_next() -> None:
+    """Found by a hunt: a loop measuring the norm (``plan.clip_gradients``) and dropping a
+    spiking step with ``optimizer.zero_grad()`` stepped next on gradients never unscaled
+    (1024x too large at a scale of 1024), the stale inf flag letting an overflow through."""
+    import math
+
+    def run(skip: bool) -> tuple[float, float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        plan = prepare(ModeSpec(mode="amp_fp16"), model, torch.optim.SGD(model.parameters(), 1e-2))
+        state = plan.state_dict()
+        state["mode"]["scaler"]["scale"] = 1024.0
+        plan.load_state_dict(state)
+        generator = torch.Generator().manual_seed(1)
+        for index in range(3):
+            x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 1, generator=generator)
+            with plan.autocast():
+                loss = ((model(x).float() - y) ** 2).mean()
+            plan.backward(loss)
+            norm = plan.clip_gradients(math.inf)
+            if index == 1 and skip:
+                plan.optimizer.zero_grad()
+                continue
+            before = [p.detach().clone() for p in model.parameters()]
+            plan.step()
+        pairs = zip(model.parameters(), before, strict=True)
+        moved = max((p - b).abs().max().item() for p, b in pairs)
+        return float(norm), moved
+
+    norm, moved = run(skip=True)
+    plain_norm, plain_moved = run(skip=False)
+    assert norm < 10 * plain_norm and moved < 10 * plain_moved  # not 1024x

@@ -2230,3 +2230,57 @@ def test_accumulating_more_micro_batches_than_the_runs_hold_is_said(
     assert "Each optimizer step accumulates 7 micro-batches, and the runs train on the 6" in (
         caplog.text
     )
+
+
+def test_amp_fp16_settles_its_loss_scale_on_the_trials_first_batches() -> None:
+    """Found by a hunt: the loss scale was settled on the first batch alone; batches whose
+    gradients ran up to 6x its backed it off during a 20-step check, and the gate counted
+    those start-up skips ("loss scaler skipped 3 of 20 steps", movement 71%): a false
+    reject. Settled on the first SETTLE_BATCHES, amp_fp16 is safe there."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+    )
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, 16, generator=generator), torch.randn(8, 1, generator=generator))
+        for _ in range(16)
+    ]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output.float(), target) * 300
+
+    report = autoprec.check(
+        model, batches, loss_fn=loss_fn, modes=["amp_fp16"], steps=20, progress=False,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-3 / 300),
+    )  # fmt: skip
+    verdict = report.verdict("amp_fp16")
+    assert verdict.status == "safe", verdict.reasons
+
+
+def test_an_amp_fp16_forward_overflow_is_named_in_its_reject() -> None:
+    """Found by a hunt: a forward with values above fp16's 65504 failed amp_fp16 at step 0
+    with "loss is nan at step 0" alone, no cause and no way out; amp_bf16 passed."""
+    from torch import nn
+
+    class Overflowing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x) * 1e5) / 1e5)
+
+    task = tasks.regression(lr=1e-3)
+    torch.manual_seed(0)
+    batches = [(x[:, :16], y[:, :1]) for x, y in task.batches[:8] + task.heldout]
+    report = autoprec.check(
+        Overflowing(), batches, loss_fn=nn.functional.mse_loss, modes=["amp_fp16", "amp_bf16"],
+        steps=8, progress=False,
+    )  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe"
+    fp16 = report.verdict("amp_fp16")
+    assert fp16.status == "unsafe"
+    assert any("likely an fp16 overflow" in reason for reason in fp16.reasons), fp16.reasons

@@ -111,6 +111,20 @@ class AmpFp16Mode(AmpBf16Mode):
         run(self._require_scaler().scale(loss))
 
     @override
+    def discard_accumulated(self) -> None:
+        """The optimizer's ``zero_grad`` dropped the step's gradients: the next unscale is of
+        new ones. A loop that measured the norm (``plan.clip_gradients``), dropped a spiking
+        step with ``zero_grad`` and went on stepped on gradients never unscaled, 1024x too
+        large at a scale of 1024, and the stale inf flag let an overflow through (found by a
+        hunt; torch's second ``unscale_`` raises there)."""
+        if self._unscaled and self.scaler is not None:
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+            states = collections.defaultdict(_refresh_per_optimizer_state)
+            self.scaler._per_optimizer_states = states
+        self._unscaled = False
+
+    @override
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._unscaled:
             self._require_scaler().unscale_(optimizer)

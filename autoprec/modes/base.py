@@ -315,8 +315,9 @@ class PrecisionMode:
         return type(self).discard_accumulated is not PrecisionMode.discard_accumulated
 
     def discard_accumulated(self) -> None:
-        """Drop gradient sums kept beside ``.grad`` (the optimizer's ``zero_grad`` was called
-        within a step's micro-batches). No-op for modes that accumulate in ``.grad``."""
+        """The optimizer's ``zero_grad`` dropped the gradients: drop what the mode keeps about
+        them (sums beside ``.grad``, a record that they were unscaled). No-op for modes that
+        keep nothing beside ``.grad``."""
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``.grad`` hold true gradients (before clipping). No-op without loss scaling."""
