@@ -201,7 +201,8 @@ MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features", "i
 counted from it where a batch has one."""
 
 
-def _main_input(plain: Any) -> torch.Tensor | None:
+def main_input(plain: Any) -> torch.Tensor | None:
+    """The tensor a mapping batch (``as_plain``) holds under a ``MAIN_INPUTS`` key, or None."""
     if isinstance(plain, Mapping):
         for key in MAIN_INPUTS:
             value = plain.get(key)
@@ -213,11 +214,13 @@ def _main_input(plain: Any) -> torch.Tensor | None:
 def count_batch(batch: Any) -> tuple[int, int | None]:
     """Samples and tokens in a batch (tokens None where it holds no token ids).
 
-    Samples: the leading dimension of its main input (``input_ids``, ...), or else the one
-    most of its tensors share, a leading 1 (a tensor broadcast over the batch) losing a tie.
-    The first tensor's had counted one sample for a batch led by ``position_ids`` of shape
-    (1, T) (found by a hunt). Tokens: the size of its ``input_ids``, or else of its first
-    integer tensor of shape (samples, sequence); padding counts, as the step computes on it."""
+    Samples: the leading dimension of its main input (``input_ids``, ...), or else of its
+    first tensor, passing over a leading 1 (a tensor broadcast over the batch) where another
+    tensor's is larger: the first tensor's alone counted one sample for a batch led by
+    ``position_ids`` of shape (1, T) (found by a hunt), and the leading dimension most tensors
+    share counted 128 for ``(idx (8, 128), pos (128,), mask (128, 128))`` (found by a
+    review). Tokens: the size of its ``input_ids``, or else of its first integer tensor of
+    shape (samples, sequence); padding counts, as the step computes on it."""
     plain = as_plain(batch)
     tensors = [leaf for leaf in tree_flatten(plain)[0] if isinstance(leaf, torch.Tensor)]
     leading = [int(tensor.shape[0]) for tensor in tensors if tensor.dim() > 0]
@@ -228,11 +231,9 @@ def count_batch(batch: Any) -> tuple[int, int | None]:
             f"found none in a {type(batch).__name__}. Make the loader yield one of those, "
             "e.g. a dict of tensors (a train_step reads it as batch['x'])."
         )
-    main = _main_input(plain)
-    if main is not None:
-        samples = int(main.shape[0])
-    else:
-        samples = max(leading, key=lambda n: (leading.count(n), n != 1, -leading.index(n)))
+    main = main_input(plain)
+    broadcast_passed = next((n for n in leading if n != 1), 1)
+    samples = int(main.shape[0]) if main is not None else broadcast_passed
     if main is not None and main.dim() == 2 and not main.is_floating_point():
         return samples, int(main.numel())
     for tensor in tensors:

@@ -100,7 +100,9 @@ def default_keep_fp32(
             and not is_uncalled_linear(module)
             and (dropped := swap_would_drop(module)) is not None
         ):
-            keep.setdefault(fqn, f"Linear whose {dropped}: an FP8 module swap would drop it")
+            keep.setdefault(
+                fqn, f"an FP8 module swap would drop what this Linear has of its own: {dropped}"
+            )
         elif (
             isinstance(module, nn.Linear)
             and not is_uncalled_linear(module)

@@ -214,7 +214,6 @@ _HOOK_TABLES = (
     "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
 )  # fmt: skip
 """A module's hooks besides its forward ones, which an FP8 swap drops too."""
-_LINEAR_ATTRIBUTES = frozenset(vars(nn.Linear(1, 1)))
 _HARMLESS_OVERRIDES = frozenset({"__init__", "reset_parameters", "extra_repr", "__repr__"})
 """A Linear subclass's methods no training step calls: a swap may drop them."""
 
@@ -223,15 +222,18 @@ def swap_would_drop(module: nn.Module) -> str | None:
     """What an FP8 module swap (torchao's ``Float8Linear.from_float``, Transformer Engine's
     Linear) would drop from this Linear, or None: it keeps ``weight`` and ``bias`` and runs
     ``nn.Linear``'s own forward, so a subclass's forward (LoRA's adapters, a scale, dropout)
-    or other methods (a ``_load_from_state_dict`` remapping keys), its other parameters,
-    buffers, submodules or public attributes, and hooks registered on it (forward, backward,
-    state-dict) were lost without a word (found by hunts: a LoRA Linear failed with the model
-    half converted; a subclass scaling its output by 10 trained unscaled, called safe; a
-    backward hook never fired again)."""
+    or other methods (a ``_load_from_state_dict`` remapping keys), a forward set on the
+    instance, its other parameters, buffers or submodules, and hooks registered on it
+    (forward, backward, state-dict) were lost without a word (found by hunts: a LoRA Linear
+    failed with the model half converted; a subclass scaling its output by 10 trained
+    unscaled, called safe; a backward hook never fired again). Public attributes are carried
+    onto the replacement (``modes.base.swaps_under_every_name``)."""
     if is_fp8_linear(module):
         return f"it is already an FP8 module ({type(module).__name__})"
-    if type(module).forward is not nn.Linear.forward or "forward" in vars(module):
+    if type(module).forward is not nn.Linear.forward:
         return f"{type(module).__name__} has its own forward"
+    if "forward" in vars(module):
+        return "its forward is set on the instance (an accelerate or PEFT hook?)"
     extra = [n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
     extra += [n for n, _ in module.named_buffers(recurse=False)]
     extra += [n for n, _ in module.named_children()]
@@ -251,10 +253,7 @@ def swap_would_drop(module: nn.Module) -> str | None:
     ]
     if own:
         return f"{type(module).__name__} defines {', '.join(own)}"
-    attributes = [n for n in vars(module) if n not in _LINEAR_ATTRIBUTES and not n.startswith("_")]
-    if attributes:
-        return f"it carries attributes of its own ({', '.join(attributes)})"
-    return None
+    return None  # public attributes go onto the replacement (``swaps_under_every_name``)
 
 
 def fp8_linear_fits(module: nn.Module) -> bool:

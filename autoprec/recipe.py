@@ -451,13 +451,18 @@ class TrainingRecipe:
             changed = ""
             if users is not None and kept is not None:
                 _put_group_values(users, kept)  # what building a scheduler on it changed
-            elif isinstance(foreign, torch.optim.Optimizer):
-                # not one autoprec holds (optimizer= is a factory): what building the scheduler
+            elif (
+                isinstance(foreign, torch.optim.Optimizer)
+                and getattr(made, "last_epoch", None) == 0
+            ):
+                # just built (not a scheduler built beforehand and stepped: found by a review)
+                # on one autoprec does not hold (optimizer= is a factory): what building it
                 # left there is said, as it cannot be put back (found by a hunt)
                 lrs = [plain_value(group["lr"]) for group in foreign.param_groups]
                 changed = (
-                    f" Building it set that optimizer's lrs to the schedule's first ({lrs}, "
-                    "with initial_lr beside them): rebuild it before you train with it."
+                    f" If the factory built it now, that set the optimizer's lrs to the "
+                    f"schedule's first ({lrs}, with initial_lr beside them): rebuild it before "
+                    "you train with it."
                 )
             raise ValueError(
                 f"The scheduler factory {qualified_name(self.scheduler)} returned a scheduler "

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from autoprec.batching import as_plain, map_tensors, tensors_in
+from autoprec.batching import as_plain, main_input, map_tensors, tensors_in
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import model_device
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
@@ -117,30 +117,36 @@ def _batches_nothing(loader: Any) -> bool:
 def _refuse_single_sample(loader: Any, batch: Any) -> None:
     """An IterableDataset yielding single samples, ``(features, label)``, was taken for
     batches: every run trained on one sample a step, and samples/s counted its features
-    (found by a hunt). A batch's tensors share a batch dimension (a leading 1 broadcasts), and
-    its label has one: a 0-d label, or leading dimensions that differ, are a sample's."""
-    if not _batches_nothing(loader):
+    (found by a hunt). Refused where the item reads as one sample: a label of no dimension
+    beside a single tensor (an image's (C, H, W) and its class), or only 1-D tensors whose
+    lengths all differ (features and targets of one sample). A batch a streaming loader
+    yields whole keeps a batch dimension its tensors share, or names its main input
+    (``input_ids``): beside them a count (``num_items_in_batch``), a packed batch's
+    ``cu_seqlens`` or a causal mask is taken (refused at first; found by a review)."""
+    if not _batches_nothing(loader) or main_input(as_plain(batch)) is not None:
         return
     leaves = tree_flatten(as_plain(batch))[0]
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     scalars = [
         leaf
         for leaf in leaves
         if (isinstance(leaf, torch.Tensor) and leaf.dim() == 0)
         or (isinstance(leaf, numbers.Number) and not isinstance(leaf, bool))
     ]
-    leading = sorted(
-        {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
-        - {1}
-    )
-    if scalars:
-        found = f"{len(scalars)} value(s) of no dimension, a single sample's label"
-    elif len(leading) > 1:
-        found = f"tensors of leading dimensions {leading}, a single sample's features and label"
+    lengths = [tensor.shape[0] for tensor in tensors]
+    if scalars and len(tensors) == 1:
+        found = f"one tensor of shape {tuple(tensors[0].shape)} and a label of no dimension"
+    elif (
+        len(tensors) > 1
+        and all(t.dim() == 1 for t in tensors)
+        and len(set(lengths)) == len(lengths)
+    ):
+        found = f"1-D tensors of lengths {lengths}, a single sample's features and targets"
     else:
         return
     raise BatchError(
         f"The loader ({type(loader).__name__}, which batches nothing) yielded an item holding "
-        f"{found}, not a batch's (whose tensors share a batch dimension): wrap it in "
+        f"{found}, not a batch (whose tensors share a batch dimension): wrap it in "
         "torch.utils.data.DataLoader(dataset, batch_size=...), or make it yield batches."
     )
 

@@ -343,7 +343,7 @@ class TrainingLoop:
                 self.figures["activation_bytes"] = saved.bytes
             value = loss.detach().float().reshape(())
             summed = value if summed is None else summed + value
-            samples, counted = self._counts(index)
+            samples, counted = self._counts(index, batch)
             self._samples += samples
             if counted is None or self._tokens is None:
                 self._tokens = None
@@ -365,11 +365,14 @@ class TrainingLoop:
             self.figures["adam_beta2"] = nearest_adam_beta2(plan)
             self.figures["decay"] = nearest_rounded_decay(plan)  # at the first leg's (peak) lr
 
-    def _counts(self, index: int) -> tuple[int, int | None]:
-        """Samples and tokens of held batch ``index``, counted once: a step reads no batch
-        structure the user's loop does not."""
+    def _counts(self, index: int, batch: Any) -> tuple[int, int | None]:
+        """Samples and tokens of held batch ``index`` (``batch``, as this step read it),
+        counted once: a step reads no batch structure the user's loop does not. Counted from
+        the batch read, not read again: a second read of a watched batch was the copy the
+        calibration compares, and an in-place change of the batch went unseen (found by a
+        review)."""
         if index not in self._batch_counts:
-            self._batch_counts[index] = count_batch(self.batches[index])
+            self._batch_counts[index] = count_batch(batch)
         return self._batch_counts[index]
 
     def _read_window(self, first_step: int) -> TrialFailure | None:

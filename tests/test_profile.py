@@ -654,6 +654,42 @@ def test_a_profile_whose_floor_an_earlier_rule_chose_matches_its_own_schedule() 
         old.apply(model, optimizer, cosine(optimizer, floor=0.1))
 
 
+def test_a_schedule_cycling_a_momentum_the_proven_one_left_alone_still_differs() -> None:
+    """Found by a review: the fallback for profiles whose floor an earlier rule chose
+    compared lrs at the proven steps and dropped the momenta the proven points did not carry:
+    OneCycleLR's default cycle_momentum, applied to a recipe proven without it, matched."""
+    import torch
+
+    from autoprec.recipe import TrainingRecipe
+    from autoprec.recipe_match import recipe_differences
+
+    model = torch.nn.Linear(4, 4)
+
+    def sgd(params: object) -> torch.optim.SGD:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.95)  # type: ignore[arg-type]
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, **options: object) -> object:
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer,
+            max_lr=0.1,
+            total_steps=total_steps,
+            **options,  # type: ignore[arg-type]
+        )
+
+    proven = TrainingRecipe(
+        optimizer=sgd,
+        scheduler=lambda o, total_steps: one_cycle(o, total_steps, cycle_momentum=False),
+        total_steps=200,
+    ).summary(model)
+    optimizer = sgd(model.parameters())
+    differences = recipe_differences(
+        proven, optimizer, one_cycle(optimizer, 200), grad_accumulation_steps=1, clip_grad_norm=None
+    )
+    assert (
+        differences and "the applied schedule reaches lr 0.1 (momentum/β1 0.85)" in (differences[0])
+    )
+
+
 def test_a_scheduled_profile_applied_without_a_schedule_says_so() -> None:
     """Found by a hunt: without a scheduler, apply() compared the optimizer's lr with the proven
     optimizer's constructor lr, which a OneCycleLR run never trains at. A constant lr 100x the

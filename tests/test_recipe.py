@@ -373,7 +373,7 @@ def test_a_scheduler_factory_on_an_optimizer_autoprec_does_not_hold_says_what_it
         total_steps=100,
     )
     with pytest.raises(
-        ValueError, match=r"set that optimizer's lrs to the schedule's first \(\[0.0\]"
+        ValueError, match=r"set the optimizer's lrs to the schedule's first \(\[0.0\]"
     ):
         recipe.lr_points(model)
 

@@ -1889,12 +1889,28 @@ def test_a_loader_that_batches_nothing_yielding_single_samples_is_refused() -> N
             return iter(task.batches + task.heldout)
 
     options: dict[str, Any] = {"loss_fn": task.mse, "steps": 4, "modes": ["amp_bf16"]}
-    refusal = r"\(Samples, which batches nothing\) .* leading dimensions \[16, 32\].*batch_size="
+    refusal = r"\(Samples, which batches nothing\) .* lengths \[32, 16\].*batch_size="
     with pytest.raises(autoprec.BatchError, match=refusal):
         autoprec.check(task.model, Samples(), **options)
     labelled = [(features, torch.tensor(0)) for features in x[:8]]
-    with pytest.raises(autoprec.BatchError, match=r"1 value\(s\) of no dimension"):
+    with pytest.raises(autoprec.BatchError, match=r"shape \(32,\) and a label of no dimension"):
         autoprec.check(task.model, torch.utils.data.DataLoader(labelled, batch_size=None))
+    # found by a review: whole batches a streaming loader yields, with a count, a packed
+    # batch's cu_seqlens or a causal mask beside them, were refused as single samples
+    from autoprec.batching import fresh_copy
+    from autoprec.run_inputs import collect_batches
+
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    whole = [
+        {"input_ids": ids, "labels": ids, "num_items_in_batch": 128},
+        {"input_ids": ids, "max_seqlen": torch.tensor(16)},
+        {"input_ids": ids, "cu_seqlens": torch.arange(9)},
+        (torch.randn(8, 16), torch.ones(16, 16).tril(), torch.zeros(8)),
+    ]
+    for batch in whole:
+        items = [fresh_copy(batch) for _ in range(3)]
+        unbatched_batches = torch.utils.data.DataLoader(items, batch_size=None)
+        assert len(collect_batches(unbatched_batches)) == 3
     unbatched = torch.utils.data.DataLoader(Samples(), batch_size=None)
     with pytest.raises(autoprec.BatchError, match=r"\(DataLoader, which batches nothing\)"):
         autoprec.check(task.model, unbatched, **options)
@@ -2284,3 +2300,32 @@ def test_an_amp_fp16_forward_overflow_is_named_in_its_reject() -> None:
     fp16 = report.verdict("amp_fp16")
     assert fp16.status == "unsafe"
     assert any("likely an fp16 overflow" in reason for reason in fp16.reasons), fp16.reasons
+
+
+def test_a_model_changing_only_a_later_batch_in_place_is_still_seen() -> None:
+    """Found by a review: counting samples read each held batch a second time, and in
+    calibration that second read was the watched copy, not the batch the model changed: a
+    model clamping its input in place went unseen when the first batch was already in range,
+    and the runs changed the user's batches."""
+    from torch import nn
+
+    class Clamping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.clamp_(-1, 1)
+            return self.lin(x)
+
+    generator = torch.Generator().manual_seed(0)
+    first = (torch.rand(16, 8, generator=generator) - 0.5, torch.zeros(16, 1))
+    later = [(torch.randn(16, 8, generator=generator) * 3, torch.zeros(16, 1)) for _ in range(11)]
+    batches = [first, *later]
+    kept = [x.clone() for x, _ in batches]
+    report = autoprec.check(
+        Clamping(), batches, loss_fn=nn.functional.mse_loss, modes=["amp_bf16"], steps=20,
+        progress=False,
+    )  # fmt: skip
+    assert report.verdict("amp_bf16").status in ("safe", "unsafe")
+    assert all(torch.equal(x, before) for (x, _), before in zip(batches, kept, strict=True))

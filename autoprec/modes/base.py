@@ -114,6 +114,13 @@ def swaps_under_every_name(model: nn.Module) -> Iterator[None]:
     for fqn, module in after.items():
         if fqn in before and module is not before[fqn]:
             replaced.setdefault(id(before[fqn]), module)
+    originals = {id(module): module for module in before.values()}
+    for original_id, first in replaced.items():
+        # public attributes a Linear carries (build-nanogpt's NANOGPT_SCALE_INIT marker):
+        # the swap made a new module without them (found by a review)
+        for name, value in vars(originals[original_id]).items():
+            if not name.startswith("_") and name not in vars(first):
+                setattr(first, name, value)
     for fqn, module in after.items():
         first = replaced.get(id(before[fqn])) if fqn in before else None
         # a name still holding the original, or holding another replacement of it: a Linear
