@@ -35,19 +35,39 @@ def buffer_slots(model: nn.Module) -> list[BufferSlot]:
     ]
 
 
+def empty_buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every buffer slot registered as None (InstanceNorm's running statistics, a BatchNorm
+    with ``track_running_stats=False``): :func:`restore_buffer_slots` puts them back, where it
+    had deleted them as made by the forward pass, and the user's model then failed
+    ("'InstanceNorm2d' object has no attribute 'running_mean'"; found by a hunt)."""
+    return [
+        (module, name)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is None
+    ]
+
+
 def kept_values(slots: list[BufferSlot]) -> dict[int, torch.Tensor]:
     """Copies of the slots' values, by the id of their tensor."""
     return {id(slot.buffer): slot.buffer.detach().clone() for slot in slots}
 
 
 def restore_buffer_slots(
-    model: nn.Module, slots: list[BufferSlot], values: dict[int, torch.Tensor]
+    model: nn.Module,
+    slots: list[BufferSlot],
+    values: dict[int, torch.Tensor],
+    empty: list[tuple[nn.Module, str]],
 ) -> None:
-    """Put the slots back: their tensor objects and values; buffers made since are removed."""
+    """Put the slots back: their tensor objects and values, the ``empty`` ones (None) as
+    None; buffers made since are removed."""
     kept = {(id(slot.module), slot.name) for slot in slots}
+    kept |= {(id(module), name) for module, name in empty}
     for module in model.modules():
         for name in [n for n in module._buffers if (id(module), n) not in kept]:
             del module._buffers[name]  # made by the forward pass (a lazy initialisation)
+    for module, name in empty:
+        module._buffers[name] = None
     with torch.no_grad():
         for slot in slots:
             slot.module._buffers[slot.name] = slot.buffer

@@ -17,7 +17,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from autoprec.buffer_slots import buffer_slots, kept_values, restore_buffer_slots
+from autoprec.buffer_slots import (
+    buffer_slots,
+    empty_buffer_slots,
+    kept_values,
+    restore_buffer_slots,
+)
 from autoprec.layer_kinds import LAYER_KINDS, LayerKind, is_bnb_4bit, module_kind
 from autoprec.random_streams import kept_streams
 
@@ -208,7 +213,7 @@ def run_forward(
     # hunt): both are put back
     tensors = (*model.parameters(), *model.buffers())
     cuda = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
-    slots = buffer_slots(model)
+    slots, empty = buffer_slots(model), empty_buffer_slots(model)
     values = kept_values(slots)
     try:
         tracked = attribution.tracking(model)
@@ -219,4 +224,4 @@ def run_forward(
         torch.backends.mha.set_fastpath_enabled(fastpath)
         for module, training in modes.items():
             module.training = training
-        restore_buffer_slots(model, slots, values)
+        restore_buffer_slots(model, slots, values, empty)

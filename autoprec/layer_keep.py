@@ -29,10 +29,15 @@ first and last layer and Linears FP8 kernels cannot take. Norms and embeddings n
 bf16 autocast already runs norms in fp32, and a lookup of fp32 weights stays fp32."""
 
 
-def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> list[KeepFp32]:
+def _running_state_modules(
+    model: nn.Module, running: tuple[str, ...], kept: dict[str, str]
+) -> list[KeepFp32]:
     """A keep entry for each module below the root that owns a running buffer and is not kept
     already as a norm or embedding: in bf16 its updates round to nearest, whatever rounding the
-    optimizer uses, and an EMA's small ones vanish (``benchmarks/running_state_rounding.py``)."""
+    optimizer uses, and an EMA's small ones vanish (``benchmarks/running_state_rounding.py``).
+    Not a module whose weights were all loaded in bf16 (a frozen backbone's BatchNorm), as the
+    norm rule leaves it: prepare() refuses to keep it, and every pure-bf16 trial failed (found
+    by a hunt)."""
     owners: dict[str, list[str]] = {}
     for fqn in running:
         owner, _, name = fqn.rpartition(".")
@@ -41,6 +46,8 @@ def _running_state_modules(running: tuple[str, ...], kept: dict[str, str]) -> li
     entries: list[KeepFp32] = []
     for owner, names in owners.items():
         if kept.get(owner, "").startswith(PURE_BF16_KEEP_REASONS):
+            continue
+        if loaded_in_low_precision(model.get_submodule(owner)):
             continue
         entries.append(
             KeepFp32(
@@ -115,4 +122,4 @@ def default_keep_fp32(
                 f"by {FP8_DIM_MULTIPLE}, FP8 kernels cannot take it",
             )
     entries = [KeepFp32(fqn=fqn, reason=reason) for fqn, reason in keep.items()]
-    return tuple(entries + _running_state_modules(running, keep))
+    return tuple(entries + _running_state_modules(model, running, keep))

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.buffer_slots import BufferSlot, buffer_slots, kept_values, restore_buffer_slots
+from autoprec.buffer_slots import (
+    BufferSlot,
+    buffer_slots,
+    empty_buffer_slots,
+    kept_values,
+    restore_buffer_slots,
+)
 from autoprec.layer_flops import call_model, renormed_weights_kept
 from autoprec.random_streams import kept_streams
 from autoprec.weight_dtypes import is_floating, same_values
@@ -73,7 +79,7 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     if any(entry.buffer.is_meta for entry in entries):
         return ()
     modes = {module: module.training for module in model.modules()}
-    values = kept_values(entries)
+    values, empty = kept_values(entries), empty_buffer_slots(model)
     devices = [p.device for p in model.parameters()] + [e.buffer.device for e in entries]
     cuda = sorted({device.index or 0 for device in devices if device.type == "cuda"})
     try:
@@ -97,6 +103,6 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
                 changed.setdefault(id(entry.buffer), entry.fqn)
         return tuple(changed.values())
     finally:
-        restore_buffer_slots(model, entries, values)
+        restore_buffer_slots(model, entries, values, empty)
         for module, training in modes.items():
             module.training = training

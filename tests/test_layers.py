@@ -423,3 +423,46 @@ def test_flops_are_counted_as_training_runs_the_model() -> None:
     # one example: training mode's BatchNorm refuses it, and eval mode counts what it can
     single = scan_model(_DeepSupervised(), torch.randn(1, 64))
     assert single.forward_flops and {lin.fqn: lin.flops for lin in single.linears}["aux"] == 0
+
+
+def test_custom_norms_are_recognised_by_their_class_names_with_a_dimension_suffix() -> None:
+    """Found by a hunt: a class name ending "Norm" alone missed SAM's and ConvNeXt's
+    LayerNorm2d (its statistics then ran in bf16 under pure bf16, 0.39 off fp32's output),
+    torchvision's FrozenBatchNorm2d and a norm named "...Normalization"."""
+
+    def leaf(name: str) -> nn.Module:
+        return type(name, (nn.Module,), {})()
+
+    for name in ("LayerNorm2d", "FrozenBatchNorm2d", "RMSNormalization", "T5LayerNorm"):
+        assert module_kind(leaf(name)) == "norm", name
+    for name in ("Normalizer", "NormHead", "Norm2dWrapper"):
+        assert module_kind(leaf(name)) is None, name
+
+
+def test_the_probe_leaves_empty_buffer_slots_as_they_were() -> None:
+    """Found by a hunt: the probe's scans put every buffer back and deleted the slots
+    registered as None (InstanceNorm's running statistics, a BatchNorm with
+    track_running_stats=False): the user's model then failed ("'InstanceNorm2d' object has no
+    attribute 'running_mean'")."""
+    import autoprec
+
+    x = torch.randn(2, 3, 6, 6)
+    instance = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, affine=True))
+    untracked = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, track_running_stats=False))
+    for model in (instance, untracked):
+        autoprec.probe(model, x)
+        assert model[1]._buffers["running_mean"] is None
+        model.eval()
+        model(x)  # raised AttributeError
+
+
+def test_a_frozen_low_precision_batchnorm_is_not_kept_for_its_running_statistics() -> None:
+    """Found by a hunt: the keep-list kept a frozen bf16 backbone's BatchNorm for its running
+    statistics, which prepare() refuses to keep (no fp32 weights to keep), and every
+    pure-bf16 trial failed; the norm rule already left it."""
+    from autoprec.layer_keep import default_keep_fp32
+
+    backbone = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+    model = nn.Sequential(backbone.to(torch.bfloat16).requires_grad_(False), nn.Linear(16, 10))
+    kept = default_keep_fp32(model, [], running=("0.1.running_mean", "0.1.running_var"))
+    assert "0.1" not in {entry.fqn for entry in kept}

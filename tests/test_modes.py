@@ -1147,3 +1147,51 @@ def test_a_converted_model_pickles_and_its_copy_hooks_its_own_state(spec: ModeSp
     if spec.keep_fp32:  # each copy's island is its own object
         assert hook is not None and original is not None
         assert hook.function.__self__ is not original.function.__self__
+
+
+def test_pure_bf16_casts_a_buffer_two_modules_share_once() -> None:
+    """Found by a hunt: pure bf16 cast a buffer once per module holding it, so one shared
+    running mean became two tensors, one updated and one never read again (0.0 where fp32
+    reads 4.39), and a state dict kept whichever came last."""
+
+    class Stat(nn.Module):
+        def __init__(self, mean: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("mean", mean)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                with torch.no_grad():
+                    self.mean.mul_(0.9).add_(0.1 * x.float().mean(0))
+            return x - self.mean
+
+    class Use(nn.Module):
+        def __init__(self, mean: torch.Tensor) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 1)
+            self.register_buffer("mean", mean)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x + self.mean)
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            mean = torch.zeros(8)
+            self.stat, self.use = Stat(mean), Use(mean)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.use(self.stat(x))
+
+    for keep in ((), ("stat",)):
+        model = Shared()
+        plan = prepare(
+            ModeSpec(mode="bf16_pure", keep_fp32=keep),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0),
+        )
+        for _ in range(5):
+            plan.step(plan.model(torch.full((4, 8), 5.0)).float().sum())
+        assert model.stat.mean is model.use.mean, keep
+        assert model.stat.mean.dtype == (torch.float32 if keep else torch.bfloat16)
+        assert float(model.use.mean[0]) > 1.5  # updated: 5 x (1 - 0.9**5)

@@ -27,14 +27,19 @@ from autoprec.modes.root_inputs import (
 )
 
 
-def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
-    """Cast a module's own floating parameters (but those in ``skip``) and buffers in place."""
+def _cast_own_tensors(
+    module: nn.Module, dtype: torch.dtype, skip: set[int], casts: dict[int, torch.Tensor]
+) -> None:
+    """Cast a module's own floating parameters (but those in ``skip``, and buffers whose id is
+    in it) in place; a buffer is cast once (``casts``, by its id) and the cast shared by every
+    module holding it: cast per owner, a buffer two modules share became two tensors, one
+    updated and one never (found by a hunt: a running mean read 0.0 by its second owner)."""
     for parameter in module.parameters(recurse=False):
         if parameter.is_floating_point() and id(parameter) not in skip:
             parameter.data = parameter.data.to(dtype)  # keeps the Parameter object
     for name, buffer in module.named_buffers(recurse=False):
-        if buffer is not None and buffer.is_floating_point():
-            setattr(module, name, buffer.to(dtype))
+        if buffer is not None and buffer.is_floating_point() and id(buffer) not in skip:
+            setattr(module, name, casts.setdefault(id(buffer), buffer.to(dtype)))
 
 
 class Bf16PureMode(PrecisionMode):
@@ -94,10 +99,22 @@ class Bf16PureMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         kept = self.kept_roots(model)
-        kept_parameters = self.parameter_ids(model, kept)
+
+        def inside_kept(fqn: str) -> bool:
+            return any(fqn == root or fqn.startswith(root + ".") for root in kept)
+
+        # a buffer a kept module holds stays fp32 for every module sharing it
+        kept_buffers = {
+            id(buffer)
+            for fqn, module in model.named_modules(remove_duplicate=False)
+            if inside_kept(fqn)
+            for buffer in module.buffers(recurse=False)
+        }
+        skip = self.parameter_ids(model, kept) | kept_buffers
+        casts: dict[int, torch.Tensor] = {}
         for fqn, module in model.named_modules():
-            if not any(fqn == root or fqn.startswith(root + ".") for root in kept):
-                _cast_own_tensors(module, torch.bfloat16, kept_parameters)
+            if not inside_kept(fqn):
+                _cast_own_tensors(module, torch.bfloat16, skip, casts)
         # every cast below asks whether the model still holds bf16 weights (by one it cast):
         # a copy made fp32 again (an fp32 weight average) runs as plain fp32
         witness = next((n for n, p in model.named_parameters() if p.dtype == torch.bfloat16), None)
