@@ -214,13 +214,15 @@ def main_input(plain: Any) -> torch.Tensor | None:
 def count_batch(batch: Any) -> tuple[int, int | None]:
     """Samples and tokens in a batch (tokens None where it holds no token ids).
 
-    Samples: the leading dimension of its main input (``input_ids``, ...), or else of its
-    first tensor, passing over a leading 1 (a tensor broadcast over the batch) where another
-    tensor's is larger: the first tensor's alone counted one sample for a batch led by
-    ``position_ids`` of shape (1, T) (found by a hunt), and the leading dimension most tensors
-    share counted 128 for ``(idx (8, 128), pos (128,), mask (128, 128))`` (found by a
-    review). Tokens: the size of its ``input_ids``, or else of its first integer tensor of
-    shape (samples, sequence); padding counts, as the step computes on it."""
+    Samples: the leading dimension of its main input (``input_ids``, ...), or else the one
+    most of its tensors of two or more dimensions share (a square mask aside), a leading 1 (a
+    tensor broadcast over the batch) losing a tie, or else the first tensor's. The first
+    tensor's alone counted one sample for a batch led by ``position_ids`` of shape (1, T)
+    (found by a hunt); the leading dimension most tensors share counted 128 for
+    ``(idx (8, 128), pos (128,), mask (128, 128))``, and passing over every leading 1 counted
+    128 for a real batch of one (found by reviews). Tokens: the size of its ``input_ids``,
+    or else of its first integer tensor of shape (samples, sequence); padding counts, as the
+    step computes on it."""
     plain = as_plain(batch)
     tensors = [leaf for leaf in tree_flatten(plain)[0] if isinstance(leaf, torch.Tensor)]
     leading = [int(tensor.shape[0]) for tensor in tensors if tensor.dim() > 0]
@@ -232,10 +234,12 @@ def count_batch(batch: Any) -> tuple[int, int | None]:
             "e.g. a dict of tensors (a train_step reads it as batch['x'])."
         )
     main = main_input(plain)
-    broadcast_passed = next((n for n in leading if n != 1), 1)
-    samples = int(main.shape[0]) if main is not None else broadcast_passed
-    if main is not None and main.dim() == 2 and not main.is_floating_point():
-        return samples, int(main.numel())
+    if main is not None:
+        samples = int(main.shape[0])
+        if main.dim() == 2 and not main.is_floating_point():
+            return samples, int(main.numel())
+    else:
+        samples = _batch_dimension(tensors) or leading[0]
     for tensor in tensors:
         if (
             tensor.dim() == 2
@@ -245,6 +249,19 @@ def count_batch(batch: Any) -> tuple[int, int | None]:
         ):
             return samples, int(tensor.numel())
     return samples, None
+
+
+def _batch_dimension(tensors: list[torch.Tensor]) -> int | None:
+    """The leading dimension most tensors of two or more dimensions share, square masks
+    aside, a leading 1 losing a tie (None without such tensors)."""
+    leading = [
+        int(t.shape[0])
+        for t in tensors
+        if t.dim() >= 2 and not (t.dim() == 2 and t.shape[0] == t.shape[1])
+    ]
+    if not leading:
+        return None
+    return max(leading, key=lambda n: (leading.count(n), n != 1, -leading.index(n)))
 
 
 def _loss_from_output(output: Any) -> torch.Tensor | None:

@@ -220,6 +220,12 @@ _HOOK_TABLES = (
     "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
 )  # fmt: skip
 """A module's hooks besides its forward ones, which an FP8 swap drops too."""
+_SWAP_SETS = frozenset({
+    "config", "linear_mm_config", "scaling_type_input", "scaling_type_weight",
+    "scaling_type_grad_output",
+})  # fmt: skip
+"""Instance attributes torchao's ``Float8Linear`` (0.18) sets on itself: a Linear carrying one
+of its own would lose it to the swap."""
 _HARMLESS_OVERRIDES = frozenset({"__init__", "reset_parameters", "extra_repr", "__repr__"})
 """A Linear subclass's methods no training step calls: a swap may drop them."""
 
@@ -259,7 +265,10 @@ def swap_would_drop(module: nn.Module) -> str | None:
     ]
     if own:
         return f"{type(module).__name__} defines {', '.join(own)}"
-    return None  # public attributes go onto the replacement (``swaps_under_every_name``)
+    taken = sorted(set(vars(module)) & _SWAP_SETS)
+    if taken:  # a user's ``config`` would be lost under torchao's own (found by a review)
+        return f"its attributes {', '.join(taken)} are names the FP8 module sets itself"
+    return None  # other public attributes go onto the replacement (``swaps_under_every_name``)
 
 
 def fp8_linear_fits(module: nn.Module) -> bool:

@@ -143,9 +143,10 @@ def _zero_grad_discards_sums(optimizer: torch.optim.Optimizer, mode: Any) -> Non
     the step), amp_fp16's record that they were unscaled."""
     zero_grad = type(optimizer).zero_grad
 
-    def discarding(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        mode.discard_accumulated()
-        zero_grad(self, set_to_none)
+    def discarding(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("param") is None:  # torch-optimi's gradient release zeroes one param
+            mode.discard_accumulated()
+        zero_grad(self, *args, **kwargs)  # (a fixed signature broke its zero_grad(param=))
 
     optimizer.zero_grad = types.MethodType(discarding, optimizer)  # type: ignore[method-assign]
 

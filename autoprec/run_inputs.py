@@ -114,18 +114,28 @@ def _batches_nothing(loader: Any) -> bool:
     )
 
 
+_BATCH_RANKS = {
+    "input_ids": 2, "input_values": 2, "input_features": 3, "inputs_embeds": 3,
+    "pixel_values": 4,
+}  # fmt: skip
+"""The dimensions a main input (``batching.MAIN_INPUTS``) has in a batch: one fewer is a
+single sample's (``input_ids`` of shape (T,))."""
+
+
 def _refuse_single_sample(loader: Any, batch: Any) -> None:
-    """An IterableDataset yielding single samples, ``(features, label)``, was taken for
-    batches: every run trained on one sample a step, and samples/s counted its features
-    (found by a hunt). Refused where the item reads as one sample: a label of no dimension
-    beside a single tensor (an image's (C, H, W) and its class), or only 1-D tensors whose
-    lengths all differ (features and targets of one sample). A batch a streaming loader
-    yields whole keeps a batch dimension its tensors share, or names its main input
-    (``input_ids``): beside them a count (``num_items_in_batch``), a packed batch's
-    ``cu_seqlens`` or a causal mask is taken (refused at first; found by a review)."""
-    if not _batches_nothing(loader) or main_input(as_plain(batch)) is not None:
+    """An IterableDataset yielding single samples was taken for batches: every run trained on
+    one sample a step, and samples/s counted its features (found by a hunt). An item from a
+    loader that batches nothing is taken as a batch where it shows a batch dimension: a main
+    input of a batch's rank (``input_ids`` of shape (B, T), with a count or ``cu_seqlens``
+    beside it), a leading dimension two of its tensors share (a causal mask aside them), or
+    one tensor with no label of no dimension beside it; else it is refused, naming a list of
+    the batches as the way to hand an item that is a batch (a narrower rule let single
+    samples through; found by reviews)."""
+    if not _batches_nothing(loader):
         return
-    leaves = tree_flatten(as_plain(batch))[0]
+    plain = as_plain(batch)
+    main = main_input(plain)
+    leaves = tree_flatten(plain)[0]
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     scalars = [
         leaf
@@ -133,21 +143,28 @@ def _refuse_single_sample(loader: Any, batch: Any) -> None:
         if (isinstance(leaf, torch.Tensor) and leaf.dim() == 0)
         or (isinstance(leaf, numbers.Number) and not isinstance(leaf, bool))
     ]
-    lengths = [tensor.shape[0] for tensor in tensors]
-    if scalars and len(tensors) == 1:
-        found = f"one tensor of shape {tuple(tensors[0].shape)} and a label of no dimension"
-    elif (
-        len(tensors) > 1
-        and all(t.dim() == 1 for t in tensors)
-        and len(set(lengths)) == len(lengths)
-    ):
-        found = f"1-D tensors of lengths {lengths}, a single sample's features and targets"
+    leading = [tensor.shape[0] for tensor in tensors]
+    if main is not None:
+        key = next(k for k in _BATCH_RANKS if isinstance(plain, Mapping) and plain.get(k) is main)
+        rank = _BATCH_RANKS[key]
+        if main.dim() >= rank:
+            return
+        found = f"{key} of shape {tuple(main.shape)}, one sample's (a batch's has {rank} dims)"
     else:
-        return
+        shared = len(set(leading)) < len(leading)  # two tensors share a leading dimension
+        if not tensors or shared or (len(tensors) == 1 and not scalars):
+            return  # (no tensor at all: the runs' count refuses it, naming its type)
+        shapes = ", ".join(str(tuple(tensor.shape)) for tensor in tensors)
+        found = (
+            f"one tensor of shape {shapes} and a label of no dimension"
+            if len(tensors) == 1
+            else f"tensors of shapes {shapes}, no batch dimension shared"
+        )
     raise BatchError(
         f"The loader ({type(loader).__name__}, which batches nothing) yielded an item holding "
-        f"{found}, not a batch (whose tensors share a batch dimension): wrap it in "
-        "torch.utils.data.DataLoader(dataset, batch_size=...), or make it yield batches."
+        f"{found}: a single sample, not a batch. Wrap it in "
+        "torch.utils.data.DataLoader(dataset, batch_size=...), or, if its items are batches, "
+        "hand them as a list (list(loader))."
     )
 
 

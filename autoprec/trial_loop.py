@@ -329,6 +329,8 @@ class TrainingLoop:
         for micro in range(accumulation):
             index = self.order[self.micro % len(self.batches)]
             batch = to_device(self.batches[index], self.device)
+            # before the forward: a train_step popping the batch's keys leaves none (a review)
+            samples, counted = self._counts(index, batch)
             self.micro += 1
             counting = self.micro == 1 and self.counts_activations
             saved = SavedForBackward(plan.model) if counting else None
@@ -343,7 +345,6 @@ class TrainingLoop:
                 self.figures["activation_bytes"] = saved.bytes
             value = loss.detach().float().reshape(())
             summed = value if summed is None else summed + value
-            samples, counted = self._counts(index, batch)
             self._samples += samples
             if counted is None or self._tokens is None:
                 self._tokens = None

@@ -141,6 +141,11 @@ def test_samples_and_tokens_are_counted_from_the_batch_not_its_first_tensor() ->
     assert count_batch((position_ids, ids)) == (8, 128)  # no names: the leading 1 broadcasts
     causal = torch.ones(16, 16).tril()  # found by a review: (8, 16) shared by fewer tensors
     assert count_batch({"idx": ids, "pos": torch.arange(16), "mask": causal}) == (8, 128)
+    one = torch.zeros(1, 16, dtype=torch.long)  # and a real batch of one was counted as 16
+    assert count_batch((one, one.clone(), causal)) == (1, 16)
+    assert count_batch((one, one.clone(), torch.arange(16))) == (1, 16)
+    image = {"x": torch.zeros(1, 3, 8, 8), "y": torch.zeros(1), "w": torch.zeros(10)}
+    assert count_batch(image) == (1, None)
     assert count_batch((torch.randn(4, 3), torch.randint(0, 2, (4,)))) == (4, None)
     pixels = {"pixel_values": torch.randn(2, 3, 8, 8), "labels": torch.tensor([1, 0])}
     assert count_batch(pixels) == (2, None)

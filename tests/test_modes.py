@@ -567,6 +567,11 @@ def test_an_fp8_swap_keeps_out_a_linear_whose_hooks_methods_or_attributes_it_wou
     marked = linear()
     marked.NANOGPT_SCALE_INIT = 1  # type: ignore[attr-defined]  # read at init: not kept out
     assert swap_would_drop(marked) is None
+    configured = linear()
+    configured.config = {"user": 1}  # type: ignore[attr-defined]  # Float8Linear sets its own
+    assert swap_would_drop(configured) == (
+        "its attributes config are names the FP8 module sets itself"
+    )
     model = nn.Sequential(marked, nn.ReLU(), backward, nn.ReLU(), linear())
     spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
     plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
@@ -1195,3 +1200,10 @@ def test_pure_bf16_casts_a_buffer_two_modules_share_once() -> None:
         assert model.stat.mean is model.use.mean, keep
         assert model.stat.mean.dtype == (torch.float32 if keep else torch.bfloat16)
         assert float(model.use.mean[0]) > 1.5  # updated: 5 x (1 - 0.9**5)
+    # one tensor under two names of one module (a review): cast once under both
+    twice = nn.Linear(4, 4)
+    table = torch.ones(4)
+    twice.register_buffer("a", table)
+    twice.register_buffer("b", table)
+    prepare(ModeSpec(mode="bf16_pure"), twice, torch.optim.SGD(twice.parameters(), lr=0))
+    assert twice.a is twice.b and twice.a.dtype == torch.bfloat16

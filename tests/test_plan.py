@@ -1472,3 +1472,20 @@ def test_amp_fp16_a_step_dropped_with_zero_grad_after_clip_gradients_unscales_th
     norm, moved = run(skip=True)
     plain_norm, plain_moved = run(skip=False)
     assert norm < 10 * plain_norm and moved < 10 * plain_moved  # not 1024x
+
+
+def test_the_zero_grad_a_plan_wraps_passes_every_argument_on() -> None:
+    """Found by a review: the wrapper's fixed signature broke torch-optimi's gradient release,
+    which calls ``optimizer.zero_grad(param=...)``."""
+    calls: list[tuple[tuple, dict]] = []
+
+    class Releasing(torch.optim.AdamW):
+        def zero_grad(self, set_to_none: bool = True, param: object = None) -> None:
+            calls.append(((set_to_none,), {"param": param}))
+            super().zero_grad(set_to_none)
+
+    model = nn.Linear(4, 4)
+    plan = prepare(ModeSpec(mode="amp_fp16"), model, Releasing(model.parameters()))
+    plan.optimizer.zero_grad(param=model.weight)
+    plan.optimizer.zero_grad(False)
+    assert calls == [((True,), {"param": model.weight}), ((False,), {"param": None})]

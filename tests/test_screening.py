@@ -1889,16 +1889,27 @@ def test_a_loader_that_batches_nothing_yielding_single_samples_is_refused() -> N
             return iter(task.batches + task.heldout)
 
     options: dict[str, Any] = {"loss_fn": task.mse, "steps": 4, "modes": ["amp_bf16"]}
-    refusal = r"\(Samples, which batches nothing\) .* lengths \[32, 16\].*batch_size="
-    with pytest.raises(autoprec.BatchError, match=refusal):
+    refusal = r"\(Samples, which batches nothing\) .* shapes \(32,\), \(16,\), no batch"
+    with pytest.raises(autoprec.BatchError, match=refusal + r".*batch_size=.*list\(loader\)"):
         autoprec.check(task.model, Samples(), **options)
     labelled = [(features, torch.tensor(0)) for features in x[:8]]
     with pytest.raises(autoprec.BatchError, match=r"shape \(32,\) and a label of no dimension"):
         autoprec.check(task.model, torch.utils.data.DataLoader(labelled, batch_size=None))
+    # found by a review: single samples a narrower rule let through
+    from autoprec.run_inputs import collect_batches
+
+    samples = [
+        {"input_ids": torch.zeros(12, dtype=torch.long), "label": torch.tensor(1)},
+        {"pixel_values": torch.zeros(3, 8, 8), "labels": torch.tensor(0)},
+        (torch.zeros(3, 16, 16), torch.zeros(16, 16)),  # an image and its depth map
+        (torch.zeros(3, 8, 8), torch.zeros(10)),
+    ]
+    for sample in samples:
+        with pytest.raises(autoprec.BatchError, match="a single sample, not a batch"):
+            collect_batches(torch.utils.data.DataLoader([sample] * 3, batch_size=None))
     # found by a review: whole batches a streaming loader yields, with a count, a packed
     # batch's cu_seqlens or a causal mask beside them, were refused as single samples
     from autoprec.batching import fresh_copy
-    from autoprec.run_inputs import collect_batches
 
     ids = torch.zeros(8, 16, dtype=torch.long)
     whole = [
@@ -2329,3 +2340,28 @@ def test_a_model_changing_only_a_later_batch_in_place_is_still_seen() -> None:
     )  # fmt: skip
     assert report.verdict("amp_bf16").status in ("safe", "unsafe")
     assert all(torch.equal(x, before) for (x, _), before in zip(batches, kept, strict=True))
+
+
+def test_a_train_step_popping_its_batchs_keys_is_counted_before_it_runs() -> None:
+    """Found by a review: samples were counted after the forward, from the copy of the batch
+    the step used, which a train_step popping its keys (HF style) had emptied: the fp32
+    reference failed with "A batch must contain at least one tensor"."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        {"x": torch.randn(4, 8, generator=generator), "y": torch.randn(4, 1, generator=generator)}
+        for _ in range(12)
+    ]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        x, y = batch.pop("x"), batch.pop("y")
+        with plan.autocast():
+            return nn.functional.mse_loss(plan.model(x).float(), y)
+
+    report = autoprec.check(
+        model, batches, train_step=train_step, steps=4, modes=["amp_bf16"], progress=False
+    )
+    assert report.verdict("amp_bf16").status == "safe"
+    assert all(set(batch) == {"x", "y"} for batch in batches)

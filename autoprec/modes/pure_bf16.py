@@ -37,7 +37,7 @@ def _cast_own_tensors(
     for parameter in module.parameters(recurse=False):
         if parameter.is_floating_point() and id(parameter) not in skip:
             parameter.data = parameter.data.to(dtype)  # keeps the Parameter object
-    for name, buffer in module.named_buffers(recurse=False):
+    for name, buffer in list(module._buffers.items()):  # every name: one tensor may hold two
         if buffer is not None and buffer.is_floating_point() and id(buffer) not in skip:
             setattr(module, name, casts.setdefault(id(buffer), buffer.to(dtype)))
 
