@@ -196,18 +196,23 @@ def tensors_in(batch: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features", "inputs_embeds")
-"""Keys a Hugging Face batch holds its model's main input under: samples and tokens are
-counted from it where a batch has one."""
+MAIN_INPUT_RANKS = {
+    "input_ids": 2, "pixel_values": 4, "input_values": 2, "input_features": 3,
+    "inputs_embeds": 3,
+}  # fmt: skip
+"""Keys a Hugging Face batch holds its model's main input under (samples and tokens are
+counted from it where a batch has one), and the dimensions it has in a batch: one fewer is a
+single sample's (``input_ids`` of shape (T,))."""
 
 
-def main_input(plain: Any) -> torch.Tensor | None:
-    """The tensor a mapping batch (``as_plain``) holds under a ``MAIN_INPUTS`` key, or None."""
+def main_input(plain: Any) -> tuple[str, torch.Tensor] | None:
+    """The key and tensor a mapping batch (``as_plain``) holds its main input under
+    (``MAIN_INPUT_RANKS``), or None."""
     if isinstance(plain, Mapping):
-        for key in MAIN_INPUTS:
+        for key in MAIN_INPUT_RANKS:
             value = plain.get(key)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                return value
+                return key, value
     return None
 
 
@@ -233,7 +238,8 @@ def count_batch(batch: Any) -> tuple[int, int | None]:
             f"found none in a {type(batch).__name__}. Make the loader yield one of those, "
             "e.g. a dict of tensors (a train_step reads it as batch['x'])."
         )
-    main = main_input(plain)
+    found = main_input(plain)
+    main = None if found is None else found[1]
     if main is not None:
         samples = int(main.shape[0])
         if main.dim() == 2 and not main.is_floating_point():

@@ -136,7 +136,7 @@ def refuse_closure_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _zero_grad_discards_sums(optimizer: torch.optim.Optimizer, mode: Any) -> None:
+def _zero_grad_tells_mode(optimizer: torch.optim.Optimizer, mode: Any) -> None:
     """``optimizer.zero_grad()`` also drops what the mode keeps about the gradients: the sums
     beside ``.grad`` (pure bf16 sums micro-batches in fp32, ``.grad`` empty between them: a
     ``zero_grad`` within a step's micro-batches discarded nothing, and the sums came back at
@@ -199,8 +199,8 @@ class PrecisionPlan:
         self._awaiting_last_backward = False
         """plan.step() closed a micro-batch before the step's last, whose backward has not run
         (``clip_gradients`` then reads partial sums: found by a hunt)."""
-        if mode.keeps_sums_apart():  # sums beside .grad, or amp_fp16's unscale of them
-            _zero_grad_discards_sums(optimizer, mode)
+        if mode.keeps_gradient_state():  # sums beside .grad, amp_fp16's unscale of them
+            _zero_grad_tells_mode(optimizer, mode)
         self.last_grad_norm: torch.Tensor | None = None
         """The total gradient norm before the last clipping, on the device (reading it is a
         host synchronization: do it when you log, not every step)."""

@@ -16,7 +16,13 @@ from pydantic import ValidationError
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from autoprec.batching import as_plain, main_input, map_tensors, tensors_in
+from autoprec.batching import (
+    MAIN_INPUT_RANKS,
+    as_plain,
+    main_input,
+    map_tensors,
+    tensors_in,
+)
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import model_device
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
@@ -114,14 +120,6 @@ def _batches_nothing(loader: Any) -> bool:
     )
 
 
-_BATCH_RANKS = {
-    "input_ids": 2, "input_values": 2, "input_features": 3, "inputs_embeds": 3,
-    "pixel_values": 4,
-}  # fmt: skip
-"""The dimensions a main input (``batching.MAIN_INPUTS``) has in a batch: one fewer is a
-single sample's (``input_ids`` of shape (T,))."""
-
-
 def _refuse_single_sample(loader: Any, batch: Any) -> None:
     """An IterableDataset yielding single samples was taken for batches: every run trained on
     one sample a step, and samples/s counted its features (found by a hunt). An item from a
@@ -134,7 +132,7 @@ def _refuse_single_sample(loader: Any, batch: Any) -> None:
     if not _batches_nothing(loader):
         return
     plain = as_plain(batch)
-    main = main_input(plain)
+    found = main_input(plain)
     leaves = tree_flatten(plain)[0]
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     scalars = [
@@ -144,9 +142,9 @@ def _refuse_single_sample(loader: Any, batch: Any) -> None:
         or (isinstance(leaf, numbers.Number) and not isinstance(leaf, bool))
     ]
     leading = [tensor.shape[0] for tensor in tensors]
-    if main is not None:
-        key = next(k for k in _BATCH_RANKS if isinstance(plain, Mapping) and plain.get(k) is main)
-        rank = _BATCH_RANKS[key]
+    if found is not None:
+        key, main = found
+        rank = MAIN_INPUT_RANKS[key]
         if main.dim() >= rank:
             return
         found = f"{key} of shape {tuple(main.shape)}, one sample's (a batch's has {rank} dims)"

@@ -317,8 +317,9 @@ class PrecisionMode:
         """The last micro-batch's backward is done: make ``.grad`` hold the whole step's
         gradients (a mode that accumulates elsewhere writes them back here)."""
 
-    def keeps_sums_apart(self) -> bool:
-        """Whether the mode sums micro-batches beside ``.grad`` (see discard_accumulated)."""
+    def keeps_gradient_state(self) -> bool:
+        """Whether the mode keeps something about the gradients beside ``.grad`` that the
+        optimizer's ``zero_grad`` must drop too (see discard_accumulated)."""
         return type(self).discard_accumulated is not PrecisionMode.discard_accumulated
 
     def discard_accumulated(self) -> None:
