@@ -225,14 +225,18 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         """One parameter's saved state with its 8-bit moments as fp32 tensors under torch's
         names, beside their block scales (``exp_avg_absmax``, 1/256 of the size; a new dict:
         the optimizer's own state is not touched). Every mode's optimizer, and torch's, loads
-        that; the 8-bit load encodes them again on those scales, the codes they came from."""
+        that; the 8-bit load encodes them again on those scales, the codes they came from.
+        The fp32 moments are moved to the CPU one tensor at a time: on the GPU all of them
+        would need 8 bytes a parameter beside the mode's 2, and a model that fits only with
+        8-bit moments ran out of memory saving a checkpoint (found by a review of the CUDA
+        paths). Every load moves them back to the parameter's device."""
         if not any(codes_key(key) in entry for key in SIGNED_MOMENTS):
             return entry
         saved = dict(entry)
         for key, signed in SIGNED_MOMENTS.items():
             if codes_key(key) in saved:
                 codes, absmax = saved.pop(codes_key(key)), saved[absmax_key(key)].clone()
-                saved[key] = self._quantizer().dequantize(codes, absmax, signed=signed)
+                saved[key] = self._quantizer().dequantize(codes, absmax, signed=signed).cpu()
                 saved[absmax_key(key)] = absmax  # the load re-encodes on it: resumes exactly
         return saved
 

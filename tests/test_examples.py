@@ -122,6 +122,28 @@ def test_gpu_validation_script_runs_in_quick_mode() -> None:
     assert "fp32 " in done.stdout and "chosen: " in done.stdout
 
 
+def test_gpu_validation_modes_take_labels_and_a_mode_name_means_its_32_bit_runs() -> None:
+    """Found by a review of the CUDA paths: the sr stage's ``--modes ...,bf16_sr+8bit-optim``
+    matched nothing by its label, and ``fp32``/``bf16_pure`` took their 8-bit runs along."""
+    from benchmarks.gpu_validation import _asked_for
+
+    wanted = ["fp32", "bf16_pure", "bf16_sr+8bit-optim"]
+    asked = {
+        spec.label: _asked_for(spec, wanted)
+        for spec in (
+            ModeSpec(mode="fp32", optimizer_bits=8),
+            ModeSpec(mode="bf16_pure"),
+            ModeSpec(mode="bf16_pure", optimizer_bits=8),
+            ModeSpec(mode="bf16_sr"),
+            ModeSpec(mode="bf16_sr", optimizer_bits=8),
+        )
+    }
+    assert [label for label, taken in asked.items() if taken] == [
+        "bf16_pure",
+        "bf16_sr+8bit-optim",
+    ]
+
+
 def test_trial_timing_benchmark_runs_in_quick_mode() -> None:
     """The trial-vs-loop and pruning-race timing a GPU session runs; --quick keeps it in CI."""
     done = _run_module("benchmarks.trial_timing", "--quick", "--modes", "fp32")

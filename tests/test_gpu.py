@@ -123,7 +123,16 @@ def test_8bit_moments_follow_bitsandbytes_on_the_gpu() -> None:
         for optimizer in optimizers:
             optimizer.step()
     assert (ours.detach() - theirs.detach()).abs().max().item() < 1e-5
-    assert optimizers[0].state[ours]["exp_avg_codes"].device.type == "cuda"
+    state = optimizers[0].state[ours]
+    assert state["exp_avg_codes"].device.type == "cuda"
+    # a checkpoint holds the fp32 moments on the CPU (8 bytes a parameter on the GPU could run
+    # a model that fits only with 8-bit moments out of memory), and resumes on the GPU exactly
+    saved = optimizers[0].state_dict()
+    assert {saved["state"][0][key].device.type for key in ("exp_avg", "exp_avg_sq")} == {"cpu"}
+    again = StochasticAdamW([torch.nn.Parameter(ours.detach().clone())], state_bits=8, **options)
+    again.load_state_dict(saved)
+    resumed = again.state[again.param_groups[0]["params"][0]]
+    assert torch.equal(resumed["exp_avg_codes"], state["exp_avg_codes"])
 
 
 def test_mapping_batches_that_are_not_dicts_move_to_the_gpu() -> None:
@@ -136,3 +145,27 @@ def test_mapping_batches_that_are_not_dicts_move_to_the_gpu() -> None:
         pytest.skip("no CUDA GPU (found: CPU only)")
     moved = to_device(UserDict({"ids": torch.ones(2, 3, dtype=torch.long)}), "cuda")
     assert type(moved) is UserDict and moved["ids"].is_cuda
+
+
+@pytest.mark.filterwarnings("ignore::autoprec.errors.OptimizerRebuiltWarning")
+@pytest.mark.parametrize("mode", ["amp_fp16", "amp_bf16", "bf16_sr"])
+def test_a_model_split_over_two_gpus_trains(mode: str) -> None:
+    """A device_map split (first Linear on cuda:0, last on cuda:1) through prepare(): amp_fp16's
+    inf flags, one a device, are combined on the scale's device (found by a review of the CUDA
+    paths: summing them raised at the first step). Needs two GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA GPUs (found: {torch.cuda.device_count()})")
+
+    class Split(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.last = _model()[0].to("cuda:0"), _model()[2].to("cuda:1")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(torch.nn.functional.gelu(self.first(x)).to("cuda:1")).to("cuda:0")
+
+    model = Split()
+    plan = autoprec.prepare(
+        ModeSpec(mode=mode), model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
+    _assert_learns(plan)

@@ -329,6 +329,7 @@ def test_fsdp2_under_autocast_is_amp_bf16_and_its_bf16_policy_is_not(
 ) -> None:
     """The route amp_bf16's refusal gives (an fp32 policy under autocast) computes what the
     trials measured; the bf16 policy the export used to return computes the loss in bf16."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def model() -> nn.Module:
@@ -348,7 +349,8 @@ def test_fsdp2_under_autocast_is_amp_bf16_and_its_bf16_policy_is_not(
         (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), False),
     ):
         sharded = model()
-        fully_shard(sharded, mp_policy=policy)
+        # on a CPU mesh: FSDP2's default mesh on a machine with a GPU would move it to CUDA
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
             loss = loss_of(sharded)
         loss.backward()

@@ -121,6 +121,38 @@ def test_amp_fp16_has_a_loss_scaler(tmp_path: Path) -> None:
         assert plan.model(tokens).dtype == torch.float16
 
 
+class _FlagOnDevice:
+    """A 0-d inf flag on a named device that, like a CUDA tensor, adds only to one on its own
+    device (two GPUs cannot be had on a CPU machine)."""
+
+    def __init__(self, value: float, device: str) -> None:
+        self.value, self.device = value, device
+
+    def to(self, device: str, non_blocking: bool = False) -> _FlagOnDevice:
+        return _FlagOnDevice(self.value, device)
+
+    def __add__(self, other: _FlagOnDevice) -> _FlagOnDevice:
+        assert self.device == other.device, f"{self.device} + {other.device}"
+        return _FlagOnDevice(self.value + other.value, self.device)
+
+
+def test_amp_fp16_combines_the_inf_flags_of_a_split_model_on_the_scales_device() -> None:
+    """Found by a review of the CUDA paths: a model split over GPUs gives GradScaler one inf
+    flag a device, and ``sum`` of a cuda:0 and a cuda:1 flag raised at the first step."""
+    from autoprec.modes.amp import _combined_inf_flags
+
+    flags = [
+        _FlagOnDevice(1.0, "cuda:1"),
+        _FlagOnDevice(0.0, "cuda:0"),
+        _FlagOnDevice(1.0, "cuda:1"),
+    ]
+    combined = _combined_inf_flags(flags, "cuda:0")  # type: ignore[arg-type]
+    assert (combined.device, combined.value) == ("cuda:0", 2.0)  # type: ignore[attr-defined]
+    one = torch.tensor(1.0)
+    assert _combined_inf_flags([one], torch.device("cpu")) is one  # no copy on one device
+    assert _combined_inf_flags([one, torch.tensor(0.0)], torch.device("cpu")).item() == 1.0
+
+
 def test_bf16_pure_keeps_the_users_optimizer_class(tmp_path: Path) -> None:
     plan, user_optimizer, losses = train(ModeSpec(mode="bf16_pure"), tmp_path)
     assert_learns(losses)

@@ -518,7 +518,12 @@ def test_fsdp2_shards_are_updated_each_on_its_own(single_process_group: None) ->
     loop updates it (fp32 weights: torch's AdamW on the same model unsharded), and bf16
     shards train on as DTensors (the README's route for pure bf16 under FSDP2: apply the
     profile before ``fully_shard``, build the optimizer with ``profile.apply()``)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    # a CPU mesh named: without one, on a machine with a GPU, FSDP2 builds its mesh on CUDA and
+    # moves the shards there, away from the CPU reference (found by a review of the CUDA paths)
+    mesh = init_device_mesh("cpu", (1,))
 
     def model(dtype: torch.dtype) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -533,7 +538,7 @@ def test_fsdp2_shards_are_updated_each_on_its_own(single_process_group: None) ->
             optimizer.zero_grad()
 
     sharded, plain = model(torch.float32), model(torch.float32)
-    fully_shard(sharded)
+    fully_shard(sharded, mesh=mesh)
     train(sharded, StochasticAdamW(sharded.parameters(), lr=1e-2), torch.float32)
     train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), torch.float32)
     for ours, theirs in zip(sharded.parameters(), plain.parameters(), strict=True):
@@ -541,7 +546,7 @@ def test_fsdp2_shards_are_updated_each_on_its_own(single_process_group: None) ->
         torch.testing.assert_close(ours.full_tensor(), theirs.detach(), rtol=1e-5, atol=1e-6)
     bf16 = model(torch.bfloat16)
     start = [p.detach().clone() for p in bf16.parameters()]
-    fully_shard(bf16)
+    fully_shard(bf16, mesh=mesh)
     train(bf16, StochasticAdamW(bf16.parameters(), lr=1e-2, kahan=True), torch.bfloat16)
     for before, after in zip(start, bf16.parameters(), strict=True):
         assert after.dtype == torch.bfloat16 and type(after).__name__ == "DTensor"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable
+import functools
+import operator
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -148,8 +150,7 @@ class AmpFp16Mode(AmpBf16Mode):
             self._unscaled = False
             self.steps += 1
             return True
-        found = sum(per_device.values())  # device tensors
-        assert isinstance(found, torch.Tensor)
+        found = _combined_inf_flags(per_device.values(), scaler._get_scale_async().device)
         self._skipped = found.clone() if self._skipped is None else self._skipped + found
         stepped = _stepping(optimizer, lambda: scaler.step(optimizer))
         scaler.update()
@@ -178,3 +179,11 @@ class AmpFp16Mode(AmpBf16Mode):
         self._require_scaler().load_state_dict(state["scaler"])
         self.steps = int(state.get("steps", 0))
         self._skipped_before, self._skipped = int(state.get("skipped_steps", 0)), None
+
+
+def _combined_inf_flags(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The step's inf flags summed on the scale's device, each moved there first without a
+    host read, as GradScaler combines them: a model split over GPUs has one flag a device, and
+    adding a cuda:0 tensor to a cuda:1 one raises (found by a review of the CUDA paths)."""
+    moved = [flag.to(device, non_blocking=True) for flag in flags]
+    return functools.reduce(operator.add, moved[1:], moved[0])
