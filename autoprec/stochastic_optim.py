@@ -275,7 +275,10 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         moments, not a hyper-parameter to take from the checkpoint (a ``bf16_sr`` checkpoint
         loaded into ``bf16_sr+8bit-optim``'s optimizer trains on with 8-bit moments, and
         back; a ``bf16_sr_kahan`` one loaded into ``bf16_sr``'s trains on without the Kahan
-        buffer, which it drops, where it trained on as ``bf16_sr_kahan``)."""
+        buffer, which it drops, where it trained on as ``bf16_sr_kahan``). A step count
+        saved on the GPU (torch's fused or capturable AdamW keep it there) comes to the host:
+        each step reads it, and on the GPU that read was a sync a parameter (found by a
+        review of the CUDA paths)."""
         for group in self.param_groups:  # before anything loads: 8-bit codes hold no complex
             complex_param = next((p for p in group["params"] if p.is_complex()), None)
             if group["state_bits"] == 8 and complex_param is not None:
@@ -289,9 +292,12 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             for key, value in self.defaults.items():  # torch's own groups lack our options
                 group.setdefault(key, value)
             group.update(storage)
-            if not group["kahan"]:  # a Kahan run's buffer: this optimizer keeps none
-                for param in group["params"]:
-                    self.state.get(param, {}).pop("compensation", None)
+            for param in group["params"]:
+                state = self.state.get(param, {})
+                if not group["kahan"]:  # a Kahan run's buffer: this optimizer keeps none
+                    state.pop("compensation", None)
+                if isinstance(state.get("step"), torch.Tensor):  # on the host, as ours keep it
+                    state["step"] = state["step"].detach().to("cpu", torch.float32)
         self._eight_bit_layout(saved_moments)
         self._rng_states = {device: rng.clone() for device, rng in saved.items()}
         self._cuda_devices = self._parameter_cuda_devices()

@@ -169,3 +169,26 @@ def test_a_model_split_over_two_gpus_trains(mode: str) -> None:
         ModeSpec(mode=mode), model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     )
     _assert_learns(plan)
+
+
+@pytest.mark.parametrize("option", ["fused", "capturable"])
+def test_a_fused_adamw_checkpoint_resumes_with_its_step_on_the_host(option: str) -> None:
+    """torch's fused and capturable AdamW keep ``step`` on the GPU; loaded into autoprec's
+    stochastic-rounding AdamW it moves to the host, which every step reads (a sync a parameter
+    otherwise; found by a review of the CUDA paths)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (found: CPU only)")
+    from autoprec.stochastic_optim import StochasticAdamW
+
+    weight = torch.nn.Parameter(torch.randn(64, 32, device="cuda"))
+    theirs = torch.optim.AdamW([weight], lr=1e-3, **{option: True})
+    weight.grad = torch.randn_like(weight)
+    theirs.step()
+    assert theirs.state[weight]["step"].is_cuda
+    bf16 = torch.nn.Parameter(weight.detach().bfloat16())
+    ours = StochasticAdamW([bf16], lr=1e-3)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state[bf16]["step"].device.type == "cpu"
+    bf16.grad = torch.randn_like(bf16)
+    ours.step()
+    assert float(ours.state[bf16]["step"]) == 2.0
