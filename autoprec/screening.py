@@ -53,6 +53,7 @@ from autoprec.run_setup import (
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
+from autoprec.trial_measures import torch_settings_kept
 from autoprec.trial_records import StopCheck, TrialProgress, TrialResult
 
 SCREEN_STEPS = 200
@@ -350,6 +351,7 @@ def check(
     start = clock()
     with (
         preserved_rng(),
+        torch_settings_kept(),
         callers_objects_frozen(),
         callers_blocks_lifted(),
         progress_callback(progress, on_event, screen=True) as callback,

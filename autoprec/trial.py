@@ -46,6 +46,7 @@ from autoprec.trial_measures import (
     sample_indices,
     sampled_weights,
     state_bytes,
+    torch_settings_kept,
 )
 from autoprec.trial_records import (
     StopCheck,
@@ -318,7 +319,7 @@ def run_trial(
     # eager FP8 after fp32's trial, under their 900 MiB of weights and Adam state.
     gc.collect()
     baseline = memory_now(device)
-    with seeded_streams(device, seed), autocast_state_kept(device):
+    with seeded_streams(device, seed), autocast_state_kept(device), torch_settings_kept():
         run = _train_copy(inputs, result, baseline)
     if "peak" not in run.figures:  # failed or stopped before the end: the peak so far
         run.figures["peak"] = memory_peak(device, baseline, run.figures.get("rss", []))

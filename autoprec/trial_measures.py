@@ -310,10 +310,19 @@ def autocast_state_kept(device: torch.device) -> Iterator[None]:
 @contextlib.contextmanager
 def torch_settings_kept() -> Iterator[None]:
     """torch's process-wide settings user code may change (the default dtype, the thread
-    count, fp32 matmul precision and TF32 flags) as they were after the block: an ``eval_fn``
-    calling ``torch.set_float32_matmul_precision("medium")`` changed every later run (TF32
-    matmuls in an "fp32" reference on a GPU) and outlived tune() (found by a hunt)."""
+    count, fp32 matmul precision and TF32 flags, cuDNN's benchmark and deterministic flags,
+    deterministic algorithms) as they were after the block: an ``eval_fn`` calling
+    ``torch.set_float32_matmul_precision("medium")`` changed every later run (TF32 matmuls in
+    an "fp32" reference on a GPU) and outlived tune() (found by a hunt); a ``loss_fn`` or
+    ``train_step`` doing the same did too, and an ``eval_fn`` setting ``cudnn.benchmark``
+    (found by a later hunt): each run and the whole of tune() and check() are kept."""
     dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    cudnn = torch.backends.cudnn
+    benchmark, deterministic = cudnn.benchmark, cudnn.deterministic
+    algorithms = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     with matmul_precision_kept():
         try:
             yield
@@ -321,6 +330,12 @@ def torch_settings_kept() -> Iterator[None]:
             torch.set_default_dtype(dtype)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
+            cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
+            if algorithms != (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ):
+                torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
 
 
 class WindowClock:

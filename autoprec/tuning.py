@@ -76,6 +76,7 @@ from autoprec.search import (
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
+from autoprec.trial_measures import torch_settings_kept
 from autoprec.tune_result import TuneResult, budget_report, build_result, trial_outcome
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ def tune(
     budget_seconds = float(budget_minutes) * 60
     with (
         preserved_rng(),
+        torch_settings_kept(),
         callers_objects_frozen(),
         callers_blocks_lifted(),
         optuna_quiet(),

@@ -2221,6 +2221,56 @@ def test_an_eval_fn_that_changes_torch_settings_changes_no_later_run() -> None:
     assert set(seen) == {before[0]}
 
 
+def test_a_loss_fn_that_changes_torch_settings_changes_no_later_run() -> None:
+    """Found by a hunt: a ``loss_fn`` (or ``train_step``) setting the thread count, the matmul
+    precision or cuDNN's flags left them set for every later run and after check(); an
+    eval_fn's ``cudnn.benchmark`` outlived it too. Each run starts from the caller's."""
+    task = tasks.regression(lr=1e-3)
+    seen: set[tuple[object, ...]] = set()
+
+    def settings() -> tuple[object, ...]:
+        cudnn = torch.backends.cudnn
+        return (
+            torch.get_num_threads(),
+            torch.get_float32_matmul_precision(),
+            cudnn.benchmark,
+            cudnn.deterministic,
+            torch.are_deterministic_algorithms_enabled(),
+        )
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.add(settings())
+        torch.set_num_threads(max(1, torch.get_num_threads() + 1))
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return task.mse(output, target)
+
+    from autoprec.modes.base import matmul_precision_kept
+
+    before = settings()
+    try:
+        with matmul_precision_kept():  # (this test's own clean-up, should check() not keep it)
+            autoprec.check(
+                task.model,
+                task.batches + task.heldout,
+                loss_fn=loss_fn,
+                optimizer=task.optimizer,
+                steps=8,
+                modes=["amp_bf16"],
+                progress=False,
+            )
+            after = settings()
+    finally:
+        torch.use_deterministic_algorithms(bool(before[4]))
+        torch.backends.cudnn.benchmark = bool(before[2])
+        torch.backends.cudnn.deterministic = bool(before[3])
+        torch.set_num_threads(int(before[0]))  # type: ignore[call-overload]
+    assert after == before
+    assert before in seen and len(seen) > 1  # each run's first step saw the caller's
+
+
 def test_held_out_batches_that_are_training_batches_are_said(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
