@@ -48,6 +48,16 @@ class Skipped(BaseModel):
     reasons: tuple[str, ...]
 
 
+def _merged(skipped: list[Skipped]) -> tuple[Skipped, ...]:
+    """One entry a spec, in first-seen order, with every reason once: a mode whose own backend
+    and 8-bit states are both missing was listed twice (``Leave bf16_sr+8bit-optim,
+    bf16_sr+8bit-optim out of the modes``; found by a hunt)."""
+    reasons: dict[ModeSpec, dict[str, None]] = {}
+    for entry in skipped:
+        reasons.setdefault(entry.spec, {}).update(dict.fromkeys(entry.reasons))
+    return tuple(Skipped(spec=spec, reasons=tuple(said)) for spec, said in reasons.items())
+
+
 class CandidateList(BaseModel):
     model_config = FROZEN_RECORD
 
@@ -282,7 +292,7 @@ def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> Cand
         doubtful = [s for s in doubtful if s.mode in wanted]
     return CandidateList(
         specs=(ModeSpec(mode="fp32"), *promising, *eight_bit, *doubtful, *doubtful_8bit),
-        skipped=tuple(skipped),
+        skipped=_merged(skipped),
     )
 
 
@@ -363,6 +373,13 @@ def screen_specs(
             for bits in ([32] if mode in wanted else []) + ([8] if named_8bit else []):
                 spec = ModeSpec(mode=mode, optimizer_bits=bits)
                 skipped.append(Skipped(spec=spec, reasons=reasons))
-    eight_bit = _eight_bit_specs(report, specs, wanted_8bit, skipped if modes is not None else [])
+    # by default too, the 8-bit variant of every mode checked that cannot run is listed: a
+    # screen of every mode left them out without a word where bitsandbytes was missing (found
+    # by a hunt); a mode not checked at all is listed once, with its own reasons
+    checked = {"fp32", *(spec.mode for spec in specs)}
+    listed = wanted_8bit if modes is not None else wanted_8bit & checked
+    eight_bit = _eight_bit_specs(report, specs, listed, skipped)
     specs = [spec for spec in specs if spec.mode in wanted]
-    return CandidateList(specs=(ModeSpec(mode="fp32"), *specs, *eight_bit), skipped=tuple(skipped))
+    return CandidateList(
+        specs=(ModeSpec(mode="fp32"), *specs, *eight_bit), skipped=_merged(skipped)
+    )

@@ -381,3 +381,25 @@ def test_exports_carry_compile_and_the_profiles_fp8_layers() -> None:
     convert = ao["kwargs_handlers"][0].module_filter_func
     assert convert(torch.nn.Linear(64, 64), "body") and not convert(torch.nn.Linear(64, 64), "head")
     assert not convert(torch.nn.Linear(60, 64), "body")  # dims FP8 kernels cannot take
+
+
+def test_lightnings_plugin_without_lightning_names_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a hunt: ``from autoprec.integrations.lightning import AutoprecPrecision``
+    without Lightning raised a bare ``No module named 'lightning'``; the exports, which need
+    no Lightning, still work."""
+    import sys
+
+    import autoprec.integrations
+    from autoprec.integrations import lightning
+
+    for name in [n for n in sys.modules if n.split(".")[0] == "lightning"] + ["lightning"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "autoprec.integrations.lightning_trainer", raising=False)
+    monkeypatch.delattr(autoprec.integrations, "lightning_trainer", raising=False)
+    with pytest.raises(MissingBackendError, match=r"AutoprecPrecision needs Lightning 2\.x"):
+        lightning.AutoprecPrecision  # noqa: B018
+    with pytest.raises(MissingBackendError, match=r"pip install lightning"):
+        from autoprec.integrations.lightning import tune_module  # noqa: F401
+    assert _profile(mode="amp_bf16").to_lightning()["precision"] == "bf16-mixed"

@@ -1048,6 +1048,42 @@ def test_fp8_that_would_convert_no_layer_is_not_checked_with_the_reason() -> Non
     assert "verdict would be bf16 autocast's (amp_bf16)" in skipped.reasons[0]
 
 
+def test_8bit_variants_that_cannot_run_are_listed_once_by_default_and_named() -> None:
+    """Found by a hunt on an install without bitsandbytes: ``check()`` of every mode left out
+    all six 8-bit variants without a word (every other mode missing its extra is listed "not
+    checked"), and a mode missing its own backend and 8-bit states' was named twice."""
+    from autoprec.candidates import EIGHT_BIT_MODES, candidate_specs, screen_specs
+    from autoprec.eligibility import Situation
+    from autoprec.probing import probe
+    from examples import raw_param_mlp
+
+    model, example = raw_param_mlp.make_model()
+    report = probe(model, example)
+    missing = "optimizer_bits=8 needs bitsandbytes (found: not installed)"
+    no_8bit = report.optimizer_8bit.model_copy(
+        update={"eligible": False, "worth_trying": False, "reasons": (missing,)}
+    )
+    no_sr = report.verdict("bf16_sr").model_copy(
+        update={"eligible": False, "worth_trying": False, "reasons": ("bf16_sr needs x",)}
+    )
+    modes = tuple(no_sr if v.name == "bf16_sr" else v for v in report.modes)
+    report = report.model_copy(update={"optimizer_8bit": no_8bit, "modes": modes})
+    situation = Situation(hardware=report.hardware, device=report.device, layers=report.layers,
+                          backends=report.backends)  # fmt: skip
+    screened = screen_specs(report, situation)
+    eight_bit = {s.spec.label: s.reasons for s in screened.skipped if s.spec.optimizer_bits == 8}
+    checked = {f"{s.mode}+8bit-optim" for s in screened.specs if s.mode in EIGHT_BIT_MODES}
+    assert set(eight_bit) == checked and len(checked) >= 4, (eight_bit, checked)
+    assert all(reasons == (missing,) for reasons in eight_bit.values())
+    assert not [s for s in screened.specs if s.optimizer_bits == 8]
+    labels = [s.spec.label for s in screened.skipped]
+    assert len(labels) == len(set(labels)), labels
+    named = candidate_specs(report, modes=["bf16_sr+8bit-optim"])
+    (entry,) = named.skipped
+    assert entry.spec.label == "bf16_sr+8bit-optim"
+    assert entry.reasons == ("bf16_sr needs x", missing)
+
+
 def test_tune_trials_fp8_on_small_linears_and_skips_it_where_none_converts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

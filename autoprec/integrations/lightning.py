@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoprec.errors import ExportError
+from autoprec.errors import ExportError, MissingBackendError
 from autoprec.integrations import refuse_8bit_optimizer, refuse_cudnn_tf32, refuse_keep_fp32
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
@@ -91,7 +91,16 @@ def __getattr__(name: str) -> Any:
     """``tune_module`` and ``AutoprecPrecision`` import Lightning: loaded on first use, so that
     profiles export to Lightning without importing it."""
     if name in ("tune_module", "AutoprecPrecision", "module_recipe"):
-        from autoprec.integrations import lightning_trainer
-
+        try:
+            from autoprec.integrations import lightning_trainer
+        except ImportError as error:
+            if (error.name or "").split(".")[0] != "lightning":
+                raise
+            # a bare "No module named 'lightning'" before (found by a hunt)
+            raise MissingBackendError(
+                f"autoprec.integrations.lightning.{name} needs Lightning 2.x, imported as "
+                f"`lightning` ({type(error).__name__}: {error}); install it with: pip install "
+                "lightning (the standalone pytorch_lightning package is not supported)"
+            ) from error
         return getattr(lightning_trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
