@@ -32,7 +32,7 @@ from autoprec.candidates import (
 )
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
-from autoprec.eligibility import Situation, model_device
+from autoprec.eligibility import Situation, model_device, model_devices
 from autoprec.errors import BatchError, BudgetTooSmallError, LossError, UnsupportedModeError
 from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
@@ -489,6 +489,19 @@ def _without_untranslatable(
     return candidates.model_copy(update={"specs": tuple(kept), "skipped": tuple(skipped)})
 
 
+def _already_on(model: nn.Module, device: str | None) -> bool:
+    """Whether the trials can run on ``model`` where it is: no ``device=``, or the one it is on.
+    ``device="cpu"`` for a model on the CPU held a second copy through the whole run (found by
+    a hunt; on a GPU, ``--device cuda:0`` for a model there, two on the GPU)."""
+    if device is None:
+        return True
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    name = "cpu" if target.type == "cpu" else f"cuda:{target.index}"
+    return model_devices(model) == (name,)
+
+
 def setup_run(
     model: nn.Module,
     loader: Iterable[Any],
@@ -519,7 +532,7 @@ def setup_run(
     if note is not None:
         logger.warning(note)
     recipe.name_groups_after(model)  # the trial model may be a copy on another device
-    trial_model = model if device is None else deep_copy(model).to(device)
+    trial_model = model if _already_on(model, device) else deep_copy(model).to(str(device))
     # judged for the device the trials run on, not the machine's first GPU (found by a hunt:
     # device="cpu" beside an H100 tried tf32 and FP8 on the CPU, "proven" on the H100)
     scanned = _scanned_copy_kept_apart(model, trial_model, train[0], recipe)

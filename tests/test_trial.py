@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import re
 import statistics
@@ -596,6 +597,31 @@ def test_held_out_outputs_are_kept_as_bounded_summaries() -> None:
     assert error == pytest.approx(full, rel=0.05)
     exact = float((perturbed.argmax(-1) == logits.argmax(-1)).float().mean())
     assert agreement == pytest.approx(exact)
+
+
+def test_an_output_summary_holds_no_more_than_its_samples() -> None:
+    """Found by a hunt: an fp32 output on the host was summarised as a strided view, which held
+    (and wrote to the references file) the whole output, 250 MB of logits a held-out batch;
+    the argmax was kept for every row, 16 MB for an (8, 262144, 2) output."""
+    from autoprec.drift import _relative_error
+    from autoprec.trial_records import OUTPUT_SAMPLE_ELEMENTS, summarize_output
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 2048, 256, generator=generator)  # 4M values, 16 MB
+    summary = summarize_output(logits)
+    held = summary.values.untyped_storage().nbytes()
+    assert held == 4 * summary.values.numel() <= 4 * OUTPUT_SAMPLE_ELEMENTS
+    assert summary.values.data_ptr() != logits.data_ptr()
+    points = torch.randn(8, 262144, 2, generator=generator)
+    moved = points + 0.5 * torch.randn(8, 262144, 2, generator=generator)
+    summary, other = summarize_output(points), summarize_output(moved)
+    assert summary.top1 is not None and summary.top1.numel() <= OUTPUT_SAMPLE_ELEMENTS
+    assert summary.top1.untyped_storage().nbytes() == 8 * summary.top1.numel()
+    _, agreement = _relative_error([other], [summary])
+    exact = float((moved.argmax(-1) == points.argmax(-1)).float().mean())
+    assert agreement == pytest.approx(exact, abs=0.01)
+    stored_whole = dataclasses.replace(summary, top1=points.argmax(-1).reshape(-1))
+    assert _relative_error([other], [stored_whole])[1] is None  # an older references file
 
 
 def test_an_output_summary_spans_every_row_of_an_output_just_above_its_size() -> None:

@@ -1329,6 +1329,17 @@ def test_the_probe_judges_the_device_the_trials_run_on(monkeypatch: pytest.Monke
     assert setup.report.device == "cpu"
     modes = {spec.mode for spec in setup.candidates.specs}
     assert "tf32" not in modes and "fp8_torchao" not in modes and "amp_bf16" in modes
+    # found by a hunt: device= naming the model's own device held a second copy all run
+    # (trials copy the trial model; the user's is never trained)
+    assert setup.trial_model is model
+
+
+def test_device_names_the_models_own_device_or_another() -> None:
+    from autoprec.run_setup import _already_on
+
+    model = torch.nn.Linear(2, 2)
+    assert _already_on(model, None) and _already_on(model, "cpu")
+    assert not _already_on(model, "cuda:0") and not _already_on(model, "cuda:1")
 
 
 def test_a_run_that_took_the_study_over_while_references_were_saved_is_refused(
