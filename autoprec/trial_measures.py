@@ -26,9 +26,18 @@ MOVEMENT_SAMPLE_ELEMENTS = 2**20
 _COMPENSATION_KEYS = ("kahan_comp", "compensation")  # torch-optimi, StochasticAdamW
 
 
+def _moves_weights(group: dict[str, Any]) -> bool:
+    """Whether a parameter group trains at the lr it has now (the peak leg's, when the figures
+    below are read): a group held at lr 0 (a backbone "frozen" by its lr, a layer-wise decay's
+    first layer) moves no weight in fp32 either. Its beta2 rejected pure bf16 under the
+    optimizer-state rule, and its lr x weight_decay of 0 said "weight decay never applies"
+    of a head whose decay did (found by a hunt)."""
+    return float(group.get("lr", 0.0)) != 0.0
+
+
 def low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
     elements, beta2 = 0, 0.0
-    for group in plan.optimizer.param_groups:
+    for group in filter(_moves_weights, plan.optimizer.param_groups):
         group_beta2 = group["betas"][1] if "betas" in group else group.get("beta2", 0.0)
         for parameter in group["params"]:
             state = plan.optimizer.state.get(parameter, {}).get("exp_avg_sq")
@@ -45,14 +54,14 @@ def low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
 def nearest_adam_beta2(plan: PrecisionPlan) -> float | None:
     """bf16_pure (weights rounded to nearest) trained by an Adam (torch's Adam/AdamW,
     bitsandbytes' Adam8bit/AdamW8bit): the largest beta2 of the groups holding trainable bf16
-    weights. None for other modes and optimizers (SGD8bit also keeps ``betas``: its name
-    tells it apart)."""
+    weights at an lr above 0. None for other modes and optimizers (SGD8bit also keeps
+    ``betas``: its name tells it apart)."""
     optimizer = plan.optimizer
     if plan.mode.name != "bf16_pure" or "adam" not in type(optimizer).__name__.lower():
         return None
     betas = [
         float(group["betas"][1])
-        for group in optimizer.param_groups
+        for group in filter(_moves_weights, optimizer.param_groups)
         if "betas" in group
         and any(p.dtype == torch.bfloat16 and p.requires_grad for p in group["params"])
     ]
@@ -73,7 +82,7 @@ def nearest_rounded_decay(plan: PrecisionPlan) -> float | None:
         return None  # torch's AdamW is an Adam whose groups say decoupled_weight_decay
     decays = [
         float(group["lr"]) * float(group["weight_decay"])
-        for group in optimizer.param_groups
+        for group in filter(_moves_weights, optimizer.param_groups)
         if group.get("weight_decay") and group.get("decoupled_weight_decay")
         and any(p.dtype == torch.bfloat16 and p.requires_grad for p in group["params"])
     ]  # fmt: skip

@@ -1657,6 +1657,37 @@ def test_no_weight_decay_note_for_frozen_bf16_weights() -> None:
     )
 
 
+def test_a_group_held_at_lr_0_is_not_judged_by_the_rules_on_bf16_weights() -> None:
+    """Found by a hunt: a group at lr 0 (a backbone frozen by its lr, a layer-wise decay's
+    first layer) moves no weight in fp32 either, yet its beta2 0.999 rejected pure bf16 under
+    the optimizer-state rule beside a head at beta2 0.95, and its lr x weight_decay of 0 said
+    "weight decay never applies" of a head whose decay does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 1),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(16, 32, generator=generator) for _ in range(32)]
+    batches = [(x, x.sum(1, keepdim=True)) for x in inputs]
+    head = [*model[2].parameters(), *model[4].parameters()]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 0.0, "betas": (0.9, 0.999)},
+            {"params": head, "lr": 5e-2, "betas": (0.9, 0.95), "weight_decay": 0.1},
+        ]
+    )
+
+    report = autoprec.check(
+        model, batches, loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
+        modes=["bf16_pure"], steps=20, progress=False,
+    )  # fmt: skip
+    verdict = report.verdict("bf16_pure")
+    assert verdict.drift.get("rounded_beta2") == 0.95
+    assert not any("second moment" in reason for reason in verdict.reasons), verdict.reasons
+    assert not any("weight decay never applies" in note for note in verdict.notes)
+
+
 def test_an_eval_fn_returning_a_numpy_scalar_array_is_one_number() -> None:
     import numpy
 
