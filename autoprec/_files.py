@@ -35,6 +35,11 @@ def atomic_target(path: str | os.PathLike[str]) -> Path:
             f"{str(path)!r} is {_kind(target)}, not a file: autoprec writes by renaming a "
             "finished file over its target and will not replace it. Give a file name."
         )
+    if target.exists() and not os.access(target, os.W_OK):  # a rename needs only the folder's
+        raise ValueError(
+            f"{str(path)!r} is read-only: autoprec will not replace a file you cannot write "
+            "(a rename would, silently; found by a hunt). Make it writable or give another path."
+        )
     return target
 
 

@@ -14,6 +14,12 @@ from autoprec._wording import first_names
 from autoprec.weight_dtypes import same_values
 
 
+class CompileSetupError(RuntimeError):
+    """``torch.compile`` itself raised, before tracing anything: under ``python -W error`` its
+    import of a module using ``torch.jit.script_method`` raises torch's DeprecationWarning, and
+    a run then failed with "check that the loader's batches fit the model" (found by a hunt)."""
+
+
 class CompiledForward:
     """``torch.compile`` of a model's forward, set as the model's ``forward`` attribute (the
     same object, the same state_dict keys). A deep copy of the model gets a forward compiled
@@ -26,7 +32,12 @@ class CompiledForward:
         self.model = model
         self.forward = forward
         """A forward set on the instance before (compiled instead of the class's), or None."""
-        self.compiled = torch.compile(forward or type(model).forward.__get__(model))
+        try:
+            self.compiled = torch.compile(forward or type(model).forward.__get__(model))
+        except Exception as error:  # before dynamo runs: its own errors come at the first call
+            raise CompileSetupError(
+                f"torch.compile(model) raised {type(error).__name__}: {error}"
+            ) from error
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)

@@ -19,6 +19,7 @@ from autoprec.eligibility import (
     optimizer_8bit_eligibility,
 )
 from autoprec.errors import check_flag
+from autoprec.exclusive import one_run_at_a_time
 from autoprec.hardware import HardwareInfo, detect_hardware
 from autoprec.layers import LayerMix, scan_model
 from autoprec.model_copies import inside_compile_wrapper
@@ -103,14 +104,15 @@ def probe(
         )
     check_flag(import_backends, "import_backends")
     start = time.perf_counter()
-    hardware = hardware if hardware is not None else detect_hardware()
-    chosen = hardware.resolve_device(device)
-    if backends is None:
-        backends = tuple(backend_status(name, try_import=import_backends) for name in BACKENDS)
-    # inside torch.compile's wrapper: scanned by the names tune and keep_fp32 use
-    inner = inside_compile_wrapper(model)
-    model = model if inner is None else inner
-    layers = scan_model(model, example_input) if model is not None else None
+    with one_run_at_a_time("probe()"):  # warning filters and random streams: process-wide
+        hardware = hardware if hardware is not None else detect_hardware()
+        chosen = hardware.resolve_device(device)
+        if backends is None:
+            backends = tuple(backend_status(name, try_import=import_backends) for name in BACKENDS)
+        # inside torch.compile's wrapper: scanned by the names tune and keep_fp32 use
+        inner = inside_compile_wrapper(model)
+        model = model if inner is None else inner
+        layers = scan_model(model, example_input) if model is not None else None
     situation = Situation(hardware=hardware, device=chosen, layers=layers, backends=backends)
     modes = tuple(
         _verdict(mode, MODE_DESCRIPTIONS[mode], mode_eligibility(mode, situation))

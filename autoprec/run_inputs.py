@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoprec._files import check_writable
 from autoprec.batching import (
     MAIN_INPUT_RANKS,
     as_plain,
@@ -26,6 +27,7 @@ from autoprec.batching import (
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import model_device
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
+from autoprec.fingerprint import storage_file
 from autoprec.layer_kinds import (
     refuse_lazy,
     refuse_torchscript,
@@ -427,13 +429,29 @@ def check_budget(budget_minutes: Any, objective: Any) -> None:
 def checked_storage(storage: Any) -> str | None:
     """``storage`` as a string: a ``pathlib.Path`` is a journal or SQLite file path (it
     failed after calibration with a bare TypeError; found by a hunt)."""
-    if storage is None or isinstance(storage, str):
-        return storage
     if isinstance(storage, os.PathLike):
-        return os.fspath(storage)  # type: ignore[return-value]
-    raise TypeError(
-        f"storage must be an Optuna storage URL or a file path, not {type(storage).__name__}."
-    )
+        storage = os.fspath(storage)
+    if storage is not None and not isinstance(storage, str):
+        raise TypeError(
+            f"storage must be an Optuna storage URL or a file path, not {type(storage).__name__}."
+        )
+    _check_storage_writable(storage)
+    return storage
+
+
+def _check_storage_writable(storage: str | None) -> None:
+    """A local study file (SQLite, a journal) a run could not write is refused before the run:
+    it failed after calibration, and a read-only study file in a writable folder was blamed on
+    the folder ("check ... that its folder exists and is writable"; found by a hunt)."""
+    file = storage_file(storage)
+    if file is None:
+        return
+    if file.is_file() and not os.access(file, os.W_OK):
+        raise ValueError(
+            f"The study storage {str(file)!r} is read-only: a tune writes its trials there. "
+            "Make it writable, or give another storage."
+        )
+    check_writable(file)  # its folder (SQLite writes a journal beside it)
 
 
 def uncompiled_model(model: Any) -> tuple[Any, bool]:

@@ -25,6 +25,7 @@ from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_blind_spots import blind_spots
 from autoprec.drift_thresholds import DriftThresholds
+from autoprec.exclusive import one_run_at_a_time
 from autoprec.interrupts import raise_if_interrupted
 from autoprec.outcomes import TrialOutcome
 from autoprec.recipe import (
@@ -350,6 +351,7 @@ def check(
     )
     start = clock()
     with (
+        one_run_at_a_time("check()"),
         preserved_rng(),
         torch_settings_kept(),
         callers_objects_frozen(),

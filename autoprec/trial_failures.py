@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from autoprec.errors import AutoprecError, UnsupportedModeError
+from autoprec.model_copies import CompileSetupError
 from autoprec.trial_records import FailureKind, TrialFailure
 
 
@@ -39,7 +40,10 @@ def is_oom(error: BaseException) -> bool:
 
 
 def _is_compile_error(error: BaseException) -> bool:
-    """An error raised by torch.compile's tracer (dynamo) or compiler (inductor)."""
+    """An error raised by torch.compile's tracer (dynamo) or compiler (inductor), or by the
+    ``torch.compile`` call itself."""
+    if isinstance(error, CompileSetupError):
+        return True
     return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 

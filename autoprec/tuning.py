@@ -22,6 +22,7 @@ from autoprec.batching import LossFn, TrainStep, as_plain
 from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
+from autoprec.exclusive import one_run_at_a_time
 from autoprec.fingerprint import (
     StudyFingerprint,
     architecture_digest,
@@ -227,6 +228,7 @@ def tune(
     start = clock()
     budget_seconds = float(budget_minutes) * 60
     with (
+        one_run_at_a_time("tune()"),
         preserved_rng(),
         torch_settings_kept(),
         callers_objects_frozen(),

@@ -67,3 +67,35 @@ class TestFp8Torchao(ModeContract):
 
 class TestFp8Te(ModeContract):
     spec = ModeSpec(mode="fp8_te")
+
+
+def test_the_contract_fails_a_broken_mode_under_python_O() -> None:
+    """Found by a hunt: the contract's checks were plain asserts, which pytest does not rewrite
+    in an installed module and ``python -O`` strips: a mode drawing from the global RNG passed
+    there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import itertools, torch
+        import autoprec.testing as contract
+        from autoprec.specs import ModeSpec
+
+        class Broken(contract.ModeContract):
+            spec = ModeSpec(mode="amp_bf16")
+
+        counter = itertools.count()  # as a mode drawing from the global RNG: every reading differs
+        contract._global_rng_states = lambda: [torch.tensor([next(counter)])]
+        try:
+            Broken().test_leaves_the_global_rng_alone()
+        except AssertionError as error:
+            print("failed:", error)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "failed: the mode drew from the global RNG" in done.stdout

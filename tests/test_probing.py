@@ -279,3 +279,29 @@ def test_flags_refuse_anything_but_true_or_false(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="import_backends must be True or False"):
         autoprec.probe(import_backends=1)  # type: ignore[arg-type]
     assert profile.to_lightning(ignore_keep_fp32=True) == {"precision": "bf16-mixed"}
+
+
+def test_a_run_in_another_thread_waits_for_the_one_running(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a hunt: two check() calls in two threads mixed the global random streams (a
+    paired noise run repeated the reference) and left an "ignore every warning" filter in the
+    process. Runs take turns; one inside a run in its own thread (probe() in tune()) goes on."""
+    import threading
+    import warnings
+
+    from autoprec.exclusive import one_run_at_a_time
+
+    filters = list(warnings.filters)
+    reports: list[object] = []
+    with caplog.at_level("WARNING", logger="autoprec"):
+        with one_run_at_a_time("tune()"):
+            autoprec.probe(torch.nn.Linear(4, 4), torch.randn(2, 4))  # same thread: goes on
+            other = threading.Thread(target=lambda: reports.append(autoprec.probe()))
+            other.start()
+            other.join(timeout=1.0)
+            assert other.is_alive() and not reports  # waits while tune() runs
+        other.join(timeout=60)
+    assert len(reports) == 1
+    assert "probe() waits for tune(), running in another thread" in caplog.text
+    assert warnings.filters == filters

@@ -1020,6 +1020,26 @@ def test_save_through_a_link_writes_its_target_and_refuses_what_is_not_a_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe.json", "real.json"]
 
 
+def test_a_read_only_profile_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt: a chmod 444 profile was replaced (a rename needs only the folder's
+    permission) and the CLI said "wrote". (os.access is faked: these tests run as root, for
+    whom every file is writable.)"""
+    from autoprec._files import check_writable
+
+    locked = tmp_path / "locked.json"
+    locked.write_text("{}")
+    locked.chmod(0o444)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "locked.json")
+    with pytest.raises(ValueError, match=r"locked\.json' is read-only: autoprec will not"):
+        _profile(mode="amp_bf16").save(locked)
+    with pytest.raises(ValueError, match=r"is read-only"):
+        check_writable(locked)
+    assert locked.read_text() == "{}"
+    _profile(mode="amp_bf16").save(tmp_path / "open.json")  # a writable file is replaced
+
+
 def test_check_writable_proves_a_file_can_be_made_and_leaves_nothing(tmp_path: Path) -> None:
     """A long run's output path is tried before the run: a probe file in the nearest folder
     that exists, removed; no folder is made for a path whose folders do not exist yet."""

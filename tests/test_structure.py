@@ -14,7 +14,7 @@ PACKAGE = Path(autoprec.__file__).parent
 # fmt: off
 ORDER = [
     "_version", "_models", "_files", "_wording", "_warnings", "errors", "_imports",  # base
-    "random_streams", "collector", "interrupts",
+    "random_streams", "collector", "interrupts", "exclusive",
     "specs",
     "cpu_info", "hardware", "layer_kinds", "buffer_slots", "layer_flops",  # facts
     "weight_dtypes", "running_state",

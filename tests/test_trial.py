@@ -864,6 +864,23 @@ def test_a_mode_that_fails_to_compile_is_a_failed_trial(monkeypatch: pytest.Monk
     assert record.failure.step == 0
 
 
+def test_torch_compile_raising_itself_is_a_compile_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a hunt: under ``python -W error`` the ``torch.compile`` call itself raises
+    torch's own DeprecationWarning, and the run was blamed on the batches; it is a failed
+    compile, with the advice to run eager."""
+
+    def deprecated(*args: object, **kwargs: object) -> object:
+        raise DeprecationWarning("`torch.jit.script_method` is deprecated")
+
+    monkeypatch.setattr(torch, "compile", deprecated)
+    record = _trial_on(tasks.regression(), ModeSpec(mode="amp_bf16", compile=True), steps=6).record
+    assert record.failure is not None and record.failure.kind == "compile_failed"
+    assert "torch.compile(model) raised DeprecationWarning" in record.failure.message
+    assert "compile=False" in record.failure.message
+
+
 def test_compiled_trial_counts_graphs_and_recompiles_after_warmup() -> None:
     """Batches of another size after warm-up make torch.compile build a new graph: timings
     then include compilation, and the record says so (the held-out pass is not counted)."""

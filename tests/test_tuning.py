@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
@@ -1509,3 +1510,26 @@ def test_runs_reserve_the_slowest_eval_fn_tail_yet(monkeypatch: pytest.MonkeyPat
         expected_trial_seconds=1.0, tail_seconds=lambda: holder[0],
     )  # fmt: skip
     assert reserved == [0.5, 2.0]
+
+
+def test_a_study_storage_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt: an unwritable storage failed only after calibration, and a read-only
+    study file in a writable folder was blamed on the folder. (os.access is faked: the tests
+    run as root, for whom every file is writable.)"""
+    study = tmp_path / "study.db"
+    study.write_bytes(b"")
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "study.db")
+    read: list[int] = []
+
+    def loader() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index, batch in enumerate(_regression_batches()):
+            read.append(index)
+            yield batch
+
+    with pytest.raises(ValueError, match=r"study\.db' is read-only: a tune writes its trials"):
+        tune(_Regressor(), loader(), budget_minutes=0.2, loss_fn=_mse, storage=f"sqlite:///{study}")
+    with pytest.raises(ValueError, match=r"making a file in '/proc' fails"):
+        tune(_Regressor(), loader(), budget_minutes=0.2, loss_fn=_mse, storage="/proc/j.log")
+    assert read == []  # refused before a batch was read
