@@ -197,6 +197,7 @@ class PrecisionPlan:
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
         self._awaiting_last_backward = False
+        self._holds_checked = False  # whether a step found the optimizer holds the model's
         """plan.step() closed a micro-batch before the step's last, whose backward has not run
         (``clip_gradients`` then reads partial sums: found by a hunt)."""
         if mode.keeps_gradient_state():  # sums beside .grad, amp_fp16's unscale of them
@@ -272,6 +273,8 @@ class PrecisionPlan:
         if clip is not None:
             self.clip_step_gradients(clip)
         stepped = self.mode.optimizer_step(self.optimizer)
+        if not self._holds_checked:
+            self._holds_checked = _refuse_detached_optimizer(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
 
@@ -369,6 +372,27 @@ class PrecisionPlan:
         return f"PrecisionPlan({self.spec.label}, optimizer={type(self.optimizer).__name__})"
 
 
+def _refuse_detached_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """At the first step whose backward reached the model's weights: refused when the
+    optimizer holds none of them. A wrapper that replaces the parameters after ``apply()``
+    (FSDP2's ``fully_shard``) left ``plan.optimizer`` stepping tensors the model no longer
+    used: every step "succeeded" and nothing trained (found by a hunt). True once checked."""
+    with_grads = [p for p in model.parameters() if p.grad is not None]
+    if not with_grads:
+        return False  # nothing reached the model yet (or a mode keeps its sums): next step
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if any(id(p) in held for p in with_grads):
+        return True
+    raise RuntimeError(
+        f"The optimizer holds none of the {len(with_grads)} model parameters the backward "
+        "gave gradients to: it steps tensors the model no longer uses, and nothing would "
+        "train. Something replaced the model's parameters after apply()/prepare() "
+        "(FSDP2's fully_shard does: shard the model first and apply the profile to the "
+        "sharded model only where its route is documented, or build the optimizer over "
+        "model.parameters() after the wrapper and apply the profile with it)."
+    )
+
+
 def _clip_with_sparse(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over gradients some of which are sparse (an
     ``nn.Embedding(sparse=True)``), which it cannot take ("Could not run ... SparseCPU": any
@@ -419,6 +443,7 @@ def build_plan(
     # refuse before converting anything: a refusal leaves the model and optimizer untouched
     check_step_settings(grad_accumulation_steps, clip_grad_norm)
     _refuse_kept_low_precision(mode, model)
+    _refuse_sharded_casts(spec, model)
     uncalled = uncalled_kept_module(model, mode.keeps_fp32)
     if uncalled:
         raise ValueError(uncalled)
@@ -438,6 +463,27 @@ def build_plan(
         optimizer,
         grad_accumulation_steps=grad_accumulation_steps,
         clip_grad_norm=clip_grad_norm,
+    )
+
+
+_CASTS_OR_SWAPS = ("bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan", "fp8_torchao", "fp8_te")
+"""Modes that cast the weights or swap modules: what FSDP2 recorded of a sharded model."""
+
+
+def _refuse_sharded_casts(spec: ModeSpec, model: nn.Module) -> None:
+    """A model FSDP2 already sharded (DTensor parameters), under a mode that casts weights or
+    swaps modules: FSDP2 recorded the dtypes and modules it sharded, and the first forward
+    failed in torch ("mat1 and mat2 must have the same dtype"; found by a hunt)."""
+    if spec.mode not in _CASTS_OR_SWAPS:
+        return
+    if not any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return
+    raise UnsupportedModeError(
+        f"The model is sharded by FSDP2 (DTensor parameters), and {spec.label} casts its "
+        "weights or swaps its modules, which FSDP2 recorded when it sharded them. autoprec "
+        "does not run this mode under FSDP2: under FSDP2 use fp32 or amp_bf16 "
+        "(profile.to_fsdp2()), or train the mode under DDP.",
+        (f"{spec.label} under FSDP2 (found: DTensor parameters)",),
     )
 
 

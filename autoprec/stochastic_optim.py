@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
@@ -97,8 +98,10 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         self._copy_stochastic = require("torchastic").stochastic_optim.copy_stochastic_
         self._eight_bit: EightBitStates | None = None  # made at the first 8-bit moment
         # None: torch's seed (torch.manual_seed's, a trial's run seed), read without a draw;
-        # a fixed 0 made every seed of `tune --seed` round with the same noise
+        # a fixed 0 made every seed of `tune --seed` round with the same noise. In a process
+        # group of several ranks, the first step seeds from the weights instead (_first_seed)
         self._seed = (torch.initial_seed() if seed is None else seed) % 2**63
+        self._seed_given = seed is not None
         self._rng_states: dict[str, torch.Tensor] = {}
         self._cuda_devices: list[int] = []
         super().__init__(params, {**defaults, "kahan": kahan, "state_bits": state_bits})
@@ -312,6 +315,27 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             }
         )
 
+    def _first_seed(self) -> int:
+        """The rounding stream's seed at the first step. In a process group of several ranks,
+        without a ``seed`` given: a digest of the weights, which DDP made every rank's when it
+        wrapped the model, so every replica rounds alike. ``torch.initial_seed()`` differs by
+        rank under the usual ``torch.manual_seed(base + rank)``, and bf16_sr's replicas
+        drifted apart from the first step, silently (found by a hunt). FSDP2's shards differ,
+        and so does their noise."""
+        import torch.distributed as dist
+
+        if self._seed_given or not (dist.is_available() and dist.is_initialized()):
+            return self._seed
+        if dist.get_world_size() < 2:
+            return self._seed
+        heads = [
+            _local(p).detach().reshape(-1)[:8].to("cpu", torch.float32)
+            for group in self.param_groups
+            for p in group["params"]
+        ]
+        digest = hashlib.sha256(torch.cat(heads).numpy().tobytes()).digest()
+        return int.from_bytes(digest[:8], "little") % 2**63
+
     @contextlib.contextmanager
     def _own_random_stream(self) -> Iterator[None]:
         """Draw the rounding noise from this optimizer's own stream (seeded by ``seed``), never
@@ -323,6 +347,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         devices = self._cuda_devices
         with torch.random.fork_rng(devices=devices):
             if not self._rng_states:
+                self._seed = self._first_seed()
                 seed_torch(self._seed, devices)  # the parameters' devices only: fork_rng
                 # puts back just those, and torch.manual_seed reseeded every GPU
             else:
@@ -508,3 +533,9 @@ class StochasticSGD(_StochasticOptimizer):
             self._write_moments(chunk, group, "momentum_buffer", buffer)
         weight.add_(grad, alpha=-group["lr"])
         self._finish_weights(chunk, weight)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (FSDP2), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

@@ -1489,3 +1489,34 @@ def test_the_zero_grad_a_plan_wraps_passes_every_argument_on() -> None:
     plan.optimizer.zero_grad(param=model.weight)
     plan.optimizer.zero_grad(False)
     assert calls == [((True,), {"param": model.weight}), ((False,), {"param": None})]
+
+
+def test_fsdp2_after_apply_is_refused_at_the_first_step_and_a_sharded_model_before_it(
+    single_process_group: None,
+) -> None:
+    """Found by a hunt: the FSDP2 export's advice (apply, then fully_shard) left plan.optimizer
+    stepping the parameters fully_shard replaced: every step "succeeded" and nothing trained;
+    a model sharded before prepare() failed its first forward in torch with a dtype error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    net = model()
+    plan = autoprec.prepare(ModeSpec(mode="amp_bf16"), net, torch.optim.AdamW(net.parameters()))
+    fully_shard(net, mesh=mesh)
+    with plan.autocast():
+        loss = net(torch.randn(4, 8)).float().square().mean()
+    with pytest.raises(RuntimeError, match=r"holds none of the 4 model parameters .*fully_shard"):
+        plan.step(loss)
+    sharded = model()
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    for mode in ("bf16_pure", "bf16_sr"):  # (FP8 refuses Linears with FSDP2's hooks already)
+        with pytest.raises(autoprec.UnsupportedModeError, match=r"sharded by FSDP2 .*DDP"):
+            autoprec.prepare(ModeSpec(mode=mode), sharded, torch.optim.AdamW(sharded.parameters()))
+    assert all(p.dtype == torch.float32 for p in sharded.parameters())  # left as it was

@@ -68,7 +68,10 @@ def fsdp2_policy_args(
             "torch.set_float32_matmul_precision('high')."
         )
     raise ExportError(
-        f"MixedPrecisionPolicy cannot express {spec.mode}: apply the profile to the model "
-        "before fully_shard (pure bf16 weights, FP8 module swaps) and build the optimizer with "
-        "profile.apply()."
+        f"MixedPrecisionPolicy cannot express {spec.mode}, and autoprec does not run it under "
+        "FSDP2: fully_shard after profile.apply() replaces every parameter, so plan.optimizer "
+        "steps none of them (plan.step refuses that), and a model sharded before apply() is "
+        "refused (FSDP2 recorded its dtypes and modules). Under FSDP2 use an fp32 or amp_bf16 "
+        "profile; train this one under DDP (wrap plan.model; found by a hunt: the route this "
+        "message gave trained nothing)."
     )

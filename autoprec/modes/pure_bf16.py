@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._warnings import warn_caller
 from autoprec.eligibility import Situation
 from autoprec.modes.base import BackwardRunner, PrecisionMode, override, tensor_backward
 from autoprec.modes.islands import install_autocast_islands, install_fp32_islands
@@ -75,6 +76,8 @@ class Bf16PureMode(PrecisionMode):
         super().backward(loss, run)
         if not self.fp32_accumulation:
             return
+        if not self._sums:
+            _warn_if_replicated()
         for parameter in self._parameters:
             if parameter.grad is None:
                 continue
@@ -188,3 +191,26 @@ class Bf16SrKahanMode(Bf16PureMode):
     name = "bf16_sr_kahan"
     optimizer_target = "stochastic_kahan"
     state_rounding = "stochastic"
+
+
+_warned_replicated: list[bool] = []
+
+
+def _warn_if_replicated() -> None:
+    """Once a process, in a process group of several ranks: the micro-batches' gradients are
+    summed in fp32 outside ``.grad``, which DDP cannot see. A run that skips DDP's all-reduce
+    on its first micro-batches (``no_sync()``) reduced the last one alone, and the replicas
+    drifted apart, silently (found by a hunt: 8e-3 apart after 5 steps)."""
+    import torch.distributed as dist
+
+    if _warned_replicated or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() < 2:
+        return
+    _warned_replicated.append(True)
+    warn_caller(
+        "Pure bf16 sums the gradients of a step's micro-batches in fp32 outside .grad. Under "
+        "DistributedDataParallel, let every micro-batch's backward synchronise (no "
+        "`no_sync()`): with no_sync, DDP all-reduces the last micro-batch alone and the "
+        "replicas drift apart. Under FSDP2 each rank sums its own shard, as it should."
+    )
