@@ -85,10 +85,11 @@ def default_keep_fp32(
             continue  # a frozen base loaded in bf16 (LoRA): no fp32 weights to keep
         if kind == "norm":
             keep[fqn] = "normalisation: statistics need full precision"
-        elif kind == "embedding" and any(p.requires_grad for p in module.parameters()):
-            # a frozen table looks up in bf16 what it looks up in fp32 and rounds rows to bf16
-            # next, and no update rounds away: kept, it cost 2 bytes a parameter for nothing
-            # (a LoRA base's 128k-row vocabulary, 1 GB; found by a hunt)
+        elif kind == "embedding":
+            # frozen ones too, though a plain frozen lookup would train alike in bf16 (a LoRA
+            # base's vocabulary, 2 bytes a parameter): a frozen table the forward changes (an
+            # EMA codebook, max_norm's in-place renorm) is state outside the optimizer, and
+            # an EmbeddingBag sums rows rounded first (found by a review of that change)
             keep[fqn] = "embedding: a lookup, nothing for low precision to speed up"
     if len(matmul_layers) == 1:
         keep.setdefault(

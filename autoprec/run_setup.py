@@ -489,7 +489,7 @@ def _without_untranslatable(
     return candidates.model_copy(update={"specs": tuple(kept), "skipped": tuple(skipped)})
 
 
-def _already_on(model: nn.Module, device: str | None) -> bool:
+def _already_on(model: nn.Module, device: str | int | None) -> bool:
     """Whether the trials can run on ``model`` where it is: no ``device=``, or the one it is on.
     ``device="cpu"`` for a model on the CPU held a second copy through the whole run (found by
     a hunt; on a GPU, ``--device cuda:0`` for a model there, two on the GPU)."""
@@ -532,7 +532,7 @@ def setup_run(
     if note is not None:
         logger.warning(note)
     recipe.name_groups_after(model)  # the trial model may be a copy on another device
-    trial_model = model if _already_on(model, device) else deep_copy(model).to(str(device))
+    trial_model = model if _already_on(model, device) else deep_copy(model).to(torch.device(device))
     # judged for the device the trials run on, not the machine's first GPU (found by a hunt:
     # device="cpu" beside an H100 tried tf32 and FP8 on the CPU, "proven" on the H100)
     scanned = _scanned_copy_kept_apart(model, trial_model, train[0], recipe)

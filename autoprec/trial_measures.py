@@ -28,16 +28,18 @@ _COMPENSATION_KEYS = ("kahan_comp", "compensation")  # torch-optimi, StochasticA
 
 def _moves_weights(group: dict[str, Any]) -> bool:
     """Whether a parameter group trains at the lr it has now (the peak leg's, when the figures
-    below are read): a group held at lr 0 (a backbone "frozen" by its lr, a layer-wise decay's
-    first layer) moves no weight in fp32 either. Its beta2 rejected pure bf16 under the
-    optimizer-state rule, and its lr x weight_decay of 0 said "weight decay never applies"
-    of a head whose decay did (found by a hunt)."""
+    below are read). Only the weight-decay note reads it: a group at lr 0 there said "weight
+    decay never applies" of a head whose decay did (found by a hunt). The optimizer-state rule
+    counts every group: a group at lr 0 in the peak leg may train later in the run (a staged
+    unfreeze), which no leg shows, and leaving it out accepted pure bf16 there (found by a
+    review); a group held at lr 0 for the whole run is a false reject it accepts (leave such
+    weights out of the optimizer, or set ``requires_grad_(False)``)."""
     return float(group.get("lr", 0.0)) != 0.0
 
 
 def low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
     elements, beta2 = 0, 0.0
-    for group in filter(_moves_weights, plan.optimizer.param_groups):
+    for group in plan.optimizer.param_groups:
         group_beta2 = group["betas"][1] if "betas" in group else group.get("beta2", 0.0)
         for parameter in group["params"]:
             state = plan.optimizer.state.get(parameter, {}).get("exp_avg_sq")
@@ -54,14 +56,14 @@ def low_precision_moment(plan: PrecisionPlan) -> LowPrecisionMoment | None:
 def nearest_adam_beta2(plan: PrecisionPlan) -> float | None:
     """bf16_pure (weights rounded to nearest) trained by an Adam (torch's Adam/AdamW,
     bitsandbytes' Adam8bit/AdamW8bit): the largest beta2 of the groups holding trainable bf16
-    weights at an lr above 0. None for other modes and optimizers (SGD8bit also keeps
-    ``betas``: its name tells it apart)."""
+    weights, whatever their lr now (:func:`_moves_weights`). None for other modes and
+    optimizers (SGD8bit also keeps ``betas``: its name tells it apart)."""
     optimizer = plan.optimizer
     if plan.mode.name != "bf16_pure" or "adam" not in type(optimizer).__name__.lower():
         return None
     betas = [
         float(group["betas"][1])
-        for group in filter(_moves_weights, optimizer.param_groups)
+        for group in optimizer.param_groups
         if "betas" in group
         and any(p.dtype == torch.bfloat16 and p.requires_grad for p in group["params"])
     ]

@@ -468,26 +468,26 @@ def test_a_frozen_low_precision_batchnorm_is_not_kept_for_its_running_statistics
     assert "0.1" not in {entry.fqn for entry in kept}
 
 
-def test_a_frozen_embedding_is_not_kept_in_fp32_and_a_frozen_norm_is() -> None:
-    """Found by a hunt on a LoRA model with an fp32 base: its frozen embedding was kept in fp32
-    under pure bf16, 2 bytes a parameter for nothing (a frozen table's bf16 lookup returns the
-    rows its fp32 lookup rounds to, and no update rounds away); a frozen norm's statistics do
-    change in bf16, so it stays kept, and a trained embedding (or one tied to a trained head:
-    the same parameter) stays kept."""
+def test_a_frozen_embedding_stays_kept_in_fp32_as_a_frozen_norm_does() -> None:
+    """A hunt proposed leaving a frozen embedding off the keep list (a plain frozen lookup
+    trains alike in bf16); a review found two it breaks: a frozen table the forward changes
+    (max_norm's in-place renorm, an EMA codebook) became state outside the optimizer and
+    failed every pure-bf16 mode, and an EmbeddingBag sums rows rounded first. It stays kept."""
     from autoprec.layer_keep import default_keep_fp32
 
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.frozen, self.trained = nn.Embedding(100, 16), nn.Embedding(100, 16)
+            self.frozen, self.trained = nn.Embedding(100, 16, max_norm=1.0), nn.Embedding(100, 16)
+            self.bag = nn.EmbeddingBag(100, 16)
             self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 100, bias=False)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.head(self.norm(self.frozen(ids) + self.trained(ids)))
+            mixed = self.frozen(ids) + self.trained(ids) + self.bag(ids).unsqueeze(1)
+            return self.head(self.norm(mixed))
 
     model = Model()
-    model.frozen.requires_grad_(False)
-    model.norm.requires_grad_(False)
+    for module in (model.frozen, model.bag, model.norm):
+        module.requires_grad_(False)
     kept = {entry.fqn for entry in default_keep_fp32(model, [])}
-    assert "frozen" not in kept
-    assert {"trained", "norm"} <= kept
+    assert {"frozen", "trained", "bag", "norm"} <= kept

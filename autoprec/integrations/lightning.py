@@ -87,6 +87,13 @@ def lightning_settings(
     )
 
 
+class LightningMissingError(MissingBackendError, ImportError):
+    """Lightning is not installed: an ImportError too, so ``try: from
+    autoprec.integrations.lightning import AutoprecPrecision / except ImportError:`` falls
+    back as it did when the bare ``No module named 'lightning'`` came through (found by a
+    review)."""
+
+
 def __getattr__(name: str) -> Any:
     """``tune_module`` and ``AutoprecPrecision`` import Lightning: loaded on first use, so that
     profiles export to Lightning without importing it."""
@@ -97,7 +104,7 @@ def __getattr__(name: str) -> Any:
             if (error.name or "").split(".")[0] != "lightning":
                 raise
             # a bare "No module named 'lightning'" before (found by a hunt)
-            raise MissingBackendError(
+            raise LightningMissingError(
                 f"autoprec.integrations.lightning.{name} needs Lightning 2.x, imported as "
                 f"`lightning` ({type(error).__name__}: {error}); install it with: pip install "
                 "lightning (the standalone pytorch_lightning package is not supported)"
