@@ -147,11 +147,26 @@ def _copy_advice(model: nn.Module) -> str:
     )
 
 
+def _is_fsdp1(model: nn.Module) -> bool:
+    if not torch.distributed.is_available():  # (builds without torch.distributed)
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
+
+
 def refuse_parallel_wrapper(model: nn.Module) -> None:
     """nn.DataParallel and DistributedDataParallel wrap the model a profile was proven on: a
     wrapped model read as another model (its keep_fp32 patterns matched nothing, and a kept
     LayerNorm trained in bf16), and DDP's gradient buckets are built for the fp32 parameters a
     mode then casts. Refused, naming the order that works."""
+    if _is_fsdp1(model):  # (its flat parameters, its dtypes)
+        raise TypeError(
+            "The model is wrapped in FullyShardedDataParallel (FSDP1), which autoprec does not "
+            "run a mode under (a cast mode failed at the first forward with a dtype error; "
+            "found by a review). Use FSDP2 (fully_shard, then apply an fp32 or AMP profile), "
+            "or DDP around plan.model."
+        )
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     if isinstance(model, wrappers):
         name = type(model).__name__

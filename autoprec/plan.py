@@ -197,9 +197,9 @@ class PrecisionPlan:
         self.clip_grad_norm = clip_grad_norm
         self.micro_step = 0
         self._awaiting_last_backward = False
-        self._holds_checked = False  # whether a step found the optimizer holds the model's
         """plan.step() closed a micro-batch before the step's last, whose backward has not run
         (``clip_gradients`` then reads partial sums: found by a hunt)."""
+        self._holds_checked = False  # whether a step found the optimizer holds the model's
         if mode.keeps_gradient_state():  # sums beside .grad, amp_fp16's unscale of them
             _zero_grad_tells_mode(optimizer, mode)
         self.last_grad_norm: torch.Tensor | None = None
@@ -467,23 +467,26 @@ def build_plan(
 
 
 _CASTS_OR_SWAPS = ("bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan", "fp8_torchao", "fp8_te")
-"""Modes that cast the weights or swap modules: what FSDP2 recorded of a sharded model."""
+"""Modes that cast the weights or swap modules: what FSDP2 recorded of a sharded model (and
+8-bit states, whose bitsandbytes kernels have no sharding strategy: found by a review)."""
 
 
 def _refuse_sharded_casts(spec: ModeSpec, model: nn.Module) -> None:
     """A model FSDP2 already sharded (DTensor parameters), under a mode that casts weights or
     swaps modules: FSDP2 recorded the dtypes and modules it sharded, and the first forward
     failed in torch ("mat1 and mat2 must have the same dtype"; found by a hunt)."""
-    if spec.mode not in _CASTS_OR_SWAPS:
+    if spec.mode not in _CASTS_OR_SWAPS and spec.optimizer_bits != 8:
         return
     if not any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return
     raise UnsupportedModeError(
-        f"The model is sharded by FSDP2 (DTensor parameters), and {spec.label} casts its "
-        "weights or swaps its modules, which FSDP2 recorded when it sharded them. autoprec "
-        "does not run this mode under FSDP2: under FSDP2 use fp32 or amp_bf16 "
-        "(profile.to_fsdp2()), or train the mode under DDP.",
-        (f"{spec.label} under FSDP2 (found: DTensor parameters)",),
+        f"The model is sharded (DTensor parameters: FSDP2's fully_shard, or tensor "
+        f"parallelism), and {spec.label} casts its weights, swaps its modules or keeps its "
+        "optimizer state in bitsandbytes' kernels, none of which a sharded model takes "
+        "(FSDP2 recorded the dtypes and modules it sharded). Sharded, use fp32, tf32, "
+        "amp_bf16 or amp_fp16 without 8-bit states (shard first, then prepare()/apply()); "
+        "train this mode under DDP.",
+        (f"{spec.label} on a sharded model (found: DTensor parameters)",),
     )
 
 

@@ -329,7 +329,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
         if dist.get_world_size() < 2:
             return self._seed
         heads = [
-            _local(p).detach().reshape(-1)[:8].to("cpu", torch.float32)
+            as_real(_local(p).detach()).reshape(-1)[:8].to("cpu", torch.float32)
             for group in self.param_groups
             for p in group["params"]
         ]
@@ -353,7 +353,7 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
             else:
                 torch.set_rng_state(self._rng_states["cpu"])
                 for index in devices:
-                    saved = self._rng_states.get(f"cuda:{index}")
+                    saved = _saved_cuda_stream(self._rng_states, index, devices)
                     if saved is not None:
                         torch.cuda.set_rng_state(saved, index)
                     else:  # a checkpoint written on other devices: a fresh stream here
@@ -539,3 +539,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's own shard (FSDP2), else the tensor."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+def pin_rounding_seed(optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """Seed a stochastic-rounding optimizer's stream with ``seed`` at its first step, as
+    ``seed=`` would have (any other optimizer: nothing to do). Trials pin their run's seed."""
+    if isinstance(optimizer, _StochasticOptimizer):
+        optimizer._seed, optimizer._seed_given = seed % 2**63, True
+
+
+def _saved_cuda_stream(
+    states: dict[str, torch.Tensor], index: int, devices: list[int]
+) -> torch.Tensor | None:
+    """The saved CUDA stream for device ``index``: its own, or, on one device, a checkpoint's
+    only one. Under DDP rank 0 saves ``cuda:0``'s and rank r resumes on ``cuda:r``: a fresh
+    stream there seeded by the index made every rank round otherwise (found by a review)."""
+    own = states.get(f"cuda:{index}")
+    if own is not None:
+        return own
+    saved = [state for key, state in states.items() if key.startswith("cuda:")]
+    return saved[0] if len(saved) == 1 and len(devices) == 1 else None

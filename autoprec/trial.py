@@ -24,6 +24,7 @@ from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
+from autoprec.stochastic_optim import pin_rounding_seed
 from autoprec.trial_failures import StopCheckRaised, failure_of, is_oom
 from autoprec.trial_loop import (
     TrainingLoop,
@@ -121,7 +122,7 @@ def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
     if inputs.nudge_seed is not None:
         nudge_weights(trained, inputs.nudge_seed)
     recipe = inputs.recipe
-    return build_plan(
+    plan = build_plan(
         inputs.spec,
         trained,
         recipe.make_optimizer(inputs.model, trained, with_state=True),
@@ -129,6 +130,10 @@ def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
         clip_grad_norm=recipe.clip_grad_norm,
         situation=inputs.situation,
     )
+    # the run's seed rounds, in a process group too (where a user's run seeds from the
+    # weights, alike in every trial: seeds 0 and 5 rounded alike; found by a review)
+    pin_rounding_seed(plan.optimizer, torch.initial_seed())
+    return plan
 
 
 def _heldout_read_in_fp32(inputs: _TrialInputs, plan: PrecisionPlan) -> list[float] | None:

@@ -164,6 +164,10 @@ def test_apply_profile_trains_with_the_trainer(
     block.mlp.c_fc.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
     start = block.mlp.c_fc.weight.detach().float().clone()
     plan = apply_profile(trainer, _profile_for(spec, hf_tuned[1].profile))
+    # pure bf16's fp32 sums of the 2 micro-batches live outside .grad: under DDP the Trainer's
+    # no_sync() on the first reduced the last alone (found by a review); it synchronises each
+    synchronises = type(trainer.accelerator.no_sync(model=trainer.model)).__name__ == "nullcontext"
+    assert synchronises == (spec.mode == "bf16_kahan")
     output = trainer.train()
     assert trainer.state.global_step == 6 and torch.isfinite(torch.tensor(output.training_loss))
     assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(

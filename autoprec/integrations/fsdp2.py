@@ -71,7 +71,8 @@ def fsdp2_policy_args(
         f"MixedPrecisionPolicy cannot express {spec.mode}, and autoprec does not run it under "
         "FSDP2: fully_shard after profile.apply() replaces every parameter, so plan.optimizer "
         "steps none of them (plan.step refuses that), and a model sharded before apply() is "
-        "refused (FSDP2 recorded its dtypes and modules). Under FSDP2 use an fp32 or amp_bf16 "
-        "profile; train this one under DDP (wrap plan.model; found by a hunt: the route this "
-        "message gave trained nothing)."
+        "refused (FSDP2 recorded its dtypes and modules). Under FSDP2 use an fp32, tf32, "
+        "amp_bf16 or amp_fp16 profile, applied to the sharded model (fully_shard first, then "
+        "profile.apply()); train this one under DDP (wrap plan.model; found by a hunt: the "
+        "route this message gave trained nothing)."
     )

@@ -372,6 +372,13 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
         clip_grad_norm=args.max_grad_norm or None,
         total_steps=run_steps,  # the schedule compared over this run, not the proven one's
     )
+    if getattr(plan.mode, "fp32_accumulation", False):
+        # pure bf16 sums micro-batches in fp32 outside .grad, which DDP cannot see: the
+        # Trainer's own no_sync() on all but the last reduced that one alone, and replicas
+        # drifted apart (found by a review); every micro-batch synchronises instead (this
+        # Trainer's accelerator only: Accelerate's sync_each_batch is process-wide state)
+        trainer.accelerator.no_sync = _synchronising
+        plan.mode.micro_batches_synced = True  # type: ignore[attr-defined]
     trainer.model = trainer.model_wrapped = plan.model
     trainer.optimizer = PlanOptimizer(plan, trainer.accelerator)
     trainer.lr_scheduler = plan.scheduler
@@ -383,6 +390,11 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     _with_autocast(trainer, plan)
     trainer.accelerator.backward = _plan_backward(plan)
     return plan
+
+
+def _synchronising(model: Any = None) -> contextlib.AbstractContextManager[None]:
+    """Accelerate's ``no_sync(model)``, synchronising: every backward all-reduces."""
+    return contextlib.nullcontext()
 
 
 def _plan_backward(plan: PrecisionPlan) -> Callable[..., None]:

@@ -57,6 +57,9 @@ class Bf16PureMode(PrecisionMode):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fp32_accumulation = False
+        self.micro_batches_synced = False
+        """A trainer that synchronises every micro-batch under DDP (apply_profile sets
+        Accelerate's ``sync_each_batch``): no warning about ``no_sync`` is needed."""
         self._parameters: list[nn.Parameter] = []
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
 
@@ -76,7 +79,7 @@ class Bf16PureMode(PrecisionMode):
         super().backward(loss, run)
         if not self.fp32_accumulation:
             return
-        if not self._sums:
+        if not self._sums and not self.micro_batches_synced:
             _warn_if_replicated()
         for parameter in self._parameters:
             if parameter.grad is None:
