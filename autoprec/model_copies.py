@@ -163,9 +163,11 @@ def refuse_parallel_wrapper(model: nn.Module) -> None:
     if _is_fsdp1(model):  # (its flat parameters, its dtypes)
         raise TypeError(
             "The model is wrapped in FullyShardedDataParallel (FSDP1), which autoprec does not "
-            "run a mode under (a cast mode failed at the first forward with a dtype error; "
-            "found by a review). Use FSDP2 (fully_shard, then apply an fp32 or AMP profile), "
-            "or DDP around plan.model."
+            "run under: the wrapper renames every module (_fsdp_wrapped_module.), so the "
+            "profile's keep_fp32 patterns and fingerprint match nothing, and a mode that casts "
+            "the weights failed at the first forward with a dtype error (found by a review). "
+            "Use FSDP2 (fully_shard, then apply an fp32 or AMP profile), or DDP around "
+            "plan.model."
         )
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     if isinstance(model, wrappers):

@@ -352,13 +352,15 @@ class _StochasticOptimizer(torch.optim.Optimizer, abc.ABC):
                 # puts back just those, and torch.manual_seed reseeded every GPU
             else:
                 torch.set_rng_state(self._rng_states["cpu"])
-                for index in devices:
+                for position, index in enumerate(devices):
                     saved = _saved_cuda_stream(self._rng_states, index, devices)
                     if saved is not None:
                         torch.cuda.set_rng_state(saved, index)
-                    else:  # a checkpoint written on other devices: a fresh stream here
+                    else:  # a checkpoint written on other devices: a fresh stream here, by
+                        # the weights in a process group and by the device's place among the
+                        # model's (rank r's cuda:r seeded by r rounded otherwise; a review)
                         with torch.cuda.device(index):
-                            torch.cuda.manual_seed(self._seed + index)
+                            torch.cuda.manual_seed(self._first_seed() + position)
             yield
             self._rng_states = {"cpu": torch.get_rng_state()}
             for index in devices:

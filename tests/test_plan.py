@@ -1528,3 +1528,38 @@ def test_fsdp2_after_apply_is_refused_at_the_first_step_and_a_sharded_model_befo
     with amp.autocast():
         loss = sharded(torch.randn(4, 8)).float().square().mean()
     assert amp.step(loss)
+
+
+def test_a_model_sharded_by_fsdp2_is_named_by_the_class_it_wraps(
+    single_process_group: None,
+) -> None:
+    """Found by a review: fully_shard swaps in a class FSDP<Name>, and a profile proven on the
+    unsharded model warned "proven for another model" (strict=True refused) on the route the
+    docs give for FSDP2: shard first, then apply an AMP or fp32 profile."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from autoprec.layers import scan_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    before = scan_model(model).model_class
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    assert type(model).__name__ == "FSDPSequential"
+    assert scan_model(model).model_class == before == "Sequential"
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")  # 1 rank
+def test_fsdp1_is_refused_naming_why_and_what_runs_sharded(single_process_group: None) -> None:
+    """Found by a review: under FSDP1 a cast mode failed at the first forward with torch's
+    dtype error; its wrapper renames every module, so keep_fp32 and the fingerprint match
+    nothing either. Refused before anything converts."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    with pytest.raises(TypeError, match=r"FullyShardedDataParallel \(FSDP1\).*FSDP2"):
+        autoprec.prepare(
+            ModeSpec(mode="bf16_pure"), wrapped, torch.optim.AdamW(wrapped.parameters())
+        )
+    assert all(p.dtype == torch.float32 for p in wrapped.parameters())

@@ -58,8 +58,9 @@ class Bf16PureMode(PrecisionMode):
         super().__init__(*args, **kwargs)
         self.fp32_accumulation = False
         self.micro_batches_synced = False
-        """A trainer that synchronises every micro-batch under DDP (apply_profile sets
-        Accelerate's ``sync_each_batch``): no warning about ``no_sync`` is needed."""
+        """A trainer that synchronises every micro-batch under DDP (apply_profile replaces
+        this Trainer's ``accelerator.no_sync`` with one that synchronises): no warning about
+        ``no_sync`` is needed."""
         self._parameters: list[nn.Parameter] = []
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
 
