@@ -30,14 +30,37 @@ def _fp32_depth() -> int:
 
 
 def cast_floats(tree: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
-    """Every tensor of a ``source`` dtype in ``tree`` cast to ``target``."""
+    """Every tensor of a ``source`` dtype in ``tree`` cast to ``target``. A flat tuple or dict
+    with nothing to cast comes back as it is, without torch's pytree walk: the hooks on every
+    layer of a pure-bf16 model (and on every kept module) call it each forward, and the walk
+    cost some 15 us a module (a 2000-layer forward 2.6x hand-written bf16's; found by a hunt)."""
 
     def cast(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dtype in source:
             return value.to(target)
         return value
 
+    if _nothing_to_cast(tree, source):
+        return tree
     return tree_map(cast, tree)
+
+
+def _nothing_to_cast(tree: Any, source: tuple[torch.dtype, ...]) -> bool:
+    """Whether a flat tuple or dict holds no tensor of a ``source`` dtype and no container
+    (which may hold one): then the walk would change nothing."""
+    if type(tree) is tuple:
+        values: Any = tree
+    elif type(tree) is dict:
+        values = tree.values()
+    else:
+        return False
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype in source:
+                return False
+        elif isinstance(value, tuple | list | dict) or hasattr(value, "__dict__"):
+            return False  # containers, dataclasses, objects: the walk decides
+    return True
 
 
 class EagerHook:

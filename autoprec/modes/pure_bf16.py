@@ -18,7 +18,13 @@ from torch import nn
 
 from autoprec._warnings import warn_caller
 from autoprec.eligibility import Situation
-from autoprec.modes.base import BackwardRunner, PrecisionMode, override, tensor_backward
+from autoprec.modes.base import (
+    BackwardRunner,
+    PrecisionMode,
+    override,
+    tensor_backward,
+    under_root,
+)
 from autoprec.modes.islands import install_autocast_islands, install_fp32_islands
 from autoprec.modes.root_inputs import (
     InputsToBf16,
@@ -106,9 +112,10 @@ class Bf16PureMode(PrecisionMode):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model = super().convert_module(model)
         kept = self.kept_roots(model)
+        roots = set(kept)
 
         def inside_kept(fqn: str) -> bool:
-            return any(fqn == root or fqn.startswith(root + ".") for root in kept)
+            return under_root(fqn, roots)
 
         # a buffer a kept module holds stays fp32 for every module sharing it
         kept_buffers = {
