@@ -160,11 +160,21 @@ def model_class_name(model: nn.Module) -> str:
     unsharded ``Name`` warned "proven for another model" on the route the docs give: shard
     first, then apply; found by a review)."""
     cls = type(model)
-    if any(base.__name__ == "FSDPModule" for base in cls.__bases__):
-        wrapped = [base for base in cls.__bases__ if base.__name__ != "FSDPModule"]
+    fsdp = _fsdp_module_class()
+    if fsdp is not None and fsdp in cls.__bases__:
+        wrapped = [base for base in cls.__bases__ if base is not fsdp]
         if wrapped:
             return wrapped[0].__name__
     return cls.__name__
+
+
+def _fsdp_module_class() -> type | None:
+    """torch's ``FSDPModule`` (a user's class of that name is not it: a review), when this
+    torch has it and FSDP2 is loaded (a sharded model has imported it)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.fsdp")
+    return getattr(module, "FSDPModule", None) if module is not None else None
 
 
 def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:

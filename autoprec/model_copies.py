@@ -164,7 +164,7 @@ def refuse_parallel_wrapper(model: nn.Module) -> None:
         raise TypeError(
             "The model is wrapped in FullyShardedDataParallel (FSDP1), which autoprec does not "
             "run under: the wrapper renames every module (_fsdp_wrapped_module.), so the "
-            "profile's keep_fp32 patterns and fingerprint match nothing, and a mode that casts "
+            "profile's keep_fp32 names and fingerprint no longer match, and a mode that casts "
             "the weights failed at the first forward with a dtype error (found by a review). "
             "Use FSDP2 (fully_shard, then apply an fp32 or AMP profile), or DDP around "
             "plan.model."

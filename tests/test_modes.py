@@ -1258,6 +1258,9 @@ def test_casting_hooks_skip_the_pytree_walk_when_nothing_is_cast_and_roots_are_l
     assert cast[0].dtype == torch.bfloat16 and cast[1] == 3
     nested = cast_floats(([fp32],), (torch.float32,), torch.bfloat16)
     assert nested[0][0].dtype == torch.bfloat16  # containers still walked
+    from collections import deque  # a node the walk opens though it has no __dict__ (a review)
+
+    assert cast_floats((deque([fp32]),), (torch.float32,), torch.bfloat16)[0][0].dtype == bf16.dtype
     roots = {"blocks.1.ln", "head"}
     assert under_root("blocks.1.ln", roots) and under_root("blocks.1.ln.weight_fn", roots)
     assert under_root("head.proj", roots)

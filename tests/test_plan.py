@@ -1548,6 +1548,14 @@ def test_a_model_sharded_by_fsdp2_is_named_by_the_class_it_wraps(
     assert type(model).__name__ == "FSDPSequential"
     assert scan_model(model).model_class == before == "Sequential"
 
+    class FSDPModule:  # a user's class of that name is not torch's (a review)
+        pass
+
+    class Mine(FSDPModule, torch.nn.Linear):
+        pass
+
+    assert scan_model(Mine(2, 2)).model_class == "Mine"
+
 
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")  # 1 rank
 def test_fsdp1_is_refused_naming_why_and_what_runs_sharded(single_process_group: None) -> None:

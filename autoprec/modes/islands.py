@@ -45,9 +45,15 @@ def cast_floats(tree: Any, source: tuple[torch.dtype, ...], target: torch.dtype)
     return tree_map(cast, tree)
 
 
+_LEAVES = (type(None), bool, int, float, str)
+"""Values the pytree walk never opens. Anything else may be a registered node (a deque, a
+``__slots__`` class or dataclass registered with torch's pytree): the walk decides (a review
+found those left uncast when the shortcut judged by ``__dict__``)."""
+
+
 def _nothing_to_cast(tree: Any, source: tuple[torch.dtype, ...]) -> bool:
-    """Whether a flat tuple or dict holds no tensor of a ``source`` dtype and no container
-    (which may hold one): then the walk would change nothing."""
+    """Whether a flat tuple or dict holds only tensors not of a ``source`` dtype and plain
+    leaves: then the walk would change nothing."""
     if type(tree) is tuple:
         values: Any = tree
     elif type(tree) is dict:
@@ -58,8 +64,8 @@ def _nothing_to_cast(tree: Any, source: tuple[torch.dtype, ...]) -> bool:
         if isinstance(value, torch.Tensor):
             if value.dtype in source:
                 return False
-        elif isinstance(value, tuple | list | dict) or hasattr(value, "__dict__"):
-            return False  # containers, dataclasses, objects: the walk decides
+        elif type(value) not in _LEAVES:
+            return False
     return True
 
 
