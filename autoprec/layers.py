@@ -16,6 +16,7 @@ lives: CPU, or the meta device for models too big to materialise.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
@@ -171,8 +172,6 @@ def model_class_name(model: nn.Module) -> str:
 def _fsdp_module_class() -> type | None:
     """torch's ``FSDPModule`` (a user's class of that name is not it: a review), when this
     torch has it and FSDP2 is loaded (a sharded model has imported it)."""
-    import sys
-
     module = sys.modules.get("torch.distributed.fsdp")
     return getattr(module, "FSDPModule", None) if module is not None else None
 
@@ -221,7 +220,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         linears=linears,
         fp8_eligible_flop_share=fraction(eligible_flops, forward_flops or 0) if ran else None,
         raw_param_matmuls=tuple(attribution.raw_params),
-        keep_fp32=default_keep_fp32(model, attribution.compute_order, running),
+        keep_fp32=default_keep_fp32(model, list(attribution.compute_order), running),
         findings=(),
         complex_parameters=tuple(
             fqn for fqn, p in named_parameters.items() if p.requires_grad and p.is_complex()

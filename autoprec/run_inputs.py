@@ -24,9 +24,11 @@ from autoprec.batching import (
     map_tensors,
     tensors_in,
 )
+from autoprec.collector import callers_objects_frozen
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import model_device
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
+from autoprec.exclusive import one_run_at_a_time
 from autoprec.fingerprint import storage_file
 from autoprec.layer_kinds import (
     refuse_lazy,
@@ -42,6 +44,7 @@ from autoprec.model_copies import (
 from autoprec.outcomes import OBJECTIVES
 from autoprec.random_streams import kept_streams
 from autoprec.specs import matches_keep_fp32
+from autoprec.trial_measures import torch_settings_kept
 from autoprec.weight_dtypes import fp32_fix, non_fp32_weights
 
 MAX_BATCHES = 64
@@ -278,6 +281,21 @@ def preserved_rng() -> Iterator[None]:
     """Leave the global RNGs (torch CPU and CUDA, Python's random, NumPy's) as they were."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with kept_streams(cuda):
+        yield
+
+
+@contextlib.contextmanager
+def callers_process_kept(what: str) -> Iterator[None]:
+    """What ``tune()`` and ``check()`` (``what``) keep of the caller's process around their
+    run: one run at a time, the global random streams, torch's settings and the caller's
+    objects as they were, and the caller's autocast / no_grad block lifted inside."""
+    with (
+        one_run_at_a_time(what),
+        preserved_rng(),
+        torch_settings_kept(),
+        callers_objects_frozen(),
+        callers_blocks_lifted(),
+    ):
         yield
 
 

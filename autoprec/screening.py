@@ -21,11 +21,9 @@ from torch import nn
 from autoprec._models import FROZEN_RECORD
 from autoprec.batching import LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
-from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_blind_spots import blind_spots
 from autoprec.drift_thresholds import DriftThresholds
-from autoprec.exclusive import one_run_at_a_time
 from autoprec.interrupts import raise_if_interrupted
 from autoprec.outcomes import TrialOutcome
 from autoprec.recipe import (
@@ -36,10 +34,9 @@ from autoprec.recipe import (
     default_optimizer,
 )
 from autoprec.run_inputs import (
-    callers_blocks_lifted,
+    callers_process_kept,
     checked_keep_fp32,
     checked_model,
-    preserved_rng,
     resolve_thresholds,
 )
 from autoprec.run_setup import (
@@ -54,7 +51,6 @@ from autoprec.run_setup import (
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
-from autoprec.trial_measures import torch_settings_kept
 from autoprec.trial_records import StopCheck, TrialProgress, TrialResult
 
 SCREEN_STEPS = 200
@@ -351,11 +347,7 @@ def check(
     )
     start = clock()
     with (
-        one_run_at_a_time("check()"),
-        preserved_rng(),
-        torch_settings_kept(),
-        callers_objects_frozen(),
-        callers_blocks_lifted(),
+        callers_process_kept("check()"),
         progress_callback(progress, on_event, screen=True) as callback,
     ):
         events = EventSink(callback, started=start, budget_seconds=0.0, clock=clock)

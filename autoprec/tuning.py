@@ -19,10 +19,8 @@ from torch.optim import Optimizer
 
 from autoprec._version import __version__
 from autoprec.batching import LossFn, TrainStep, as_plain
-from autoprec.collector import callers_objects_frozen
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
-from autoprec.exclusive import one_run_at_a_time
 from autoprec.fingerprint import (
     StudyFingerprint,
     architecture_digest,
@@ -47,12 +45,11 @@ from autoprec.recipe import (
 )
 from autoprec.retiming import CONFIRM_STEPS, confirm_speed
 from autoprec.run_inputs import (
-    callers_blocks_lifted,
+    callers_process_kept,
     check_budget,
     checked_keep_fp32,
     checked_model,
     checked_storage,
-    preserved_rng,
     resolve_thresholds,
 )
 from autoprec.run_setup import (
@@ -77,7 +74,6 @@ from autoprec.search import (
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
-from autoprec.trial_measures import torch_settings_kept
 from autoprec.tune_result import TuneResult, budget_report, build_result, trial_outcome
 
 logger = logging.getLogger(__name__)
@@ -228,11 +224,7 @@ def tune(
     start = clock()
     budget_seconds = float(budget_minutes) * 60
     with (
-        one_run_at_a_time("tune()"),
-        preserved_rng(),
-        torch_settings_kept(),
-        callers_objects_frozen(),
-        callers_blocks_lifted(),
+        callers_process_kept("tune()"),
         optuna_quiet(),
         progress_callback(progress, on_event) as callback,
     ):
