@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import autoprec
-from autoprec import tuning
+from autoprec import run_inputs
 from autoprec._imports import BACKENDS, is_installed, require
 from examples import tiny_gpt
 
@@ -73,7 +73,7 @@ def tune_once(frozen: bool, budget_minutes: float, modes: list[str] | None = Non
     patches = (
         contextlib.ExitStack()
         if frozen
-        else mock.patch.multiple(tuning, callers_objects_frozen=off)
+        else mock.patch.multiple(run_inputs, callers_objects_frozen=off)
     )
     with patches, timed_collections() as times:
         start = time.monotonic()
