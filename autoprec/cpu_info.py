@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -35,10 +37,11 @@ class CpuInfo(BaseModel):
     autocast: tuple[AutocastCheck, ...]
     native_bf16: bool | None = None
     """Whether the instruction set has bf16 arithmetic (``NATIVE_BF16_FLAGS`` among the CPU's
-    flags); None where the flags cannot be read (not Linux). Without it, bf16 runs far slower
-    than fp32: on a 2-core AMD EPYC without avx512_bf16, amp_bf16's step took 13.7x fp32's on
-    tiny_gpt and 17x on small_convnet (`make demo`, examples/README), where the same CPUs with
-    it ran amp_bf16 1.2x and 1.8x faster than fp32."""
+    flags; on macOS ``hw.optional.arm.FEAT_BF16``); None where neither can be read. Without
+    it, bf16 runs far slower than fp32: on a 2-core AMD EPYC without avx512_bf16, amp_bf16's
+    step took 13.7x fp32's on tiny_gpt and 17x on small_convnet (`make demo`,
+    examples/README), where the same CPUs with it ran amp_bf16 1.2x and 1.8x faster than
+    fp32."""
 
     def autocast_works(self, dtype: Literal["bfloat16", "float16"]) -> bool:
         return any(check.dtype == dtype and check.works for check in self.autocast)
@@ -82,12 +85,57 @@ def _native_bf16(cpuinfo: str) -> bool | None:
     return bool(flags & NATIVE_BF16_FLAGS) if flags else None
 
 
+ARM_CORES = {
+    "0xd0c": "Neoverse-N1",
+    "0xd40": "Neoverse-V1",
+    "0xd49": "Neoverse-N2",
+    "0xd4f": "Neoverse-V2",
+    "0xd8e": "Neoverse-N3",
+    "0xd84": "Neoverse-V3",
+}
+"""Arm's own cores by /proc/cpuinfo "CPU part" (implementer 0x41), as the Linux kernel's
+cputype.h names them: Graviton2 is an N1 (no bf16), Graviton3 a V1 and Grace a V2 (bf16)."""
+
+
 def _cpu_model_name(cpuinfo: str) -> str:
+    """The CPU's name: x86's "model name"; on Arm Linux, which prints none, its core from
+    "CPU implementer" and "CPU part" (it was recorded as "aarch64" on every Arm machine, so a
+    profile proven on a CPU with bf16 instructions applied without a word on one without:
+    found by a hunt); on macOS the brand string ("Apple M2"), not "arm"."""
+    fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-            return value.strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
+        fields.setdefault(key.strip(), value.strip())
+    for key in ("model name", "Model", "Hardware"):
+        if fields.get(key):
+            return fields[key]
+    implementer, part = fields.get("CPU implementer"), fields.get("CPU part")
+    if implementer and part:
+        core = ARM_CORES.get(part) if implementer == "0x41" else None
+        found = f"CPU implementer {implementer}, part {part}"
+        return f"Arm {core} ({found})" if core else f"{platform.machine()} ({found})"
+    return _darwin_sysctl("machdep.cpu.brand_string") or (
+        platform.processor() or platform.machine() or "unknown CPU"
+    )
+
+
+def _darwin_sysctl(name: str) -> str | None:
+    """A macOS sysctl value, or None elsewhere or when it cannot be read."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        found = subprocess.run(
+            ["sysctl", "-n", name], capture_output=True, text=True, timeout=5, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip() or None
+
+
+def _darwin_native_bf16() -> bool | None:
+    """Whether an Apple CPU has Arm's BF16 instructions (M2 and later), None off macOS."""
+    value = _darwin_sysctl("hw.optional.arm.FEAT_BF16")
+    return None if value is None else value == "1"
 
 
 def _memory_total() -> int | None:
@@ -110,5 +158,5 @@ def read_cpu(*, check_autocast: bool = True) -> CpuInfo:
         usable_cores=usable,
         memory_total_bytes=_memory_total(),
         autocast=checks,
-        native_bf16=_native_bf16(cpuinfo),
+        native_bf16=_native_bf16(cpuinfo) if cpuinfo else _darwin_native_bf16(),
     )

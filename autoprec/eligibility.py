@@ -326,6 +326,10 @@ def mxfp8_reason(gpu: GpuInfo | None) -> str | None:
     """Why the te_mxfp8 recipe cannot run on ``gpu``, or None (no GPU: the mode says so)."""
     if gpu is None:
         return None
+    if gpu.rocm_arch is not None:  # torch reads gfx1100 as "11.0": no NVIDIA capability
+        return (
+            f"te_mxfp8 needs an NVIDIA GPU of compute capability 10.x or 11.x (found: {gpu.label})"
+        )
     low, high = MXFP8_CAPABILITIES
     if gpu.capability < low:
         return f"te_mxfp8 needs compute capability >= 10.0 (found: {gpu.label})"
@@ -343,7 +347,7 @@ def _fp8_te(situation: Situation, verdict: _Verdict) -> None:
     _needs_backends(verdict, "fp8_te", ("transformer_engine",), situation)
     _fp8_model_fit(verdict, "fp8_te", situation.layers)
     gpu = situation.gpu
-    if gpu is not None and gpu.capability >= MXFP8_CAPABILITIES[0]:
+    if gpu is not None and gpu.rocm_arch is None and gpu.capability >= MXFP8_CAPABILITIES[0]:
         reason = mxfp8_reason(gpu)
         verdict.notes.append(reason or "MXFP8 recipe available (compute capability 10.x or 11.x)")
 

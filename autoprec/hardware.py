@@ -72,6 +72,9 @@ class GpuInfo(BaseModel):
     """An AMD GPU under a ROCm build of torch: its gfx architecture (``gcnArchName``). Its
     ``capability`` is then torch's reading of that name (gfx90a: 9.0), not an NVIDIA compute
     capability, and only fp16 and bf16 are claimed for it (``ROCM_FORMATS``)."""
+    mig_enabled: bool = False
+    """NVML reports the GPU in MIG mode: CUDA then shows only its MIG instances, none when
+    none was created."""
 
     @property
     def capability_str(self) -> str:
@@ -238,6 +241,10 @@ def _read_nvml_device(pynvml: ModuleType, index: int, driver: str | None) -> Gpu
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
     except Exception:  # noqa: BLE001
         uuid = None
+    try:
+        mig_enabled = bool(pynvml.nvmlDeviceGetMigMode(handle)[0])  # (current, pending)
+    except Exception:  # noqa: BLE001 - NotSupported on GPUs without MIG
+        mig_enabled = False
     return GpuInfo(
         index=index,
         name=_text(pynvml.nvmlDeviceGetName(handle)),
@@ -248,6 +255,7 @@ def _read_nvml_device(pynvml: ModuleType, index: int, driver: str | None) -> Gpu
         uuid=uuid,
         source="nvml",
         usable_by_torch=False,
+        mig_enabled=mig_enabled,
     )
 
 
@@ -341,9 +349,14 @@ possibility: SLURM and Kubernetes set it on every GPU job."""
 
 
 def unusable_gpus_note(
-    count: int, torch_version: str, cuda_runtime: str | None, hip_runtime: str | None = None
+    count: int,
+    torch_version: str,
+    cuda_runtime: str | None,
+    hip_runtime: str | None = None,
+    mig_gpus: int = 0,
 ) -> str:
-    """Why torch cannot use the NVIDIA GPUs NVML sees, by what this torch is."""
+    """Why torch cannot use the NVIDIA GPUs NVML sees, by what this torch is; ``mig_gpus``
+    of them in MIG mode."""
     if hip_runtime is not None:
         return (
             f"NVML sees {count} NVIDIA GPU(s) but torch {torch_version} is a ROCm build "
@@ -359,6 +372,14 @@ def unusable_gpus_note(
         return (
             f"NVML sees {count} GPU(s) but CUDA_VISIBLE_DEVICES={visible!r} hides them from "
             f"torch {torch_version}"
+        )
+    if mig_gpus:  # blamed on the driver (found by a hunt)
+        return (
+            f"NVML sees {count} GPU(s), {mig_gpus} of them in MIG mode, but torch "
+            f"{torch_version} (CUDA {cuda_runtime}) sees no CUDA device: a GPU in MIG mode "
+            "shows CUDA only its MIG instances. Create one (`nvidia-smi mig -cgi <profile> "
+            "-C`) and name it in CUDA_VISIBLE_DEVICES (its MIG-<uuid> from `nvidia-smi -L`), "
+            "or turn MIG off (`nvidia-smi -i <index> -mig 0`)"
         )
     also = (
         f"; or CUDA_VISIBLE_DEVICES={visible!r} names no GPU NVML lists"
@@ -398,7 +419,11 @@ def detect_hardware(
     elif nvml_gpus and not torch_gpus:
         notes.append(
             unusable_gpus_note(
-                len(nvml_gpus), torch.__version__, torch.version.cuda, torch.version.hip
+                len(nvml_gpus),
+                torch.__version__,
+                torch.version.cuda,
+                torch.version.hip,
+                mig_gpus=sum(gpu.mig_enabled for gpu in nvml_gpus),
             )
         )
     return HardwareInfo(

@@ -77,6 +77,9 @@ class HardwareFingerprint(BaseModel):
     torch_version: str
     cuda_runtime: str | None = None
     cpu_model: str
+    cpu_native_bf16: bool | None = None
+    """Whether the CPU has bf16 instructions (``CpuInfo.native_bf16``); None where unread and
+    in profiles written before it was recorded."""
 
     @classmethod
     def from_hardware(
@@ -92,6 +95,7 @@ class HardwareFingerprint(BaseModel):
             torch_version=hardware.torch_version,
             cuda_runtime=hardware.torch_cuda_runtime,
             cpu_model=hardware.cpu.model_name,
+            cpu_native_bf16=hardware.cpu.native_bf16,
         )
 
     def differences(self, other: HardwareFingerprint) -> list[str]:
@@ -104,6 +108,13 @@ class HardwareFingerprint(BaseModel):
             proven, current = getattr(self, field), getattr(other, field)
             if proven != current:
                 found.append(f"{field}: proven on {_shown(proven)}, running on {_shown(current)}")
+        bf16 = (self.cpu_native_bf16, other.cpu_native_bf16)
+        if "cpu_model" in fields and None not in bf16 and bf16[0] != bf16[1]:
+            with_or_not = ["with" if has else "without" for has in bf16]
+            found.append(
+                f"cpu_native_bf16: proven on a CPU {with_or_not[0]} bf16 instructions, running "
+                f"on one {with_or_not[1]} (without them amp_bf16 measured 13.7x fp32's step time)"
+            )
         if _minor(self.torch_version) != _minor(other.torch_version):
             # kernels and autocast's op lists change between torch releases
             found.append(

@@ -536,10 +536,11 @@ def check_device(device: str | None) -> None:
         return
     if target is None or target.type != "cuda":
         raise ValueError(f"autoprec tunes on 'cpu' or 'cuda:N', not {device!r}.")
-    if torch.version.cuda is None:
+    if torch.version.cuda is None and torch.version.hip is None:  # ROCm builds say "cuda" too
         raise ValueError(
             f"device={device!r}, but this torch ({torch.__version__}) is a CPU build without "
-            "CUDA. Tune on 'cpu', or install a CUDA build of torch on a machine with a GPU."
+            "CUDA or ROCm. Tune on 'cpu', or install a CUDA (or ROCm) build of torch on a "
+            "machine with a GPU."
         )
     count = torch.cuda.device_count()
     if (target.index or 0) >= count:

@@ -159,6 +159,8 @@ class FakeNvmlDevice:
     memory_error: Exception | None = None
     gcn_arch: str | None = None
     """An AMD GPU's ``gcnArchName`` as a ROCm build of torch reports it."""
+    mig: bool = False
+    """NVML reports the GPU in MIG mode."""
 
 
 @dataclass
@@ -206,6 +208,9 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, handle: FakeNvmlDevice) -> str:
         return handle.uuid
+
+    def nvmlDeviceGetMigMode(self, handle: FakeNvmlDevice) -> tuple[int, int]:
+        return int(handle.mig), int(handle.mig)  # (current, pending)
 
 
 @dataclass

@@ -125,6 +125,39 @@ def test_the_cpus_bf16_instructions_are_read_from_its_flags() -> None:
     assert _native_bf16("processor\t: 0\n") is None  # no flags: unknown, not "absent"
 
 
+ARM_CPUINFO = (
+    "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd atomics cpuid{}\n"
+    "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: {}\n"
+)
+
+
+def test_an_arm_cpu_is_named_by_its_core_not_aarch64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arm Linux prints no "model name": every Arm CPU was "aarch64", so a CPU profile proven
+    on a Graviton3 (bf16) applied on a Graviton2 (none) without a word (found by a hunt)."""
+    from autoprec.cpu_info import _cpu_model_name
+    from autoprec.profile import HardwareFingerprint
+
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    graviton2 = ARM_CPUINFO.format("", "0xd0c")
+    graviton3 = ARM_CPUINFO.format(" sve bf16 i8mm", "0xd40")
+    assert _cpu_model_name(graviton2) == "Arm Neoverse-N1 (CPU implementer 0x41, part 0xd0c)"
+    assert _cpu_model_name(graviton3) == "Arm Neoverse-V1 (CPU implementer 0x41, part 0xd40)"
+    other = ARM_CPUINFO.format("", "0xabc").replace("0x41", "0x61")
+    assert _cpu_model_name(other) == "aarch64 (CPU implementer 0x61, part 0xabc)"
+    assert _cpu_model_name("processor\t: 0\nmodel name\t: AMD EPYC 7B13\n") == "AMD EPYC 7B13"
+
+    fingerprint = HardwareFingerprint(
+        device_kind="cpu", torch_version="2.13.0+cpu", cpu_model="aarch64"
+    )
+    proven = fingerprint.model_copy(update={"cpu_native_bf16": True})
+    running = fingerprint.model_copy(update={"cpu_native_bf16": False})
+    assert proven.differences(running) == [
+        "cpu_native_bf16: proven on a CPU with bf16 instructions, running on one without "
+        "(without them amp_bf16 measured 13.7x fp32's step time)"
+    ]
+    assert fingerprint.differences(running) == []  # a profile that did not record it
+
+
 @pytest.mark.parametrize(
     ("mode", "backend", "extra"),
     [

@@ -276,3 +276,18 @@ def test_a_cuda_build_that_cannot_start_cuda_is_not_told_to_install_one(
     broken = FakeCuda(error=RuntimeError("all CUDA-capable devices are busy or unavailable"))
     (note,) = detect_hardware(pynvml=nvml, cuda=broken, cpu=CPU).warnings
     assert note.startswith("torch CUDA query failed")
+
+
+def test_a_gpu_in_mig_mode_without_an_instance_is_not_blamed_on_the_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MIG mode with no instance created: CUDA sees no device, and the note said "most often
+    a driver older than that CUDA runtime needs" (found by a hunt)."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    a100 = FakeNvmlDevice("NVIDIA A100-SXM4-80GB", (8, 0), mig=True)
+    hardware = detect_hardware(pynvml=FakeNvml(devices=[a100]), cuda=FakeCuda(), cpu=CPU)
+    (note,) = hardware.warnings
+    assert "1 of them in MIG mode" in note and "nvidia-smi mig -cgi" in note
+    assert "driver" not in note
+    assert hardware.gpus[0].mig_enabled

@@ -94,6 +94,7 @@ def test_a_rocm_build_claims_fp16_and_bf16_only(monkeypatch: pytest.MonkeyPatch)
 
     from autoprec.candidates import candidate_specs
     from autoprec.display_probe import print_probe_report
+    from autoprec.eligibility import mxfp8_reason
     from autoprec.hardware import detect_hardware
     from autoprec.probing import probe
     from tests.conftest import CPU, FakeCuda, FakeNvml, FakeNvmlDevice
@@ -118,6 +119,12 @@ def test_a_rocm_build_claims_fp16_and_bf16_only(monkeypatch: pytest.MonkeyPatch)
     console = Console(record=True, width=200)
     print_probe_report(report, console=console)
     assert "ROCm/HIP runtime: 6.4.43482" in console.export_text()
+    # torch reads gfx1100 as "11.0": fp8_te's verdict said "MXFP8 recipe available" (a hunt)
+    navi = FakeNvmlDevice("AMD Radeon RX 7900 XTX", (11, 0), gcn_arch="gfx1100")
+    hardware = detect_hardware(pynvml=None, cuda=FakeCuda(devices=[navi]), cpu=CPU)
+    verdict = probe(hardware=hardware, backends=make_backends("all")).verdict("fp8_te")
+    assert not verdict.eligible and not any("MXFP8" in note for note in verdict.notes)
+    assert "ROCm gfx1100" in (mxfp8_reason(hardware.gpus[0]) or "")
 
 
 def test_the_probe_leaves_the_callers_rng_and_buffers_as_they_were() -> None:

@@ -559,6 +559,23 @@ def test_a_meta_model_and_an_unusable_device_are_refused_up_front() -> None:
         tune(_Regressor(), _regression_batches(), budget_minutes=0.2, device="tpu")
 
 
+def test_a_rocm_build_may_name_its_gpu_as_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ROCm build of torch has no CUDA version but names its AMD GPUs "cuda": it was refused
+    as "a CPU build without CUDA" (found by a hunt)."""
+    from autoprec.run_inputs import check_device
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_device("cuda")
+    check_device("cuda:0")
+    with pytest.raises(ValueError, match=r"device='cuda:1', but torch sees 1 CUDA device"):
+        check_device("cuda:1")
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(ValueError, match="CPU build without CUDA or ROCm"):
+        check_device("cuda:0")
+
+
 def test_a_model_in_bf16_is_refused_and_left_as_it_is() -> None:
     model = _Regressor().to(torch.bfloat16)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
