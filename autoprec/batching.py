@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoprec.errors import BatchError, LossError
@@ -28,6 +29,8 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 TrainStep = Callable[[PrecisionPlan, Any], torch.Tensor]
 """``train_step(plan, batch) -> loss``: runs the forward pass itself, inside
 ``plan.autocast()``."""
+EvalFn = Callable[[nn.Module], float | torch.Tensor]
+"""``eval_fn(model) -> score`` (lower is better): a number or a one-element tensor."""
 
 
 def _foreign_mapping(value: Any) -> bool:

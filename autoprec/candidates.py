@@ -9,6 +9,7 @@ on a CPU, FP8 on tiny Linears) come last; ineligible ones are returned separatel
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 
@@ -202,7 +203,7 @@ def with_user_keep_fp32(
 EIGHT_BIT_SUFFIX = "+8bit-optim"
 
 
-def _parse_modes(modes: list[str]) -> tuple[set[str], set[str]]:
+def _parse_modes(modes: Sequence[str]) -> tuple[set[str], set[str]]:
     """(compute modes, modes wanted with 8-bit optimizer states) from canonical names and
     ``<mode>+8bit-optim`` labels."""
     if isinstance(modes, str):
@@ -238,7 +239,7 @@ def _parse_modes(modes: list[str]) -> tuple[set[str], set[str]]:
     return plain, eight_bit
 
 
-def candidate_specs(report: ProbeReport, modes: list[str] | None = None) -> CandidateList:
+def candidate_specs(report: ProbeReport, modes: Sequence[str] | None = None) -> CandidateList:
     """The specs to try, in order, for what ``report`` found.
 
     Args:
@@ -346,7 +347,7 @@ def _screen_specs_for(
 
 
 def screen_specs(
-    report: ProbeReport, situation: Situation, modes: list[str] | None = None
+    report: ProbeReport, situation: Situation, modes: Sequence[str] | None = None
 ) -> CandidateList:
     """Every mode whose numerics run here, for the quality screen (``autoprec check``): speed
     plays no part, and fp8_torchao runs emulated where the hardware has no FP8. ``skipped``: the

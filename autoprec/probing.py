@@ -57,7 +57,12 @@ class ProbeReport(BaseModel):
     seconds: float
     """How long the probe took."""
 
-    def verdict(self, mode: ModeName) -> ModeVerdict:
+    def verdict(self, mode: ModeName | str) -> ModeVerdict:
+        """The verdict on ``mode`` (a canonical name, as ``eligible_modes`` gives them).
+
+        Raises:
+            ValueError: ``mode`` is not a canonical mode name.
+        """
         for verdict in self.modes:
             if verdict.name == mode:
                 return verdict

@@ -326,6 +326,11 @@ def callers_blocks_lifted() -> Iterator[None]:
         yield
 
 
+def device_name(device: str | torch.device | None) -> str | None:
+    """``device=`` as the name the run passes on: a ``torch.device`` as its string."""
+    return str(device) if isinstance(device, torch.device) else device
+
+
 def checked_model(model: Any, device: str | None, compile: bool | str) -> tuple[nn.Module, bool]:
     """(the module to run, whether every run trains compiled): the user's model unwrapped from
     ``torch.compile`` and checked, the device checked, ``compile`` resolved against it."""

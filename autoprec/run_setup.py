@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autoprec.batching import (
+    EvalFn,
     FreshBatches,
     LossFn,
     WatchedBatches,
@@ -378,7 +379,7 @@ class RunSetup:
     candidates: CandidateList
     lr_points: tuple[LrPoint, ...]
     """The learning rates of the trial legs, read once from the recipe's schedule."""
-    eval_fn: Callable[[nn.Module], float] | None
+    eval_fn: EvalFn | None
     seed: int
     budget_seconds: float
     deadline: float
@@ -434,7 +435,7 @@ class RunSetup:
         return result
 
 
-def refuse_unrunnable(candidates: CandidateList, modes: list[str] | None) -> None:
+def refuse_unrunnable(candidates: CandidateList, modes: Sequence[str] | None) -> None:
     """Modes asked for by name that cannot run here are an error, never quietly dropped."""
     if modes is None or not candidates.skipped:
         return
@@ -464,7 +465,7 @@ CandidateSelector = Callable[[ProbeReport, Situation, "list[str] | None"], Candi
 
 
 def _tune_candidates(
-    report: ProbeReport, situation: Situation, modes: list[str] | None
+    report: ProbeReport, situation: Situation, modes: Sequence[str] | None
 ) -> CandidateList:
     return candidate_specs(report, modes)
 
@@ -507,7 +508,7 @@ def setup_run(
     loader: Iterable[Any],
     recipe: TrainingRecipe,
     *,
-    modes: list[str] | None,
+    modes: Sequence[str] | None,
     device: str | None,
     select: CandidateSelector | None = None,
     **shared: Any,

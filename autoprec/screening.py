@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
 from autoprec._models import FROZEN_RECORD
-from autoprec.batching import LossFn, TrainStep
+from autoprec.batching import EvalFn, LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
 from autoprec.drift import Fp32Runs
 from autoprec.drift_blind_spots import blind_spots
@@ -37,6 +38,7 @@ from autoprec.run_inputs import (
     callers_process_kept,
     checked_keep_fp32,
     checked_model,
+    device_name,
     resolve_thresholds,
 )
 from autoprec.run_setup import (
@@ -226,9 +228,9 @@ def screen_setup(
     loader: Iterable[Any],
     recipe: TrainingRecipe,
     *,
-    modes: list[str] | None = None,
+    modes: Sequence[str] | None = None,
     device: str | None = None,
-    eval_fn: Callable[[nn.Module], float] | None = None,
+    eval_fn: EvalFn | None = None,
     seed: int = 0,
     thresholds: DriftThresholds | None = None,
     events: EventSink | None = None,
@@ -286,10 +288,10 @@ def check(
     grad_accumulation_steps: int = 1,
     clip_grad_norm: float | None = None,
     train_step: TrainStep | None = None,
-    eval_fn: Callable[[nn.Module], float] | None = None,
-    modes: list[str] | None = None,
+    eval_fn: EvalFn | None = None,
+    modes: Sequence[str] | None = None,
     keep_fp32: Sequence[str] | None = None,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     seed: int = 0,
     thresholds: DriftThresholds | Mapping[str, float] | None = None,
     compile: bool | Literal["auto"] = "auto",
@@ -331,6 +333,7 @@ def check(
             f"max_trial_minutes must be a number of minutes > 0 (or None), not "
             f"{max_trial_minutes!r}."
         )
+    device = device_name(device)
     model, use_compile = checked_model(model, device, compile)
     thresholds = resolve_thresholds(thresholds)
     kept = checked_keep_fp32(model, keep_fp32)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoprec.batching import EvalFn
 from autoprec.eligibility import Situation, model_device
 from autoprec.model_copies import carry_unsaved_state, deep_copy, nudge_weights
 from autoprec.plan import PrecisionPlan, build_plan
@@ -75,7 +76,7 @@ class _TrialInputs:
     warmup_steps: int
     window_steps: int
     heldout: Sequence[Any]
-    eval_fn: Callable[[nn.Module], float] | None
+    eval_fn: EvalFn | None
     stop: StopCheck | None
     nudge_seed: int | None = None
     """Nudge the copy's weights by one fp32 ulp from this seed (``nudge_weights``)."""
@@ -250,7 +251,7 @@ def run_trial(
     steps: int | None = None,
     lr_points: Sequence[LrPoint] | None = None,
     heldout: Sequence[Any] = (),
-    eval_fn: Callable[[nn.Module], float] | None = None,
+    eval_fn: EvalFn | None = None,
     warmup_steps: int = 2,
     window_steps: int | None = None,
     seed: int = 0,
@@ -389,7 +390,7 @@ def _record(
         max_abs_activation=figures.get("activation"),
         infinite_activation_leaves=figures.get("infinite_leaves"),
         max_abs_gradient=figures.get("max_gradient"),
-        skipped_steps=getattr(mode, "skipped_steps", 0),
+        skipped_steps=mode.skipped_steps,
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,
         heldout_losses=tuple(figures.get("heldout", ())),
         heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),

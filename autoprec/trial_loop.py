@@ -15,6 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoprec.batching import (
+    EvalFn,
     LossFn,
     TrainStep,
     count_batch,
@@ -499,7 +500,7 @@ def settle(
 def measure_trained(
     loop: TrainingLoop,
     heldout: Sequence[Any],
-    eval_fn: Callable[[nn.Module], float] | None,
+    eval_fn: EvalFn | None,
 ) -> list[OutputSummary | None]:
     """Held-out losses, outputs and activation range, and ``eval_fn``, on the trained copy."""
     plan, figures, recipe = loop.plan, loop.figures, loop.recipe
@@ -517,7 +518,7 @@ def measure_trained(
     return outputs
 
 
-def _eval_score(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> float:
+def _eval_score(eval_fn: EvalFn, model: nn.Module) -> float:
     """``eval_fn(model)`` as one float; its own errors become :class:`EvalFnError` (a failed
     eval, not a failed training run). A non-finite score is returned as it is: the gate
     judges it."""

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from autoprec._version import __version__
-from autoprec.batching import LossFn, TrainStep, as_plain
+from autoprec.batching import EvalFn, LossFn, TrainStep, as_plain
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.fingerprint import (
@@ -50,6 +50,7 @@ from autoprec.run_inputs import (
     checked_keep_fp32,
     checked_model,
     checked_storage,
+    device_name,
     resolve_thresholds,
 )
 from autoprec.run_setup import (
@@ -142,11 +143,11 @@ def tune(
     grad_accumulation_steps: int = 1,
     clip_grad_norm: float | None = None,
     train_step: TrainStep | None = None,
-    eval_fn: Callable[[nn.Module], float] | None = None,
+    eval_fn: EvalFn | None = None,
     objective: Objective = "speed",
-    modes: list[str] | None = None,
+    modes: Sequence[str] | None = None,
     keep_fp32: Sequence[str] | None = None,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     compile: bool | Literal["auto"] = "auto",
     storage: str | None = None,
     study_name: str | None = None,
@@ -202,11 +203,16 @@ def tune(
             ``.outcome`` (status, figures, reasons). Exceptions it raises stop the tune.
         progress: show live progress on stderr (default: on in an interactive terminal or a
             notebook, off in logs and pipes).
+        seed: the seed of the fp32 reference and of every trial (same weights' draws,
+            dropout and batches); the noise runs take ``seed`` + an offset. Part of the
+            study's fingerprint.
+        clock: the time source of the budget (seconds; tests pass a fake one).
 
     Example: ``model, _ = examples.tiny_gpt.make_model(); autoprec.tune(model,
     examples.tiny_gpt.make_batches(), budget_minutes=1)`` — see
     examples/README.md for complete runs.
     """
+    device = device_name(device)
     model, use_compile = checked_model(model, device, compile)
     check_budget(budget_minutes, objective)
     storage = checked_storage(storage)

@@ -512,6 +512,25 @@ def test_check_takes_thresholds_as_a_dict_and_refuses_an_empty_selection() -> No
             autoprec.check(task.model, task.batches, modes=["amp_bf16", entry], **common)
 
 
+def test_check_takes_what_a_typed_caller_passes() -> None:
+    """The annotations said ``modes: list[str]`` and ``device: str``: a type checker refused
+    ``modes=report.eligible_modes`` (a tuple) and ``device=torch.device("cpu")``, which ran
+    (a hunt); both now run and are typed so. Every mode has ``skipped_steps`` (docs/runtime.md
+    logs it; only amp_fp16 had it)."""
+    task = tasks.regression()
+    report = autoprec.check(
+        task.model, task.batches, modes=("amp_bf16",), device=torch.device("cpu"),
+        loss_fn=task.mse, optimizer=task.optimizer, steps=4,
+    )  # fmt: skip
+    assert [v.label for v in report.verdicts] == ["amp_bf16"] and report.device == "cpu"
+    model = copy.deepcopy(task.model)
+    plan = autoprec.prepare(ModeSpec(mode="amp_bf16"), model, torch.optim.AdamW(model.parameters()))
+    assert plan.mode.skipped_steps == 0
+    package = Path(autoprec.__file__).parent
+    assert (package / "py.typed").is_file()  # PEP 561: shipped through package-data
+    assert '"py.typed"' in (package.parent / "pyproject.toml").read_text()
+
+
 def test_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     command = [*RAW_PARAM_CHECK, "--steps", "40", "--modes", "bf16_pure,amp_bf16"]
     assert main(command) == 0

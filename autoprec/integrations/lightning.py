@@ -3,12 +3,17 @@ use, ``tune_module`` and the ``AutoprecPrecision`` plugin (``lightning_trainer``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.errors import ExportError, MissingBackendError
 from autoprec.integrations import refuse_8bit_optimizer, refuse_cudnn_tf32, refuse_keep_fp32
 from autoprec.recipe import RecipeSummary
 from autoprec.specs import ModeSpec
+
+if TYPE_CHECKING:  # their real types for type checkers; at run time `__getattr__` loads them
+    from autoprec.integrations.lightning_trainer import AutoprecPrecision as AutoprecPrecision
+    from autoprec.integrations.lightning_trainer import module_recipe as module_recipe
+    from autoprec.integrations.lightning_trainer import tune_module as tune_module
 
 _PRECISION = {
     "fp32": "32-true",

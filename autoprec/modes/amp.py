@@ -74,6 +74,7 @@ class AmpFp16Mode(AmpBf16Mode):
         self._skipped_before = 0  # restored from a checkpoint
 
     @property
+    @override
     def skipped_steps(self) -> int:
         """Optimizer steps the loss scaler skipped (reading it is a host read)."""
         counted = 0 if self._skipped is None else int(self._skipped.item())

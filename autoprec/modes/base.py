@@ -350,6 +350,12 @@ class PrecisionMode:
         """The loss scale as a device tensor (no host read); None without loss scaling."""
         return None
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the loss scaler skipped: 0 without loss scaling (docs/runtime.md
+        logs it for any mode; only amp_fp16 had it, an AttributeError elsewhere: a hunt)."""
+        return 0
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer; False when the step was skipped (loss scaler found inf/nan)."""
         optimizer.step()
