@@ -227,11 +227,15 @@ class ActivationRange(NamedTuple):
 
 
 def _largest_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """The largest finite |value| (on the device): -inf in masked logits is there on purpose,
-    in fp32 too, and no overflow; an fp16 overflow shows as fp32's large finite value and as
+    """The largest |value| below the dtype's largest (on the device): -inf in masked logits is
+    there on purpose, in fp32 too, and no overflow; so is ``torch.finfo(dtype).min``, the fill
+    transformers' attention masks write (``masked_fill(mask, finfo(dtype).min)``, -65504 in
+    fp16): read as an activation, it rejected amp_fp16 on a T5 for "activations reach 6.55e+04"
+    (found by a hunt). An fp16 overflow shows as inf, as fp32's large finite value, and as
     outputs or losses no longer finite."""
     magnitudes = tensor.abs()
-    return torch.where(torch.isfinite(magnitudes), magnitudes, 0).max().float()
+    below_max = magnitudes < torch.finfo(tensor.dtype).max  # False for inf and nan too
+    return torch.where(below_max, magnitudes, 0).max().float()
 
 
 def leg_steps(steps: int, points: Sequence[LrPoint]) -> list[int]:

@@ -472,6 +472,40 @@ def test_an_infinity_fp32_has_too_is_no_fp16_overflow() -> None:
     assert not any(r.startswith("fp16 overflow") for r in reasons), reasons
 
 
+class _FinfoMinMask(torch.nn.Module):
+    """Scores masked as transformers' attention masks them: ``finfo(dtype).min``, -65504 in
+    fp16 and -3.4e38 in fp32, inside a module and as a leaf's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = torch.nn.Linear(8, 16)
+        self.mask = _FinfoMask()
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.scores(x)
+        hidden = scores.masked_fill(torch.arange(16) >= 8, torch.finfo(scores.dtype).min)
+        return self.head(torch.softmax(hidden, dim=-1) + torch.softmax(self.mask(scores), -1))
+
+
+class _FinfoMask(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(torch.arange(16) < 8, torch.finfo(x.dtype).min)
+
+
+def test_a_mask_filled_with_the_dtypes_min_is_no_activation() -> None:
+    """Found by a hunt: fp16's ``finfo.min`` fill (-65504) was read as an activation at fp16's
+    max and rejected amp_fp16 ("activations reach 6.55e+04") on a T5 with padded batches."""
+    torch.manual_seed(0)
+    model = _FinfoMinMask()
+    reference = _six_steps(ModeSpec(mode="fp32"), model)
+    fp16 = _six_steps(ModeSpec(mode="amp_fp16"), model)
+    assert reference.record.max_abs_activation < 100
+    assert fp16.record.max_abs_activation < 100
+    reasons = judge(fp16, reference, reference).reasons
+    assert not any(r.startswith("fp16 overflow") for r in reasons), reasons
+
+
 class _MaskedOverflow(_OverflowBeforeTanh):
     """``big`` overflows fp16 before a tanh; a separate leaf writes a deliberate -inf."""
 
