@@ -5,7 +5,6 @@ and Linears FP8 kernels cannot take."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from autoprec.layer_kinds import (
@@ -64,9 +63,10 @@ def loaded_in_low_precision(module: nn.Module) -> bool:
     bf16: trainable weights must be fp32). Keeping it in fp32 has no fp32 values to keep, and
     its fp32 island failed at the first forward ("mixed dtype (CPU): expect parameter to have
     scalar type of Float"): found by a hunt on a LoRA-style model, whose bf16 LayerNorm and
-    embedding the probe put on pure bf16's keep list."""
+    embedding the probe put on pure bf16's keep list. float64 is no low precision: a frozen
+    float64 part (a physics operator) is kept as it is (found by a hunt: it was refused)."""
     weights = [p for p in module.parameters() if p.is_floating_point()]
-    return bool(weights) and all(p.dtype != torch.float32 for p in weights)
+    return bool(weights) and all(p.dtype.itemsize < 4 for p in weights)
 
 
 def default_keep_fp32(

@@ -1266,3 +1266,39 @@ def test_casting_hooks_skip_the_pytree_walk_when_nothing_is_cast_and_roots_are_l
     assert under_root("head.proj", roots)
     assert not under_root("blocks.1", roots) and not under_root("blocks.10.ln", roots)
     assert not under_root("headx", roots) and not under_root("blocks.1.lnx", roots)
+
+
+class _Float64Head(nn.Module):
+    """A frozen float64 operator and constants, computed in float64 on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        constants = torch.tensor([1.0 + 1e-9, 2.0, 3.0, 4.0], dtype=torch.float64)
+        self.register_buffer("const", constants)
+        self.op = nn.Parameter(torch.eye(4, dtype=torch.float64) + 1e-3, requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return ((h.double() @ self.op) * self.const).float()
+
+
+@pytest.mark.parametrize(
+    ("mode", "keep"), [("bf16_sr", ()), ("bf16_pure", ("phys",)), ("amp_bf16", ("phys",))]
+)
+def test_a_frozen_float64_part_stays_float64(mode: str, keep: tuple[str, ...]) -> None:
+    """Found by a hunt: pure bf16 cast a frozen float64 operator to bf16 (a constant 1+1e-9 read
+    1.0) and its forward failed ("double != BFloat16"); keeping it in fp32 was refused in every
+    mode as "loaded in low precision"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    model.add_module("phys", _Float64Head())
+    spec = ModeSpec(mode=mode, keep_fp32=keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert model.phys.op.dtype == model.phys.const.dtype == torch.float64
+    assert model.phys.const[0].item() == 1.0 + 1e-9
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with plan.autocast():
+        loss = nn.functional.mse_loss(plan.model(x).float(), y)
+    plan.step(loss)
+    assert model[0].weight.dtype == (torch.float32 if mode == "amp_bf16" else torch.bfloat16)

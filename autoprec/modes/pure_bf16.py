@@ -40,13 +40,20 @@ def _cast_own_tensors(
     """Cast a module's own floating parameters (but those in ``skip``, and buffers whose id is
     in it) in place; a buffer is cast once (``casts``, by its id) and the cast shared by every
     module holding it: cast per owner, a buffer two modules share became two tensors, one
-    updated and one never (found by a hunt: a running mean read 0.0 by its second owner)."""
+    updated and one never (found by a hunt: a running mean read 0.0 by its second owner).
+    float64 tensors stay float64: a model holds them so on purpose (a frozen physics operator;
+    trainable float64 weights are refused up front), and cast to bf16 the forward that
+    computes in float64 failed on them (found by a hunt)."""
     for parameter in module.parameters(recurse=False):
-        if parameter.is_floating_point() and id(parameter) not in skip:
+        if _cast(parameter) and id(parameter) not in skip:
             parameter.data = parameter.data.to(dtype)  # keeps the Parameter object
     for name, buffer in list(module._buffers.items()):  # every name: one tensor may hold two
-        if buffer is not None and buffer.is_floating_point() and id(buffer) not in skip:
+        if buffer is not None and _cast(buffer) and id(buffer) not in skip:
             setattr(module, name, casts.setdefault(id(buffer), buffer.to(dtype)))
+
+
+def _cast(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.dtype != torch.float64
 
 
 class Bf16PureMode(PrecisionMode):
