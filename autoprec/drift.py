@@ -35,6 +35,7 @@ from autoprec.drift_movement import decay_note, movement_checks
 from autoprec.drift_outside_state import outside_state_reasons
 from autoprec.drift_state_rule import state_rule_reasons
 from autoprec.drift_thresholds import DriftThresholds
+from autoprec.specs import PURE_BF16_MODES
 from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
 
 
@@ -363,6 +364,14 @@ def judge(
                 " (fp32 stayed finite: likely an fp16 overflow, a value above 65504 in the "
                 "forward or the loss; keep the module that makes it in fp32 (keep_fp32), or "
                 "use amp_bf16)"
+            )
+        elif record.spec.mode in PURE_BF16_MODES and record.failure.kind.startswith("non_finite"):
+            # an op with no finite bf16 result where fp32 has one (torch's bf16 matrix_exp
+            # under an orthogonal parametrization): "loss is nan at step 1" alone (a hunt)
+            reason += (
+                " (fp32 stayed finite on the same batches: an op of the model has no finite "
+                "result in bf16, e.g. matrix_exp under an orthogonal parametrization; keep the "
+                "module that computes it in fp32 (keep_fp32), or use amp_bf16)"
             )
         return DriftVerdict(accepted=False, reasons=(reason,), metrics=DriftMetrics())
     metrics: dict[str, float | None] = {}

@@ -123,8 +123,9 @@ def unknown_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32
     (:func:`second_name_refusal`), or no name at all (with the model's modules and the closest
     names); None when it matches a module's first name."""
     names = [fqn for fqn, _ in model.named_modules() if fqn]
-    if any(matches_keep_fp32(fqn, (pattern,)) for fqn in names):
-        return None
+    matched = [fqn for fqn in names if matches_keep_fp32(fqn, (pattern,))]
+    if matched:
+        return _parametrization_refusal(matched, pattern, field)
     second_name = second_name_refusal(model, pattern, field)
     if second_name:
         return second_name
@@ -136,6 +137,24 @@ def unknown_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32
         f"{field} pattern {pattern!r} matches no module of {type(model).__name__} "
         f"(its modules: {shown or 'none below the root'}). {hint}Use names as "
         "model.named_modules() gives them; `autoprec probe --model ...` lists the layers."
+    )
+
+
+def _parametrization_refusal(matched: list[str], pattern: str, field: str) -> str | None:
+    """Why ``pattern`` cannot be used when every module it names sits in a parametrization
+    (``torch.nn.utils.parametrize``: ``b.parametrizations.weight``): it computes a weight its
+    owner uses, and kept alone it kept the trained ``original`` in bf16 while only a buffer
+    stayed fp32 (found by a hunt); None otherwise."""
+    inside = [fqn for fqn in matched if "parametrizations" in fqn.split(".")]
+    if not inside or len(inside) < len(matched):
+        return None
+    parts = inside[0].split(".")
+    owner = ".".join(parts[: parts.index("parametrizations")])
+    named = repr(owner) if owner else "the model itself (keep_fp32 cannot name the root)"
+    return (
+        f"{field} pattern {pattern!r} names {inside[0]!r}, a parametrization "
+        f"(torch.nn.utils.parametrize) computing a weight of {named}: it runs as part of its "
+        f"owner, and named alone only part of it was kept. Name the owner instead."
     )
 
 

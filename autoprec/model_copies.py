@@ -141,6 +141,19 @@ def _copy_advice(model: nn.Module) -> str:
             "copied: use torch.nn.utils.parametrizations.weight_norm (the same "
             "reparametrization, which torch recommends and which copies)."
         )
+    with_history = [  # a MoE's aux_loss kept from an earlier forward (found by a hunt)
+        f"{fqn}.{name}" if fqn else name
+        for fqn, module in model.named_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None
+    ]
+    if with_history:
+        return (
+            f"{first_names(with_history)} hold a tensor with autograd history from an earlier "
+            "forward (a mixture-of-experts' aux_loss): no deep copy takes one. Set it to None "
+            "before tuning, or store it detached where it is only read for logging; each "
+            "forward sets it again."
+        )
     return (
         "Keep locks, files, open connections and loggers out of the model's attributes "
         "(create them outside it, or define __deepcopy__)."

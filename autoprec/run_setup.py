@@ -40,7 +40,13 @@ from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
 from autoprec.plan import build_plan
 from autoprec.probing import ProbeReport, probe
-from autoprec.recipe import LrPoint, TrainingRecipe, refuse_wrong_arity, scheduled_lr_note
+from autoprec.recipe import (
+    LrPoint,
+    TrainingRecipe,
+    default_optimizer,
+    refuse_wrong_arity,
+    scheduled_lr_note,
+)
 from autoprec.run_inputs import MAX_BATCHES, check_seed, collect_batches
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
@@ -196,6 +202,18 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
         )
     if any(said in message for said in ("copy.deepcopy", "not a torch.optim", "not a scalar")):
         return ""  # the message itself says what to do
+    if "sparse gradients" in message:  # the loader was blamed (found by a hunt)
+        which = (
+            "autoprec's default AdamW (no optimizer was passed)"
+            if recipe.optimizer is default_optimizer
+            else "your optimizer"
+        )
+        return (
+            f"A layer gives sparse gradients (nn.Embedding(sparse=True)) and {which} does not "
+            "take them. autoprec runs one optimizer, and SparseAdam takes only sparse "
+            "gradients: pass one that takes both (optimizer=lambda p: torch.optim.SGD(p, "
+            "lr=...), or Adagrad), or build the embedding with sparse=False."
+        )
     positional = "positional argument" in message or "unexpected keyword argument" in message
     if positional and recipe.loss_fn is None and recipe.train_step is None:
         if isinstance(batch, tuple | list):

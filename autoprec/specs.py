@@ -24,6 +24,8 @@ ModeName = Literal[
 """Canonical, stable mode names used in profiles, reports and on the command line."""
 
 MODE_NAMES: tuple[ModeName, ...] = get_args(ModeName)
+PURE_BF16_MODES: tuple[ModeName, ...] = ("bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan")
+"""Modes whose weights are bf16."""
 OWN_OPTIMIZER_MODES: tuple[ModeName, ...] = ("bf16_sr", "bf16_kahan", "bf16_sr_kahan")
 """Modes that rebuild the optimizer as their own (SR, Kahan)."""
 OWN_8BIT_MODES: tuple[ModeName, ...] = ("bf16_sr",)

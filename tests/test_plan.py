@@ -1571,3 +1571,25 @@ def test_fsdp1_is_refused_naming_why_and_what_runs_sharded(single_process_group:
             ModeSpec(mode="bf16_pure"), wrapped, torch.optim.AdamW(wrapped.parameters())
         )
     assert all(p.dtype == torch.float32 for p in wrapped.parameters())
+
+
+def test_a_pattern_naming_a_parametrization_is_refused_with_its_owner() -> None:
+    """Found by a hunt: ``keep_fp32=['b.parametrizations.weight']`` kept a buffer of the
+    parametrization fp32 and cast its trained ``original`` to bf16, without a word."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    model = nn.Sequential(OrderedDict(a=nn.Linear(8, 16), b=orthogonal(nn.Linear(16, 16))))
+    for pattern in ("b.parametrizations.weight", "b.parametrizations.*"):
+        spec = ModeSpec(mode="bf16_pure", keep_fp32=(pattern,))
+        with pytest.raises(ValueError, match=r"computing a weight of 'b'.*Name the owner"):
+            autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
+    assert model.b.parametrizations.weight.original.dtype == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        autoprec.prepare(
+            ModeSpec(mode="bf16_pure", keep_fp32=("b",)),
+            model,
+            torch.optim.AdamW(model.parameters()),
+        )
+    assert model.b.parametrizations.weight.original.dtype == torch.float32
+    assert model.a.weight.dtype == torch.bfloat16

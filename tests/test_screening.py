@@ -309,6 +309,10 @@ def test_a_sparse_gradient_embedding_is_checked_in_every_mode_its_optimizer_take
     with pytest.raises(autoprec.UnsupportedModeError, match=r"sparse=True in table"):
         autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
                        optimizer=optimizer, modes=["amp_bf16+8bit-optim"])  # fmt: skip
+    # without an optimizer autoprec's AdamW takes none: the message blamed the loader (a hunt)
+    with pytest.raises(ValueError, match=r"default AdamW \(no optimizer was passed\) does not"):
+        autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
+                       modes=["amp_bf16"])  # fmt: skip
 
 
 def test_a_qlora_model_is_checked_and_fp8_leaves_its_4bit_base_alone() -> None:
@@ -2501,3 +2505,23 @@ def test_a_train_step_popping_its_batchs_keys_is_counted_before_it_runs() -> Non
     )
     assert report.verdict("amp_bf16").status == "safe"
     assert all(set(batch) == {"x", "y"} for batch in batches)
+
+
+def test_a_pure_bf16_nan_says_fp32_stayed_finite_and_what_to_keep() -> None:
+    """Found by a hunt: under an orthogonal parametrization (torch's bf16 matrix_exp gives
+    NaN) pure bf16 was "unsafe" with only "loss is nan at step 1"."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear
+    model = torch.nn.Sequential(linear(8, 16), torch.nn.Tanh(), orthogonal(linear(16, 16)))
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 8, generator=generator), torch.randn(8, 16, generator=generator))
+        for _ in range(8)
+    ]
+    report = autoprec.check(
+        model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4, modes=["bf16_pure"]
+    )
+    (reason,) = report.verdict("bf16_pure").reasons
+    assert "is nan" in reason and "fp32 stayed finite" in reason and "keep_fp32" in reason

@@ -515,6 +515,15 @@ def test_a_model_that_cannot_be_copied_names_the_attribute() -> None:
             tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse, device=device)
 
 
+def test_a_model_holding_a_tensor_with_history_is_told_to_drop_it() -> None:
+    """A mixture-of-experts keeps its aux_loss from the last forward: the advice was about
+    locks, files and loggers (found by a hunt)."""
+    model = _Regressor()
+    model.aux_loss = model(torch.randn(2, 8)).pow(2).mean()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"aux_loss hold a tensor with autograd history.*None"):
+        tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
+
+
 def test_a_model_with_torchs_old_weight_norm_hook_is_told_the_form_that_copies() -> None:
     # the hook's computed weight cannot be deep-copied; the advice was about locks and loggers
     with warnings.catch_warnings():
