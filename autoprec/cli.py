@@ -22,6 +22,7 @@ from autoprec.interrupts import Terminated, remembered_interrupts
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -364,8 +365,10 @@ def _tune(args: argparse.Namespace) -> int:
         )
     console = Console()
     console.print(tune_table(result, wide=args.wide))
-    result.profile.save(out)
+    # the trials file first: a profile beside the last run's trials file read as this run's
+    # when the second write failed (a full disk, a SIGTERM between them; found by a hunt)
     write_text_atomically(trials, result.model_dump_json(indent=2) + "\n")
+    result.profile.save(out)
     print_profile(result.profile, console=console)
     shown = shown_storage(storage)
     console.print(  # paths as they are: "sweep[lr]/p.json" is no rich markup
@@ -574,6 +577,17 @@ def _main(argv: Sequence[str] | None) -> int:
         said = error.naming("--budget") if isinstance(error, BudgetTooSmallError) else error
         sys.stderr.write(f"autoprec: error: {in_cli_words(str(said))}\n")
         return EXIT_USAGE
+    except OSError as error:  # a full disk or a failing write: a traceback before (a hunt)
+        if args.debug:
+            raise
+        resume = (
+            "; the study keeps every finished trial: free space and run the same command "
+            "again to resume"
+            if args.command == "tune"
+            else ""
+        )
+        sys.stderr.write(f"autoprec: error: {error}{resume}\n")
+        return EXIT_FAILURE
     except KeyboardInterrupt as interrupt:
         resume = (
             "; run the same command again to resume: finished trials are kept in the study"

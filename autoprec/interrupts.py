@@ -6,9 +6,10 @@ When that is a weakref callback or a ``__del__`` run by the garbage collector, P
 finished with exit code 0 after a Ctrl-C landed in SQLAlchemy's ``_collection_gced``).
 
 ``remembered_interrupts()`` installs a handler that records the press before it raises; loops
-that run many trials call ``raise_if_interrupted()`` between them, so a swallowed press still
-stops the run at the next trial boundary. It only replaces Python's default handler: a program
-that installed its own, or ignores SIGINT, keeps its choice.
+that run many trials call ``raise_if_interrupted()`` between them and between a trial's
+windows of steps, so a swallowed press still stops the run at the next boundary. It only
+replaces Python's default handler: a program that installed its own, or ignores SIGINT, keeps
+its choice. ``tune()`` and ``check()`` take Ctrl-C so themselves; SIGTERM only the CLI.
 
 SIGTERM (what ``timeout``, Slurm and ``docker stop`` send) is raised the same way, as
 :class:`Terminated`, where its default action (end the process at once) was in place: it had
@@ -38,24 +39,51 @@ def _remember_and_raise(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def remembered_interrupts() -> Iterator[None]:
-    """Within the block, every Ctrl-C is remembered as well as raised (main thread only)."""
-    in_main = threading.current_thread() is threading.main_thread()
-    if not in_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+def remembered_interrupts(*, terminate: bool = True) -> Iterator[None]:
+    """Within the block, every Ctrl-C (and, with ``terminate``, SIGTERM) is remembered as well
+    as raised (main thread only). Each signal is taken only where Python's default handling
+    is in place: a shell starts a background job (``cmd &``) with SIGINT ignored, and SIGTERM
+    then ended the run at once, its trial left RUNNING (found by a hunt). Nested, the inner
+    block finds the outer one's handlers and leaves them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    defaults = [(signal.SIGINT, signal.default_int_handler)]
+    if terminate:
+        defaults.append((signal.SIGTERM, signal.SIG_DFL))
+    replaced = [
+        (signum, handler) for signum, handler in defaults if signal.getsignal(signum) is handler
+    ]
+    if not replaced:
         yield
         return
     _pressed.clear()
-    terminate = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    signal.signal(signal.SIGINT, _remember_and_raise)
-    if terminate:
-        signal.signal(signal.SIGTERM, _remember_and_raise)
+    for signum, _ in replaced:
+        signal.signal(signum, _remember_and_raise)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if terminate:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum, handler in replaced:
+            signal.signal(signum, handler)
         _pressed.clear()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends (a study's record of a trial: a second
+    Ctrl-C inside the cleanup of the first left the trial RUNNING; found by a hunt); they
+    arrive as the block ends. Where signals cannot be blocked (not POSIX, not the main
+    thread), the block runs as it is."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    blockable = hasattr(signal, "pthread_sigmask")
+    if not blockable or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def raise_if_interrupted() -> None:

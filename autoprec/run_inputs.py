@@ -30,6 +30,7 @@ from autoprec.eligibility import model_device
 from autoprec.errors import BatchError, BudgetTooSmallError, field_errors
 from autoprec.exclusive import one_run_at_a_time
 from autoprec.fingerprint import storage_file
+from autoprec.interrupts import remembered_interrupts
 from autoprec.layer_kinds import (
     refuse_lazy,
     refuse_torchscript,
@@ -288,8 +289,11 @@ def preserved_rng() -> Iterator[None]:
 def callers_process_kept(what: str) -> Iterator[None]:
     """What ``tune()`` and ``check()`` (``what``) keep of the caller's process around their
     run: one run at a time, the global random streams, torch's settings and the caller's
-    objects as they were, and the caller's autocast / no_grad block lifted inside."""
+    objects as they were, the caller's autocast / no_grad block lifted inside, and a Ctrl-C
+    remembered (the garbage collector swallowed one, and the run went on to its end: a
+    hunt)."""
     with (
+        remembered_interrupts(terminate=False),
         one_run_at_a_time(what),
         preserved_rng(),
         torch_settings_kept(),

@@ -307,6 +307,11 @@ def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
         return _INPUT_ERRORS[name](f"The fp32 reference failed{where}: {text}")
     if failure.kind == "eval_failed":
         hint = EVAL_FN_HINT
+    elif failure.kind == "out_of_memory":  # read as a shape problem (found by a hunt)
+        hint = (
+            "fp32, the reference every mode is judged against, does not fit here: tune with "
+            "a smaller batch (trials measure speed per sample), or free the device's memory."
+        )
     elif failure.raised_by_autoprec:
         hint = (
             "The error was raised by autoprec's own code, not by your model, batches or loss: "

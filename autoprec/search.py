@@ -25,7 +25,7 @@ from typing import Any
 
 from autoprec._wording import first_names
 from autoprec.errors import read_stored
-from autoprec.interrupts import raise_if_interrupted
+from autoprec.interrupts import interrupts_deferred, raise_if_interrupted
 from autoprec.outcomes import CPU_MEMORY_KINDS, OBJECTIVES, Objective, TrialOutcome, balanced_gain
 from autoprec.search_events import EventSink, pace
 from autoprec.specs import ModeSpec
@@ -673,10 +673,12 @@ def search(
             stop = sink.watch(check, label, **where)
             outcome = runner(spec, stop)  # type: ignore[arg-type]
         except BaseException:  # Ctrl-C or a crash: leave no RUNNING trial behind, then stop
-            trial.set_user_attr("reasons", ["interrupted"])
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            with interrupts_deferred():  # a second Ctrl-C here left it RUNNING (a hunt)
+                trial.set_user_attr("reasons", ["interrupted"])
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
-        record_outcome(study, trial, outcome, fingerprint)
+        with interrupts_deferred():
+            record_outcome(study, trial, outcome, fingerprint)
         logger.info("%s: %s %s", label, outcome.status, "; ".join(outcome.reasons))
         if outcome.status == "accepted" and better(outcome, best, objective, reference):
             best = outcome

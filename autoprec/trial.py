@@ -20,6 +20,7 @@ from torch import nn
 
 from autoprec.batching import EvalFn
 from autoprec.eligibility import Situation, model_device
+from autoprec.interrupts import raise_if_interrupted
 from autoprec.model_copies import carry_unsaved_state, deep_copy, nudge_weights
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
@@ -324,9 +325,11 @@ def run_trial(
     # too: an H200 printed 227 MiB for amp_bf16's compiled 59M-parameter GPT and 309 MiB for
     # eager FP8 after fp32's trial, under their 900 MiB of weights and Adam state.
     gc.collect()
+    raise_if_interrupted()  # one the collector swallowed (its weakref callbacks: a hunt)
     baseline = memory_now(device)
     with seeded_streams(device, seed), autocast_state_kept(device), torch_settings_kept():
         run = _train_copy(inputs, result, baseline)
+    raise_if_interrupted()  # the run's last collection may have swallowed one too
     if "peak" not in run.figures:  # failed or stopped before the end: the peak so far
         run.figures["peak"] = memory_peak(device, baseline, run.figures.get("rss", []))
     result.record = _record(inputs, seed, steps, run, graphs_before, time.perf_counter() - started)
@@ -390,7 +393,7 @@ def _record(
         max_abs_activation=figures.get("activation"),
         infinite_activation_leaves=figures.get("infinite_leaves"),
         max_abs_gradient=figures.get("max_gradient"),
-        skipped_steps=mode.skipped_steps,
+        skipped_steps=0 if mode is None else mode.skipped_steps,
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,
         heldout_losses=tuple(figures.get("heldout", ())),
         heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),

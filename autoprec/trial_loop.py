@@ -24,6 +24,7 @@ from autoprec.batching import (
     tensors_in,
     to_device,
 )
+from autoprec.interrupts import raise_if_interrupted
 from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
 from autoprec.plan import PrecisionPlan
 from autoprec.random_streams import cuda_devices_of, kept_streams
@@ -577,6 +578,7 @@ def train_in_windows(
             # each warm-up step too, so the budget is checked after each (search._warmup_pace)
             end = min(leg_end, step + 1 if warmup else step + length)
             failure = loop.run_window(step, end - step, warmup)
+            raise_if_interrupted()  # a Ctrl-C the garbage collector swallowed in the window
             step = end
             if failure is not None:
                 return failure, None

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -393,6 +394,37 @@ def test_tune_end_to_end_then_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     written = capsys.readouterr().out
     count = profile["evidence"]["trial_count"]
     assert written.count(f"({count} trials: ") == 2  # the profile's count, from both sources
+    _a_full_disk_at_the_profile_keeps_the_study_and_says_so(out, capsys)
+
+
+def _a_full_disk_at_the_profile_keeps_the_study_and_says_so(
+    out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same command again (it resumes the study) with the disk full when the profile is
+    written: a traceback and exit 1 before, and the profile was written before the trials
+    file, so a failed second write left a new profile beside the last run's trials (a
+    hunt). Now the trials file is written first and the error is one line."""
+    import errno
+
+    from autoprec.profile import Profile
+
+    before = out.read_bytes()
+    trials = out.with_suffix(".trials.json")
+    os.utime(trials, (0, 0))  # the last run's
+
+    def full(self: Profile, path: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    argv = ["tune", "examples.tiny_gpt:make_small_model", "--data",
+            "examples.tiny_gpt:make_small_batches", "--budget", "0.25", "--modes",
+            "amp_bf16,bf16_kahan", "--out", str(out)]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Profile, "save", full)
+        assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("autoprec: error: [Errno 28] No space left on device")
+    assert err.endswith("free space and run the same command again to resume")
+    assert out.read_bytes() == before and trials.stat().st_mtime > 0  # trials written first
 
 
 def test_tune_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

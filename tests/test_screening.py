@@ -2525,3 +2525,44 @@ def test_a_pure_bf16_nan_says_fp32_stayed_finite_and_what_to_keep() -> None:
     )
     (reason,) = report.verdict("bf16_pure").reasons
     assert "is nan" in reason and "fp32 stayed finite" in reason and "keep_fp32" in reason
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_check_stops_for_a_ctrl_c_the_collector_swallowed_mid_run() -> None:
+    """Found by a hunt: tune() and check() from Python never took Ctrl-C themselves, and inside
+    a run (the fp32 reference) nothing looked for a lost one: the run went on to its end."""
+    import signal
+
+    from autoprec.interrupts import raise_if_interrupted
+    from tests.test_search import _SwallowsCtrlC
+
+    task = tasks.regression()
+    calls = []
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(None)
+        if len(calls) == 3:
+            _SwallowsCtrlC()  # dropped at once: its __del__ presses Ctrl-C, which is lost
+        return task.mse(output, target)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            autoprec.check(task.model, task.batches, loss_fn=loss_fn, steps=40, modes=["amp_bf16"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(calls) < 20  # stopped in the fp32 reference's first windows
+    raise_if_interrupted()
+
+
+def test_an_fp32_reference_out_of_memory_is_not_blamed_on_the_batches() -> None:
+    """Found by a hunt: out of memory in the fp32 reference ended in "Check that the loader's
+    batches fit the model", read as a shape problem."""
+    task = tasks.regression()
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(ValueError, match=r"fp32 reference failed.*does not fit here") as caught:
+        autoprec.check(task.model, task.batches, loss_fn=loss_fn, steps=4, modes=["amp_bf16"])
+    assert "batches fit" not in str(caught.value)

@@ -721,3 +721,38 @@ def test_a_storage_password_is_hidden_whatever_characters_it_holds() -> None:
     assert shown_storage("postgresql://u@db/o?sslmode=require&password=Hunter2pw&x=1") == (
         "postgresql://u@db/o?sslmode=require&password=***&x=1"
     )
+
+
+def test_a_background_job_still_takes_sigterm() -> None:
+    """Found by a hunt: a shell starts `cmd &` with SIGINT ignored, and SIGTERM was then left
+    to its default (the process ended at once, its trial RUNNING)."""
+    from autoprec.interrupts import _remember_and_raise
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with remembered_interrupts():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the job's choice kept
+            assert signal.getsignal(signal.SIGTERM) is _remember_and_raise
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with remembered_interrupts(terminate=False):  # tune() from Python: Ctrl-C alone
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, term)
+
+
+def test_a_ctrl_c_during_a_trials_record_arrives_after_it() -> None:
+    """Found by a hunt: a second Ctrl-C inside the cleanup of the first left the trial
+    RUNNING; the record is written whole, then the press is raised."""
+    from autoprec.interrupts import interrupts_deferred
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    written = []
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            written.append("record")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert written == ["record"]
