@@ -9,8 +9,9 @@ fp32 run, so that a bar never sits inside the noise:
   **paired run**, another seed and the same batch order, so that only the model's own random
   draws (dropout, noise in a diffusion loss) differ. For a model that draws no random numbers
   (such a run would repeat the reference exactly) the paired run starts from weights nudged by
-  one fp32 ulp: a training run that is not chaotic stays within ~0 of the reference and the
-  floors apply; a chaotic one drifts as far as chaos takes it, and that is its noise.
+  2^-12 (half an fp16 ulp, ``model_copies.NUDGE``): a training run that is not chaotic stays
+  within ~0 of the reference and the floors apply; a chaotic one drifts as far as chaos takes
+  it, and that is its noise.
 
 Beyond training loss the gate checks what loss hides (../seeds: pure bf16 diffusion training
 with a normal loss curve and garbage images): how much of the reference's weight movement
@@ -48,11 +49,11 @@ class Fp32Runs:
     """Another seed and another batch order: the loss and eval_fn noise."""
     paired: TrialResult | None = None
     """The same batch order, another seed (or, when the reference drew no random numbers,
-    weights nudged by one fp32 ulp): the movement and output noise. None in a reference cache
+    weights nudged by 2^-12): the movement and output noise. None in a reference cache
     written before the nudged run existed."""
     nudged: TrialResult | None = None
     """Models with random draws only: the same seed (the reference's draws) from weights nudged
-    by one fp32 ulp, the movement and output noise of a trial that drew the reference's random
+    by 2^-12, the movement and output noise of a trial that drew the reference's random
     numbers (chaotic training drifts even then). None for a model without draws (``paired`` is
     that run) and in a reference cache written before it existed."""
 
@@ -439,7 +440,7 @@ def _paired_for(
     if ours is None or theirs is None or theirs == 0 or ours >= SHARED_DRAWS_RATIO * theirs:
         return paired, ()
     judged = (
-        "against an fp32 run with the same draws from weights nudged one ulp"
+        "against an fp32 run with the same draws from weights nudged 2^-12"
         if nudged is not None
         else "as for a model without random draws"
     )
@@ -455,10 +456,10 @@ def _paired_label(
 ) -> str:
     """How a reason names the run that set the movement bar: the paired run of a model with
     random draws draws others; the nudged run (a model's without draws is its paired run)
-    starts from weights one ulp apart with the reference's draws."""
+    starts from weights 2^-12 apart with the reference's draws."""
     if reference.record.draws_random and paired is not None and paired is not nudged:
         return "a second fp32 run with other random draws"
-    return "an fp32 run from weights nudged one ulp"
+    return "an fp32 run from weights nudged 2^-12"
 
 
 def _early_difference(run: TrialResult, reference: TrialResult) -> float | None:

@@ -36,19 +36,20 @@ class DriftThresholds(BaseModel):
     min_update_fraction: float = Field(0.8, ge=0, le=1)
     """Reject when the trial's weights took less than 80% of the reference's movement that the
     paired fp32 run takes (its projection onto the reference's movement divided by the paired
-    run's; the paired run of a model without random draws starts from weights nudged by one fp32
-    ulp, and reaches 1 unless training is chaotic). Measured here: nearest-rounding bf16 reaches
-    ~0.5 at lr 1e-4, stochastic rounding and Kahan ~1.0; with dropout a second fp32 run reaches
-    only 0.55-0.69 of the reference's movement, which a fixed bar on the raw projection mistook
-    for lost updates. Against the ground truth (benchmarks/threshold_sweep.py): 0.5 to 0.8 give
-    the same verdicts; 0.9 rejects pure bf16 on nanoGPT's recipe and 0.95 also pure bf16 with
-    8-bit states on the dropout encoder, all fine; off, pure bf16 with 8-bit states on the
+    run's; the paired run of a model without random draws starts from weights nudged by 2^-12
+    (``model_copies.NUDGE``), and reaches 1 unless training is chaotic). Measured here:
+    nearest-rounding bf16 reaches ~0.5 at lr 1e-4, stochastic rounding and Kahan ~1.0; with
+    dropout a second fp32 run reaches only 0.55-0.69 of the reference's movement, which a fixed
+    bar on the raw projection mistook for lost updates. Against the ground truth
+    (benchmarks/threshold_sweep.py): 0.5 to 0.8 give the same verdicts; 0.9 rejects pure bf16
+    on nanoGPT's recipe and 0.95 also pure bf16 with 8-bit states on the dropout encoder, all
+    fine; off, pure bf16 with 8-bit states on the
     cosine run (harmful: its updates vanish at the schedule's floor lr) passes, which only this
     check rejects."""
     max_output_error_units: float = Field(3.0, gt=0)
     """Reject when held-out outputs differ from the reference's by more than this many times the
     paired run's difference (~0 for a model without random draws whose training is not
-    chaotic: its paired run starts one fp32 ulp away)..."""
+    chaotic: its paired run starts 2^-12 away)..."""
     output_error_floor: float = Field(0.10, ge=0)
     """...and by more than 10% relative L2 (a floor for deterministic models). Measured on our
     CPU regression task: FP8 forward quantization alone moves outputs 7.5% with an unchanged

@@ -26,6 +26,7 @@ from autoprec._files import write_atomically
 from autoprec._models import FROZEN_RECORD
 from autoprec.drift import Fp32Runs
 from autoprec.errors import read_stored
+from autoprec.model_copies import NUDGE
 from autoprec.search import SQLITE_PREFIX, STUDY_OF_ANOTHER_VERSION, sqlite_file, study_writer
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
 from autoprec.weight_dtypes import as_real
@@ -330,6 +331,9 @@ def references_path(storage: str | None, study_name: str | None) -> Path | None:
     return file.with_name(cache)
 
 
+ONE_FP32_ULP = 2.0**-23
+"""The nudge of the paired run in caches written before they recorded one."""
+
 MAX_CACHE_NAME_BYTES = 240
 """The longest name a references file takes whole: file systems take 255 bytes, and the
 temporary it is written through adds a dot, 8 characters and its suffix. A 126-character study
@@ -384,7 +388,12 @@ def save_references(
     then a rename)."""
     runs = [references.reference, references.noise]
     runs += [run for run in (references.paired, references.nudged) if run is not None]
-    data = {"fingerprint": fingerprint.digest(), "steps": steps, "runs": [_pack(r) for r in runs]}
+    data = {
+        "fingerprint": fingerprint.digest(),
+        "steps": steps,
+        "nudge": NUDGE,
+        "runs": [_pack(r) for r in runs],
+    }
     # write_atomically removes its temporary on any error or Ctrl-C (one named by the pid
     # stayed behind, one more each interrupted run) and fsyncs before the rename
     write_atomically(path, lambda temporary: torch.save(data, temporary))
@@ -406,8 +415,8 @@ def load_references(
         return None
     if not isinstance(data, dict) or data.get("fingerprint") != fingerprint.digest():
         return None
-    if data.get("steps") != steps:
-        return None
+    if data.get("steps") != steps or data.get("nudge", ONE_FP32_ULP) != NUDGE:
+        return None  # a paired run nudged otherwise (one ulp before 2026-11-29) is measured again
     return Fp32Runs(*(_unpack(run) for run in data["runs"]))
 
 

@@ -712,7 +712,7 @@ class Fp32Run(NamedTuple):
     """Offset of the batch order's seed; None: the loader's own order, as the reference's."""
     label: str
     nudged: bool = False
-    """Initial weights nudged by one fp32 ulp (the reference's seed, batches and draws)."""
+    """Initial weights nudged by 2^-12 (the reference's seed, batches and draws)."""
 
 
 REFERENCE_RUN = Fp32Run(0, None, "fp32 reference")
@@ -722,12 +722,13 @@ NOISE_RUN = Fp32Run(1, 1, "fp32 noise run")
 PAIRED_RUN = Fp32Run(1, None, "fp32 paired noise run")
 """Other random draws on the same batches."""
 
-NUDGED_RUN = Fp32Run(0, None, "fp32 paired noise run (weights nudged one ulp)", nudged=True)
+NUDGED_RUN = Fp32Run(0, None, "fp32 paired noise run (weights nudged 2^-12)", nudged=True)
 """The paired run of a model without random draws: the same seed and batches, its initial
-weights nudged by one fp32 ulp. A second run would repeat the reference exactly, and a chaotic
-training run does not repeat under any change (benchmarks/chaos_floor.py: one ulp took
-small_convnet's outputs 10.9% apart in 82 steps, and amp_bf16, at 16.8%, was rejected by the
-10% floor); a run that is not chaotic stays within 0.0% and the floors apply as before. A model
+weights nudged by 2^-12. A second run would repeat the reference exactly, and a chaotic
+training run does not repeat under any change (benchmarks/chaos_floor.py: one fp32 ulp
+took small_convnet's outputs 10.9% apart in 82 steps, and amp_bf16, at 16.8%, was rejected by
+the 10% floor; 2^-12, ``model_copies.NUDGE``, takes them 9.2% apart, amp_bf16 15.5%); a run
+that is not chaotic stays within 0.1% and the floors apply as before. A model
 with random draws gets it beside the paired run, for the trials that drew the reference's draws
 (with dropout 0.2 before small_convnet's head, amp_bf16's outputs ended 14.6% apart and the
 floor rejected it)."""
@@ -738,7 +739,7 @@ def reference_runs(
 ) -> Fp32Runs:
     """The fp32 reference, the noise run (another seed and batch order) and the paired noise run
     on the same batches: another seed when the reference drew random numbers, else the same
-    seed from weights nudged by one fp32 ulp (``NUDGED_RUN``). A model with random draws gets
+    seed from weights nudged by 2^-12 (``NUDGED_RUN``). A model with random draws gets
     the nudged run too: the noise of a trial that drew the reference's draws."""
     references: list[TrialResult] = []
     runs = [REFERENCE_RUN, NOISE_RUN]

@@ -80,7 +80,7 @@ class _TrialInputs:
     eval_fn: EvalFn | None
     stop: StopCheck | None
     nudge_seed: int | None = None
-    """Nudge the copy's weights by one fp32 ulp from this seed (``nudge_weights``)."""
+    """Nudge the copy's weights by 2^-12 from this seed (``nudge_weights``)."""
 
 
 @dataclass
@@ -282,7 +282,7 @@ def run_trial(
         shuffle_seed: train on the batches in a seeded random order (the noise reference).
         stop: called after every step; a returned reason ends the trial early (not judged)
             What it raises propagates as it is (the caller's code, not the mode's failure).
-        nudge_seed: nudge the copy's initial weights by one fp32 ulp (the paired run of a
+        nudge_seed: nudge the copy's initial weights by 2^-12 (the paired run of a
             model without random draws: how far chaos alone takes a second fp32 run).
     """
     if not batches:

@@ -47,7 +47,7 @@ class BudgetReport(BaseModel):
     reference_reused: bool = False
     """The fp32 reference and noise runs came from the study (a resumed run), not re-run."""
     fp32_noise_runs: int = 2
-    """2 (another seed and batch order; the weights nudged by one ulp), or 3 when the model
+    """2 (another seed and batch order; the weights nudged by 2^-12), or 3 when the model
     draws random numbers (the paired run beside them: same batches, other draws)."""
     speed_noise: float | None = None
     """The largest timing noise the side-by-side re-timing measured (a mode's relative

@@ -7,9 +7,10 @@ a difference far below any precision change grows to the size of the trajectory'
 and a faithful mode is rejected (examples/README: small_convnet's amp_bf16).
 
 This benchmark trains, at the gate's trial length, the fp32 reference, an fp32 run whose initial
-weights are nudged by one fp32 ulp (each element times 1 +- 2**-23, signs from a generator of
-its own), and amp_bf16, all with the same seed (a model with dropout draws the same masks in
-each: what a trial sharing the reference's draws is judged against), and prints:
+weights are nudged (each element times 1 +- 2**-12, ``model_copies.NUDGE``, signs from a
+generator of its own), and amp_bf16, all with the same seed (a model with dropout draws the
+same masks in each: what a trial sharing the reference's draws is judged against), and
+prints:
 
 - the nudged run's output difference and movement projection: the chaos floor;
 - amp_bf16's, with its verdict under the fixed floors and against the nudged run as the paired
@@ -89,7 +90,7 @@ QUICK_STEPS = 4
 
 
 def nudged(model: nn.Module, seed: int = 7) -> nn.Module:
-    """A copy of ``model`` nudged by one fp32 ulp (``model_copies.nudge_weights``)."""
+    """A copy of ``model`` nudged by 2^-12 (``model_copies.nudge_weights``)."""
     copied = copy.deepcopy(model)
     nudge_weights(copied, seed)
     return copied
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         figures = measure(TASKS[name](), steps)
         results[name] = figures
         print(
-            f"{name} ({steps} steps): one-ulp-nudged fp32 run: outputs "
+            f"{name} ({steps} steps): nudged fp32 run: outputs "
             f"{figures['chaos_output_error']:.1%} apart, movement {figures['chaos_movement']:.3f}"
             f"; amp_bf16: outputs {figures['amp_output_error']:.1%} apart, movement "
             f"{figures['amp_movement']:.3f}"

@@ -8,7 +8,7 @@ fp32 (its recipe and schedule, seed 0) and, at each checkpoint, continues a copy
 steps in fp32 and another in pure bf16 as ``check()`` builds it (the same weights, cast to bf16
 but for the norms and embeddings it keeps in fp32; the same optimizer state, batches and random
 draws; the lr the schedule has reached held for the window), and a third in fp32 from weights
-nudged by one ulp, the ceiling (what faithful fp32 reaches: below 1 where training is chaotic,
+nudged by 2^-12, the ceiling (what faithful fp32 reaches: below 1 where training is chaotic,
 as with dropout; the gate judges a trial against such a run). Printed: the projection of pure
 bf16's movement over the window onto fp32's, and over the ceiling (1: all of it arrived; the
 gate's bar is 0.8 of its paired run's), the share of weights fp32 moved that pure bf16 never
@@ -56,7 +56,7 @@ class Window:
     never_moved: float
     """Share of the weights fp32 moved that pure bf16 never moved."""
     ceiling: float
-    """The same projection for fp32 continued from weights nudged by one ulp, with the same
+    """The same projection for fp32 continued from weights nudged by 2^-12, with the same
     draws: what faithful fp32 reaches (below 1 where training is chaotic, as with dropout);
     the gate judges a trial against such a run."""
     weakest: str
@@ -119,7 +119,7 @@ def _weakest(trial: Run, reference: Run, nudged: Run) -> tuple[str, float]:
 def continue_both(
     plan: PrecisionPlan, task: GroundTask, step: int, batches: list[int], pure: ModeSpec
 ) -> Window:
-    """From ``plan``'s fp32 state: ``batches`` in fp32, in fp32 from weights nudged by one ulp,
+    """From ``plan``'s fp32 state: ``batches`` in fp32, in fp32 from weights nudged by 2^-12,
     and in ``pure`` (pure bf16 as ``check()`` builds it, norms and embeddings kept fp32),
     compared. Every continuation draws the same random numbers (dropout masks), as the gate's
     trials draw the reference's."""
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Window]]:
     )
     print(f"pure bf16's movement over {WINDOW} steps from each checkpoint of an fp32 run, as a")
     print("share of fp32's from the same state, and over the ceiling (fp32 from weights nudged by")
-    print("one ulp, the same draws); never moved: of the weights fp32 moved; weakest: the tensor")
+    print("2^-12, the same draws); never moved: of the weights fp32 moved; weakest: the tensor")
     print("with the smallest share over its own ceiling")
     results = {}
     for name in names:

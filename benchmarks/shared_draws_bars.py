@@ -2,7 +2,7 @@
 numbers, judged with and without it.
 
 A model with random draws (dropout, noise in a diffusion loss) gets, beside the paired fp32 run
-(other draws), a nudged one: the reference's draws from weights nudged by one fp32 ulp. A trial
+(other draws), a nudged one: the reference's draws from weights nudged by 2^-12. A trial
 that drew the reference's draws is judged against the nudged run; before it existed, against
 the movement and output floors alone. This benchmark trains ``autoprec.check()``'s own trials
 (``screen_setup``, ``screen_trials``; ``--trial-steps``, default 200) on each task of

@@ -706,7 +706,7 @@ def test_a_trial_that_drew_the_references_masks_is_judged_without_the_paired_bar
     assert any(r.startswith("updates lost to rounding") for r in against_nudged.reasons)
     assert against_nudged.metrics.update_fraction_noise is not None
     assert against_nudged.metrics.update_fraction_noise > 0.99  # a calm run: ~all arrived
-    assert any("weights nudged one ulp" in note for note in against_nudged.notes)
+    assert any("weights nudged 2^-12" in note for note in against_nudged.notes)
     kept = judge(other_masks, reference, noise, limits, paired=paired, nudged=nudged)
     assert kept.accepted and kept.metrics.update_fraction_noise < 0.99, kept.reasons
 
@@ -726,7 +726,7 @@ def test_a_model_without_draws_keeps_its_nudged_paired_run_for_every_trial() -> 
     reference = run_trial(ModeSpec(mode="fp32"), model, batches, **common)
     assert not reference.record.draws_random
     nudged = run_trial(ModeSpec(mode="fp32"), model, batches, nudge_seed=0, **common)
-    assert nudged.record.losses[:3] != reference.record.losses[:3]  # one ulp shows
+    assert nudged.record.losses[:3] != reference.record.losses[:3]  # the nudge shows
     verdict = judge(reference, reference, reference, paired=nudged)
     assert verdict.metrics.update_fraction_noise is not None  # the nudged run's bar
     assert not any("random numbers" in note for note in verdict.notes), verdict.notes
