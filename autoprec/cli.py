@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -561,6 +562,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
+def _resume_advice(command: str, error: Exception) -> str:
+    """What to do after a failed write: free space where the disk is full; a tune resumes."""
+    if command != "tune":
+        return ""
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(error)
+    fix = "free space and run" if full else "fix that and run"
+    return f"; the study keeps every finished trial: {fix} the same command again to resume"
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # bare `autoprec`: the commands
@@ -580,13 +590,15 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as error:  # a full disk or a failing write: a traceback before (a hunt)
         if args.debug:
             raise
-        resume = (
-            "; the study keeps every finished trial: free space and run the same command "
-            "again to resume"
-            if args.command == "tune"
-            else ""
-        )
-        sys.stderr.write(f"autoprec: error: {error}{resume}\n")
+        sys.stderr.write(f"autoprec: error: {error}{_resume_advice(args.command, error)}\n")
+        return EXIT_FAILURE
+    except Exception as error:
+        if args.debug or type(error).__name__ != "StorageInternalError":
+            raise
+        # optuna's, e.g. SQLite's "database or disk is full": a traceback before (a review)
+        found = (str(error) or type(error).__name__).splitlines()[0]
+        said = f"the study's storage failed ({found})"
+        sys.stderr.write(f"autoprec: error: {said}{_resume_advice(args.command, error)}\n")
         return EXIT_FAILURE
     except KeyboardInterrupt as interrupt:
         resume = (

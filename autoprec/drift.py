@@ -9,7 +9,7 @@ fp32 run, so that a bar never sits inside the noise:
   **paired run**, another seed and the same batch order, so that only the model's own random
   draws (dropout, noise in a diffusion loss) differ. For a model that draws no random numbers
   (such a run would repeat the reference exactly) the paired run starts from weights nudged by
-  2^-12 (half an fp16 ulp, ``model_copies.NUDGE``): a training run that is not chaotic stays
+  2^-12 (a quarter of an fp16 ulp, ``model_copies.NUDGE``): a training run that is not chaotic stays
   within ~0 of the reference and the floors apply; a chaotic one drifts as far as chaos takes
   it, and that is its noise.
 

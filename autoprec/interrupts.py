@@ -71,19 +71,26 @@ def remembered_interrupts(*, terminate: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM until the block ends (a study's record of a trial: a second
-    Ctrl-C inside the cleanup of the first left the trial RUNNING; found by a hunt); they
-    arrive as the block ends. Where signals cannot be blocked (not POSIX, not the main
-    thread), the block runs as it is."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    blockable = hasattr(signal, "pthread_sigmask")
-    if not blockable or threading.current_thread() is not threading.main_thread():
+    Ctrl-C inside the cleanup of the first left the trial RUNNING; found by a hunt), then
+    deliver the first held one to the handler the block found. Held by a Python handler, not
+    the signal mask: Python runs handlers in the main thread whichever thread the kernel
+    picks, and with torch's or the progress display's threads running a masked main thread
+    got it anyway (a review). Outside the main thread the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    held: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: handler for signum, handler in previous.items() if handler is not None}
+    for signum in previous:  # None: a handler not set from Python, left as it is
+        signal.signal(signum, lambda number, _frame: held.append(number))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if held:
+            signal.raise_signal(held[0])  # to the handler in place before the block
 
 
 def raise_if_interrupted() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import re
 from collections.abc import Callable
 from typing import Literal
@@ -141,19 +142,23 @@ def unknown_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32
 
 
 def _parametrization_refusal(matched: list[str], pattern: str, field: str) -> str | None:
-    """Why ``pattern`` cannot be used when every module it names sits in a parametrization
-    (``torch.nn.utils.parametrize``: ``b.parametrizations.weight``): it computes a weight its
-    owner uses, and kept alone it kept the trained ``original`` in bf16 while only a buffer
-    stayed fp32 (found by a hunt); None otherwise."""
-    inside = [fqn for fqn in matched if "parametrizations" in fqn.split(".")]
-    if not inside or len(inside) < len(matched):
+    """Why ``pattern`` cannot be used when every module it names itself (not through an
+    ancestor) is a parametrization's container (``torch.nn.utils.parametrize``:
+    ``b.parametrizations`` or ``b.parametrizations.weight``): it computes a weight its owner
+    uses, and kept, the trained ``original`` it holds was cast to bf16 while only a buffer
+    stayed fp32 (found by a hunt). A module inside one (a LoRA adapter written as a
+    parametrization, ``b.parametrizations.weight.0``) keeps what it holds (a review). None
+    otherwise."""
+    named = [fqn for fqn in matched if fqn == pattern or fnmatch.fnmatchcase(fqn, pattern)]
+    containers = [fqn for fqn in named if "parametrizations" in fqn.split(".")[-2:]]
+    if not named or len(containers) < len(named):
         return None
-    parts = inside[0].split(".")
+    parts = containers[0].split(".")
     owner = ".".join(parts[: parts.index("parametrizations")])
-    named = repr(owner) if owner else "the model itself (keep_fp32 cannot name the root)"
+    shown = repr(owner) if owner else "the model itself (keep_fp32 cannot name the root)"
     return (
-        f"{field} pattern {pattern!r} names {inside[0]!r}, a parametrization "
-        f"(torch.nn.utils.parametrize) computing a weight of {named}: it runs as part of its "
+        f"{field} pattern {pattern!r} names {containers[0]!r}, a parametrization "
+        f"(torch.nn.utils.parametrize) computing a weight of {shown}: it runs as part of its "
         f"owner, and named alone only part of it was kept. Name the owner instead."
     )
 

@@ -141,23 +141,44 @@ def _copy_advice(model: nn.Module) -> str:
             "copied: use torch.nn.utils.parametrizations.weight_norm (the same "
             "reparametrization, which torch recommends and which copies)."
         )
-    with_history = [  # a MoE's aux_loss kept from an earlier forward (found by a hunt)
-        f"{fqn}.{name}" if fqn else name
-        for fqn, module in model.named_modules()
-        for name, value in vars(module).items()
-        if isinstance(value, torch.Tensor) and value.grad_fn is not None
-    ]
+    with_history = _holding_history(model)  # a MoE's aux_loss kept from an earlier forward
     if with_history:
+        holds = "holds" if len(with_history) == 1 else "hold"
         return (
-            f"{first_names(with_history)} hold a tensor with autograd history from an earlier "
-            "forward (a mixture-of-experts' aux_loss): no deep copy takes one. Set it to None "
-            "before tuning, or store it detached where it is only read for logging; each "
+            f"{first_names(with_history)} {holds} a tensor with autograd history from an "
+            "earlier forward (a mixture-of-experts' aux_loss): no deep copy takes one. Set it to "
+            "None before tuning, or store it detached where it is only read for logging; each "
             "forward sets it again."
         )
     return (
         "Keep locks, files, open connections and loggers out of the model's attributes "
         "(create them outside it, or define __deepcopy__)."
     )
+
+
+def _holding_history(model: nn.Module) -> list[str]:
+    """The attributes and buffers of ``model``'s modules that hold a tensor with autograd
+    history, directly or in a list, tuple or dict (found by a hunt; buffers and lists by a
+    review)."""
+    found = []
+    for fqn, module in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        for name, value in vars(module).items():
+            if name == "_buffers":
+                found += [prefix + key for key, buffer in value.items() if _has_history(buffer)]
+            elif name not in ("_parameters", "_modules") and _has_history(value):
+                found.append(prefix + name)
+    return found
+
+
+def _has_history(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn is not None
+    if isinstance(value, list | tuple):
+        return any(_has_history(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_history(item) for item in value.values())
+    return False
 
 
 def _is_fsdp1(model: nn.Module) -> bool:
@@ -343,14 +364,14 @@ def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
 
 
 NUDGE = 2.0**-12
-"""The paired run's nudge of the initial weights, relative: half an ulp of fp16 and tf32
-(2^-11), the finest rounding any mode applies, and applied once where a mode rounds at every
-step. It was one fp32 ulp (2^-23) until 2026-11-29: on a mixture-of-experts MLP (top-1
-routing, 200 steps) that flipped 0.4% of the routes and left the outputs 1.7% apart, where
-every bf16 and fp16 mode, like fp32 nudged by 2^-12, flipped about 20% and ended 60% apart, so
+"""The paired run's nudge of the initial weights, relative: a quarter of an fp16 and tf32 ulp
+(2^-10 at 1.0), below the finest rounding any mode applies, and applied once where a mode rounds
+at every step. It was one fp32 ulp (2^-23) until 2026-11-29: on a mixture-of-experts MLP (top-1
+routing, 200 steps) that flipped 0.4% of the routes and left the outputs 1.7% apart, where every
+bf16 and fp16 mode, like fp32 nudged by 2^-12, flipped about 20% and ended 60% apart, so
 amp_bf16, amp_fp16, bf16_sr and bf16_kahan were rejected for their outputs alone, though
-1000-step runs (4 seeds) found them fine; a VQ-VAE's codebook lookup the same (found by a
-hunt). On the 14 ground-truth tasks (172 pairs) no verdict moved; the conv nets' paired output
+1000-step runs (4 seeds) found them fine; a VQ-VAE's codebook lookup the same (found by a hunt).
+On the 14 ground-truth tasks (172 pairs) no verdict moved; the conv nets' paired output
 difference rose from 0.0% to 3.6-4.0%, the others' stayed under 0.3%."""
 
 

@@ -202,6 +202,12 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
         )
     if any(said in message for said in ("copy.deepcopy", "not a torch.optim", "not a scalar")):
         return ""  # the message itself says what to do
+    if "dense gradients" in message:  # SparseAdam beside dense layers (a review)
+        return (
+            "SparseAdam takes only sparse gradients, and the model's other layers give dense "
+            "ones. autoprec runs one optimizer: pass one that takes both (optimizer=lambda p: "
+            "torch.optim.SGD(p, lr=...), or Adagrad), or build the embedding with sparse=False."
+        )
     if "sparse gradients" in message:  # the loader was blamed (found by a hunt)
         which = (
             "autoprec's default AdamW (no optimizer was passed)"

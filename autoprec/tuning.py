@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from autoprec._version import __version__
+from autoprec._warnings import warn_caller
 from autoprec.batching import EvalFn, LossFn, TrainStep, as_plain
 from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
@@ -293,7 +294,14 @@ def _measured_references(
     study.set_user_attr("noise_runs", runs.noise_runs)  # autoprec report counts them
     study.set_user_attr("fresh_batches", setup.fresh_batches)  # for a resumed run
     if cache is not None:
-        save_references(cache, fingerprint, runs, steps)
+        try:
+            save_references(cache, fingerprint, runs, steps)
+        except (OSError, RuntimeError) as error:  # a full disk ended the run (a review)
+            warn_caller(
+                f"Could not store the fp32 reference runs for a resumed run in {cache} "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): "
+                "the run goes on, and a resumed one measures them again."
+            )
     return runs, steps, step_seconds, False
 
 

@@ -1189,6 +1189,39 @@ def test_a_terminated_run_says_so_and_exits_143(
     )
 
 
+def test_a_failing_study_storage_or_write_is_one_line_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """optuna's storage error (SQLite's "database or disk is full") printed a traceback, and
+    every OSError was told to free space (found by a review)."""
+    import errno
+
+    import optuna
+
+    import autoprec.cli as cli
+
+    argv = ["tune", "m:f", "--data", "m:d", "--budget", "1", "--out", "x.json"]
+    raised: list[Exception] = [
+        optuna.exceptions.StorageInternalError("database or disk is full"),
+        PermissionError(errno.EACCES, "Permission denied", "x.json"),
+    ]
+
+    def failing(args: object) -> int:
+        raise raised.pop(0)
+
+    monkeypatch.setitem(cli._COMMANDS, "tune", failing)
+    assert main(argv) == 1
+    assert capsys.readouterr().err == (
+        "autoprec: error: the study's storage failed (database or disk is full); the study "
+        "keeps every finished trial: free space and run the same command again to resume\n"
+    )
+    assert main(argv) == 1
+    assert capsys.readouterr().err.endswith(
+        "Permission denied: 'x.json'; the study keeps every finished trial: fix that and run "
+        "the same command again to resume\n"
+    )
+
+
 def test_main_in_a_process_of_your_own_leaves_its_path_and_loggers() -> None:
     """Found by a hunt: main() called in a notebook or a test left the working folder on
     sys.path, the root and autoprec loggers at WARNING with the CLI's handlers, and a filter

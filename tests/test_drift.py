@@ -10,6 +10,7 @@ from autoprec.drift_thresholds import DriftThresholds
 from autoprec.recipe import TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.trial import run_trial
+from autoprec.trial_loop import _largest_finite
 from autoprec.trial_records import TrialFailure, TrialResult
 from examples import tasks
 
@@ -504,6 +505,9 @@ def test_a_mask_filled_with_the_dtypes_min_is_no_activation() -> None:
     assert fp16.record.max_abs_activation < 100
     reasons = judge(fp16, reference, reference).reasons
     assert not any(r.startswith("fp16 overflow") for r in reasons), reasons
+    # +65504 still counts: a clamp turning an overflow into fp16's max (a review)
+    assert float(_largest_finite(torch.tensor([-65504.0, 3.0], dtype=torch.float16))) == 3.0
+    assert float(_largest_finite(torch.tensor([65504.0, 3.0], dtype=torch.float16))) == 65504.0
 
 
 class _MaskedOverflow(_OverflowBeforeTanh):

@@ -309,6 +309,11 @@ def test_a_sparse_gradient_embedding_is_checked_in_every_mode_its_optimizer_take
     with pytest.raises(autoprec.UnsupportedModeError, match=r"sparse=True in table"):
         autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
                        optimizer=optimizer, modes=["amp_bf16+8bit-optim"])  # fmt: skip
+    # SparseAdam beside dense layers, as torch's own message advises (a review)
+    sparse_adam = torch.optim.SparseAdam(model.parameters())
+    with pytest.raises(ValueError, match=r"SparseAdam takes only sparse gradients, and the"):
+        autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
+                       optimizer=sparse_adam, modes=["amp_bf16"])  # fmt: skip
     # without an optimizer autoprec's AdamW takes none: the message blamed the loader (a hunt)
     with pytest.raises(ValueError, match=r"default AdamW \(no optimizer was passed\) does not"):
         autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,

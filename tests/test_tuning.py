@@ -520,8 +520,31 @@ def test_a_model_holding_a_tensor_with_history_is_told_to_drop_it() -> None:
     locks, files and loggers (found by a hunt)."""
     model = _Regressor()
     model.aux_loss = model(torch.randn(2, 8)).pow(2).mean()  # type: ignore[attr-defined]
-    with pytest.raises(TypeError, match=r"aux_loss hold a tensor with autograd history.*None"):
+    with pytest.raises(TypeError, match=r"aux_loss holds a tensor with autograd history.*None"):
         tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
+    # in a list and in a buffer too (a review: they were told about locks and loggers)
+    model.aux_loss = [model(torch.randn(2, 8)).sum()]  # type: ignore[attr-defined]
+    model.linear.register_buffer("last", model(torch.randn(2, 8)))
+    with pytest.raises(TypeError, match=r"aux_loss, linear\.last hold a tensor with autograd"):
+        tune(model, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
+
+
+def test_a_references_cache_that_cannot_be_written_warns_and_the_tune_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the references cache (torch.save's RuntimeError) ended the run with a
+    traceback (found by a review); the cache only saves a resumed run's fp32 runs."""
+    import autoprec.tuning as tuning
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed")
+
+    monkeypatch.setattr(tuning, "save_references", full)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.warns(UserWarning, match=r"Could not store the fp32 reference runs.*goes on"):
+        result = tune(_Regressor(), _regression_batches(), budget_minutes=0.2, loss_fn=_mse,
+                      modes=["amp_bf16"], storage=storage)  # fmt: skip
+    assert [t.label for t in result.trials] == ["amp_bf16"] and result.profile is not None
 
 
 def test_a_model_with_torchs_old_weight_norm_hook_is_told_the_form_that_copies() -> None:
