@@ -57,7 +57,8 @@ class DriftThresholds(BaseModel):
     truth: 20%, 30% or the check off give the same verdicts; 5% rejects 8-bit states on the
     conv net and the encoder, which are fine (3 false rejects)."""
     fp16_headroom: float = Field(1 / 16, gt=0, le=1)
-    """Flag fp16 when activations or gradients reach 1/16 of the fp16 maximum (65504, so 4094):
+    """Flag fp16 when activations reach 1/16 of the fp16 maximum (65504, so 4094; gradients
+    are the loss scaler's to fit, ``drift_fp16``):
     loss scaling cannot protect the forward pass, and a trial sees only the start of the run.
     The margin is measured (benchmarks/fp16_headroom.py, the nine ground-truth tasks trained
     in fp32): after a 200-step trial the largest held-out activation grew up to 11.9x by 2000
@@ -72,7 +73,9 @@ class DriftThresholds(BaseModel):
     outgrow the settled scale (found by a hunt: at 8 steps one skip, from 2**16 to 2**15, read
     12.5% and a model fine at 40 steps was called unsafe)."""
     min_loss_scale: float = Field(1.0, gt=0)
-    """Reject amp_fp16 when the loss scale collapsed below 1 (gradients overflow even unscaled)."""
+    """Reject amp_fp16 when the loss scale fell below 1 during the trial, from where it settled
+    (gradients that kept overflowing). A scale settled below 1 (a loss weighted 1e7 settles at
+    2**-7) is the scaler fitting large gradients, not a collapse."""
     max_rounded_beta2: float = Field(1 - 2**-8, gt=0, lt=1)
     """Reject a mode whose optimizer keeps Adam's second moment in bf16 rounded to nearest with
     beta2 above 1 - 2**-8 (0.99609375). A step moves that moment by (1 - beta2) of itself, which is

@@ -395,6 +395,7 @@ def _record(
         max_abs_gradient=figures.get("max_gradient"),
         skipped_steps=0 if mode is None else mode.skipped_steps,
         final_loss_scale=mode.loss_scale if hasattr(mode, "loss_scale") and mode.scaler else None,
+        settled_loss_scale=figures.get("settled_loss_scale"),
         heldout_losses=tuple(figures.get("heldout", ())),
         heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),
         low_precision_moment=figures.get("moment"),

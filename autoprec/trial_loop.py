@@ -493,6 +493,9 @@ def settle(
         with kept_streams(cuda_devices_of(device)):
             for index in first:
                 plan.mode.settle(lambda index=index: compute_loss(index), plan.model)
+        scale = plan.mode.loss_scale_tensor()
+        if scale is not None:  # before any step: what the scale-collapse check starts from
+            loop.figures["settled_loss_scale"] = float(scale)
         if started:
             check()
     except _SettleStopped as stopped:

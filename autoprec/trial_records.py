@@ -172,6 +172,9 @@ class TrialRecord(BaseModel):
     removed."""
     skipped_steps: int = 0
     final_loss_scale: float | None = None
+    settled_loss_scale: float | None = None
+    """amp_fp16's loss scale after settling, before the first step (None in other modes and
+    in records written before it was kept)."""
     heldout_losses: tuple[float, ...] = ()
     heldout_losses_fp32_read: tuple[float, ...] = ()
     """The held-out losses of the trial's own trained weights read by the user's model in plain

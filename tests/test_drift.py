@@ -303,7 +303,22 @@ def test_loss_scaler_health(low_lr: dict) -> None:
     assert any(r.startswith("loss scaler skipped 40 of 150 steps") for r in reasons)
     # found by a hunt: rounded to whole percents, 1 skip in 40 against 2% read "(2% > 2%)"
     assert any("(26.7% > 10%)" in r for r in reasons)
-    assert "loss scale collapsed to 0.25" in reasons
+    assert "loss scale collapsed to 0.25" in reasons  # a record without its settled scale
+    # fell below 1 from where it settled: collapsed; settled below 1 and stayed: the scaler
+    # fitting a large loss (found by a hunt: a loss weighted 1e7 settles at 2**-7)
+    for settled, collapsed in [(1024.0, True), (0.25, False)]:
+        settled_record = record.model_copy(
+            update={"settled_loss_scale": settled, "skipped_steps": 0}
+        )
+        said = judge(
+            TrialResult(record=settled_record, leg_weights=trial.leg_weights,
+                        heldout_outputs=trial.heldout_outputs),
+            low_lr["reference"], low_lr["noise"],
+        ).reasons  # fmt: skip
+        assert ("loss scale collapsed to 0.25 during the trial (settled at 1024)" in said) == (
+            collapsed and settled == 1024.0
+        ), said
+        assert any(r.startswith("loss scale collapsed") for r in said) == collapsed
     # found by a hunt: one skip in an 8-step trial (GradScaler's own backoff, 2**16 to 2**15)
     # read 12.5% and rejected a model fine at 40 steps; two still reject
     for skipped, rejected in [(1, False), (2, True)]:

@@ -2624,3 +2624,20 @@ def test_a_model_routing_by_top_1_is_judged_against_its_own_chaos() -> None:
     verdict = report.verdict("amp_bf16")
     assert verdict.status == "safe", verdict.reasons
     assert verdict.drift["output_error"] > 0.1 and verdict.drift["output_error_noise"] > 0.05
+
+
+def test_amp_fp16_on_a_heavily_weighted_loss_is_judged_as_fp32_trains_it() -> None:
+    """Found by a hunt: a loss weighted 1e7 (a sum over many pixels) had amp_fp16 rejected for
+    fp32's unscaled gradients ("gradients reach 2.54e+04") and a scale "collapsed" to 0.125:
+    the scaler settles below 1 and it trains as fp32 does."""
+    task = tasks.regression()
+
+    def weighted(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return task.mse(output, target) * 1e7
+
+    report = autoprec.check(
+        task.model, task.batches, loss_fn=weighted, steps=40, modes=["amp_fp16"],
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+    )  # fmt: skip
+    verdict = report.verdict("amp_fp16")
+    assert verdict.status == "safe", verdict.reasons
