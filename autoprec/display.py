@@ -9,6 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from autoprec.drift import shown_forward_cost
 from autoprec.modes import MODE_CLASSES
 from autoprec.modes.pure_bf16 import Bf16PureMode
 from autoprec.profile import Profile, TrialFigures
@@ -314,9 +315,8 @@ def quality_table(report: QualityReport) -> Group:
     spots: list[str] = []  # each blind spot once, below the table, numbered
     for verdict in report.verdicts:
         why = Text(verdict.label, style="bold")
-        if "forward_cost" in verdict.drift:
-            cost = verdict.drift["forward_cost"]
-            shown = f"{cost:+.2%}" if round(cost, 4) else "0.00%"  # not "-0.00%"
+        shown = shown_forward_cost(verdict.drift)
+        if shown:
             why.append(f"  forward cost {shown}", style="dim")
         if verdict.spec.keep_fp32:
             why.append(f"\n◦ kept in fp32: {', '.join(verdict.spec.keep_fp32)}", style="dim")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -238,6 +239,20 @@ def _loss_checks(
     return reasons
 
 
+def shown_forward_cost(drift: Mapping[str, float], limits: DriftThresholds | None = None) -> str:
+    """A verdict's forward cost for a table: the share of the loss, or the cost in loss units
+    where the loss's mean sits near 0 (a share of it read +89% or +235% for costs of 1e-4: a
+    loss with a negative constant, a likelihood crossing 0; found by a hunt); "" without one."""
+    limits = limits or DriftThresholds()
+    cost, absolute = drift.get("forward_cost"), drift.get("forward_cost_absolute")
+    if cost is None:
+        return "" if absolute is None else f"{absolute:+.3g} in loss units"
+    mean = absolute / cost if absolute is not None and cost else None
+    if mean is not None and abs(mean) * limits.max_forward_cost < limits.loss_floor_absolute:
+        return f"{absolute:+.3g} in loss units"
+    return f"{cost:+.2%}" if round(cost, 4) else "+0.00%"  # not "-0.00%"
+
+
 def _forward_cost_check(
     record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
 ) -> list[str]:
@@ -251,9 +266,11 @@ def _forward_cost_check(
     difference = own_mean - read_mean
     cost = f"{difference:+.4g}"
     metrics["forward_cost_absolute"] = difference
+    near_zero = abs(read_mean) * limits.max_forward_cost < limits.loss_floor_absolute
     if read_mean:
         metrics["forward_cost"] = difference / abs(read_mean)
-        cost = f"{difference / abs(read_mean):+.2%} ({cost})"
+        if not near_zero:  # a share of a mean near 0 read +89% for 1.8e-4 (a hunt)
+            cost = f"{difference / abs(read_mean):+.2%} ({cost})"
     allowed = max(limits.max_forward_cost * abs(read_mean), limits.loss_floor_absolute)
     if math.isfinite(difference) and difference <= allowed:
         return []

@@ -22,7 +22,7 @@ from torch import nn
 from autoprec._models import FROZEN_RECORD
 from autoprec.batching import EvalFn, LossFn, TrainStep
 from autoprec.candidates import Skipped, screen_specs
-from autoprec.drift import Fp32Runs
+from autoprec.drift import Fp32Runs, shown_forward_cost
 from autoprec.drift_blind_spots import blind_spots
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.interrupts import raise_if_interrupted
@@ -116,9 +116,8 @@ class QualityReport(BaseModel):
         """A plain-text table: every mode, safe / unsafe / failed / stopped, every reason."""
         lines = [f"quality screen: {self.steps} steps per mode on {self.device}"]
         for verdict in self.verdicts:
-            cost = verdict.drift.get("forward_cost")
-            shown = 0.0 if cost is not None and round(cost * 100, 2) == 0 else cost
-            forward = "" if shown is None else f" (forward cost {shown:+.2%})"  # not -0.00%
+            shown = shown_forward_cost(verdict.drift)
+            forward = f" (forward cost {shown})" if shown else ""
             lines.append(f"{verdict.label:42} {verdict.status}{forward}")
             if verdict.spec.keep_fp32:
                 lines.append(f"    kept in fp32: {', '.join(verdict.spec.keep_fp32)}")

@@ -436,6 +436,12 @@ def test_the_summary_shows_a_tiny_negative_forward_cost_as_zero() -> None:
         verdicts=(verdict,), steps=4, device="cpu", not_checked=(), checks_not_run=()
     )
     assert "(forward cost +0.00%)" in report.summary()
+    # a loss whose mean sits near 0 (10 x MSE - 1.527): +89% of it was 1.8e-4 (a hunt)
+    near_zero = verdict.model_copy(
+        update={"drift": {"forward_cost": 0.8933, "forward_cost_absolute": 1.797e-4}}
+    )
+    report = report.model_copy(update={"verdicts": (near_zero,)})
+    assert "(forward cost +0.00018 in loss units)" in report.summary()
 
 
 def test_an_eval_fn_failing_in_one_mode_fails_that_mode_alone() -> None:
