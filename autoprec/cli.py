@@ -562,11 +562,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
-def _resume_advice(command: str, error: Exception) -> str:
+def _innermost(error: BaseException) -> BaseException:
+    """The first cause of ``error``: optuna's storage error always says "An exception is raised
+    during the commit ..."; SQLite's "database or disk is full" is its cause (a review)."""
+    seen = {id(error)}
+    while error.__cause__ is not None and id(error.__cause__) not in seen:
+        error = error.__cause__
+        seen.add(id(error))
+    return error
+
+
+def _resume_advice(command: str, error: BaseException) -> str:
     """What to do after a failed write: free space where the disk is full; a tune resumes."""
     if command != "tune":
         return ""
-    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(error)
+    cause = _innermost(error)
+    full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        "disk is full" in str(cause)  # SQLite's words; never a path's (a review)
+    )
     fix = "free space and run" if full else "fix that and run"
     return f"; the study keeps every finished trial: {fix} the same command again to resume"
 
@@ -596,7 +609,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.debug or type(error).__name__ != "StorageInternalError":
             raise
         # optuna's, e.g. SQLite's "database or disk is full": a traceback before (a review)
-        found = (str(error) or type(error).__name__).splitlines()[0]
+        cause = _innermost(error)
+        found = (str(cause) or type(cause).__name__).splitlines()[0]
         said = f"the study's storage failed ({found})"
         sys.stderr.write(f"autoprec: error: {said}{_resume_advice(args.command, error)}\n")
         return EXIT_FAILURE

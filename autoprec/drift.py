@@ -245,8 +245,9 @@ def shown_forward_cost(drift: Mapping[str, float], limits: DriftThresholds | Non
     loss with a negative constant, a likelihood crossing 0; found by a hunt); "" without one."""
     limits = limits or DriftThresholds()
     cost, absolute = drift.get("forward_cost"), drift.get("forward_cost_absolute")
-    if cost is None:
-        return "" if absolute is None else f"{absolute:+.3g} in loss units"
+    if cost is None:  # no share: a mean of 0, or a read that was not finite
+        finite = absolute is not None and math.isfinite(absolute)
+        return f"{absolute:+.3g} in loss units" if finite else ""
     mean = absolute / cost if absolute is not None and cost else None
     if mean is not None and abs(mean) * limits.max_forward_cost < limits.loss_floor_absolute:
         return f"{absolute:+.3g} in loss units"

@@ -89,8 +89,11 @@ def interrupts_deferred() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if held:
-            signal.raise_signal(held[0])  # to the handler in place before the block
+        # to the handlers in place before the block, SIGTERM first: a Ctrl-C ignored there (a
+        # background job) must not drop a SIGTERM held after it (a review)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signum in held:
+                signal.raise_signal(signum)
 
 
 def raise_if_interrupted() -> None:

@@ -142,7 +142,7 @@ def unknown_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32
 
 
 def _parametrization_refusal(matched: list[str], pattern: str, field: str) -> str | None:
-    """Why ``pattern`` cannot be used when every module it names itself (not through an
+    """Why ``pattern`` cannot be used when a module it names itself (not through an
     ancestor) is a parametrization's container (``torch.nn.utils.parametrize``:
     ``b.parametrizations`` or ``b.parametrizations.weight``): it computes a weight its owner
     uses, and kept, the trained ``original`` it holds was cast to bf16 while only a buffer
@@ -151,7 +151,7 @@ def _parametrization_refusal(matched: list[str], pattern: str, field: str) -> st
     otherwise."""
     named = [fqn for fqn in matched if fqn == pattern or fnmatch.fnmatchcase(fqn, pattern)]
     containers = [fqn for fqn in named if "parametrizations" in fqn.split(".")[-2:]]
-    if not named or len(containers) < len(named):
+    if not containers:  # ``b.parametrizations.*`` names the container too: refused (a review)
         return None
     parts = containers[0].split(".")
     owner = ".".join(parts[: parts.index("parametrizations")])

@@ -1201,9 +1201,12 @@ def test_a_failing_study_storage_or_write_is_one_line_with_what_to_do(
     import autoprec.cli as cli
 
     argv = ["tune", "m:f", "--data", "m:d", "--budget", "1", "--out", "x.json"]
+    # as optuna 5 raises it: its own fixed words, SQLite's cause beneath (a review)
+    storage = optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+    storage.__cause__ = RuntimeError("(sqlite3.OperationalError) database or disk is full")
     raised: list[Exception] = [
-        optuna.exceptions.StorageInternalError("database or disk is full"),
-        PermissionError(errno.EACCES, "Permission denied", "x.json"),
+        storage,
+        PermissionError(errno.EACCES, "Permission denied", "/data/full_runs/x.json"),
     ]
 
     def failing(args: object) -> int:
@@ -1212,12 +1215,14 @@ def test_a_failing_study_storage_or_write_is_one_line_with_what_to_do(
     monkeypatch.setitem(cli._COMMANDS, "tune", failing)
     assert main(argv) == 1
     assert capsys.readouterr().err == (
-        "autoprec: error: the study's storage failed (database or disk is full); the study "
-        "keeps every finished trial: free space and run the same command again to resume\n"
+        "autoprec: error: the study's storage failed ((sqlite3.OperationalError) database or "
+        "disk is full); the study keeps every finished trial: free space and run the same "
+        "command again to resume\n"
     )
     assert main(argv) == 1
     assert capsys.readouterr().err.endswith(
-        "Permission denied: 'x.json'; the study keeps every finished trial: fix that and run "
+        "Permission denied: '/data/full_runs/x.json'; the study keeps every finished trial: "
+        "fix that and run "
         "the same command again to resume\n"
     )
 

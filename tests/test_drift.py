@@ -523,6 +523,9 @@ def test_a_mask_filled_with_the_dtypes_min_is_no_activation() -> None:
     # +65504 still counts: a clamp turning an overflow into fp16's max (a review)
     assert float(_largest_finite(torch.tensor([-65504.0, 3.0], dtype=torch.float16))) == 3.0
     assert float(_largest_finite(torch.tensor([65504.0, 3.0], dtype=torch.float16))) == 65504.0
+    # an additive finfo.min mask on fp16 scores rounds to -65472: a fill too (a review)
+    added = torch.tensor([-65504.0], dtype=torch.float16) + torch.tensor([30.0, 3.0]).half()
+    assert float(_largest_finite(torch.cat([added, torch.tensor([7.0]).half()]))) == 7.0
 
 
 class _MaskedOverflow(_OverflowBeforeTanh):

@@ -1581,7 +1581,7 @@ def test_a_pattern_naming_a_parametrization_is_refused_with_its_owner() -> None:
     from torch.nn.utils.parametrizations import orthogonal
 
     model = nn.Sequential(OrderedDict(a=nn.Linear(8, 16), b=orthogonal(nn.Linear(16, 16))))
-    for pattern in ("b.parametrizations.weight", "b.parametrizations"):
+    for pattern in ("b.parametrizations.weight", "b.parametrizations", "b.parametrizations.*"):
         spec = ModeSpec(mode="bf16_pure", keep_fp32=(pattern,))
         with pytest.raises(ValueError, match=r"computing a weight of 'b'.*Name the owner"):
             autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))

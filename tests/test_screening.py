@@ -442,6 +442,9 @@ def test_the_summary_shows_a_tiny_negative_forward_cost_as_zero() -> None:
     )
     report = report.model_copy(update={"verdicts": (near_zero,)})
     assert "(forward cost +0.00018 in loss units)" in report.summary()
+    not_finite = verdict.model_copy(update={"drift": {"forward_cost_absolute": -math.inf}})
+    report = report.model_copy(update={"verdicts": (not_finite,)})
+    assert "forward cost" not in report.summary()  # said in the reason, not as "-inf"
 
 
 def test_an_eval_fn_failing_in_one_mode_fails_that_mode_alone() -> None:

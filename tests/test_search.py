@@ -745,6 +745,22 @@ def test_a_background_job_still_takes_sigterm() -> None:
         signal.signal(signal.SIGTERM, term)
 
 
+def test_a_sigterm_held_behind_an_ignored_ctrl_c_still_arrives() -> None:
+    """A review: only the first held signal was delivered, so a SIGTERM held after a Ctrl-C
+    that a background job ignores was dropped and the run went on."""
+    from autoprec.interrupts import Terminated, interrupts_deferred
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with remembered_interrupts():  # SIGTERM taken, Ctrl-C left ignored
+        try:
+            with pytest.raises(Terminated), interrupts_deferred():
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGTERM)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    raise_if_interrupted()  # the block forgot it
+
+
 def test_a_ctrl_c_during_a_trials_record_arrives_after_it() -> None:
     """Found by a hunt: a second Ctrl-C inside the cleanup of the first left the trial
     RUNNING; the record is written whole, then the press is raised."""
