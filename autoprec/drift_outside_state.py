@@ -63,7 +63,7 @@ def _way_out(names: list[str]) -> str:
     if not owners:
         return (
             "Keep it in fp32 by holding it in a submodule (keep_fp32 names modules; the "
-            "model's root module cannot be kept apart from the model), or outside the model"
+            "model's root module cannot be kept apart from the model)"
         )
     shown = first_names([repr(owner) for owner in owners], 4)
     on_root = [name for name in names if "." not in name]
@@ -71,14 +71,13 @@ def _way_out(names: list[str]) -> str:
     # rejected (found by a hunt)
     root = (
         f"; {', '.join(on_root[:4])} on the model's root module cannot be kept apart from the "
-        "model: move it into a submodule or outside the model"
+        "model: move it into a submodule"
         if on_root
         else ""
     )
     return (
         f"Keep it in fp32: tune(..., keep_fp32=[{shown}]) or check(...) alike (CLI: "
-        "--keep-fp32 NAME), a name matching their parent, or keep it outside the model you "
-        f"hand autoprec{root}"
+        f"--keep-fp32 NAME), or a name matching their parent{root}"
     )
 
 

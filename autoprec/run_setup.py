@@ -38,6 +38,7 @@ from autoprec.errors import BatchError, BudgetTooSmallError, LossError, Unsuppor
 from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
+from autoprec.outside_state import OutsideStateWatch
 from autoprec.plan import build_plan
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import (
@@ -341,6 +342,17 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def _changed_outside_the_model(names: list[str]) -> ValueError:
+    return ValueError(
+        f"Your train_step changes {_names(names)}, outside the model you hand autoprec (an "
+        "EMA teacher or a target network it closes over, found: it changed while the fp32 "
+        "reference trained): every run would start from where the last one left it, and "
+        "your object would come back changed. Make it a submodule of the model and update "
+        "plan.model's, so each run trains its own copy (keep_fp32=['teacher'] keeps such a "
+        "module in fp32). It was put back as it was."
+    )
+
+
 def _trained_the_users_model(
     names: list[str], moved: list[str], stepped: list[str], setup: RunSetup
 ) -> ValueError:
@@ -622,6 +634,7 @@ def calibration_run(setup: RunSetup) -> Calibration:
         optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
         copy_weights=setup.recipe.train_step is not None,
     )
+    outside = OutsideStateWatch(setup.recipe.train_step, setup.user_model)
     try:
         calibration = setup.run(
             setup.reference_spec,
@@ -634,11 +647,17 @@ def calibration_run(setup: RunSetup) -> Calibration:
         )
     except BaseException:  # Ctrl-C, a stop: whatever user code did to the model goes back
         user.restore()
+        outside.restore()
         raise
     touched, moved = user.changed(), user.changed_values()
     if touched or moved:
+        outside.restore()
         raise _trained_the_users_model(touched, moved, user.restore(), setup)
-    del user  # its host copy of the weights
+    changed_outside = outside.changed()
+    if changed_outside:
+        outside.restore()
+        raise _changed_outside_the_model(changed_outside)
+    del user, outside  # their host copies
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)
     setup.fresh_batches = watched.changed()

@@ -2650,3 +2650,49 @@ def test_amp_fp16_on_a_heavily_weighted_loss_is_judged_as_fp32_trains_it() -> No
     )  # fmt: skip
     verdict = report.verdict("amp_fp16")
     assert verdict.status == "safe", verdict.reasons
+
+
+def test_a_train_step_that_changes_a_teacher_outside_the_model_is_refused() -> None:
+    """Found by a hunt: an EMA teacher a train_step closes over was moved by every run (the
+    calibration, the fp32 runs, each trial) and came back changed; each run started from
+    where the last left it (amp_bf16's output noise 200x the teacher-inside figure)."""
+    from examples.mean_teacher import make_batches
+
+    torch.manual_seed(0)
+    student = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    before = copy.deepcopy(teacher.state_dict())
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), plan.model.parameters(), strict=True):
+                t.lerp_(s.to(t.dtype), 0.01)
+        with plan.autocast():
+            target = teacher(x).detach().float()
+            out = plan.model(x).float()
+        return torch.nn.functional.mse_loss(out, y) + torch.nn.functional.mse_loss(out, target)
+
+    with pytest.raises(ValueError, match=r"train_step changes teacher\.0\.weight.*outside the"):
+        autoprec.check(student, make_batches(), train_step=train_step, steps=4,
+                       modes=["amp_bf16"])  # fmt: skip
+    after = teacher.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # put back
+
+
+_STEPS_LOGGED = torch.zeros(())
+
+
+def test_a_train_step_counting_in_a_tensor_of_its_own_is_left_alone() -> None:
+    """The refusal above is for modules (a teacher, a target network): a running total a
+    train_step keeps for its log changes nothing a run measures."""
+    task = tasks.regression()
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        _STEPS_LOGGED.add_(1)
+        with plan.autocast():
+            return task.mse(plan.model(batch[0]), batch[1])
+
+    report = autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
+                            modes=["amp_bf16"])  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe" and float(_STEPS_LOGGED) > 0

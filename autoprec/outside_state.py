@@ -1,0 +1,102 @@
+"""What a ``train_step`` reaches outside the model it is handed, watched while it runs.
+
+A ``train_step`` that updates a module or tensor it closes over (an EMA teacher or a BYOL target
+network kept outside the model) changed the caller's object in every run ``tune()`` and
+``check()`` made, and each run started from where the last one left it: amp_bf16's output
+noise read 200x larger than with the teacher inside the model, and trials learned from a
+teacher earlier runs had trained (found by a hunt). The calibration watches what the function
+reaches (its closure, its bound object, a partial's arguments, the module-level names its code
+reads, and one level into lists, tuples and dicts of those: the modules among them) and refuses
+a ``train_step`` that changes one, putting it back first.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            names |= _code_names(const)
+    return names
+
+
+def _reached(function: Any) -> Iterator[tuple[str, Any]]:
+    """(name, object) for what ``function`` computes with beyond its arguments."""
+    if isinstance(function, functools.partial):
+        yield from ((f"argument {index}", a) for index, a in enumerate(function.args))
+        yield from function.keywords.items()
+        function = function.func
+    if inspect.ismethod(function):
+        yield "self", function.__self__
+        function = function.__func__
+    code = getattr(function, "__code__", None)
+    if code is None:  # a callable object: its attributes
+        yield from vars(function).items() if hasattr(function, "__dict__") else ()
+        return
+    cells = getattr(function, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars, cells, strict=False):
+        try:
+            yield name, cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    namespace = getattr(function, "__globals__", {})
+    yield from ((name, namespace[name]) for name in sorted(_code_names(code)) if name in namespace)
+
+
+def _with_contents(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    yield name, value
+    if isinstance(value, list | tuple):
+        yield from ((f"{name}[{index}]", item) for index, item in enumerate(value))
+    elif isinstance(value, dict):
+        yield from ((f"{name}[{key!r}]", item) for key, item in value.items())
+
+
+def reachable_tensors(function: Any, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and saved buffers of the modules ``function`` reaches outside ``model``,
+    by name. Bare tensors are left alone: a step counter or a running total for a log changes
+    nothing a run measures."""
+    inside = {id(module) for module in model.modules()}
+    inside |= {id(tensor) for tensor in model.state_dict(keep_vars=True).values()}
+    found: dict[str, torch.Tensor] = {}
+    for name, value in _reached(function):
+        for shown, item in _with_contents(name, value):
+            if id(item) in inside:
+                continue
+            if isinstance(item, nn.Module):
+                for key, tensor in item.state_dict(keep_vars=True).items():
+                    if id(tensor) not in inside and not tensor.is_meta:
+                        found.setdefault(f"{shown}.{key}", tensor)
+    return found
+
+
+class OutsideStateWatch:
+    """A host copy of what a ``train_step`` reaches outside the model, to tell whether a run
+    changed it and to put it back."""
+
+    def __init__(self, function: Any, model: nn.Module) -> None:
+        self.tensors = reachable_tensors(function, model) if function is not None else {}
+        self.saved = {
+            name: tensor.detach().to("cpu", copy=True) for name, tensor in self.tensors.items()
+        }
+
+    def changed(self) -> list[str]:
+        """The names whose values are not what they were."""
+        return [
+            name
+            for name, tensor in self.tensors.items()
+            if not torch.equal(tensor.detach().cpu(), self.saved[name])
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, tensor in self.tensors.items():
+                tensor.copy_(self.saved[name].to(tensor.device))
