@@ -141,6 +141,12 @@ def unknown_name_refusal(model: nn.Module, pattern: str, field: str = "keep_fp32
     )
 
 
+def _owner(fqn: str) -> str:
+    """The module a parametrization container (``b.parametrizations.weight``) belongs to."""
+    parts = fqn.split(".")
+    return ".".join(parts[: parts.index("parametrizations")])
+
+
 def _parametrization_refusal(matched: list[str], pattern: str, field: str) -> str | None:
     """Why ``pattern`` cannot be used when a module it names itself (not through an
     ancestor) is a parametrization's container (``torch.nn.utils.parametrize``:
@@ -150,11 +156,15 @@ def _parametrization_refusal(matched: list[str], pattern: str, field: str) -> st
     parametrization, ``b.parametrizations.weight.0``) keeps what it holds (a review). None
     otherwise."""
     named = [fqn for fqn in matched if fqn == pattern or fnmatch.fnmatchcase(fqn, pattern)]
-    containers = [fqn for fqn in named if "parametrizations" in fqn.split(".")[-2:]]
-    if not containers:  # ``b.parametrizations.*`` names the container too: refused (a review)
+    containers = [
+        fqn
+        for fqn in named
+        if "parametrizations" in fqn.split(".")[-2:]
+        and not matches_keep_fp32(_owner(fqn), (pattern,))  # ``encoder.*`` keeps the owner
+    ]
+    if not containers:  # ``b.parametrizations.*`` names the container alone: refused (a review)
         return None
-    parts = containers[0].split(".")
-    owner = ".".join(parts[: parts.index("parametrizations")])
+    owner = _owner(containers[0])
     shown = repr(owner) if owner else "the model itself (keep_fp32 cannot name the root)"
     return (
         f"{field} pattern {pattern!r} names {containers[0]!r}, a parametrization "

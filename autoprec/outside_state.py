@@ -31,12 +31,16 @@ def _code_names(code: Any) -> set[str]:
 
 def _reached(function: Any) -> Iterator[tuple[str, Any]]:
     """(name, object) for what ``function`` computes with beyond its arguments."""
+    function = inspect.unwrap(function)  # a functools.wraps decorator (a review)
     if isinstance(function, functools.partial):
         yield from ((f"argument {index}", a) for index, a in enumerate(function.args))
         yield from function.keywords.items()
         function = function.func
     if inspect.ismethod(function):
-        yield "self", function.__self__
+        owner = function.__self__
+        yield "self", owner
+        if not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):  # a plain trainer
+            yield from ((f"self.{name}", value) for name, value in vars(owner).items())
         function = function.__func__
     code = getattr(function, "__code__", None)
     if code is None:  # a callable object: its attributes
@@ -73,9 +77,25 @@ def reachable_tensors(function: Any, model: nn.Module) -> dict[str, torch.Tensor
                 continue
             if isinstance(item, nn.Module):
                 for key, tensor in item.state_dict(keep_vars=True).items():
-                    if id(tensor) not in inside and not tensor.is_meta:
+                    if _watchable(tensor) and id(tensor) not in inside:
                         found.setdefault(f"{shown}.{key}", tensor)
     return found
+
+
+def _watchable(value: Any) -> bool:
+    """A tensor a run could change and this watch could put back: not a quantized module's
+    dtype or packed tuple (a review: a crash), not meta, not an inference tensor."""
+    return isinstance(value, torch.Tensor) and not (value.is_meta or value.is_inference())
+
+
+def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Equal, NaN where NaN was (a NaN marking an ignored output read as a change: a
+    review)."""
+    if before.is_floating_point() or before.is_complex():
+        return torch.equal(before.isnan(), after.isnan()) and torch.equal(
+            before.nan_to_num(0.0), after.nan_to_num(0.0)
+        )
+    return torch.equal(before, after)
 
 
 class OutsideStateWatch:
@@ -93,10 +113,11 @@ class OutsideStateWatch:
         return [
             name
             for name, tensor in self.tensors.items()
-            if not torch.equal(tensor.detach().cpu(), self.saved[name])
+            if not _same(self.saved[name], tensor.detach().cpu())
         ]
 
     def restore(self) -> None:
+        """Put back what changed (only that: a tensor nothing wrote stays untouched)."""
         with torch.no_grad():
-            for name, tensor in self.tensors.items():
-                tensor.copy_(self.saved[name].to(tensor.device))
+            for name in self.changed():
+                self.tensors[name].copy_(self.saved[name].to(self.tensors[name].device))

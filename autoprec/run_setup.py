@@ -174,10 +174,12 @@ def _scanned_copy_kept_apart(
     if recipe.train_step is None:
         return _scanned_copy(trial_model, batch, recipe)
     watch = UserModelWatch(model, None, copy_weights=True)
+    outside = OutsideStateWatch(recipe.train_step, model)  # an EMA teacher's update ran (a review)
     try:
         return _scanned_copy(trial_model, batch, recipe)
     finally:
         watch.restore()  # copies back only what changed
+        outside.restore()
 
 
 def _reference_hint(message: str, setup: RunSetup) -> str:

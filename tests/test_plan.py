@@ -1586,6 +1586,12 @@ def test_a_pattern_naming_a_parametrization_is_refused_with_its_owner() -> None:
         with pytest.raises(ValueError, match=r"computing a weight of 'b'.*Name the owner"):
             autoprec.prepare(spec, model, torch.optim.AdamW(model.parameters()))
     assert model.b.parametrizations.weight.original.dtype == torch.float32
+    with warnings.catch_warnings():  # a glob naming the owner too keeps it whole (a review)
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        copied = copy.deepcopy(model)
+        autoprec.prepare(ModeSpec(mode="bf16_pure", keep_fp32=("b*",)), copied,
+                         torch.optim.AdamW(copied.parameters()))  # fmt: skip
+    assert copied.b.parametrizations.weight.original.dtype == torch.float32
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OptimizerRebuiltWarning)
         autoprec.prepare(

@@ -2661,6 +2661,10 @@ def test_a_train_step_that_changes_a_teacher_outside_the_model_is_refused() -> N
     torch.manual_seed(0)
     student = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     teacher = copy.deepcopy(student).requires_grad_(False)
+    with torch.no_grad():  # unlike the student: the scan's first update moves it (a review)
+        for parameter in teacher.parameters():
+            parameter.add_(0.1)
+    teacher.register_buffer("ignored", torch.tensor([float("nan"), 1.0]))  # NaN is no change
     before = copy.deepcopy(teacher.state_dict())
 
     def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
@@ -2677,7 +2681,8 @@ def test_a_train_step_that_changes_a_teacher_outside_the_model_is_refused() -> N
         autoprec.check(student, make_batches(), train_step=train_step, steps=4,
                        modes=["amp_bf16"])  # fmt: skip
     after = teacher.state_dict()
-    assert all(torch.equal(before[name], after[name]) for name in before)  # put back
+    assert all(torch.equal(before[name], after[name]) for name in before if name != "ignored")
+    assert torch.equal(before["ignored"].isnan(), after["ignored"].isnan())
 
 
 _STEPS_LOGGED = torch.zeros(())
@@ -2696,3 +2701,32 @@ def test_a_train_step_counting_in_a_tensor_of_its_own_is_left_alone() -> None:
     report = autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
                             modes=["amp_bf16"])  # fmt: skip
     assert report.verdict("amp_bf16").status == "safe" and float(_STEPS_LOGGED) > 0
+
+
+def test_the_outside_watch_reads_nan_as_unchanged_and_skips_what_it_cannot_put_back() -> None:
+    """Reviews: a NaN marking an ignored output read as a change; a quantized teacher's
+    state (dtypes, packed tuples) crashed the watch; a wrapped train_step hid its closure."""
+    import functools
+
+    from autoprec.outside_state import OutsideStateWatch
+
+    loss = torch.nn.Module()
+    loss.register_buffer("weights", torch.tensor([float("nan"), 1.0]))
+    teacher = torch.nn.Linear(2, 2)
+
+    @functools.wraps(lambda plan, batch: None)
+    def wrapped(plan: Any, batch: Any) -> Any:
+        return step(plan, batch)
+
+    def step(plan: Any, batch: Any) -> Any:
+        return loss(teacher(batch))
+
+    wrapped.__wrapped__ = step  # type: ignore[attr-defined]
+    watch = OutsideStateWatch(wrapped, torch.nn.Linear(2, 2))
+    assert set(watch.tensors) == {"loss.weights", "teacher.weight", "teacher.bias"}
+    assert watch.changed() == []
+    with torch.no_grad():
+        teacher.weight.add_(1)
+    assert watch.changed() == ["teacher.weight"]
+    watch.restore()
+    assert watch.changed() == []
