@@ -1302,3 +1302,18 @@ def test_a_frozen_float64_part_stays_float64(mode: str, keep: tuple[str, ...]) -
         loss = nn.functional.mse_loss(plan.model(x).float(), y)
     plan.step(loss)
     assert model[0].weight.dtype == (torch.float32 if mode == "amp_bf16" else torch.bfloat16)
+
+
+def test_fp8_leaves_a_float64_linear_alone() -> None:
+    """A review: FP8 swapped a frozen float64 Linear (a physics operator) and moved its
+    outputs 5.6%, though pure bf16 now leaves float64 parts as they are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    model.add_module("op", nn.Linear(16, 16, bias=False).double().requires_grad_(False))
+    spec = ModeSpec(mode="fp8_torchao", emulate=True, fp8_layers="all")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizerRebuiltWarning)
+        plan = prepare(spec, model, optimizer)
+    assert "op" not in plan.mode.fp8_modules(plan.model)
+    assert type(model.op) is nn.Linear and model.op.weight.dtype == torch.float64
