@@ -70,10 +70,10 @@ def remembered_interrupts(*, terminate: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM until the block ends (a study's record of a trial: a second
-    Ctrl-C inside the cleanup of the first left the trial RUNNING; found by a hunt), then
-    deliver the first held one to the handler the block found. Held by a Python handler, not
-    the signal mask: Python runs handlers in the main thread whichever thread the kernel
+    """Hold Ctrl-C and SIGTERM until the block ends (a study's record of a trial: a second Ctrl-C
+    inside the cleanup of the first left the trial RUNNING; found by a hunt), then deliver
+    what it held to the handlers the block found, SIGTERM first. Held by a Python handler,
+    not the signal mask: Python runs handlers in the main thread whichever thread the kernel
     picks, and with torch's or the progress display's threads running a masked main thread
     got it anyway (a review). Outside the main thread the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
