@@ -315,10 +315,10 @@ def fp8_linear_fits(module: nn.Module) -> bool:
     so on purpose: FP8 moved a frozen float64 Linear's outputs 5.6%, a review)."""
     return (
         isinstance(module, nn.Linear)
-        and module.weight.dtype != torch.float64
         and not is_uncalled_linear(module)
         and not is_bnb_4bit(module)
-        and not computes_weight(module)
+        and not computes_weight(module)  # before the dtype: reading a parametrized weight runs
+        and module.weight.dtype != torch.float64  # its parametrization (a power iteration)
         and swap_would_drop(module) is None
         and module.in_features % FP8_DIM_MULTIPLE == 0
         and module.out_features % FP8_DIM_MULTIPLE == 0
