@@ -27,6 +27,7 @@ from autoprec._models import FROZEN_RECORD
 from autoprec.drift import Fp32Runs
 from autoprec.errors import read_stored
 from autoprec.model_copies import NUDGE
+from autoprec.outside_state import code_names
 from autoprec.search import SQLITE_PREFIX, STUDY_OF_ANOTHER_VERSION, sqlite_file, study_writer
 from autoprec.trial_records import OutputSummary, StateDigest, TrialRecord, TrialResult
 from autoprec.weight_dtypes import as_real
@@ -159,15 +160,7 @@ def _data_globals(code: Any, namespace: dict[str, Any]) -> list[str]:
     """The module-level data a function reads by name (a validation loader built at import,
     a table of weights): its code says only the name. Modules, classes, functions and other
     callables are left to their names, as their code is not followed."""
-    names: set[str] = set()
-
-    def collect(each: Any) -> None:
-        names.update(each.co_names)
-        for const in each.co_consts:
-            if hasattr(const, "co_code"):
-                collect(const)
-
-    collect(code)
+    names = code_names(code)
     return [
         f"{name}={_stable_repr(namespace[name])}"
         for name in sorted(names)

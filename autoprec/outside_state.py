@@ -20,12 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.weight_dtypes import same_values
 
-def _code_names(code: Any) -> set[str]:
+
+def code_names(code: Any) -> set[str]:
+    """The names a function's code (and the code nested in it) reads by name: globals and
+    attributes alike."""
     names = set(code.co_names)
     for const in code.co_consts:
         if hasattr(const, "co_code"):
-            names |= _code_names(const)
+            names |= code_names(const)
     return names
 
 
@@ -53,7 +57,7 @@ def _reached(function: Any) -> Iterator[tuple[str, Any]]:
         except ValueError:  # an empty cell
             continue
     namespace = getattr(function, "__globals__", {})
-    yield from ((name, namespace[name]) for name in sorted(_code_names(code)) if name in namespace)
+    yield from ((name, namespace[name]) for name in sorted(code_names(code)) if name in namespace)
 
 
 def _with_contents(name: str, value: Any) -> Iterator[tuple[str, Any]]:
@@ -88,16 +92,6 @@ def _watchable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not (value.is_meta or value.is_inference())
 
 
-def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """Equal, NaN where NaN was (a NaN marking an ignored output read as a change: a
-    review)."""
-    if before.is_floating_point() or before.is_complex():
-        return torch.equal(before.isnan(), after.isnan()) and torch.equal(
-            before.nan_to_num(0.0), after.nan_to_num(0.0)
-        )
-    return torch.equal(before, after)
-
-
 class OutsideStateWatch:
     """A host copy of what a ``train_step`` reaches outside the model, to tell whether a run
     changed it and to put it back."""
@@ -113,7 +107,7 @@ class OutsideStateWatch:
         return [
             name
             for name, tensor in self.tensors.items()
-            if not _same(self.saved[name], tensor.detach().cpu())
+            if not same_values(self.saved[name], tensor.detach().cpu())  # NaN is no change
         ]
 
     def restore(self) -> None:
