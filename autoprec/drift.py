@@ -239,17 +239,21 @@ def _loss_checks(
     return reasons
 
 
-def shown_forward_cost(drift: Mapping[str, float], limits: DriftThresholds | None = None) -> str:
+def _near_zero(mean: float, limits: DriftThresholds) -> bool:
+    """A loss mean whose share line (1% of it) falls below the absolute floor: a share of it
+    would mislead (+89% for a cost of 1.8e-4 beside a loss with a negative constant; a hunt)."""
+    return abs(mean) * limits.max_forward_cost < limits.loss_floor_absolute
+
+
+def shown_forward_cost(drift: Mapping[str, float]) -> str:
     """A verdict's forward cost for a table: the share of the loss, or the cost in loss units
-    where the loss's mean sits near 0 (a share of it read +89% or +235% for costs of 1e-4: a
-    loss with a negative constant, a likelihood crossing 0; found by a hunt); "" without one."""
-    limits = limits or DriftThresholds()
+    where the loss's mean sits near 0 (``_near_zero``, at the default thresholds); "" without
+    one."""
     cost, absolute = drift.get("forward_cost"), drift.get("forward_cost_absolute")
     if cost is None:  # no share: a mean of 0, or a read that was not finite
         finite = absolute is not None and math.isfinite(absolute)
         return f"{absolute:+.3g} in loss units" if finite else ""
-    mean = absolute / cost if absolute is not None and cost else None
-    if mean is not None and abs(mean) * limits.max_forward_cost < limits.loss_floor_absolute:
+    if absolute is not None and cost and _near_zero(absolute / cost, DriftThresholds()):
         return f"{absolute:+.3g} in loss units"
     return f"{cost:+.2%}" if round(cost, 4) else "+0.00%"  # not "-0.00%"
 
@@ -267,10 +271,9 @@ def _forward_cost_check(
     difference = own_mean - read_mean
     cost = f"{difference:+.4g}"
     metrics["forward_cost_absolute"] = difference
-    near_zero = abs(read_mean) * limits.max_forward_cost < limits.loss_floor_absolute
     if read_mean:
         metrics["forward_cost"] = difference / abs(read_mean)
-        if not near_zero:  # a share of a mean near 0 read +89% for 1.8e-4 (a hunt)
+        if not _near_zero(read_mean, limits):
             cost = f"{difference / abs(read_mean):+.2%} ({cost})"
     allowed = max(limits.max_forward_cost * abs(read_mean), limits.loss_floor_absolute)
     if math.isfinite(difference) and difference <= allowed:

@@ -182,6 +182,12 @@ def _scanned_copy_kept_apart(
         outside.restore()
 
 
+_BOTH_GRADIENTS = (
+    "pass one that takes both (optimizer=lambda p: torch.optim.SGD(p, lr=...), or Adagrad), "
+    "or build the embedding with sparse=False."
+)
+
+
 def _reference_hint(message: str, setup: RunSetup) -> str:
     """What to do about a failing fp32 reference, from what failed (the trial's one-line
     message: exception type and first line)."""
@@ -208,8 +214,7 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
     if "dense gradients" in message:  # SparseAdam beside dense layers (a review)
         return (
             "SparseAdam takes only sparse gradients, and the model's other layers give dense "
-            "ones. autoprec runs one optimizer: pass one that takes both (optimizer=lambda p: "
-            "torch.optim.SGD(p, lr=...), or Adagrad), or build the embedding with sparse=False."
+            f"ones. autoprec runs one optimizer: {_BOTH_GRADIENTS}"
         )
     if "sparse gradients" in message:  # the loader was blamed (found by a hunt)
         which = (
@@ -220,8 +225,7 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
         return (
             f"A layer gives sparse gradients (nn.Embedding(sparse=True)) and {which} does not "
             "take them. autoprec runs one optimizer, and SparseAdam takes only sparse "
-            "gradients: pass one that takes both (optimizer=lambda p: torch.optim.SGD(p, "
-            "lr=...), or Adagrad), or build the embedding with sparse=False."
+            f"gradients: {_BOTH_GRADIENTS}"
         )
     positional = "positional argument" in message or "unexpected keyword argument" in message
     if positional and recipe.loss_fn is None and recipe.train_step is None:

@@ -76,6 +76,7 @@ from autoprec.search import (
 )
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
+from autoprec.trial_failures import first_line
 from autoprec.tune_result import TuneResult, budget_report, build_result, trial_outcome
 
 logger = logging.getLogger(__name__)
@@ -299,7 +300,7 @@ def _measured_references(
         except (OSError, RuntimeError) as error:  # a full disk ended the run (a review)
             warn_caller(
                 f"Could not store the fp32 reference runs for a resumed run in {cache} "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): "
+                f"({type(error).__name__}: {first_line(error)}): "
                 "the run goes on, and a resumed one measures them again."
             )
     return runs, steps, step_seconds, False
