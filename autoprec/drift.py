@@ -100,8 +100,14 @@ class DriftMetrics(BaseModel):
     """The mode's forward pass alone, relative: held-out loss of the trial's own weights in the
     mode over the same weights read in fp32, minus 1 (see DriftThresholds.max_forward_cost)."""
     forward_cost_absolute: float | None = None
-    """The same difference in loss units: what the absolute floor (``loss_floor_absolute``)
-    judges near a loss of zero."""
+    """The same difference in loss units: what the loss floor (``loss_floor_units``) judges
+    near a loss of zero."""
+    forward_cost_line: float | None = None
+    """The cost allowed, in loss units: ``max_forward_cost`` of the fp32 read's mean, or the
+    loss floor where that is larger (then the cost is shown in loss units, not as a share)."""
+    loss_floor_units: float | None = None
+    """The loss checks' floor in loss units: ``loss_floor_start`` of the reference's first
+    training loss, or ``loss_floor_absolute`` where that is larger."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -118,21 +124,30 @@ class DriftVerdict(BaseModel):
     what the trial found without rejecting it (weight decay that rounds away)."""
 
 
+def loss_floor_units(reference: TrialRecord, thresholds: DriftThresholds) -> float:
+    """The floor of the loss checks that does not scale with the loss's current mean: a share
+    of where the reference's loss started, or the absolute floor (see DriftThresholds)."""
+    first = reference.losses[0] if reference.losses else 0.0
+    start = abs(first) if math.isfinite(first) else 0.0
+    return max(thresholds.loss_floor_absolute, thresholds.loss_floor_start * start)
+
+
 def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThresholds) -> float:
     """Loss units one fp32 run differs from another, floored (see DriftThresholds)."""
     ref, other = reference.record.heldout_losses, noise.record.heldout_losses
+    in_units = loss_floor_units(reference.record, thresholds)
     if not ref:  # no held-out batches: the late training windows, averaged over their batches
         late = max(1, int(len(reference.record.losses) * thresholds.late_fraction))
         ref, other = reference.record.losses[-late:], noise.record.losses[-late:]
         scale = abs(statistics.fmean(ref)) if ref else 0.0
-        floor = max(thresholds.loss_floor_absolute, thresholds.loss_floor_relative * scale)
+        floor = max(in_units, thresholds.loss_floor_relative * scale)
         # the noise run trains on another batch order: step-paired losses are of different
         # batches, so compare the windows' means, not their last losses
         if not ref or not other:
             return floor
         return max(floor, abs(statistics.fmean(other) - statistics.fmean(ref)))
     scale = abs(statistics.fmean(ref))
-    floor = max(thresholds.loss_floor_absolute, thresholds.loss_floor_relative * scale)
+    floor = max(in_units, thresholds.loss_floor_relative * scale)
     if len(other) != len(ref):
         return floor
     differences = [b - a for a, b in zip(ref, other, strict=True)]
@@ -211,6 +226,7 @@ def _loss_checks(
     reasons = []
     floor = noise_floor(reference, noise, limits)
     metrics["noise_floor"] = floor
+    metrics["loss_floor_units"] = loss_floor_units(reference.record, limits)
     allowed = limits.max_loss_gap_units * floor
     if record.heldout_losses and len(record.heldout_losses) == len(expected.heldout_losses):
         gap = statistics.fmean(
@@ -239,43 +255,41 @@ def _loss_checks(
     return reasons
 
 
-def _near_zero(mean: float, limits: DriftThresholds) -> bool:
-    """A loss mean whose share line (1% of it) falls below the absolute floor: a share of it
-    would mislead (+89% for a cost of 1.8e-4 beside a loss with a negative constant; a hunt)."""
-    return abs(mean) * limits.max_forward_cost < limits.loss_floor_absolute
-
-
 def shown_forward_cost(drift: Mapping[str, float]) -> str:
     """A verdict's forward cost for a table: the share of the loss, or the cost in loss units
-    where the loss's mean sits near 0 (``_near_zero``, at the default thresholds); "" without
+    where the loss floor, not the share, set the line it was judged by (a mean near 0: +89%
+    for a cost of 1.8e-4 beside a loss with a negative constant misled; a hunt); "" without
     one."""
     cost, absolute = drift.get("forward_cost"), drift.get("forward_cost_absolute")
     if cost is None:  # no share: a mean of 0, or a read that was not finite
         finite = absolute is not None and math.isfinite(absolute)
         return f"{absolute:+.3g} in loss units" if finite else ""
-    if absolute is not None and cost and _near_zero(absolute / cost, DriftThresholds()):
+    line, floor = drift.get("forward_cost_line"), drift.get("loss_floor_units")
+    if absolute is not None and line is not None and floor is not None and line <= floor:
         return f"{absolute:+.3g} in loss units"
     return f"{cost:+.2%}" if round(cost, 4) else "+0.00%"  # not "-0.00%"
 
 
 def _forward_cost_check(
-    record: TrialRecord, limits: DriftThresholds, metrics: dict[str, float | None]
+    record: TrialRecord, floor: float, limits: DriftThresholds, metrics: dict[str, float | None]
 ) -> list[str]:
     """The mode's forward pass against the same weights read in fp32: a cost without seed
     noise, which training longer does not remove (see max_forward_cost). Near a loss of zero
-    (or a negative one) the absolute floor of the loss checks applies."""
+    (or a negative one) the loss checks' ``floor`` in loss units applies."""
     read, own = record.heldout_losses_fp32_read, record.heldout_losses
     if not read or len(read) != len(own):
         return []
     read_mean, own_mean = statistics.fmean(read), statistics.fmean(own)
     difference = own_mean - read_mean
+    share_line = limits.max_forward_cost * abs(read_mean)
+    allowed = max(share_line, floor)
     cost = f"{difference:+.4g}"
     metrics["forward_cost_absolute"] = difference
+    metrics["forward_cost_line"] = allowed
     if read_mean:
         metrics["forward_cost"] = difference / abs(read_mean)
-        if not _near_zero(read_mean, limits):
+        if share_line > floor:
             cost = f"{difference / abs(read_mean):+.2%} ({cost})"
-    allowed = max(limits.max_forward_cost * abs(read_mean), limits.loss_floor_absolute)
     if math.isfinite(difference) and difference <= allowed:
         return []
     if not math.isfinite(difference):  # an fp32 read of +inf gave -inf: it passed (a hunt)
@@ -287,7 +301,7 @@ def _forward_cost_check(
     return [
         f"the mode's forward pass alone costs {cost} held-out loss ({own_mean:.5g} vs "
         f"{read_mean:.5g} for the same trained weights read in fp32), beyond {allowed:.3g} "
-        f"({limits.max_forward_cost * 100:.3g}%, at least {limits.loss_floor_absolute:g}): a "
+        f"({limits.max_forward_cost * 100:.3g}%, at least the loss floor {floor:.3g}): a "
         "precision floor that training longer does not remove"
     ]
 
@@ -405,7 +419,9 @@ def judge(
     reasons += movement_reasons
     reasons += state_rule_reasons(record, limits, metrics)
     reasons += outside_state_reasons(trial, reference)
-    reasons += _forward_cost_check(record, limits, metrics)
+    reasons += _forward_cost_check(
+        record, loss_floor_units(reference.record, limits), limits, metrics
+    )
     reasons += _output_check(trial, reference, noise, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
         reasons += fp16_risks(record, reference, limits, metrics)

@@ -50,7 +50,6 @@ from benchmarks.ground_truth_tasks import GroundTask
 
 LINES = (0.005, 0.01, 0.02, 0.05, math.inf)
 NO_FORWARD_RULE = DriftThresholds(max_forward_cost=math.inf)
-ABSOLUTE_FLOOR = DriftThresholds().loss_floor_absolute
 
 
 @dataclass(frozen=True)
@@ -137,12 +136,15 @@ class Row:
     rejected_by_other_checks: bool
     forward_cost: float
     forward_cost_absolute: float
+    loss_floor_units: float = 0.0
+    """The verdict's loss floor in loss units (``loss_floor_start`` of the checkpoint's first
+    training loss; 1e-4 until 2026-11-29, when the SGD conv net's held-out loss of 0.005 at 90%
+    of its run kept a 2% line from judging it)."""
 
 
 def _over_line(row: Row, line: float) -> bool:
-    """The forward-cost check at ``line``, with its absolute floor as the gate applies it
-    (``loss_floor_absolute``: the SGD conv net's held-out loss is 0.005 at 90% of its run)."""
-    return row.forward_cost > line and row.forward_cost_absolute > ABSOLUTE_FLOOR
+    """The forward-cost check at ``line``, with the loss floor as the gate applies it."""
+    return row.forward_cost > line and row.forward_cost_absolute > row.loss_floor_units
 
 
 def confusion_by_line(rows: list[Row], line: float) -> tuple[int, int]:
@@ -211,7 +213,8 @@ def task_rows(
         cost = verdict.drift.get("forward_cost", 0.0)
         absolute = verdict.drift.get("forward_cost_absolute", 0.0)
         rejected = verdict.status == "unsafe"
-        rows.append(Row(task.name, at, verdict.label, harmful, rejected, cost, absolute))
+        floor = verdict.drift.get("loss_floor_units", 0.0)
+        rows.append(Row(task.name, at, verdict.label, harmful, rejected, cost, absolute, floor))
         print(
             f"  {verdict.label:34} truth {'HURTS' if harmful else 'fine ':5} "
             f"gate {verdict.status:6} fwd {cost:+.2%} ({absolute:+.1e}) "

@@ -892,6 +892,21 @@ def test_paired_nudge_runs_the_gate_under_both_nudges_and_leaves_todays() -> Non
     assert model_copies.NUDGE == 2.0**-12
 
 
+def test_loss_floor_scale_judges_each_trial_under_both_floors() -> None:
+    """The quick run: no verdict of the digits MLP moves; the mean-reduced exact fit's amp_bf16,
+    passed by the old floor in loss units, is rejected, as its summed twin is under both."""
+    from benchmarks import loss_floor_scale
+
+    rows = {(r.task, r.label): r for r in loss_floor_scale.main(["--quick"])}
+    assert not any(r.moved for r in rows.values() if r.task == "digits_mlp")
+    mean = rows[("exact_regression_mean", "amp_bf16")]
+    assert (mean.old, mean.new) == (True, False) and mean.moved
+    assert mean.old_floor == 1e-4 and 0 < mean.new_floor < 1e-7
+    summed = rows[("exact_regression_sum", "amp_bf16")]
+    assert (summed.old, summed.new) == (False, False)
+    assert summed.heldout_loss == pytest.approx(512 * mean.heldout_loss, rel=0.01)
+
+
 def test_late_movement_continues_copies_of_the_runs_state() -> None:
     """Each checkpoint's continuations train copies: the run itself goes on unchanged; the
     quick run reports pure bf16's share of fp32's movement at the checkpoints it reaches, and
@@ -973,6 +988,7 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     pure = next(r for r in rows if r.label == "bf16_pure")
     assert pure.truth_hurts and pure.rejected_by_other_checks  # lr 1e-5: updates round away
     assert {r.at for r in rows} == {0.9}
+    assert all(r.loss_floor_units > 0 for r in rows)  # the verdict's own floor
     assert late_checkpoint.checkpoint_fractions(["--at", "0.5,0.9", "--quick"]) == (
         [0.5, 0.9],
         False,
@@ -990,8 +1006,8 @@ def test_late_checkpoint_benchmark_checks_from_a_trained_model(quick_truth_cache
     by_line = [late_checkpoint.confusion_by_line(rows, line) for line in late_checkpoint.LINES]
     assert [fr for _, fr in by_line] == sorted((fr for _, fr in by_line), reverse=True)
     assert [fa for fa, _ in by_line] == sorted(fa for fa, _ in by_line)
-    # a line's verdict keeps the gate's absolute floor: 2% of a loss of 0.005 is under 1e-4
-    small = late_checkpoint.Row("t", 0.9, "amp_bf16", False, False, 0.02, 0.0001)
+    # a line's verdict keeps the gate's loss floor: 2% of a loss of 0.005 under a floor of 1e-4
+    small = late_checkpoint.Row("t", 0.9, "amp_bf16", False, False, 0.02, 0.0001, 0.0001)
     large = dataclasses.replace(small, forward_cost_absolute=0.0003)
     assert late_checkpoint.confusion_by_line([small], 0.01) == (0, 0)
     assert late_checkpoint.confusion_by_line([large], 0.01) == (0, 1)

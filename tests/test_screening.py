@@ -436,12 +436,13 @@ def test_the_summary_shows_a_tiny_negative_forward_cost_as_zero() -> None:
         verdicts=(verdict,), steps=4, device="cpu", not_checked=(), checks_not_run=()
     )
     assert "(forward cost +0.00%)" in report.summary()
-    # a loss whose mean sits near 0 (10 x MSE - 1.527): +89% of it was 1.8e-4 (a hunt)
-    near_zero = verdict.model_copy(
-        update={"drift": {"forward_cost": 0.8933, "forward_cost_absolute": 1.797e-4}}
-    )
-    report = report.model_copy(update={"verdicts": (near_zero,)})
-    assert "(forward cost +0.00018 in loss units)" in report.summary()
+    # a loss whose mean sits near 0 (10 x MSE - 1.527): +89% of it was 1.8e-4 (a hunt). It is
+    # shown in loss units where the loss floor, not 1% of the mean, set the line it was judged by
+    cost = {"forward_cost": 0.8933, "forward_cost_absolute": 1.797e-4, "loss_floor_units": 1e-5}
+    for line, shown in ((1e-5, "+0.00018 in loss units"), (2e-5, "+89.33%")):
+        near_zero = verdict.model_copy(update={"drift": {**cost, "forward_cost_line": line}})
+        report = report.model_copy(update={"verdicts": (near_zero,)})
+        assert f"(forward cost {shown})" in report.summary()
     not_finite = verdict.model_copy(update={"drift": {"forward_cost_absolute": -math.inf}})
     report = report.model_copy(update={"verdicts": (not_finite,)})
     assert "forward cost" not in report.summary()  # said in the reason, not as "-inf"
