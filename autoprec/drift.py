@@ -265,7 +265,9 @@ def shown_forward_cost(drift: Mapping[str, float]) -> str:
         finite = absolute is not None and math.isfinite(absolute)
         return f"{absolute:+.3g} in loss units" if finite else ""
     line, floor = drift.get("forward_cost_line"), drift.get("loss_floor_units")
-    if absolute is not None and line is not None and floor is not None and line <= floor:
+    if line is None or floor is None:  # stored before 2026-11-29: its floor, 1e-4 in loss units
+        line, floor = (abs(absolute / cost) * 0.01, 1e-4) if absolute is not None else (0, 0)
+    if absolute is not None and floor and line <= floor:
         return f"{absolute:+.3g} in loss units"
     return f"{cost:+.2%}" if round(cost, 4) else "+0.00%"  # not "-0.00%"
 

@@ -1,5 +1,6 @@
 """The drift gate's check of state outside the optimizer: buffers and frozen weights training
-changed in the fp32 reference that the trial holds in a narrower dtype.
+changed in the fp32 reference that the trial holds in a narrower dtype; parameters the optimizer
+holds but never steps (no loss reaches them, so they get no gradient) count as outside it.
 
 Running statistics the forward pass updates are found by the probe and kept fp32 for pure bf16
 (``autoprec.running_state``); state your ``train_step`` updates (a mean teacher's EMA weights,
@@ -87,8 +88,9 @@ def outside_state_reasons(trial: TrialResult, reference: TrialResult) -> list[st
     for dtype, names in _narrowed(trial, reference).items():
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         reasons.append(
-            f"state outside the optimizer held in {dtype}: training changes {shown} (buffers "
-            "or frozen weights your forward or train_step updates, such as a teacher's EMA), "
+            f"state outside the optimizer held in {dtype}: training changes {shown} (buffers, "
+            "frozen weights or weights no loss reaches, which the optimizer never steps, that "
+            "your forward or train_step updates, such as a teacher's EMA), "
             f"and in {dtype} every update rounds to nearest, so an average's small ones vanish "
             "(a running mean of momentum 1e-3 stopped at 4.92 of fp32's 19.00: python -m "
             f"benchmarks.running_state_rounding). {_way_out(names)}"

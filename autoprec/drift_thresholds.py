@@ -27,7 +27,7 @@ class DriftThresholds(BaseModel):
     loss_floor_relative: float = Field(0.01, ge=0)
     """Noise floor of at least 1% of the reference loss: deterministic models have ~0 noise, and
     a gap below 1% after a short trial is not evidence of harm."""
-    loss_floor_start: float = Field(1e-9, ge=0)
+    loss_floor_start: float = Field(2**-48, ge=0)
     """...and of at least this share of the reference's first training loss: a floor for a loss
     that reaches 0 (an exact fit, a hinge), where 1% of it is nothing. Scale-free, as the
     relative floor: a summed loss and its mean-reduced twin get the same verdicts. It replaced
@@ -37,10 +37,13 @@ class DriftThresholds(BaseModel):
     5570x worse than fp32 as a mean and 5620x as a sum (``benchmarks/loss_floor_scale.py``).
     Against the ground truth no verdict moved (0 of 172 pairs, 14 tasks): the old floor bound
     on none (the smallest held-out loss after a trial, the fine-tune's 0.061, has 6x it at
-    1%), nor does this one (1e-9 of a first loss is at most 5e-9 there). Its value is not
-    measured against harm: a difference of a billionth of where the loss started is none, and
-    it sits below bf16's and fp16's squared unit roundoffs (2^-18, 2^-24), so an exact fit's
-    rounding floor stays visible."""
+    1%), nor does this one. Its value is fp32's own: an exact fit's MSE in fp32 bottoms out
+    near fp32's unit roundoff squared (2^-48, 3.6e-15) of the loss it started from (outputs
+    rounded to 2^-24 of their size), so a difference below that is fp32's rounding, and bf16's
+    and fp16's floors (2^-18, 2^-24) stay far above it. Anchored on the first loss, a badly
+    initialised model's inflates it: 1e-9 (the value on 2026-11-29 until a review) of a first
+    loss of 3.6e5 passed amp_bf16 at +446% on an exact fit whose weights started 1000x too
+    large (a review)."""
     loss_floor_absolute: float = Field(0.0, ge=0)
     """...and of at least this much in loss units: off by default. Set it for a loss whose
     mean is not its scale: one with a negative constant whose mean crosses 0 (a Gaussian

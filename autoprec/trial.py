@@ -50,6 +50,7 @@ from autoprec.trial_measures import (
     sampled_weights,
     state_bytes,
     torch_settings_kept,
+    unstepped_parameter_digests,
 )
 from autoprec.trial_records import (
     StopCheck,
@@ -191,6 +192,11 @@ def _train_legs(
         loop, result, run.points, inputs.legs, inputs.warmup_steps, inputs.window_steps, inputs.stop
     )
     result.outside_state.append(outside_state(plan.model, plan.optimizer))
+    if len(result.leg_weights) > 1:  # a step ran: parameters no step reached are known
+        first, last = result.leg_weights[0], result.leg_weights[-1]
+        starts, ends = unstepped_parameter_digests(plan, loop.never_reached, first, last)
+        result.outside_state[0].update(starts)
+        result.outside_state[-1].update(ends)
     if inputs.spec.compile:  # the held-out pass (eval mode, no grad) compiles graphs of its own
         loop.figures["graphs_after_training"] = compiled_graph_count()
     run.draws_random = drew_between(before, stream_states(device))

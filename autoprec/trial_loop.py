@@ -301,6 +301,10 @@ class TrainingLoop:
         self._gradient: torch.Tensor | None = None  # at the window's last step, on the device
         self._samples, self._tokens = 0, 0
         self._batch_counts: dict[int, tuple[int, int | None]] = {}
+        self.never_reached: dict[int, torch.nn.Parameter] = {
+            id(p): p for p in plan.model.parameters() if p.requires_grad
+        }
+        """Trainable parameters no step has given a gradient yet (see ``_note_gradients``)."""
 
     def run_window(self, first_step: int, steps: int, warmup: bool) -> TrialFailure | None:
         """Steps ``first_step`` to ``first_step + steps - 1``, timed as one window; the
@@ -374,6 +378,7 @@ class TrainingLoop:
         self._losses.append(summed / accumulation)
         if read_gradient:
             self._gradient = max_abs_gradient(plan, self.kept)
+        self._note_gradients()
         stepped = plan.step()
         self.figures["steps_done"] = step + 1
         if stepped and "state" not in self.figures:  # steady state: after a real step
@@ -381,6 +386,15 @@ class TrainingLoop:
             self.figures["moment"] = low_precision_moment(plan)
             self.figures["adam_beta2"] = nearest_adam_beta2(plan)
             self.figures["decay"] = nearest_rounded_decay(plan)  # at the first leg's (peak) lr
+
+    def _note_gradients(self) -> None:
+        """Drop the parameters that got a gradient this step from ``never_reached``: after the
+        first step only those no loss reaches are left (an EMA teacher left trainable), so a
+        step reads the ``.grad`` of a few tensors, not of the model."""
+        if self.never_reached:
+            reached = [key for key, p in self.never_reached.items() if p.grad is not None]
+            for key in reached:
+                del self.never_reached[key]
 
     def _counts(self, index: int, batch: Any) -> tuple[int, int | None]:
         """Samples and tokens of held batch ``index`` (``batch``, as this step read it),

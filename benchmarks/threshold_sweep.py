@@ -43,7 +43,7 @@ OFF = 1e6
 GRID: dict[str, tuple[float, ...]] = {
     "max_loss_gap_units": (1.5, 2.0, 3.0, 4.0, 6.0, OFF),
     "loss_floor_relative": (0.0, 0.005, 0.01, 0.02, 0.05),
-    "loss_floor_start": (0.0, 1e-9, 1e-6, 1e-4),
+    "loss_floor_start": (0.0, 2**-48, 1e-9, 1e-6, 1e-4),
     "loss_floor_absolute": (0.0, 1e-5, 1e-4, 1e-3),
     "late_fraction": (0.1, 0.25, 0.5, 1.0),
     "min_update_fraction": (0.0, 0.5, 0.7, 0.8, 0.9, 0.95),

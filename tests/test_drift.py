@@ -248,7 +248,7 @@ def test_the_noise_floor_scales_with_the_loss_near_zero(low_lr: dict) -> None:
         zero = small.model_copy(update={"heldout_losses": (0.0,) * len(record.heldout_losses)})
         run = TrialResult(record=zero, leg_weights=reference.leg_weights)
         first = scale * record.losses[0]
-        assert noise_floor(run, run, DriftThresholds()) == pytest.approx(1e-9 * first)
+        assert noise_floor(run, run, DriftThresholds()) == pytest.approx(2**-48 * first)
     units = DriftThresholds(loss_floor_absolute=0.01)
     assert noise_floor(run, run, units) == 0.01
 
@@ -270,6 +270,36 @@ def _exact_fit_check(reduction: str) -> object:
         modes=["amp_bf16"],
         progress=False,
     )
+
+
+def test_a_badly_initialised_exact_fit_does_not_inflate_the_floor() -> None:
+    """Found by a review: at 1e-9 of the first loss, an exact fit whose weights started 1000x
+    too large (first loss 3.6e5) got a floor of 3.6e-4, 30x its whole gap, and passed
+    amp_bf16 at a forward cost of +446%. At fp32's unit roundoff squared (2^-48) it is
+    rejected, as the same fit from a sane start is."""
+    import autoprec
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(32, 8, generator=generator) / 32**0.5
+    x = torch.randn(24 * 64, 32, generator=generator)
+    batches = [(x[i : i + 64], x[i : i + 64] @ weight) for i in range(0, len(x), 64)]
+    model = torch.nn.Linear(32, 8)
+    with torch.no_grad():
+        model.weight.mul_(1000.0)
+        model.bias.mul_(1000.0)
+    report = autoprec.check(
+        model,
+        batches,
+        steps=100,
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+        modes=["amp_bf16"],
+        progress=False,
+    )
+    verdict = report.verdict("amp_bf16")
+    assert verdict.status == "unsafe" and verdict.drift["forward_cost"] > 1
+    assert verdict.drift["loss_floor_units"] < 1e-8
 
 
 def test_a_mean_reduced_exact_fit_is_judged_as_its_summed_twin() -> None:
@@ -946,9 +976,9 @@ def test_a_forward_pass_costing_more_than_one_percent_is_rejected(low_lr: dict) 
             _with_fp32_read(reference, (own,) * len(losses), near_zero), reference, noise
         )
         assert any("forward pass" in r for r in verdict.reasons) is not accepted
-    # a loss of exactly zero has no share, only the floor: 1e-9 of the loss the reference
+    # a loss of exactly zero has no share, only the floor: 2^-48 of the loss the reference
     # started from
-    floor = 1e-9 * reference.record.losses[0]
+    floor = 2**-48 * reference.record.losses[0]
     assert verdict.metrics.loss_floor_units == pytest.approx(floor)
     for own, accepted in ((0.5 * floor, True), (2 * floor, False)):
         zero = judge(

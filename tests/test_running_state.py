@@ -286,6 +286,69 @@ def test_check_rejects_pure_bf16_holding_an_ema_teacher_in_bf16() -> None:
     assert "Keep it in fp32: tune(..., keep_fp32=['teacher.0', 'teacher.2'])" in reason
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_an_ema_teacher_the_optimizer_holds_but_never_steps_is_state_outside_it(
+    optimizer: str,
+) -> None:
+    """Found by a hunt: a teacher left ``requires_grad=True`` and so inside the optimizer's
+    groups (which skip a parameter without a gradient) escaped the check, and bf16_sr was
+    accepted while its bf16 EMA moved the teacher 8% as far as fp32's in 600 steps. SGD
+    without momentum keeps no state for any parameter: the gradients the steps saw decide."""
+    model = mean_teacher.make_model()[0]
+    model.teacher.requires_grad_(True)
+    factories = {
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+        "sgd": lambda params: torch.optim.SGD(params, lr=1e-2),
+    }
+    common = {
+        "train_step": mean_teacher.train_step,
+        "steps": 20,
+        "optimizer": factories[optimizer],
+        "progress": False,
+    }
+    report = autoprec.check(model, mean_teacher.make_batches(), modes=["bf16_sr"], **common)
+    (reason,) = [r for r in report.verdict("bf16_sr").reasons if r.startswith("state outside")]
+    assert "training changes teacher.0.weight, teacher.0.bias, teacher.2.weight" in reason
+    assert "weights no loss reaches" in reason
+    assert "Keep it in fp32: tune(..., keep_fp32=['teacher.0', 'teacher.2'])" in reason
+    kept = autoprec.check(
+        model, mean_teacher.make_batches(), modes=["bf16_sr"], keep_fp32=["teacher"], **common
+    )
+    assert not [r for r in kept.verdict("bf16_sr").reasons if r.startswith("state outside")]
+
+
+def test_a_parameter_some_steps_reach_is_not_state_outside_the_optimizer() -> None:
+    """A head the loss reaches on every fifth step only (a mixture's rarely routed expert) is
+    stepped by the optimizer: not state outside it, under SGD without momentum too (no
+    optimizer state tells), nor one reached only at steps between the gradient reads."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"body": torch.nn.Linear(8, 4), "rare": torch.nn.Linear(4, 4, bias=False)}
+    )
+    calls = [0]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch
+        calls[0] += 1
+        with plan.autocast():
+            out = plan.model["body"](x)
+            if plan.model.training and calls[0] % 5 == 2:
+                out = out + plan.model["rare"](out)
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    report = autoprec.check(
+        model,
+        mean_teacher.make_batches(),
+        train_step=train_step,
+        steps=20,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-2),
+        modes=["bf16_sr"],
+        progress=False,
+    )
+    verdict = report.verdict("bf16_sr")
+    assert not [r for r in verdict.reasons if r.startswith("state outside")], verdict.reasons
+
+
 def test_keep_fp32_keeps_an_ema_teacher_in_fp32_from_the_trial_to_apply() -> None:
     model, _ = mean_teacher.make_model()
     batches = mean_teacher.make_batches()

@@ -443,6 +443,11 @@ def test_the_summary_shows_a_tiny_negative_forward_cost_as_zero() -> None:
         near_zero = verdict.model_copy(update={"drift": {**cost, "forward_cost_line": line}})
         report = report.model_copy(update={"verdicts": (near_zero,)})
         assert f"(forward cost {shown})" in report.summary()
+    # a verdict stored before the line and floor were recorded keeps its own floor's display
+    # (1e-4 in loss units then; found by a review: it read "+89.33%" again)
+    stored = verdict.model_copy(update={"drift": {k: cost[k] for k in list(cost)[:2]}})
+    report = report.model_copy(update={"verdicts": (stored,)})
+    assert "(forward cost +0.00018 in loss units)" in report.summary()
     not_finite = verdict.model_copy(update={"drift": {"forward_cost_absolute": -math.inf}})
     report = report.model_copy(update={"verdicts": (not_finite,)})
     assert "forward cost" not in report.summary()  # said in the reason, not as "-inf"
