@@ -225,7 +225,8 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         run.fp8_layers = plan.mode.fp8_modules(plan.model)
         loop = TrainingLoop(plan, inputs.recipe, inputs.batches, inputs.order, inputs.device)
         run.figures = loop.figures
-        run.stopped = settle(loop, inputs.device, inputs.stop, sum(inputs.legs))
+        source = inputs.model if inputs.nudge_seed is None else None
+        run.stopped = settle(loop, inputs.device, inputs.stop, sum(inputs.legs), source)
         if run.stopped is None:
             _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:

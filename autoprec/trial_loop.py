@@ -474,7 +474,11 @@ backward pass at the settled scale, before any step is timed."""
 
 
 def settle(
-    loop: TrainingLoop, device: torch.device, stop: StopCheck | None = None, steps: int = 0
+    loop: TrainingLoop,
+    device: torch.device,
+    stop: StopCheck | None = None,
+    steps: int = 0,
+    source: nn.Module | None = None,
 ) -> str | None:
     """Let the mode calibrate on the trial's first batches (amp_fp16 settles its loss scale) without
     stepping, without moving the model's random stream, and without leaving what its forward
@@ -484,7 +488,9 @@ def settle(
 
     With ``stop`` (the trial's, of ``steps`` planned steps), the budget is checked before each
     of the mode's passes and after the last, each pass timed (``TrainingLoop.note_pass``; why:
-    ``search._warmup_pace``). Returns the stop's reason, or None."""
+    ``search._warmup_pace``). ``source``, the model the copy was made from (None when the copy
+    was nudged from it), puts back a parameter the optimizer holds that a pass moved
+    (``_put_back_moved``). Returns the stop's reason, or None."""
     plan, recipe = loop.plan, loop.recipe
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     started: list[float] = []  # when each pass began
@@ -526,7 +532,25 @@ def settle(
         with torch.no_grad():
             for tensor, before in kept:
                 tensor.copy_(before)
+            if started and source is not None:
+                _put_back_moved(plan.model, source)
     return None
+
+
+def _put_back_moved(model: nn.Module, source: nn.Module) -> None:
+    """Parameters a settle pass moved get back the values of ``source``, the model the copy was
+    made from: no optimizer step runs in one, so what moved is a ``train_step``'s in-place
+    update of a parameter the optimizer holds (an EMA teacher left trainable; found by a
+    review: amp_fp16's trial started 8 EMA updates ahead of the reference). One comparison
+    of each weight with its source, for the modes that settle."""
+    originals = dict(source.named_parameters())
+    for name, parameter in model.named_parameters():
+        original = originals.get(name)
+        if original is None or original.shape != parameter.shape:
+            continue
+        original = original.to(parameter.device, parameter.dtype)
+        if not torch.equal(parameter, original):
+            parameter.copy_(original)
 
 
 def measure_trained(

@@ -156,16 +156,17 @@ def unstepped_parameter_digests(
     after: dict[str, torch.Tensor],
 ) -> tuple[dict[str, StateDigest], dict[str, StateDigest]]:
     """Digests before and after training of the parameters the optimizer holds that no step
-    gave a gradient (ids in ``never_reached``) and that it keeps no state for: state it never
-    steps, which a ``train_step`` may move in place (an EMA teacher left ``requires_grad=True``
-    inside the optimizer's groups, found by a hunt: bf16_sr was accepted while the teacher's
-    bf16 EMA moved it 8% as far as fp32's in 600 steps). From their sampled values
-    (``sampled_weights``, fp32): no pass over the whole tensors."""
+    gave a gradient (ids in ``never_reached``): state it never steps (optimizers skip a
+    parameter without one; its state says nothing, as Adagrad fills it for every parameter at
+    construction, a review), which a ``train_step`` may move in place (an EMA teacher left
+    ``requires_grad=True`` inside the optimizer's groups, found by a hunt: bf16_sr was
+    accepted while the teacher's bf16 EMA moved it 8% as far as fp32's in 600 steps). From
+    their sampled values (``sampled_weights``, fp32): no pass over the whole tensors."""
     held = {id(p) for group in plan.optimizer.param_groups for p in group["params"]}
     starts, ends = {}, {}
     for name, parameter in plan.model.named_parameters():
         key = id(parameter)
-        if key not in never_reached or key not in held or plan.optimizer.state.get(parameter):
+        if key not in never_reached or key not in held:
             continue
         if name not in before or name not in after:
             continue

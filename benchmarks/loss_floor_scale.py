@@ -19,7 +19,8 @@ what the long runs say.
     python -m benchmarks.loss_floor_scale [--tasks cosine_regression,...] [--trial-steps 200]
     python -m benchmarks.loss_floor_scale --quick     # digits_mlp and the twins, short: CI
 
-Measured on 2026-11-29 (14 tasks, one thread, about 25 minutes): 0 of 172 verdicts moved; the
+Measured on 2026-11-29 (14 tasks, one thread, about 25 minutes a run): 0 of 172 verdicts moved,
+with the share at 1e-9 and again at today's 2^-48; the
 smallest reference held-out loss after a trial is the fine-tune's 0.061, whose 1% is 6x the old
 floor. The twins: amp_bf16 safe -> unsafe as a mean (held-out loss 5.4e-8 after the trial,
 forward cost +322%), unsafe under both as a sum; 2000-step runs end amp_bf16 5570x and 5620x

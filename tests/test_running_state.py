@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import autoprec
+import autoprec.trial
 from autoprec.candidates import CandidateList, candidate_specs, with_user_keep_fp32
 from autoprec.drift import judge
 from autoprec.drift_outside_state import changed_state, outside_state_reasons
@@ -286,19 +288,23 @@ def test_check_rejects_pure_bf16_holding_an_ema_teacher_in_bf16() -> None:
     assert "Keep it in fp32: tune(..., keep_fp32=['teacher.0', 'teacher.2'])" in reason
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize(
+    ("optimizer", "mode"), [("adamw", "bf16_sr"), ("sgd", "bf16_sr"), ("adagrad", "bf16_pure")]
+)
 def test_an_ema_teacher_the_optimizer_holds_but_never_steps_is_state_outside_it(
-    optimizer: str,
+    optimizer: str, mode: str
 ) -> None:
     """Found by a hunt: a teacher left ``requires_grad=True`` and so inside the optimizer's
     groups (which skip a parameter without a gradient) escaped the check, and bf16_sr was
     accepted while its bf16 EMA moved the teacher 8% as far as fp32's in 600 steps. SGD
-    without momentum keeps no state for any parameter: the gradients the steps saw decide."""
+    without momentum keeps no state for any parameter, Adagrad fills it for every one at
+    construction (a review: it was accepted): the gradients the steps saw decide."""
     model = mean_teacher.make_model()[0]
     model.teacher.requires_grad_(True)
     factories = {
         "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
         "sgd": lambda params: torch.optim.SGD(params, lr=1e-2),
+        "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
     }
     common = {
         "train_step": mean_teacher.train_step,
@@ -306,15 +312,45 @@ def test_an_ema_teacher_the_optimizer_holds_but_never_steps_is_state_outside_it(
         "optimizer": factories[optimizer],
         "progress": False,
     }
-    report = autoprec.check(model, mean_teacher.make_batches(), modes=["bf16_sr"], **common)
-    (reason,) = [r for r in report.verdict("bf16_sr").reasons if r.startswith("state outside")]
+    report = autoprec.check(model, mean_teacher.make_batches(), modes=[mode], **common)
+    (reason,) = [r for r in report.verdict(mode).reasons if r.startswith("state outside")]
     assert "training changes teacher.0.weight, teacher.0.bias, teacher.2.weight" in reason
     assert "weights no loss reaches" in reason
     assert "Keep it in fp32: tune(..., keep_fp32=['teacher.0', 'teacher.2'])" in reason
     kept = autoprec.check(
-        model, mean_teacher.make_batches(), modes=["bf16_sr"], keep_fp32=["teacher"], **common
+        model, mean_teacher.make_batches(), modes=[mode], keep_fp32=["teacher"], **common
     )
-    assert not [r for r in kept.verdict("bf16_sr").reasons if r.startswith("state outside")]
+    assert not [r for r in kept.verdict(mode).reasons if r.startswith("state outside")]
+
+
+def test_amp_fp16s_settle_passes_leave_a_trainable_teacher_where_it_was() -> None:
+    """Found by a review: the loss-scale settle runs the train_step (8 batches, no optimizer
+    step) and put back only buffers and parameters the optimizer does not hold, so a teacher
+    left trainable started the amp_fp16 trial 8 EMA updates ahead of the reference."""
+    model = mean_teacher.make_model()[0]
+    with torch.no_grad():
+        for parameter in model.teacher.parameters():
+            parameter.add_(0.1)  # a teacher not equal to the student: its EMA moves it
+    model.teacher.requires_grad_(True)
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-2),
+        train_step=mean_teacher.train_step,
+    )
+    teachers = []
+    settle = autoprec.trial.settle
+
+    def watched(loop: object, *args: object) -> object:
+        teacher = loop.plan.model.teacher[0].weight  # type: ignore[attr-defined]
+        before = teacher.detach().clone()
+        stopped = settle(loop, *args)
+        teachers.append(float((teacher.detach() - before).abs().max()))
+        return stopped
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autoprec.trial, "settle", watched)
+        batches = mean_teacher.make_batches()
+        run_trial(ModeSpec(mode="amp_fp16"), model, batches, recipe=recipe, steps=4)
+    assert teachers == [0.0]
 
 
 def test_a_parameter_some_steps_reach_is_not_state_outside_the_optimizer() -> None:
@@ -347,6 +383,63 @@ def test_a_parameter_some_steps_reach_is_not_state_outside_the_optimizer() -> No
     )
     verdict = report.verdict("bf16_sr")
     assert not [r for r in verdict.reasons if r.startswith("state outside")], verdict.reasons
+
+
+class _Gan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.d = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.g(z)
+
+
+def test_a_gans_second_optimizer_steps_state_outside_autoprecs() -> None:
+    """docs/tune.md: a discriminator stepped by the train_step's own optimizer, autoprec given
+    the generator's: pure bf16 holding it in bf16 is rejected naming keep_fp32, which passes."""
+    torch.manual_seed(0)
+    model = _Gan()
+    batches = [(torch.randn(32, 4), torch.randn(32, 2) * 0.5 + 1) for _ in range(16)]
+    # by the copy itself, weakly: an id() is reused by a later copy, whose discriminator a
+    # dict by id stepped with the last copy's optimizer (its weights never moved)
+    discriminator_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        z, real = batch
+        gan = plan.model
+        if gan not in discriminator_optimizers:  # one per copy autoprec trains
+            discriminator_optimizers[gan] = torch.optim.Adam(gan.d.parameters(), lr=1e-3)
+        optimizer = discriminator_optimizers[gan]
+        if gan.training:
+            with plan.autocast():
+                fake = gan(z).detach()
+                loss = nn.functional.softplus(-gan.d(real)).mean()
+                loss = loss + nn.functional.softplus(gan.d(fake)).mean()
+            loss.float().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with plan.autocast():
+            return nn.functional.softplus(-gan.d(gan(z))).mean().float()
+
+    def checked(keep: list[str] | None) -> autoprec.QualityReport:
+        return autoprec.check(
+            model,
+            batches,
+            train_step=train_step,
+            steps=30,
+            modes=["bf16_sr"],
+            optimizer=torch.optim.Adam(model.g.parameters(), lr=1e-3),
+            keep_fp32=keep,
+            progress=False,
+        )
+
+    reasons = checked(None).verdict("bf16_sr").reasons
+    (reason,) = [r for r in reasons if r.startswith("state outside")]
+    assert "training changes d.0.weight, d.0.bias, d.2.weight, d.2.bias" in reason
+    assert "keep_fp32=['d.0', 'd.2']" in reason
+    kept = checked(["d"]).verdict("bf16_sr")
+    assert kept.status == "safe", kept.reasons
 
 
 def test_keep_fp32_keeps_an_ema_teacher_in_fp32_from_the_trial_to_apply() -> None:
