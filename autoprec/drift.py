@@ -226,7 +226,6 @@ def _loss_checks(
     reasons = []
     floor = noise_floor(reference, noise, limits)
     metrics["noise_floor"] = floor
-    metrics["loss_floor_units"] = loss_floor_units(reference.record, limits)
     allowed = limits.max_loss_gap_units * floor
     if record.heldout_losses and len(record.heldout_losses) == len(expected.heldout_losses):
         gap = statistics.fmean(
@@ -421,9 +420,8 @@ def judge(
     reasons += movement_reasons
     reasons += state_rule_reasons(record, limits, metrics)
     reasons += outside_state_reasons(trial, reference)
-    reasons += _forward_cost_check(
-        record, loss_floor_units(reference.record, limits), limits, metrics
-    )
+    metrics["loss_floor_units"] = in_units = loss_floor_units(reference.record, limits)
+    reasons += _forward_cost_check(record, in_units, limits, metrics)
     reasons += _output_check(trial, reference, noise, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
         reasons += fp16_risks(record, reference, limits, metrics)
