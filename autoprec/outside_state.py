@@ -6,8 +6,9 @@ network kept outside the model) changed the caller's object in every run ``tune(
 noise read 200x larger than with the teacher inside the model, and trials learned from a
 teacher earlier runs had trained (found by a hunt). The calibration watches what the function
 reaches (its closure, its bound object, a partial's arguments, the module-level names its code
-reads, and one level into lists, tuples and dicts of those: the modules among them) and refuses
-a ``train_step`` that changes one, putting it back first.
+reads, the same for the functions of yours it calls by name, two calls deep, and one level into
+lists, tuples and dicts of those: the modules among them) and refuses a ``train_step`` that
+changes one, putting it back first.
 """
 
 from __future__ import annotations
@@ -33,8 +34,30 @@ def code_names(code: Any) -> set[str]:
     return names
 
 
-def _reached(function: Any) -> Iterator[tuple[str, Any]]:
-    """(name, object) for what ``function`` computes with beyond its arguments."""
+FOLLOWED_DEPTH = 2
+"""How many calls deep the watch follows the plain functions a ``train_step`` calls by name: a
+helper updating a module-level teacher (``ema_update(plan)``) escaped it (found by a review),
+as did a callable object's ``__call__`` reading one. torch's and autoprec's own functions are
+not followed: they hold no module of yours."""
+
+_NOT_FOLLOWED = ("torch", "autoprec")
+
+
+def _followed(value: Any) -> bool:
+    """A function of yours the watch reads into (see ``FOLLOWED_DEPTH``)."""
+    value = inspect.unwrap(value) if callable(value) else value
+    if not inspect.isfunction(value):
+        return False
+    package = (getattr(value, "__module__", None) or "").partition(".")[0]
+    return package not in _NOT_FOLLOWED
+
+
+def _reached(
+    function: Any, depth: int = 0, seen: set[int] | None = None
+) -> Iterator[tuple[str, Any]]:
+    """(name, object) for what ``function`` computes with beyond its arguments, and what the
+    functions of yours it calls by name do (``FOLLOWED_DEPTH``)."""
+    seen = set() if seen is None else seen
     function = inspect.unwrap(function)  # a functools.wraps decorator (a review)
     if isinstance(function, functools.partial):
         yield from ((f"argument {index}", a) for index, a in enumerate(function.args))
@@ -46,10 +69,23 @@ def _reached(function: Any) -> Iterator[tuple[str, Any]]:
         if not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):  # a plain trainer
             yield from ((f"self.{name}", value) for name, value in vars(owner).items())
         function = function.__func__
-    code = getattr(function, "__code__", None)
-    if code is None:  # a callable object: its attributes
+    if getattr(function, "__code__", None) is None:  # a callable object: its attributes
         yield from vars(function).items() if hasattr(function, "__dict__") else ()
+        function = inspect.getattr_static(type(function), "__call__", None)  # what its call reads
+        if not inspect.isfunction(function):
+            return
+    code = function.__code__
+    if id(code) in seen:
         return
+    seen.add(id(code))
+    for name, value in _names_read(function, code):
+        yield name, value
+        if depth < FOLLOWED_DEPTH and _followed(value):
+            yield from _reached(value, depth + 1, seen)
+
+
+def _names_read(function: Any, code: Any) -> Iterator[tuple[str, Any]]:
+    """(name, object) for ``function``'s closure cells and the module-level names it reads."""
     cells = getattr(function, "__closure__", None) or ()
     for name, cell in zip(code.co_freevars, cells, strict=False):
         try:

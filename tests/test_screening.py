@@ -2691,6 +2691,51 @@ def test_a_train_step_that_changes_a_teacher_outside_the_model_is_refused() -> N
     assert torch.equal(before["ignored"].isnan(), after["ignored"].isnan())
 
 
+_HELPERS_TEACHER = torch.nn.Linear(8, 4)
+
+
+def _ema_update(student: torch.nn.Module) -> None:
+    """A helper the train_step calls: it moves a module-level teacher."""
+    with torch.no_grad():
+        for t, s in zip(_HELPERS_TEACHER.parameters(), student.parameters(), strict=True):
+            t.lerp_(s.to(t.dtype), 0.01)
+
+
+class _StepWithEma:
+    """A callable train_step whose call moves the module-level teacher through the helper."""
+
+    def __call__(self, plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        _ema_update(plan.model)
+        x, y = batch
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y)
+
+
+@pytest.mark.parametrize("callable_object", [False, True])
+def test_a_teacher_a_helper_moves_outside_the_model_is_refused(callable_object: bool) -> None:
+    """Found by a review: the outside watch read only the train_step's own names, so a helper
+    it calls (two calls deep are read) or a callable object's __call__ moving a module-level
+    teacher escaped it, and every run moved the caller's teacher."""
+    from examples.mean_teacher import make_batches
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        _ema_update(plan.model)
+        x, y = batch
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y)
+
+    torch.manual_seed(0)
+    student = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        _HELPERS_TEACHER.weight.fill_(0.5)  # unlike the student: an update moves it
+    before = copy.deepcopy(_HELPERS_TEACHER.state_dict())
+    step = _StepWithEma() if callable_object else train_step
+    with pytest.raises(ValueError, match=r"train_step changes _HELPERS_TEACHER\.weight"):
+        autoprec.check(student, make_batches(), train_step=step, steps=4, modes=["amp_bf16"])
+    after = _HELPERS_TEACHER.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
 _STEPS_LOGGED = torch.zeros(())
 
 
