@@ -37,15 +37,26 @@ def code_names(code: Any) -> set[str]:
 FOLLOWED_DEPTH = 2
 """How many calls deep the watch follows the plain functions a ``train_step`` calls by name: a
 helper updating a module-level teacher (``ema_update(plan)``) escaped it (found by a review),
-as did a callable object's ``__call__`` reading one. torch's and autoprec's own functions are
+as did a callable object's ``__call__`` reading one; functions held in a list, tuple or dict
+it reads are followed too. torch's and autoprec's own functions are
 not followed: they hold no module of yours."""
 
 _NOT_FOLLOWED = ("torch", "autoprec")
 
 
+def _unwrapped(value: Any) -> Any:
+    """``value`` without its ``functools.wraps`` layers; as it is where reading them fails (a
+    config whose ``__getattr__`` raises KeyError, a builder whose ``__getattr__`` returns a new
+    builder: a crash of check() before any run, found by a review)."""
+    try:
+        return inspect.unwrap(value)
+    except Exception:  # noqa: BLE001 - any __getattr__ of the user's may raise anything
+        return value
+
+
 def _followed(value: Any) -> bool:
     """A function of yours the watch reads into (see ``FOLLOWED_DEPTH``)."""
-    value = inspect.unwrap(value) if callable(value) else value
+    value = _unwrapped(value) if callable(value) else value
     if not inspect.isfunction(value):
         return False
     package = (getattr(value, "__module__", None) or "").partition(".")[0]
@@ -53,35 +64,40 @@ def _followed(value: Any) -> bool:
 
 
 def _reached(
-    function: Any, depth: int = 0, seen: set[int] | None = None
+    function: Any, depth: int = 0, seen: dict[int, int] | None = None
 ) -> Iterator[tuple[str, Any]]:
     """(name, object) for what ``function`` computes with beyond its arguments, and what the
-    functions of yours it calls by name do (``FOLLOWED_DEPTH``)."""
-    seen = set() if seen is None else seen
-    function = inspect.unwrap(function)  # a functools.wraps decorator (a review)
+    functions of yours it calls by name do (``FOLLOWED_DEPTH``). ``seen``: the depth each
+    function was read at, by its id (not its code's: two closures of one factory hold other
+    modules; a function met deeper first is read again nearer, where its calls are followed:
+    both found by a review)."""
+    seen = {} if seen is None else seen
     if isinstance(function, functools.partial):
         yield from ((f"argument {index}", a) for index, a in enumerate(function.args))
         yield from function.keywords.items()
         function = function.func
-    if inspect.ismethod(function):
+    if inspect.ismethod(function):  # before unwrapping: a decorated method keeps its self
         owner = function.__self__
         yield "self", owner
         if not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):  # a plain trainer
             yield from ((f"self.{name}", value) for name, value in vars(owner).items())
         function = function.__func__
+    function = _unwrapped(function)  # a functools.wraps decorator (a review)
     if getattr(function, "__code__", None) is None:  # a callable object: its attributes
         yield from vars(function).items() if hasattr(function, "__dict__") else ()
-        function = inspect.getattr_static(type(function), "__call__", None)  # what its call reads
+        call = inspect.getattr_static(type(function), "__call__", None)  # what its call reads
+        function = _unwrapped(call)
         if not inspect.isfunction(function):
             return
-    code = function.__code__
-    if id(code) in seen:
+    if seen.get(id(function), FOLLOWED_DEPTH + 1) <= depth:
         return
-    seen.add(id(code))
-    for name, value in _names_read(function, code):
+    seen[id(function)] = depth
+    for name, value in _names_read(function, function.__code__):
         yield name, value
-        if depth < FOLLOWED_DEPTH and _followed(value):
-            yield from _reached(value, depth + 1, seen)
+        if depth < FOLLOWED_DEPTH:  # and one level into lists and dicts (a lambda in a table)
+            for _, item in _with_contents(name, value):
+                if _followed(item):
+                    yield from _reached(item, depth + 1, seen)
 
 
 def _names_read(function: Any, code: Any) -> Iterator[tuple[str, Any]]:
@@ -111,15 +127,28 @@ def reachable_tensors(function: Any, model: nn.Module) -> dict[str, torch.Tensor
     inside = {id(module) for module in model.modules()}
     inside |= {id(tensor) for tensor in model.state_dict(keep_vars=True).values()}
     found: dict[str, torch.Tensor] = {}
+    watched: set[int] = set()  # tensors, each once, whatever names reach it
     for name, value in _reached(function):
         for shown, item in _with_contents(name, value):
-            if id(item) in inside:
+            if id(item) in inside or not isinstance(item, nn.Module):
                 continue
-            if isinstance(item, nn.Module):
-                for key, tensor in item.state_dict(keep_vars=True).items():
-                    if _watchable(tensor) and id(tensor) not in inside:
-                        found.setdefault(f"{shown}.{key}", tensor)
+            for key, tensor in item.state_dict(keep_vars=True).items():
+                if not _watchable(tensor) or id(tensor) in inside | watched:
+                    continue
+                watched.add(id(tensor))
+                found[_unused(f"{shown}.{key}", found)] = tensor
     return found
+
+
+def _unused(name: str, found: dict[str, torch.Tensor]) -> str:
+    """``name``, or ``name (2)``, ... where another tensor holds it: helpers of one script
+    naming their own modules ``teacher`` dropped the second (found by a review)."""
+    count = 1
+    unused = name
+    while unused in found:
+        count += 1
+        unused = f"{name} ({count})"
+    return unused
 
 
 def _watchable(value: Any) -> bool:

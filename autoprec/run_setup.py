@@ -348,7 +348,21 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+RUNNING_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+"""Buffers a normalisation layer updates in training mode: changed alone, by a frozen network
+left in train mode (a review: the refusal spoke of an EMA teacher and never of ``.eval()``)."""
+
+
 def _changed_outside_the_model(names: list[str]) -> ValueError:
+    if all(name.rsplit(".", 1)[-1] in RUNNING_STATISTICS for name in names):
+        return ValueError(
+            f"Your train_step changes {_names(names)}, outside the model you hand autoprec: "
+            "running statistics of a network it calls in training mode (a frozen feature "
+            "extractor or loss network, whose BatchNorm updates them each call). Every run "
+            "would start from where the last one left them, and your object would come back "
+            "changed. Call .eval() on that network before tune()/check(), or make it a "
+            "submodule of the model. They were put back as they were."
+        )
     return ValueError(
         f"Your train_step changes {_names(names)}, outside the model you hand autoprec (an "
         "EMA teacher or a target network it closes over, found: it changed while the fp32 "

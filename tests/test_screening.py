@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -2734,6 +2735,139 @@ def test_a_teacher_a_helper_moves_outside_the_model_is_refused(callable_object: 
         autoprec.check(student, make_batches(), train_step=step, steps=4, modes=["amp_bf16"])
     after = _HELPERS_TEACHER.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def _moving(teacher: torch.nn.Module) -> Any:
+    """A closure factory: each closure moves its own teacher (one code object for all)."""
+
+    def update() -> None:
+        with torch.no_grad():
+            teacher.weight.add_(1)
+
+    return update
+
+
+_DEEP_TEACHER = torch.nn.Linear(2, 2)
+
+
+def _move_deep_teacher() -> None:
+    with torch.no_grad():
+        _DEEP_TEACHER.weight.add_(1)
+
+
+def _update() -> None:  # met first at depth 2 through _a_log, then at depth 1
+    _move_deep_teacher()
+
+
+def _a_log() -> None:
+    _update()
+
+
+class _FailingConfig:
+    """A callable config whose __getattr__ raises KeyError (hasattr lets it through)."""
+
+    def __init__(self) -> None:
+        self._values = {"scale": 1.0}
+
+    def __getattr__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __call__(self) -> None:
+        return None
+
+
+_CONFIG = _FailingConfig()
+
+
+def _logged(function: Any) -> Any:
+    @functools.wraps(function)
+    def logged(*args: Any) -> Any:
+        return function(*args)
+
+    return logged
+
+
+class _LoggedStep:
+    @_logged
+    def __call__(self, plan: Any, batch: Any) -> Any:
+        _move_deep_teacher()
+
+
+def test_the_outside_watch_reads_every_closure_each_helper_and_odd_callables() -> None:
+    """Found by a review of the helper-following watch: a second closure of one factory was
+    never read (seen by code), a helper met deeper first was not followed when met nearer,
+    two modules both named ``teacher`` kept one, a config whose __getattr__ raises crashed
+    check(), and a decorated __call__ lost a level."""
+    from autoprec.outside_state import reachable_tensors
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    updates = [_moving(first), _moving(second)]
+
+    def two_closures(plan: Any, batch: Any) -> None:
+        for update in updates:
+            update()
+
+    found = reachable_tensors(two_closures, torch.nn.Linear(2, 2))
+    assert {id(t) for t in found.values()} == {
+        id(t) for t in (first.weight, first.bias, second.weight, second.bias)
+    }
+    assert set(found) == {
+        "teacher.weight",
+        "teacher.bias",
+        "teacher.weight (2)",
+        "teacher.bias (2)",
+    }
+
+    def logs_then_updates(plan: Any, batch: Any) -> None:
+        _a_log()
+        _update()
+
+    model = torch.nn.Linear(2, 2)
+    assert set(reachable_tensors(logs_then_updates, model)) == {
+        "_DEEP_TEACHER.weight",
+        "_DEEP_TEACHER.bias",
+    }
+
+    def reads_config(plan: Any, batch: Any) -> float:
+        return _CONFIG.scale
+
+    assert reachable_tensors(reads_config, model) == {}
+    assert set(reachable_tensors(_LoggedStep(), model)) == {
+        "_DEEP_TEACHER.weight",
+        "_DEEP_TEACHER.bias",
+    }
+
+
+_FEATURES = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).requires_grad_(
+    False
+)
+
+
+def test_a_frozen_network_left_in_training_mode_is_refused_naming_eval() -> None:
+    """Found by a review: a helper's frozen feature network in train mode moved its running
+    statistics, and the refusal spoke of an EMA teacher, never of .eval()."""
+    from examples.mean_teacher import make_batches
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        return _FEATURES(x)
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with plan.autocast():
+            out = plan.model(x).float()
+        return torch.nn.functional.mse_loss(out, y) + 0 * features(x).sum()
+
+    _FEATURES.train()
+    with pytest.raises(ValueError, match=r"running statistics.*Call \.eval\(\) on that network"):
+        autoprec.check(
+            torch.nn.Linear(8, 4), make_batches(), train_step=train_step, steps=4,
+            modes=["amp_bf16"],
+        )  # fmt: skip
+    _FEATURES.eval()
+    report = autoprec.check(
+        torch.nn.Linear(8, 4), make_batches(), train_step=train_step, steps=4, modes=["amp_bf16"]
+    )
+    assert report.verdict("amp_bf16").status == "safe"
 
 
 _STEPS_LOGGED = torch.zeros(())
