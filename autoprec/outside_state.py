@@ -38,8 +38,8 @@ FOLLOWED_DEPTH = 2
 """How many calls deep the watch follows the plain functions a ``train_step`` calls by name: a
 helper updating a module-level teacher (``ema_update(plan)``) escaped it (found by a review),
 as did a callable object's ``__call__`` reading one; functions held in a list, tuple or dict
-it reads are followed too. torch's and autoprec's own functions are
-not followed: they hold no module of yours."""
+it reads are followed too. torch's and autoprec's own functions are not followed: they hold no
+module of yours."""
 
 _NOT_FOLLOWED = ("torch", "autoprec")
 
@@ -83,7 +83,7 @@ def _reached(
             yield from ((f"self.{name}", value) for name, value in vars(owner).items())
         function = function.__func__
     function = _unwrapped(function)  # a functools.wraps decorator (a review)
-    if getattr(function, "__code__", None) is None:  # a callable object: its attributes
+    if not inspect.isfunction(function):  # a callable object: its attributes
         yield from vars(function).items() if hasattr(function, "__dict__") else ()
         call = inspect.getattr_static(type(function), "__call__", None)  # what its call reads
         function = _unwrapped(call)
