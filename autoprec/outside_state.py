@@ -175,8 +175,11 @@ class OutsideStateWatch:
             if not same_values(self.saved[name], tensor.detach().cpu())  # NaN is no change
         ]
 
-    def restore(self) -> None:
-        """Put back what changed (only that: a tensor nothing wrote stays untouched)."""
+    def restore(self) -> list[str]:
+        """Put back what changed (only that: a tensor nothing wrote stays untouched); returns
+        the names put back."""
+        changed = self.changed()
         with torch.no_grad():
-            for name in self.changed():
+            for name in changed:
                 self.tensors[name].copy_(self.saved[name].to(self.tensors[name].device))
+        return changed

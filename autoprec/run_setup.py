@@ -354,22 +354,23 @@ left in train mode (a review: the refusal spoke of an EMA teacher and never of `
 
 
 def _changed_outside_the_model(names: list[str]) -> ValueError:
+    changed = f"Your train_step changes {_names(names)}, outside the model you hand autoprec"
+    harm = (
+        "every run would start from where the last one left it, and your object would come "
+        "back changed"
+    )
     if all(name.rsplit(".", 1)[-1] in RUNNING_STATISTICS for name in names):
         return ValueError(
-            f"Your train_step changes {_names(names)}, outside the model you hand autoprec: "
-            "running statistics of a network it calls in training mode (a frozen feature "
-            "extractor or loss network, whose BatchNorm updates them each call). Every run "
-            "would start from where the last one left them, and your object would come back "
-            "changed. Call .eval() on that network before tune()/check(), or make it a "
-            "submodule of the model. They were put back as they were."
+            f"{changed}: running statistics of a network it calls in training mode (a frozen "
+            f"feature extractor or loss network, whose BatchNorm updates them each call): "
+            f"{harm}. Call .eval() on that network before tune()/check(), or make it a "
+            "submodule of the model. It was put back as it was."
         )
     return ValueError(
-        f"Your train_step changes {_names(names)}, outside the model you hand autoprec (an "
-        "EMA teacher or a target network it closes over, found: it changed while the fp32 "
-        "reference trained): every run would start from where the last one left it, and "
-        "your object would come back changed. Make it a submodule of the model and update "
-        "plan.model's, so each run trains its own copy (keep_fp32=['teacher'] keeps such a "
-        "module in fp32). It was put back as it was."
+        f"{changed} (an EMA teacher or a target network it closes over, found: it changed "
+        f"while the fp32 reference trained): {harm}. Make it a submodule of the model and "
+        "update plan.model's, so each run trains its own copy (keep_fp32=['teacher'] keeps "
+        "such a module in fp32). It was put back as it was."
     )
 
 
@@ -673,9 +674,8 @@ def calibration_run(setup: RunSetup) -> Calibration:
     if touched or moved:
         outside.restore()
         raise _trained_the_users_model(touched, moved, user.restore(), setup)
-    changed_outside = outside.changed()
+    changed_outside = outside.restore()  # compared once, put back where changed
     if changed_outside:
-        outside.restore()
         raise _changed_outside_the_model(changed_outside)
     del user, outside  # their host copies
     if calibration.record.failure is not None:
