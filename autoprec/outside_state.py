@@ -6,15 +6,17 @@ network kept outside the model) changed the caller's object in every run ``tune(
 noise read 200x larger than with the teacher inside the model, and trials learned from a
 teacher earlier runs had trained (found by a hunt). The calibration watches what the function
 reaches (its closure, its bound object, a partial's arguments, the module-level names its code
-reads, the same for the functions of yours it calls by name, two calls deep, and one level into
-lists, tuples and dicts of those: the modules among them) and refuses a ``train_step`` that
-changes one, putting it back first.
+reads, the same for the functions of yours it calls by name and the methods it calls on objects
+it reaches, two calls deep, the attributes of those objects, and one level into lists, tuples
+and dicts of those: the modules among them, and the tensors shaped like one of the model's
+parameters) and refuses a ``train_step`` that changes one, putting it back first.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,8 +40,9 @@ FOLLOWED_DEPTH = 2
 """How many calls deep the watch follows the plain functions a ``train_step`` calls by name: a
 helper updating a module-level teacher (``ema_update(plan)``) escaped it (found by a review),
 as did a callable object's ``__call__`` reading one; functions held in a list, tuple or dict
-it reads are followed too. torch's and autoprec's own functions are not followed: they hold no
-module of yours."""
+it reads are followed too, and the methods its code names on an object it reaches
+(``ema.update(plan.model)``, diffusers' ``ema_model.step(...)``). torch's and autoprec's own
+functions are not followed: they hold no module of yours."""
 
 _NOT_FOLLOWED = ("torch", "autoprec")
 
@@ -64,40 +67,84 @@ def _followed(value: Any) -> bool:
 
 
 def _reached(
-    function: Any, depth: int = 0, seen: dict[int, int] | None = None
+    function: Any,
+    depth: int = 0,
+    seen: dict[tuple[int, int], int] | None = None,
+    owner_name: str = "self",
 ) -> Iterator[tuple[str, Any]]:
     """(name, object) for what ``function`` computes with beyond its arguments, and what the
-    functions of yours it calls by name do (``FOLLOWED_DEPTH``). ``seen``: the depth each
-    function was read at, by its id (not its code's: two closures of one factory hold other
-    modules; a function met deeper first is read again nearer, where its calls are followed:
-    both found by a review)."""
+    functions of yours it calls by name and the methods it calls on what it reaches do
+    (``FOLLOWED_DEPTH``). ``seen``: the depth each function was read at, by its id (not its
+    code's: two closures of one factory hold other modules; a function met deeper first is
+    read again nearer, where its calls are followed: both found by a review), with its object's
+    for a method. ``owner_name``: what a method's object is called where it was reached."""
     seen = {} if seen is None else seen
     if isinstance(function, functools.partial):
         yield from ((f"argument {index}", a) for index, a in enumerate(function.args))
         yield from function.keywords.items()
         function = function.func
+    owner: Any = None
     if inspect.ismethod(function):  # before unwrapping: a decorated method keeps its self
         owner = function.__self__
-        yield "self", owner
-        if not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):  # a plain trainer
-            yield from ((f"self.{name}", value) for name, value in vars(owner).items())
+        yield owner_name, owner
+        yield from _attributes(owner_name, owner)  # a plain trainer's, an EMA object's
         function = function.__func__
     function = _unwrapped(function)  # a functools.wraps decorator (a review)
     if not inspect.isfunction(function):  # a callable object: its attributes
+        owner = function
         yield from vars(function).items() if hasattr(function, "__dict__") else ()
         call = inspect.getattr_static(type(function), "__call__", None)  # what its call reads
         function = _unwrapped(call)
         if not inspect.isfunction(function):
             return
-    if seen.get(id(function), FOLLOWED_DEPTH + 1) <= depth:
+    key = (id(function), id(owner))  # one method on two EMA objects reaches both
+    if seen.get(key, FOLLOWED_DEPTH + 1) <= depth:
         return
-    seen[id(function)] = depth
-    for name, value in _names_read(function, function.__code__):
+    seen[key] = depth
+    code = function.__code__
+    for name, value in _names_read(function, code):
         yield name, value
+        yield from _attributes(name, value)  # ``ema.shadow[key].lerp_(...)`` in its code
         if depth < FOLLOWED_DEPTH:  # and one level into lists and dicts (a lambda in a table)
             for _, item in _with_contents(name, value):
                 if _followed(item):
                     yield from _reached(item, depth + 1, seen)
+    if depth < FOLLOWED_DEPTH:  # ``ema.update(plan.model)``, and a method's ``self.helper()``
+        reached = [
+            *_names_read(function, code),
+            *([(owner_name, owner)] if owner is not None else []),
+        ]
+        for name, value in reached:
+            for method in _methods_named(value, code):
+                yield from _reached(method, depth + 1, seen, owner_name=name)
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of yours (or of a library not torch's or autoprec's) whose attributes and
+    methods the watch reads: not a module, class, function or Python module."""
+    excluded = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
+    if isinstance(value, excluded) or not hasattr(value, "__dict__"):
+        return False
+    package = (getattr(type(value), "__module__", None) or "").partition(".")[0]
+    return package not in _NOT_FOLLOWED
+
+
+def _attributes(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """(``name.attribute``, value) for a plain object's attributes: an EMA object's dict or
+    list of shadow tensors (diffusers' ``EMAModel.shadow_params``) or its module."""
+    if _plain_object(value):
+        yield from ((f"{name}.{key}", item) for key, item in vars(value).items())
+
+
+def _methods_named(value: Any, code: Any) -> Iterator[Any]:
+    """``value``'s methods of yours whose names ``code`` reads, bound to it (read without
+    running the user's ``__getattr__``; a module's too: its methods may reach other objects)."""
+    if not (_plain_object(value) or isinstance(value, nn.Module)):
+        return
+    for attribute in sorted(code_names(code)):
+        method = inspect.getattr_static(type(value), attribute, None)
+        if inspect.isfunction(method) and _followed(method):
+            yield types.MethodType(method, value)
 
 
 def _names_read(function: Any, code: Any) -> Iterator[tuple[str, Any]]:
@@ -122,21 +169,32 @@ def _with_contents(name: str, value: Any) -> Iterator[tuple[str, Any]]:
 
 def reachable_tensors(function: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters and saved buffers of the modules ``function`` reaches outside ``model``,
-    by name. Bare tensors are left alone: a step counter or a running total for a log changes
+    and the bare tensors it reaches shaped like one of ``model``'s parameters (an EMA's shadow
+    weights, diffusers' ``EMAModel.shadow_params``: missed before, found by a hunt), by name.
+    Other bare tensors are left alone: a step counter or a running total for a log changes
     nothing a run measures."""
     inside = {id(module) for module in model.modules()}
     inside |= {id(tensor) for tensor in model.state_dict(keep_vars=True).values()}
+    shapes = {tuple(p.shape) for p in model.parameters() if p.numel() > 1}
     found: dict[str, torch.Tensor] = {}
     watched: set[int] = set()  # tensors, each once, whatever names reach it
     for name, value in _reached(function):
         for shown, item in _with_contents(name, value):
-            if id(item) in inside or not isinstance(item, nn.Module):
+            if id(item) in inside:
                 continue
-            for key, tensor in item.state_dict(keep_vars=True).items():
+            if isinstance(item, nn.Module):
+                tensors = [
+                    (f"{shown}.{key}", t) for key, t in item.state_dict(keep_vars=True).items()
+                ]
+            elif isinstance(item, torch.Tensor) and tuple(item.shape) in shapes:
+                tensors = [(shown, item)]
+            else:
+                continue
+            for key, tensor in tensors:
                 if not _watchable(tensor) or id(tensor) in inside | watched:
                     continue
                 watched.add(id(tensor))
-                found[_unused(f"{shown}.{key}", found)] = tensor
+                found[_unused(key, found)] = tensor
     return found
 
 
@@ -159,13 +217,15 @@ def _watchable(value: Any) -> bool:
 
 class OutsideStateWatch:
     """A host copy of what a ``train_step`` reaches outside the model, to tell whether a run
-    changed it and to put it back."""
+    changed it and to put it back; with the numbers of the objects holding those tensors (an
+    EMA object's step count, which sets its decay: a change of them alone is no refusal)."""
 
     def __init__(self, function: Any, model: nn.Module) -> None:
         self.tensors = reachable_tensors(function, model) if function is not None else {}
         self.saved = {
             name: tensor.detach().to("cpu", copy=True) for name, tensor in self.tensors.items()
         }
+        self.numbers = _numbers_beside(function, self.tensors) if self.tensors else []
 
     def changed(self) -> list[str]:
         """The names whose values are not what they were."""
@@ -182,4 +242,26 @@ class OutsideStateWatch:
         with torch.no_grad():
             for name in changed:
                 self.tensors[name].copy_(self.saved[name].to(self.tensors[name].device))
+        for owner, key, number in self.numbers:
+            if getattr(owner, key, number) is not number:
+                setattr(owner, key, number)
         return changed
+
+
+def _numbers_beside(
+    function: Any, tensors: dict[str, torch.Tensor]
+) -> list[tuple[Any, str, int | float]]:
+    """(object, attribute, value) for the int and float attributes of the plain objects whose
+    attributes hold one of ``tensors`` (diffusers' ``EMAModel.optimization_step``)."""
+    ids = {id(tensor) for tensor in tensors.values()}
+    numbers: dict[tuple[int, str], tuple[Any, str, int | float]] = {}
+    for _, value in _reached(function):
+        if not _plain_object(value):
+            continue
+        attributes = vars(value)
+        held = (item for key in attributes for _, item in _with_contents(key, attributes[key]))
+        if any(id(item) in ids for item in held):
+            for key, number in attributes.items():
+                if type(number) in (int, float):
+                    numbers[(id(value), key)] = (value, key, number)
+    return list(numbers.values())

@@ -367,10 +367,11 @@ def _changed_outside_the_model(names: list[str]) -> ValueError:
             "submodule of the model. It was put back as it was."
         )
     return ValueError(
-        f"{changed} (an EMA teacher or a target network it closes over, found: it changed "
-        f"while the fp32 reference trained): {harm}. Make it a submodule of the model and "
-        "update plan.model's, so each run trains its own copy (keep_fp32=['teacher'] keeps "
-        "such a module in fp32). It was put back as it was."
+        f"{changed} (an EMA teacher, a target network or an EMA's shadow weights it reaches, "
+        f"found: it changed while the fp32 reference trained): {harm}. Make it a submodule of "
+        "the model and update plan.model's, so each run trains its own copy (keep_fp32="
+        "['teacher'] keeps such a module in fp32); an EMA your loss does not read belongs in "
+        "your own loop, after plan.step(), not in the train_step. It was put back as it was."
     )
 
 

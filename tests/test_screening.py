@@ -2838,6 +2838,95 @@ def test_the_outside_watch_reads_every_closure_each_helper_and_odd_callables() -
     }
 
 
+class _ShadowEma:
+    """diffusers' EMAModel in small: bare shadow tensors in a list and a step count that sets
+    the decay, updated by a method."""
+
+    def __init__(self, parameters: Any) -> None:
+        self.shadow_params = [p.detach().clone() + 0.5 for p in parameters]
+        self.optimization_step = 0
+
+    @torch.no_grad()
+    def step(self, parameters: Any) -> None:
+        self.optimization_step += 1
+        decay = min(0.999, (1 + self.optimization_step) / (10 + self.optimization_step))
+        for shadow, parameter in zip(self.shadow_params, parameters, strict=True):
+            shadow.lerp_(parameter.to(shadow.dtype), 1 - decay)
+
+
+class _ShadowHelper:
+    """The EMA helper of DDIM-era code: a dict of shadows, updated through a second method."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.shadow = {n: p.detach().clone() + 0.5 for n, p in model.named_parameters()}
+
+    def update(self, model: torch.nn.Module) -> None:
+        self._update(model)
+
+    def _update(self, model: torch.nn.Module) -> None:
+        for name, parameter in model.named_parameters():
+            self.shadow[name].lerp_(parameter.detach().to(self.shadow[name].dtype), 0.01)
+
+
+@pytest.mark.parametrize("kind", ["diffusers_like", "helper", "closure_dict"])
+def test_an_ema_of_bare_shadow_tensors_a_method_moves_is_refused_and_put_back(kind: str) -> None:
+    """Found by a hunt: the watch read modules only and no method of an object the train_step
+    calls, so diffusers' EMAModel (``ema.step(plan.model.parameters())``, bare shadow tensors)
+    and a dict of shadows updated inline came back moved by every run, its step count (its
+    decay's warm-up) advanced."""
+    from examples.mean_teacher import make_batches
+
+    torch.manual_seed(0)
+    student = torch.nn.Linear(8, 4)
+    ema, helper = _ShadowEma(student.parameters()), _ShadowHelper(student)
+    shadow = {n: p.detach().clone() + 0.5 for n, p in student.named_parameters()}
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        if kind == "diffusers_like":
+            ema.step(plan.model.parameters())
+        elif kind == "helper":
+            helper.update(plan.model)
+        else:
+            with torch.no_grad():
+                for name, parameter in plan.model.named_parameters():
+                    shadow[name].lerp_(parameter.detach(), 0.01)
+        x, y = batch
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y)
+
+    held = {"diffusers_like": ema.shadow_params, "helper": [*helper.shadow.values()]}
+    tensors = held.get(kind, [*shadow.values()])
+    before = [t.clone() for t in tensors]
+    named = {"diffusers_like": r"ema\.shadow_params\[0\]", "helper": r"helper\.shadow\['weight'\]"}
+    with pytest.raises(ValueError, match=named.get(kind, r"shadow\['weight'\]") + ".*after plan"):
+        autoprec.check(student, make_batches(), train_step=train_step, steps=4,
+                       modes=["amp_bf16"])  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
+    assert ema.optimization_step == 0
+
+
+_LOSS_LOG = torch.zeros(97)
+
+
+def test_a_loss_log_tensor_unlike_any_parameter_is_left_alone() -> None:
+    """Bare tensors are watched only when shaped like one of the model's parameters: a
+    preallocated loss log a train_step fills changes nothing a run measures."""
+    task = tasks.regression()
+    calls = [0]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        with plan.autocast():
+            loss = task.mse(plan.model(batch[0]), batch[1])
+        _LOSS_LOG[calls[0] % 97] = loss.detach().float()
+        calls[0] += 1
+        return loss
+
+    assert all(p.shape != _LOSS_LOG.shape for p in task.model.parameters())
+    report = autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
+                            modes=["amp_bf16"])  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe" and float(_LOSS_LOG.abs().sum()) > 0
+
+
 _FEATURES = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).requires_grad_(
     False
 )
