@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import autoprec
 
 PACKAGE = Path(autoprec.__file__).parent
@@ -123,3 +125,25 @@ def test_library_never_prints() -> None:
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
         ]
         assert not calls, f"{path.name} prints; log instead"
+
+
+def test_the_public_functions_type_hints_resolve() -> None:
+    """``typing.get_type_hints`` raised NameError on tune_trainer, tune_module and the HF
+    apply_profile (their return types imported only under TYPE_CHECKING), for tools that read
+    hints at run time (pydantic, typer, IDE stubs)."""
+    import importlib
+    import typing
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    modules = [autoprec] + [
+        importlib.import_module(f"autoprec.integrations.{name}")
+        for name in ("hf", "hf_trainer", "lightning", "lightning_trainer", "accelerate", "fsdp2")
+    ]
+    for module in modules:
+        for name in getattr(module, "__all__", None) or dir(module):
+            value = getattr(module, name)
+            if name.startswith("_") or not callable(value) or isinstance(value, type(autoprec)):
+                continue
+            if getattr(value, "__module__", "").startswith("autoprec"):
+                typing.get_type_hints(value)  # raises on a name it cannot resolve

@@ -23,15 +23,13 @@ import math
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from autoprec.plan import PrecisionPlan
-
-if TYPE_CHECKING:
-    from autoprec.profile import Profile
-    from autoprec.tune_result import TuneResult
+from autoprec.profile import Profile, load_profile
+from autoprec.tune_result import TuneResult
 
 
 def _train_loader(trainer: Any) -> Any:
@@ -320,7 +318,6 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     create) go through ``profile.apply``; the plan then does the clipping (after unscaling),
     so ``trainer.args`` becomes a copy with ``max_grad_norm`` 0 (the caller's object is left
     as it was). Returns the plan."""
-    from autoprec.profile import Profile, load_profile
 
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
     # after train(), Accelerate wraps the plan's optimizer (AcceleratedOptimizer.optimizer):

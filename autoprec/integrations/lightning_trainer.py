@@ -21,7 +21,7 @@ import inspect
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -31,10 +31,8 @@ from lightning.pytorch.plugins.precision import Precision
 from autoprec._warnings import warn_caller
 from autoprec.errors import RecipeMismatchWarning
 from autoprec.plan import PrecisionPlan, _rebind_scheduler
-
-if TYPE_CHECKING:
-    from autoprec.profile import Profile
-    from autoprec.tune_result import TuneResult
+from autoprec.profile import Profile, load_profile
+from autoprec.tune_result import TuneResult
 
 
 class _TrainerView:
@@ -375,7 +373,6 @@ class AutoprecPrecision(Precision):
     Lightning clip, then steps with the loss scaler's skip and update."""
 
     def __init__(self, profile: Profile | str | Path) -> None:
-        from autoprec.profile import Profile, load_profile
 
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         self.plan: PrecisionPlan | None = None
