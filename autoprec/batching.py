@@ -390,11 +390,17 @@ def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> 
     """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with, caught before
     the forward runs (nothing is computed or trained): how the model is called, for the probe's
     scan. None when it raises first or never calls ``plan.model`` itself (then the scan runs
-    without a forward, and the fp32 calibration reports the error)."""
+    without a forward, and the fp32 calibration reports the error). Refuses a ``train_step``
+    that calls it under an autocast of its own (see :func:`own_autocast_refusal`)."""
     calls: list[ModelCall] = []
+    autocasts: list[str] = []
 
     def catch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         calls.append(ModelCall(tuple(args), dict(kwargs)))
+        kind = next((p.device.type for p in module.parameters()), "cpu")
+        if torch.is_autocast_enabled(kind):  # the plan is fp32's: no autocast of autoprec's
+            autocasts.append(f"{str(torch.get_autocast_dtype(kind)).removeprefix('torch.')} "
+                             f"autocast on {kind}")  # fmt: skip
         raise _CallCaught
 
     handle = plan.model.register_forward_pre_hook(catch, with_kwargs=True)
@@ -407,4 +413,23 @@ def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> 
         return None
     finally:
         handle.remove()
+    if autocasts:
+        raise own_autocast_refusal(autocasts[0])
     return calls[0] if calls else None
+
+
+def own_autocast_refusal(found: str) -> ValueError:
+    """A ``train_step`` calling ``plan.model`` inside its own ``torch.autocast`` (a training
+    script's ``with torch.autocast(...)`` kept in it: found by a hunt replaying
+    ../shared/seeds' diffusion story). Its autocast overrides each mode's: the "fp32"
+    reference, its noise runs and every AMP trial ran in the train_step's dtype, and the report
+    still said "against fp32" (amp_bf16 under a train_step's fp16 autocast: "safe, forward
+    cost +0.00%", the reference compared with itself)."""
+    return ValueError(
+        f"Your train_step calls plan.model inside an autocast of its own ({found}, found on "
+        "its first call of plan.model in an fp32 run): it overrides each mode's precision, so "
+        "the fp32 reference and every trial would run in that dtype and each mode would be "
+        "compared with it, not with fp32. Take that torch.autocast (or accelerator.autocast) "
+        "out of the train_step and call plan.model under `with plan.autocast():`, which "
+        "enters each mode's precision (and the profile's, in your loop after apply())."
+    )

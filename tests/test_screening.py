@@ -3004,3 +3004,39 @@ def test_the_outside_watch_reads_nan_as_unchanged_and_skips_what_it_cannot_put_b
     assert watch.changed() == ["teacher.weight"]
     watch.restore()
     assert watch.changed() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_train_step_under_an_autocast_of_its_own_is_refused(dtype: torch.dtype) -> None:
+    """Found by a hunt replaying the seeds' diffusion story: a train_step keeping its script's
+    ``with torch.autocast(...)`` ran the "fp32" reference in that dtype, and amp_bf16 under an
+    fp16 one read "safe, forward cost +0.00%" (the reference compared with itself)."""
+    task = tasks.regression()
+    before = copy.deepcopy(task.model.state_dict())
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        with plan.autocast(), torch.autocast("cpu", dtype=dtype):
+            return task.mse(plan.model(batch[0]).float(), batch[1])
+
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(
+        ValueError, match=rf"autocast of its own \({name} autocast on cpu.*plan\.autocast\(\)"
+    ):
+        autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
+                       modes=["amp_bf16"])  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in task.model.state_dict().items())
+
+
+def test_a_train_step_that_turns_autocast_off_is_not_refused() -> None:
+    """An autocast block that is off (``enabled=use_amp`` with use_amp False, or a block kept
+    in fp32) is no autocast of its own."""
+    task = tasks.regression()
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            output = plan.model(batch[0])
+        return task.mse(output, batch[1])
+
+    report = autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
+                            modes=["amp_bf16"])  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe"
