@@ -519,8 +519,20 @@ def refuse_unrunnable(candidates: CandidateList, modes: Sequence[str] | None) ->
     )
     raise UnsupportedModeError(
         f"Requested mode(s) cannot run on this model here: {lines}. Leave {names} out of the "
-        f"modes, {fix}.",
+        f"modes, {fix}.{_screen_here(candidates)}",
         tuple(reasons),
+    )
+
+
+def _screen_here(candidates: CandidateList) -> str:
+    """Where torchao's FP8 was refused for the hardware alone, that ``check`` screens its
+    quality here, emulated (a hunt: tune's refusal named only "run them where they can")."""
+    fp8 = [s for s in candidates.skipped if s.spec.mode == "fp8_torchao"]
+    if not fp8 or not all("compute capability" in r for s in fp8 for r in s.reasons):
+        return ""
+    return (
+        " To ask whether FP8 would hurt the model before renting such a GPU, autoprec.check() "
+        "(`autoprec check --modes fp8_torchao`) screens its quality here, emulated."
     )
 
 

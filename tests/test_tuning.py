@@ -634,6 +634,22 @@ def test_a_requested_mode_that_cannot_run_here_is_an_error(tmp_path: Path) -> No
     assert caught.value.reasons and not (tmp_path / "new").exists()  # nothing created
 
 
+def test_tune_refusing_torchaos_fp8_for_the_hardware_points_to_the_screen() -> None:
+    """Found by a hunt: tune's refusal of fp8_torchao on a machine without FP8 said only "run
+    them where they can", where check() screens FP8's quality here, emulated."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    batches = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(4)]
+    kwargs = {"budget_minutes": 0.2, "loss_fn": _mse}
+    with pytest.raises(autoprec.UnsupportedModeError, match=r"autoprec check --modes fp8_torchao"):
+        tune(model, batches, modes=["fp8_torchao"], **kwargs)
+    with pytest.raises(autoprec.UnsupportedModeError) as caught:  # TE: no emulation to screen
+        tune(model, batches, modes=["fp8_te"], **kwargs)
+    assert "autoprec check" not in str(caught.value)
+    with pytest.raises(autoprec.UnsupportedModeError) as caught:  # no Linear FP8 could convert
+        tune(_Regressor(), _regression_batches(), modes=["fp8_torchao"], **kwargs)
+    assert "autoprec check" not in str(caught.value)
+
+
 def test_compiled_tune_writes_a_compiled_profile_that_trains(tmp_path: Path) -> None:
     """compile=True: the reference and the candidate train compiled (graphs built in their
     warm-up), the winner's profile records it, and apply() compiles the model the same way."""
