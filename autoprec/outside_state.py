@@ -14,6 +14,7 @@ parameters) and refuses a ``train_step`` that changes one, putting it back first
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import types
@@ -109,37 +110,51 @@ def _reached(
             for _, item in _with_contents(name, value):
                 if _followed(item):
                     yield from _reached(item, depth + 1, seen)
-    if depth < FOLLOWED_DEPTH:  # ``ema.update(plan.model)``, and a method's ``self.helper()``
+    if depth < FOLLOWED_DEPTH:  # ``ema.update(plan.model)``, a method's ``self.helper()``
         reached = [
             *_names_read(function, code),
             *([(owner_name, owner)] if owner is not None else []),
         ]
-        for name, value in reached:
-            for method in _methods_named(value, code):
-                yield from _reached(method, depth + 1, seen, owner_name=name)
+        for name, value in reached:  # and one attribute or item deeper: ``self.ema.step()``
+            for shown, item in [*_with_contents(name, value), *_attributes(name, value)]:
+                for method in _methods_named(item, code):
+                    yield from _reached(method, depth + 1, seen, owner_name=shown)
 
 
 def _plain_object(value: Any) -> bool:
     """An object of yours (or of a library not torch's or autoprec's) whose attributes and
     methods the watch reads: not a module, class, function or Python module."""
     excluded = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
-    if isinstance(value, excluded) or not hasattr(value, "__dict__"):
+    if isinstance(value, excluded) or _own_attributes(value) is None:
         return False
     package = (getattr(type(value), "__module__", None) or "").partition(".")[0]
     return package not in _NOT_FOLLOWED
+
+
+def _own_attributes(value: Any) -> dict[str, Any] | None:
+    """``value``'s instance ``__dict__``, read without running its ``__getattr__`` (one with
+    ``__slots__`` whose ``__getattr__`` raises KeyError crashed ``hasattr``: a review)."""
+    try:
+        attributes = object.__getattribute__(value, "__dict__")
+    except Exception:  # noqa: BLE001 - __slots__, or a descriptor of the user's that raises
+        return None
+    return attributes if type(attributes) is dict else None
 
 
 def _attributes(name: str, value: Any) -> Iterator[tuple[str, Any]]:
     """(``name.attribute``, value) for a plain object's attributes: an EMA object's dict or
     list of shadow tensors (diffusers' ``EMAModel.shadow_params``) or its module."""
     if _plain_object(value):
-        yield from ((f"{name}.{key}", item) for key, item in vars(value).items())
+        attributes = _own_attributes(value) or {}
+        yield from ((f"{name}.{key}", item) for key, item in list(attributes.items()))
 
 
 def _methods_named(value: Any, code: Any) -> Iterator[Any]:
     """``value``'s methods of yours whose names ``code`` reads, bound to it (read without
     running the user's ``__getattr__``; a module's too: its methods may reach other objects)."""
-    if not (_plain_object(value) or isinstance(value, nn.Module)):
+    if isinstance(value, torch.Tensor) or not (
+        _plain_object(value) or isinstance(value, nn.Module)
+    ):
         return
     for attribute in sorted(code_names(code)):
         method = inspect.getattr_static(type(value), attribute, None)
@@ -159,43 +174,66 @@ def _names_read(function: Any, code: Any) -> Iterator[tuple[str, Any]]:
     yield from ((name, namespace[name]) for name in sorted(code_names(code)) if name in namespace)
 
 
+_LOOKED_INTO = (list, tuple, dict, collections.OrderedDict, collections.defaultdict)
+"""The containers the watch looks into, by exact type: a dict subclass's ``items()`` may run
+anything (transformers' lazy auto-mapping, reached through a Trainer's ``compute_loss``,
+imported 569 model modules: 2.3 s and 41 MB, found by a review)."""
+
+
 def _with_contents(name: str, value: Any) -> Iterator[tuple[str, Any]]:
-    yield name, value
-    if isinstance(value, list | tuple):
+    yield from _contents(name, value, include_self=True)
+
+
+def _contents(name: str, value: Any, include_self: bool = False) -> Iterator[tuple[str, Any]]:
+    if include_self:
+        yield name, value
+    if type(value) not in _LOOKED_INTO and not isinstance(value, tuple):  # namedtuples too
+        return
+    if isinstance(value, dict):
+        yield from ((f"{name}[{key!r}]", item) for key, item in list(value.items()))
+    else:
         yield from ((f"{name}[{index}]", item) for index, item in enumerate(value))
-    elif isinstance(value, dict):
-        yield from ((f"{name}[{key!r}]", item) for key, item in value.items())
 
 
 def reachable_tensors(function: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters and saved buffers of the modules ``function`` reaches outside ``model``,
-    and the bare tensors it reaches shaped like one of ``model``'s parameters (an EMA's shadow
-    weights, diffusers' ``EMAModel.shadow_params``: missed before, found by a hunt), by name.
-    Other bare tensors are left alone: a step counter or a running total for a log changes
-    nothing a run measures."""
+    and the bare tensors of a group that mirrors ``model``'s parameters (``_mirrored``: an
+    EMA's shadow weights, diffusers' ``EMAModel.shadow_params``: missed before, found by a
+    hunt), by name. Other bare tensors are left alone: a step counter, a loss log or a running
+    total changes nothing a run measures."""
     inside = {id(module) for module in model.modules()}
     inside |= {id(tensor) for tensor in model.state_dict(keep_vars=True).values()}
-    shapes = {tuple(p.shape) for p in model.parameters() if p.numel() > 1}
+    shapes = collections.Counter(tuple(p.shape) for p in model.parameters())
     found: dict[str, torch.Tensor] = {}
     watched: set[int] = set()  # tensors, each once, whatever names reach it
     for name, value in _reached(function):
+        tensors = list(_mirrored(name, value, shapes))
         for shown, item in _with_contents(name, value):
-            if id(item) in inside:
+            if isinstance(item, nn.Module) and id(item) not in inside:
+                state = item.state_dict(keep_vars=True).items()
+                tensors += [(f"{shown}.{key}", tensor) for key, tensor in state]
+        for key, tensor in tensors:
+            if not _watchable(tensor) or id(tensor) in inside or id(tensor) in watched:
                 continue
-            if isinstance(item, nn.Module):
-                tensors = [
-                    (f"{shown}.{key}", t) for key, t in item.state_dict(keep_vars=True).items()
-                ]
-            elif isinstance(item, torch.Tensor) and tuple(item.shape) in shapes:
-                tensors = [(shown, item)]
-            else:
-                continue
-            for key, tensor in tensors:
-                if not _watchable(tensor) or id(tensor) in inside | watched:
-                    continue
-                watched.add(id(tensor))
-                found[_unused(key, found)] = tensor
+            watched.add(id(tensor))
+            found[_unused(key, found)] = tensor
     return found
+
+
+def _mirrored(
+    name: str, value: Any, shapes: collections.Counter[tuple[int, ...]]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a list, tuple, dict or plain object's attributes that mirror the model:
+    two or more, each shaped like a parameter, no shape more often than among the parameters
+    (an EMA's shadows, of all parameters or some). A lone tensor shaped like a parameter (a
+    per-class loss log shaped like a bias) or a list of per-sample tensors is no mirror: both
+    were refused by a first version (a review)."""
+    items = _contents(name, value) if not _plain_object(value) else _attributes(name, value)
+    tensors = [(shown, item) for shown, item in items if isinstance(item, torch.Tensor)]
+    if len(tensors) < 2:
+        return []
+    counted = collections.Counter(tuple(tensor.shape) for _, tensor in tensors)
+    return tensors if all(count <= shapes[shape] for shape, count in counted.items()) else []
 
 
 def _unused(name: str, found: dict[str, torch.Tensor]) -> str:
@@ -250,18 +288,19 @@ class OutsideStateWatch:
 
 def _numbers_beside(
     function: Any, tensors: dict[str, torch.Tensor]
-) -> list[tuple[Any, str, int | float]]:
-    """(object, attribute, value) for the int and float attributes of the plain objects whose
-    attributes hold one of ``tensors`` (diffusers' ``EMAModel.optimization_step``)."""
+) -> list[tuple[Any, str, int | float | None]]:
+    """(object, attribute, value) for the int, float, bool and None attributes of the plain
+    objects whose attributes hold one of ``tensors`` (diffusers' ``EMAModel.optimization_step``;
+    its ``cur_decay_value``, None until a step: a review)."""
     ids = {id(tensor) for tensor in tensors.values()}
-    numbers: dict[tuple[int, str], tuple[Any, str, int | float]] = {}
+    numbers: dict[tuple[int, str], tuple[Any, str, int | float | None]] = {}
     for _, value in _reached(function):
         if not _plain_object(value):
             continue
-        attributes = vars(value)
+        attributes = _own_attributes(value) or {}
         held = (item for key in attributes for _, item in _with_contents(key, attributes[key]))
         if any(id(item) in ids for item in held):
             for key, number in attributes.items():
-                if type(number) in (int, float):
+                if type(number) in (int, float, bool, type(None)):
                     numbers[(id(value), key)] = (value, key, number)
     return list(numbers.values())

@@ -2839,19 +2839,22 @@ def test_the_outside_watch_reads_every_closure_each_helper_and_odd_callables() -
 
 
 class _ShadowEma:
-    """diffusers' EMAModel in small: bare shadow tensors in a list and a step count that sets
-    the decay, updated by a method."""
+    """diffusers' EMAModel in small: bare shadow tensors in a list, a step count that sets the
+    decay and a decay value None until a step, updated by a method."""
 
     def __init__(self, parameters: Any) -> None:
         self.shadow_params = [p.detach().clone() + 0.5 for p in parameters]
         self.optimization_step = 0
+        self.cur_decay_value: float | None = None
 
     @torch.no_grad()
     def step(self, parameters: Any) -> None:
         self.optimization_step += 1
-        decay = min(0.999, (1 + self.optimization_step) / (10 + self.optimization_step))
+        self.cur_decay_value = min(
+            0.999, (1 + self.optimization_step) / (10 + self.optimization_step)
+        )
         for shadow, parameter in zip(self.shadow_params, parameters, strict=True):
-            shadow.lerp_(parameter.to(shadow.dtype), 1 - decay)
+            shadow.lerp_(parameter.to(shadow.dtype), 1 - self.cur_decay_value)
 
 
 class _ShadowHelper:
@@ -2868,24 +2871,56 @@ class _ShadowHelper:
             self.shadow[name].lerp_(parameter.detach().to(self.shadow[name].dtype), 0.01)
 
 
-@pytest.mark.parametrize("kind", ["diffusers_like", "helper", "closure_dict"])
+class _GainedLinear(torch.nn.Module):
+    """A Linear with a learned one-element gain (CLIP's logit scale): its shadow is (1,)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.gain = torch.nn.Linear(8, 4), torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.gain
+
+
+class _LoopWithEma:
+    """A training-loop object whose bound train_step steps the EMA it holds (``self.ema``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.ema = _ShadowEma(model.parameters())
+
+    def train_step(self, plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        self.ema.step(plan.model.parameters())
+        x, y = batch
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y)
+
+
+_KINDS = ["diffusers_like", "helper", "closure_dict", "on_the_loop", "in_a_dict"]
+
+
+@pytest.mark.parametrize("kind", _KINDS)
 def test_an_ema_of_bare_shadow_tensors_a_method_moves_is_refused_and_put_back(kind: str) -> None:
     """Found by a hunt: the watch read modules only and no method of an object the train_step
     calls, so diffusers' EMAModel (``ema.step(plan.model.parameters())``, bare shadow tensors)
     and a dict of shadows updated inline came back moved by every run, its step count (its
-    decay's warm-up) advanced."""
+    decay's warm-up) advanced. A review: one attribute or item deeper (``self.ema.step``,
+    ``state['ema'].step``) still escaped, a one-element parameter's shadow was not put back,
+    nor a decay value that was None."""
     from examples.mean_teacher import make_batches
 
     torch.manual_seed(0)
-    student = torch.nn.Linear(8, 4)
-    ema, helper = _ShadowEma(student.parameters()), _ShadowHelper(student)
+    student = _GainedLinear()
+    ema, helper, loop = _ShadowEma(student.parameters()), _ShadowHelper(student), None
     shadow = {n: p.detach().clone() + 0.5 for n, p in student.named_parameters()}
+    state = {"ema": _ShadowEma(student.parameters())}  # reached only through the dict
 
     def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
         if kind == "diffusers_like":
             ema.step(plan.model.parameters())
         elif kind == "helper":
             helper.update(plan.model)
+        elif kind == "in_a_dict":
+            state["ema"].step(plan.model.parameters())
         else:
             with torch.no_grad():
                 for name, parameter in plan.model.named_parameters():
@@ -2894,37 +2929,84 @@ def test_an_ema_of_bare_shadow_tensors_a_method_moves_is_refused_and_put_back(ki
         with plan.autocast():
             return torch.nn.functional.mse_loss(plan.model(x).float(), y)
 
-    held = {"diffusers_like": ema.shadow_params, "helper": [*helper.shadow.values()]}
-    tensors = held.get(kind, [*shadow.values()])
+    step: Any = train_step
+    if kind == "on_the_loop":
+        loop = _LoopWithEma(student)
+        step = loop.train_step
+    watched = {"on_the_loop": loop.ema if loop else ema, "in_a_dict": state["ema"]}
+    stepped = watched.get(kind, ema)  # not ``ema``: the train_step closes over that name
+    held = {"helper": [*helper.shadow.values()], "closure_dict": [*shadow.values()]}
+    tensors = held.get(kind, stepped.shadow_params)
     before = [t.clone() for t in tensors]
-    named = {"diffusers_like": r"ema\.shadow_params\[0\]", "helper": r"helper\.shadow\['weight'\]"}
-    with pytest.raises(ValueError, match=named.get(kind, r"shadow\['weight'\]") + ".*after plan"):
-        autoprec.check(student, make_batches(), train_step=train_step, steps=4,
-                       modes=["amp_bf16"])  # fmt: skip
-    assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
-    assert ema.optimization_step == 0
+    named = {
+        "diffusers_like": r"ema\.shadow_params\[0\]",
+        "helper": r"helper\.shadow\['fc\.weight'\]",
+        "closure_dict": r"shadow\['fc\.weight'\]",
+        "on_the_loop": r"self\.ema\.shadow_params\[0\]",
+        "in_a_dict": r"state\['ema'\]\.shadow_params\[0\]",
+    }
+    with pytest.raises(ValueError, match=named[kind] + ".*after plan"):
+        autoprec.check(student, make_batches(), train_step=step, steps=4, modes=["amp_bf16"])
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))  # the gain's too
+    assert stepped.optimization_step == 0 and stepped.cur_decay_value is None
 
 
-_LOSS_LOG = torch.zeros(97)
+_PER_CLASS_LOSS = torch.zeros(4)
+_SAMPLES = [torch.randn(4) for _ in range(64)]
 
 
-def test_a_loss_log_tensor_unlike_any_parameter_is_left_alone() -> None:
-    """Bare tensors are watched only when shaped like one of the model's parameters: a
-    preallocated loss log a train_step fills changes nothing a run measures."""
+def test_bare_tensors_that_do_not_mirror_the_model_are_left_alone() -> None:
+    """A loss log, even shaped like a bias (a per-class log of a 4-class head, found by a
+    review: refused by a first version), and a list of per-sample tensors shaped like one
+    are no EMA: a train_step filling or reading them changes nothing a run measures."""
     task = tasks.regression()
     calls = [0]
 
     def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
         with plan.autocast():
             loss = task.mse(plan.model(batch[0]), batch[1])
-        _LOSS_LOG[calls[0] % 97] = loss.detach().float()
+        _PER_CLASS_LOSS[calls[0] % 4] += loss.detach().float()
+        _SAMPLES[calls[0] % 64].add_(1)
         calls[0] += 1
         return loss
 
-    assert all(p.shape != _LOSS_LOG.shape for p in task.model.parameters())
-    report = autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
-                            modes=["amp_bf16"])  # fmt: skip
-    assert report.verdict("amp_bf16").status == "safe" and float(_LOSS_LOG.abs().sum()) > 0
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
+    assert {tuple(p.shape) for p in model.parameters()} >= {(4,)}
+    report = autoprec.check(model, [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)],
+                            train_step=train_step, steps=4, modes=["amp_bf16"])  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe" and float(_PER_CLASS_LOSS.sum()) > 0
+
+
+class _Slotted:
+    """__slots__ and a __getattr__ raising KeyError: ``hasattr(x, "__dict__")`` raised."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values = {"scale": 1.0}
+
+    def __getattr__(self, key: str) -> Any:
+        return self.values[key]
+
+
+class _Lazy(dict):  # type: ignore[type-arg]
+    """A dict subclass whose items() must not run (transformers' lazy auto-mapping imported
+    569 modules when the watch called it: a review)."""
+
+    def items(self) -> Any:
+        raise AssertionError("the watch called items() on a dict subclass")
+
+
+_SLOTTED, _LAZY = _Slotted(), _Lazy(a=1)
+
+
+def test_the_outside_watch_reads_odd_objects_without_running_them() -> None:
+    from autoprec.outside_state import reachable_tensors
+
+    def train_step(plan: Any, batch: Any) -> float:
+        return _SLOTTED.scale * len(_LAZY)
+
+    assert reachable_tensors(train_step, torch.nn.Linear(2, 2)) == {}
 
 
 _FEATURES = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).requires_grad_(
