@@ -33,6 +33,13 @@ def findings(mix: LayerMix) -> list[str]:
     no_compute = _no_compute(mix)
     if no_compute is not None:
         return [*found, no_compute]
+    if mix.forward_autocast is not None:
+        found.append(
+            f"the forward enters an autocast of its own ({mix.forward_autocast}): it sets the "
+            "dtype of those layers in every mode's run, the fp32 reference's too, so tune and "
+            "check refuse the model. Take that torch.autocast out of forward: each mode's "
+            "plan.autocast() sets the precision"
+        )
     return [
         *found,
         *_flop_share_findings(mix),

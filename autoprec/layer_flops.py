@@ -61,6 +61,10 @@ class FlopAttribution(TorchDispatchMode):
         self.compute_order: dict[str, None] = {}
         """Compute layers in the order the forward first called them (an ordered set: a list's
         ``in`` made the probe quadratic, 1.85 s of hooks at 20k Linears; found by a hunt)."""
+        self.autocast_at: str | None = None
+        """The autocast the forward enters itself, where it first reached a compute layer
+        (``own_autocast``); None: none."""
+        self._outer_autocast: dict[str, bool] = {}
 
     def reset(self) -> None:
         """Forget what a failed forward counted, before another runs."""
@@ -69,6 +73,7 @@ class FlopAttribution(TorchDispatchMode):
         self.flops_by_module.clear()
         self.raw_params.clear()
         self.compute_order.clear()
+        self.autocast_at = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -125,6 +130,7 @@ class FlopAttribution(TorchDispatchMode):
     @contextmanager
     def tracking(self, model: nn.Module) -> Iterator[None]:
         handles = []
+        self._outer_autocast = {kind: torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")}
         for fqn, module in model.named_modules():
             kind = module_kind(module)
 
@@ -132,6 +138,8 @@ class FlopAttribution(TorchDispatchMode):
                 self.stack.append((fqn, kind))
                 if kind in ("linear", "conv", "embedding"):
                     self.compute_order[fqn] = None
+                    if self.autocast_at is None:
+                        self.autocast_at = self._own_autocast(fqn, _module)
 
             def pop(_module: nn.Module, _args: Any, _out: Any) -> None:
                 self.stack.pop()
@@ -143,6 +151,17 @@ class FlopAttribution(TorchDispatchMode):
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _own_autocast(self, fqn: str, module: nn.Module) -> str | None:
+        """``"<dtype> autocast on <device> at <module>"`` when autocast is on at ``module``'s
+        call and was off where the forward began: an autocast the model's forward enters
+        (found by a hunt replaying ../shared/seeds' stories: it sets every run's dtype, the
+        fp32 reference's too)."""
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        if self._outer_autocast.get(device, True) or not torch.is_autocast_enabled(device):
+            return None
+        dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+        return f"{dtype} autocast on {device} at {fqn or 'the model'}"
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:

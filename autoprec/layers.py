@@ -240,6 +240,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         running_buffers=running,
         running_buffers_error=running_error,
         weights_not_fp32=non_fp32_weights(model),
+        forward_autocast=attribution.autocast_at if ran else None,
     )
     findings = scan_findings(mix_without_findings)
     if mix_without_findings.weights_not_fp32 is not None:

@@ -498,6 +498,18 @@ class RunSetup:
         return result
 
 
+def _forward_autocast_refusal(found: str) -> ValueError:
+    """A model whose forward enters an autocast of its own (``LayerMix.forward_autocast``)."""
+    return ValueError(
+        f"The model's forward enters an autocast of its own ({found}, found by the scan's "
+        "fp32 forward): it sets the dtype of those layers in every run, so the fp32 reference "
+        "and every trial would compute them in that dtype and each mode would be compared "
+        "with it, not with fp32. Take that torch.autocast out of forward (an autocast block "
+        "with enabled=False, keeping a part in fp32, is fine): each mode's plan.autocast() "
+        "sets the precision, in trials and in your loop after apply()."
+    )
+
+
 def refuse_unrunnable(candidates: CandidateList, modes: Sequence[str] | None) -> None:
     """Modes asked for by name that cannot run here are an error, never quietly dropped."""
     if modes is None or not candidates.skipped:
@@ -613,6 +625,8 @@ def setup_run(
     # device="cpu" beside an H100 tried tf32 and FP8 on the CPU, "proven" on the H100)
     scanned = _scanned_copy_kept_apart(model, trial_model, train[0], recipe)
     report = probe(*scanned, device=model_device(trial_model))
+    if report.layers is not None and report.layers.forward_autocast is not None:
+        raise _forward_autocast_refusal(report.layers.forward_autocast)
     situation = Situation(
         hardware=report.hardware,
         device=report.device,

@@ -491,3 +491,31 @@ def test_a_frozen_embedding_stays_kept_in_fp32_as_a_frozen_norm_does() -> None:
         module.requires_grad_(False)
     kept = {entry.fqn for entry in default_keep_fp32(model, [])}
     assert {"frozen", "trained", "bag", "norm"} <= kept
+
+
+class _OwnAutocast(nn.Module):
+    """A forward that enters an autocast of its own for its second Linear (``enabled``: or a
+    block that turns it off, keeping a part in fp32)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.enabled):
+            return self.second(hidden.float()).float()
+
+
+def test_a_forward_entering_an_autocast_of_its_own_is_found_where_it_first_computes() -> None:
+    """Found by a hunt replaying the seeds: such a forward set the fp32 reference's dtype."""
+    mix = scan_model(_OwnAutocast(), torch.randn(4, 8))
+    assert mix.forward_autocast == "bfloat16 autocast on cpu at second"
+    assert any(
+        "autocast of its own (bfloat16 autocast on cpu at second)" in f for f in mix.findings
+    )
+    assert scan_model(_OwnAutocast(enabled=False), torch.randn(4, 8)).forward_autocast is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's block, not the forward's
+        assert scan_model(_OwnAutocast(enabled=False), torch.randn(4, 8)).forward_autocast is None
+    assert scan_model(_OwnAutocast()).forward_autocast is None  # no forward ran

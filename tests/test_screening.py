@@ -3122,3 +3122,17 @@ def test_a_train_step_that_turns_autocast_off_is_not_refused() -> None:
     report = autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
                             modes=["amp_bf16"])  # fmt: skip
     assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_a_model_whose_forward_enters_an_autocast_of_its_own_is_refused() -> None:
+    """Found by a hunt replaying the seeds: the forward's own autocast set the dtype of the
+    fp32 reference and of every trial, and the report said "against fp32"."""
+    from tests.test_layers import _OwnAutocast
+
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)]
+    with pytest.raises(ValueError, match=r"forward enters an autocast of its own \(bfloat16 "):
+        autoprec.check(_OwnAutocast(), batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
+                       modes=["amp_bf16"])  # fmt: skip
+    report = autoprec.check(_OwnAutocast(enabled=False), batches, steps=4, modes=["amp_bf16"],
+                            loss_fn=torch.nn.functional.mse_loss)  # fmt: skip
+    assert report.verdict("amp_bf16").status == "safe"
