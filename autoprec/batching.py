@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoprec.errors import BatchError, LossError
 from autoprec.layer_flops import ModelCall, call_model
+from autoprec.own_autocast import OwnAutocastWatch, autocast_state_kept
 from autoprec.plan import PrecisionPlan
 from autoprec.weight_dtypes import same_values
 
@@ -382,54 +383,50 @@ def forward_and_loss(
     return loss, output
 
 
-class _CallCaught(Exception):
-    """Stops a ``train_step`` at its first call of the model (see :func:`first_model_call`)."""
-
-
 def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> ModelCall | None:
-    """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with, caught before
-    the forward runs (nothing is computed or trained): how the model is called, for the probe's
-    scan. None when it raises first or never calls ``plan.model`` itself (then the scan runs
-    without a forward, and the fp32 calibration reports the error). Refuses a ``train_step``
-    that calls it under an autocast of its own (see :func:`own_autocast_refusal`)."""
+    """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with, for the
+    probe's scan, from one run of it without gradients on the scan's copy. None when it raises
+    first or never calls ``plan.model`` itself (then the scan runs without a forward, and the
+    fp32 calibration reports the error). Refuses a ``train_step`` that runs the model or a
+    submodule inside an autocast of its own, at any call (:func:`own_autocast_refusal`): the
+    run goes on past the first call for that (it stopped there before, and a second call
+    under an autocast escaped: a review)."""
     calls: list[ModelCall] = []
-    autocasts: list[str] = []
 
-    def catch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        calls.append(ModelCall(tuple(args), dict(kwargs)))
-        kind = next((p.device.type for p in module.parameters()), "cpu")
-        if torch.is_autocast_enabled(kind):  # the plan is fp32's: no autocast of autoprec's
-            autocasts.append(f"{str(torch.get_autocast_dtype(kind)).removeprefix('torch.')} "
-                             f"autocast on {kind}")  # fmt: skip
-        raise _CallCaught
+    def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not calls:
+            calls.append(ModelCall(tuple(args), dict(kwargs)))
 
-    handle = plan.model.register_forward_pre_hook(catch, with_kwargs=True)
+    handle = plan.model.register_forward_pre_hook(record, with_kwargs=True)
+    watch = OwnAutocastWatch(plan.model)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_state_kept(), watch:
             train_step(plan, batch)
-    except _CallCaught:
-        pass
     except Exception:  # noqa: BLE001 - the calibration's fp32 steps report train_step's errors
-        return None
+        pass  # a call caught before it failed still tells the scan how the model is called
     finally:
         handle.remove()
-    if autocasts:
-        raise own_autocast_refusal(autocasts[0])
+    if watch.found is not None:
+        raise own_autocast_refusal(watch.found)
     return calls[0] if calls else None
 
 
 def own_autocast_refusal(found: str) -> ValueError:
-    """A ``train_step`` calling ``plan.model`` inside its own ``torch.autocast`` (a training
+    """A ``train_step`` running ``plan.model`` inside its own ``torch.autocast`` (a training
     script's ``with torch.autocast(...)`` kept in it: found by a hunt replaying
     ../shared/seeds' diffusion story). Its autocast overrides each mode's: the "fp32"
     reference, its noise runs and every AMP trial ran in the train_step's dtype, and the report
     still said "against fp32" (amp_bf16 under a train_step's fp16 autocast: "safe, forward
-    cost +0.00%", the reference compared with itself)."""
+    cost +0.00%", the reference compared with itself). Worded for the trainer integrations'
+    users too, who wrote a ``training_step`` or a ``compute_loss``, not a train_step (a
+    review)."""
     return ValueError(
-        f"Your train_step calls plan.model inside an autocast of its own ({found}, found on "
-        "its first call of plan.model in an fp32 run): it overrides each mode's precision, so "
-        "the fp32 reference and every trial would run in that dtype and each mode would be "
-        "compared with it, not with fp32. Take that torch.autocast (or accelerator.autocast) "
-        "out of the train_step and call plan.model under `with plan.autocast():`, which "
-        "enters each mode's precision (and the profile's, in your loop after apply())."
+        f"Your loss code runs the model inside an autocast of its own ({found}, found in an "
+        "fp32 run of it): your train_step, or the LightningModule's training_step or the "
+        "Trainer's compute_loss autoprec runs as one. That autocast overrides each mode's "
+        "precision, so the fp32 reference and every trial would run in its dtype and each mode "
+        "would be compared with it, not with fp32. Take that torch.autocast (or "
+        "accelerator.autocast) out: a train_step calls plan.model under `with "
+        "plan.autocast():`, which enters each mode's precision, and the trainer integrations "
+        "enter it around your training_step / compute_loss themselves."
     )

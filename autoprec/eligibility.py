@@ -398,6 +398,7 @@ def mode_eligibility(mode: ModeName, situation: Situation) -> Eligibility:
     _RULES[mode](situation, verdict)
     _needs_something_to_train(verdict, situation.layers)
     _needs_fp32_weights(verdict, situation.layers)
+    _needs_no_own_autocast(verdict, situation.layers)
     return verdict.done()
 
 
@@ -409,6 +410,16 @@ def _needs_fp32_weights(verdict: _Verdict, layers: LayerMix | None) -> None:
         verdict.doubt(
             f"the model's weights are not fp32 ({layers.weights_not_fp32}): tune, check and "
             "apply refuse it until it is passed in fp32 (the findings say how)"
+        )
+
+
+def _needs_no_own_autocast(verdict: _Verdict, layers: LayerMix | None) -> None:
+    """A model whose forward enters an autocast of its own: tune and check refuse it, so no
+    mode is worth a trial (the probe offered every mode: a review)."""
+    if layers is not None and layers.forward_autocast is not None:
+        verdict.doubt(
+            f"the model's forward enters an autocast of its own ({layers.forward_autocast}): "
+            "tune and check refuse it until that autocast is taken out (the findings say why)"
         )
 
 
@@ -430,6 +441,7 @@ def optimizer_8bit_eligibility(situation: Situation) -> Eligibility:
     _takes_no_sparse_gradients(verdict, "optimizer_bits=8", situation.layers)
     _needs_something_to_train(verdict, situation.layers)
     _needs_fp32_weights(verdict, situation.layers)
+    _needs_no_own_autocast(verdict, situation.layers)
     layers = situation.layers
     if layers is not None and layers.trainable_parameters:
         large = layers.parameters_in_large_tensors

@@ -24,6 +24,7 @@ from autoprec.buffer_slots import (
     restore_buffer_slots,
 )
 from autoprec.layer_kinds import LAYER_KINDS, LayerKind, is_bnb_4bit, module_kind
+from autoprec.own_autocast import OwnAutocastWatch
 from autoprec.random_streams import kept_streams
 
 _BNB_4BIT_MATMULS = frozenset({"bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit"})
@@ -62,9 +63,8 @@ class FlopAttribution(TorchDispatchMode):
         """Compute layers in the order the forward first called them (an ordered set: a list's
         ``in`` made the probe quadratic, 1.85 s of hooks at 20k Linears; found by a hunt)."""
         self.autocast_at: str | None = None
-        """The autocast the forward enters itself, where it first reached a compute layer
-        (``own_autocast``); None: none."""
-        self._outer_autocast: dict[str, bool] = {}
+        """The autocast the forward enters itself, where it was first seen
+        (``autoprec.own_autocast``); None: none."""
 
     def reset(self) -> None:
         """Forget what a failed forward counted, before another runs."""
@@ -130,7 +130,6 @@ class FlopAttribution(TorchDispatchMode):
     @contextmanager
     def tracking(self, model: nn.Module) -> Iterator[None]:
         handles = []
-        self._outer_autocast = {kind: torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")}
         for fqn, module in model.named_modules():
             kind = module_kind(module)
 
@@ -138,8 +137,6 @@ class FlopAttribution(TorchDispatchMode):
                 self.stack.append((fqn, kind))
                 if kind in ("linear", "conv", "embedding"):
                     self.compute_order[fqn] = None
-                    if self.autocast_at is None:
-                        self.autocast_at = self._own_autocast(fqn, _module)
 
             def pop(_module: nn.Module, _args: Any, _out: Any) -> None:
                 self.stack.pop()
@@ -151,17 +148,6 @@ class FlopAttribution(TorchDispatchMode):
         finally:
             for handle in handles:
                 handle.remove()
-
-    def _own_autocast(self, fqn: str, module: nn.Module) -> str | None:
-        """``"<dtype> autocast on <device> at <module>"`` when autocast is on at ``module``'s
-        call and was off where the forward began: an autocast the model's forward enters
-        (found by a hunt replaying ../shared/seeds' stories: it sets every run's dtype, the
-        fp32 reference's too)."""
-        device = next((p.device.type for p in module.parameters()), "cpu")
-        if self._outer_autocast.get(device, True) or not torch.is_autocast_enabled(device):
-            return None
-        dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
-        return f"{dtype} autocast on {device} at {fqn or 'the model'}"
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
@@ -239,8 +225,10 @@ def run_forward(
     try:
         tracked = attribution.tracking(model)
         streams = kept_streams(cuda)
-        with streams, torch.no_grad(), renormed_weights_kept(model), tracked, attribution:
+        watch = OwnAutocastWatch(model)
+        with streams, torch.no_grad(), renormed_weights_kept(model), tracked, attribution, watch:
             call_model(model, example_input)
+        attribution.autocast_at = watch.found
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         for module, training in modes.items():

@@ -82,7 +82,8 @@ def _scanned_copy(
     None when unknown). The scan's forward never runs on the model the trials copy (your own
     where no device is given): a forward's side effects (a counter, a cache, a lazy module's
     first shapes) stay out of it. Under ``train_step`` the input is what it passes
-    ``plan.model`` (caught before the forward runs)."""
+    ``plan.model`` first, from one run of it without gradients on the scan's copy (which
+    also refuses an autocast of its own: ``batching.first_model_call``)."""
     scanned = deep_copy(trial_model)
     batch = to_device(fresh_copy(batch), model_device(trial_model))  # the scan may change it
     if recipe.train_step is None:
@@ -498,15 +499,26 @@ class RunSetup:
         return result
 
 
-def _forward_autocast_refusal(found: str) -> ValueError:
-    """A model whose forward enters an autocast of its own (``LayerMix.forward_autocast``)."""
+def _forward_autocast_refusal(found: str, model: nn.Module) -> ValueError:
+    """A model whose forward enters an autocast of its own (``LayerMix.forward_autocast``);
+    one accelerate's ``prepare`` wrapped in its autocast is told to pass the unwrapped model
+    (a review: it was told to edit a forward it never wrote)."""
+    fix = (
+        "Take that torch.autocast out of forward (an autocast block with enabled=False, "
+        "keeping a part in fp32, is fine)"
+    )
+    if "_original_forward" in vars(model):
+        fix = (
+            "It is accelerate's: Accelerator(mixed_precision=...).prepare(model) wrapped the "
+            "forward in its autocast. Pass accelerator.unwrap_model(model), or tune before "
+            "prepare()"
+        )
     return ValueError(
         f"The model's forward enters an autocast of its own ({found}, found by the scan's "
-        "fp32 forward): it sets the dtype of those layers in every run, so the fp32 reference "
-        "and every trial would compute them in that dtype and each mode would be compared "
-        "with it, not with fp32. Take that torch.autocast out of forward (an autocast block "
-        "with enabled=False, keeping a part in fp32, is fine): each mode's plan.autocast() "
-        "sets the precision, in trials and in your loop after apply()."
+        "fp32 forward): it sets the dtype of what runs under it in every run, so the fp32 "
+        "reference and every trial would compute that in its dtype and each mode would be "
+        f"compared with it, not with fp32. {fix}: each mode's plan.autocast() sets the "
+        "precision, in trials and in your loop after apply()."
     )
 
 
@@ -626,7 +638,7 @@ def setup_run(
     scanned = _scanned_copy_kept_apart(model, trial_model, train[0], recipe)
     report = probe(*scanned, device=model_device(trial_model))
     if report.layers is not None and report.layers.forward_autocast is not None:
-        raise _forward_autocast_refusal(report.layers.forward_autocast)
+        raise _forward_autocast_refusal(report.layers.forward_autocast, model)
     situation = Situation(
         hardware=report.hardware,
         device=report.device,

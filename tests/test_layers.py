@@ -508,14 +508,78 @@ class _OwnAutocast(nn.Module):
             return self.second(hidden.float()).float()
 
 
-def test_a_forward_entering_an_autocast_of_its_own_is_found_where_it_first_computes() -> None:
-    """Found by a hunt replaying the seeds: such a forward set the fp32 reference's dtype."""
-    mix = scan_model(_OwnAutocast(), torch.randn(4, 8))
-    assert mix.forward_autocast == "bfloat16 autocast on cpu at second"
-    assert any(
-        "autocast of its own (bfloat16 autocast on cpu at second)" in f for f in mix.findings
-    )
-    assert scan_model(_OwnAutocast(enabled=False), torch.randn(4, 8)).forward_autocast is None
+class _AttentionUnderAutocast(nn.Module):
+    """nn.MultiheadAttention (no Linear module called: its projections are raw parameters)
+    under the forward's own autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.attention(x, x, x)[0].float()
+
+
+class _RawUnderAutocast(nn.Module):
+    """A raw ``x @ self.w`` under the forward's own autocast (no module call at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return (x @ self.w).float()
+
+
+class _AutocastLinear(nn.Linear):
+    """A Linear subclass whose own forward enters an autocast (after its pre-hooks ran)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x).float()
+
+
+class _Fp32Autocast(nn.Module):
+    """What ``torch.autocast("cuda", dtype=torch.float32)`` leaves on (CPU's autocast turns
+    an fp32 one off): an autocast whose dtype is fp32 keeps a part in fp32, lowering nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        enabled, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_autocast_dtype("cpu", torch.float32)
+        try:
+            return self.a(x)
+        finally:
+            torch.set_autocast_enabled("cpu", enabled)
+            torch.set_autocast_dtype("cpu", dtype)
+
+
+def test_a_forward_entering_an_autocast_of_its_own_is_found_where_it_runs() -> None:
+    """Found by a hunt replaying the seeds: such a forward set the fp32 reference's dtype. A
+    review: a first version looked only at Linear, conv and embedding calls, and missed the
+    attention, the raw matmul and the subclass below, and called an fp32 autocast lowering."""
+    x = torch.randn(4, 8)
+    mix = scan_model(_OwnAutocast(), x)
+    assert mix.forward_autocast == "bfloat16 autocast on cpu at the model"
+    assert any("autocast of its own (bfloat16 autocast on cpu at" in f for f in mix.findings)
+    assert scan_model(_OwnAutocast(enabled=False), x).forward_autocast is None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's block, not the forward's
-        assert scan_model(_OwnAutocast(enabled=False), torch.randn(4, 8)).forward_autocast is None
+        assert scan_model(_OwnAutocast(enabled=False), x).forward_autocast is None
     assert scan_model(_OwnAutocast()).forward_autocast is None  # no forward ran
+    found = scan_model(_AttentionUnderAutocast(), torch.randn(3, 2, 8)).forward_autocast
+    assert found is not None and found.startswith("bfloat16 autocast on cpu at")
+    assert scan_model(_RawUnderAutocast(), x).forward_autocast == (
+        "float16 autocast on cpu at the model"
+    )
+    assert scan_model(_AutocastLinear(8, 4), x).forward_autocast == (
+        "bfloat16 autocast on cpu at the model"
+    )
+    wrapped = nn.Sequential(_AutocastLinear(8, 4))
+    assert scan_model(wrapped, x).forward_autocast == "bfloat16 autocast on cpu at 0"
+    assert scan_model(_Fp32Autocast(), x).forward_autocast is None

@@ -3088,25 +3088,70 @@ def test_the_outside_watch_reads_nan_as_unchanged_and_skips_what_it_cannot_put_b
     assert watch.changed() == []
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_train_step_under_an_autocast_of_its_own_is_refused(dtype: torch.dtype) -> None:
+class _TwoPart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.encoder(x)))
+
+
+_WAYS = ["whole", "fp16_whole", "submodule", "second_call", "set_directly"]
+
+
+@pytest.mark.parametrize("way", _WAYS)
+def test_a_train_step_under_an_autocast_of_its_own_is_refused(way: str) -> None:
     """Found by a hunt replaying the seeds' diffusion story: a train_step keeping its script's
     ``with torch.autocast(...)`` ran the "fp32" reference in that dtype, and amp_bf16 under an
-    fp16 one read "safe, forward cost +0.00%" (the reference compared with itself)."""
-    task = tasks.regression()
-    before = copy.deepcopy(task.model.state_dict())
+    fp16 one read "safe, forward cost +0.00%" (the reference compared with itself). A review
+    of the first version: an autocast around a submodule call or only a second call escaped,
+    and one entered with torch.set_autocast_enabled was left on in the caller's process."""
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)]
+    dtype = torch.float16 if way == "fp16_whole" else torch.bfloat16
 
     def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if way == "submodule":  # the diffusion scripts' plan.model.unet(...)
+            with torch.autocast("cpu", dtype=dtype):
+                hidden = plan.model.encoder(x)
+            return torch.nn.functional.mse_loss(plan.model.head(hidden.float()).float(), y)
+        if way == "second_call":
+            first = plan.model(x)
+            with torch.autocast("cpu", dtype=dtype):
+                second = plan.model(x)
+            return torch.nn.functional.mse_loss((first + second).float() / 2, y)
+        if way == "set_directly":  # and left on: autoprec stops nothing midway now
+            torch.set_autocast_enabled("cpu", True)
+            torch.set_autocast_dtype("cpu", dtype)
+            output = plan.model(x)
+            torch.set_autocast_enabled("cpu", False)
+            return torch.nn.functional.mse_loss(output.float(), y)
         with plan.autocast(), torch.autocast("cpu", dtype=dtype):
-            return task.mse(plan.model(batch[0]).float(), batch[1])
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y)
 
+    model = _TwoPart()
+    before = copy.deepcopy(model.state_dict())
     name = str(dtype).removeprefix("torch.")
-    with pytest.raises(
-        ValueError, match=rf"autocast of its own \({name} autocast on cpu.*plan\.autocast\(\)"
-    ):
-        autoprec.check(task.model, task.batches, train_step=train_step, steps=4,
+    match = rf"autocast of its own \({name} autocast on cpu at .*training_step.*plan\.autocast\(\)"
+    with pytest.raises(ValueError, match=match):
+        autoprec.check(model, batches, train_step=train_step, steps=4, modes=["amp_bf16"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # torch's default, put back
+
+
+def test_an_accelerate_prepared_model_is_told_to_pass_the_unwrapped_one() -> None:
+    """A review: accelerate's prepare() sets an autocast-wrapped forward on the instance, and
+    the refusal told the user to take an autocast out of a forward they never wrote."""
+    accelerate = pytest.importorskip("accelerate")
+    model = accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(_TwoPart())
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)]
+    with pytest.raises(ValueError, match=r"accelerator\.unwrap_model\(model\)"):
+        autoprec.check(model, batches, loss_fn=torch.nn.functional.mse_loss, steps=4,
                        modes=["amp_bf16"])  # fmt: skip
-    assert all(torch.equal(before[k], v) for k, v in task.model.state_dict().items())
+    report = autoprec.probe(model, batches[0][0])
+    assert not any(verdict.worth_trying for verdict in report.modes)
 
 
 def test_a_train_step_that_turns_autocast_off_is_not_refused() -> None:

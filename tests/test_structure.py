@@ -18,7 +18,7 @@ ORDER = [
     "_version", "_models", "_files", "_wording", "_warnings", "errors", "_imports",  # base
     "random_streams", "collector", "interrupts", "exclusive",
     "specs",
-    "cpu_info", "hardware", "layer_kinds", "buffer_slots", "layer_flops",  # facts
+    "cpu_info", "hardware", "layer_kinds", "buffer_slots", "own_autocast", "layer_flops",  # facts
     "weight_dtypes", "running_state",
     "layer_mix", "layer_keep", "layer_findings", "layers",
     "eligibility",
