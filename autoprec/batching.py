@@ -385,7 +385,7 @@ def forward_and_loss(
 
 def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> ModelCall | None:
     """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with, for the
-    probe's scan, from one run of it without gradients on the scan's copy. None when it raises
+    probe's scan, from one run of it on the scan's copy. None when it raises
     first or never calls ``plan.model`` itself (then the scan runs without a forward, and the
     fp32 calibration reports the error). Refuses a ``train_step`` that runs the model or a
     submodule inside an autocast of its own, at any call (:func:`own_autocast_refusal`): the
@@ -399,15 +399,17 @@ def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> 
 
     handle = plan.model.register_forward_pre_hook(record, with_kwargs=True)
     watch = OwnAutocastWatch(plan.model)
-    try:
-        with torch.no_grad(), autocast_state_kept(), watch:
+    try:  # with gradients: a gradient penalty's autograd.grad or a GAN's own backward ran
+        # under no_grad raised, and an autocast after it escaped (a review); the scan's copy
+        # and its lr-0 optimizer are thrown away
+        with torch.enable_grad(), autocast_state_kept(), watch:
             train_step(plan, batch)
     except Exception:  # noqa: BLE001 - the calibration's fp32 steps report train_step's errors
         pass  # a call caught before it failed still tells the scan how the model is called
     finally:
         handle.remove()
-    if watch.found is not None:
-        raise own_autocast_refusal(watch.found)
+    if watch.around is not None:  # a forward's own is the scan's to refuse, in its words
+        raise own_autocast_refusal(watch.around)
     return calls[0] if calls else None
 
 

@@ -40,17 +40,22 @@ def lowering_autocast(device_type: str) -> str | None:
 
 
 class OwnAutocastWatch(TorchFunctionMode):
-    """Within the block, ``found``: the first lowering autocast seen at a torch call made
-    inside one of ``model``'s modules (``"bfloat16 autocast on cpu at blocks.0.attn"``), one
-    that was not already on where the block began (the caller's, which tune and check lift
-    first). None: none."""
+    """Within the block: ``around``, a lowering autocast already on where a call into one of
+    ``model``'s modules began from outside them (a ``train_step``'s around ``plan.model`` or
+    a submodule); ``found``, the first lowering autocast seen at a torch call made inside one
+    of them (``"bfloat16 autocast on cpu at blocks.0.attn"``), the forward's own included.
+    Neither counts one already on where the block began (the caller's, which tune and check
+    lift first). None: none. Every device type the model's tensors are on is read (a model
+    spread over the CPU and a GPU: a review)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.device_type = next((p.device.type for p in model.parameters()), "cpu")
+        tensors = [*model.parameters(), *model.buffers()]
+        self.device_types = sorted({t.device.type for t in tensors}) or ["cpu"]
+        self.around: str | None = None
         self.found: str | None = None
-        self._outer = lowering_autocast(self.device_type)
+        self._outer = any(lowering_autocast(d) for d in self.device_types)
         self._inside: list[str] = []
         self._handles: list[Any] = []
 
@@ -58,8 +63,9 @@ class OwnAutocastWatch(TorchFunctionMode):
         for name, module in self.model.named_modules():
 
             def push(_module: nn.Module, _args: Any, name: str = name) -> None:
+                if not self._inside and self.around is None:  # a call from outside the model
+                    self.around = self._lowering(name)
                 self._inside.append(name)
-                self._note()  # a module with no torch call of its own
 
             def pop(_module: nn.Module, _args: Any, _output: Any) -> None:
                 if self._inside:
@@ -77,15 +83,15 @@ class OwnAutocastWatch(TorchFunctionMode):
         self._handles.clear()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self._note()
+        if self.found is None and self._inside:  # a module with no torch call lowers nothing
+            self.found = self._lowering(self._inside[-1])
         return func(*args, **(kwargs or {}))
 
-    def _note(self) -> None:
-        if self.found is not None or not self._inside or self._outer is not None:
-            return
-        found = lowering_autocast(self.device_type)
-        if found is not None:
-            self.found = f"{found} at {self._inside[-1] or 'the model'}"
+    def _lowering(self, name: str) -> str | None:
+        if self._outer:
+            return None
+        found = next(filter(None, map(lowering_autocast, self.device_types)), None)
+        return None if found is None else f"{found} at {name or 'the model'}"
 
 
 @contextlib.contextmanager

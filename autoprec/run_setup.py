@@ -82,7 +82,7 @@ def _scanned_copy(
     None when unknown). The scan's forward never runs on the model the trials copy (your own
     where no device is given): a forward's side effects (a counter, a cache, a lazy module's
     first shapes) stay out of it. Under ``train_step`` the input is what it passes
-    ``plan.model`` first, from one run of it without gradients on the scan's copy (which
+    ``plan.model`` first, from one run of it on the scan's copy (which
     also refuses an autocast of its own: ``batching.first_model_call``)."""
     scanned = deep_copy(trial_model)
     batch = to_device(fresh_copy(batch), model_device(trial_model))  # the scan may change it
@@ -174,7 +174,10 @@ def _scanned_copy_kept_apart(
     hunt). The calibration refuses that ``train_step``."""
     if recipe.train_step is None:
         return _scanned_copy(trial_model, batch, recipe)
-    watch = UserModelWatch(model, None, copy_weights=True)
+    # the scan's run has gradients (a gradient penalty's autograd.grad): one stepping your
+    # optimizer on your model stepped it here too, and that optimizer is put back as well
+    optimizer = recipe.optimizer if isinstance(recipe.optimizer, torch.optim.Optimizer) else None
+    watch = UserModelWatch(model, optimizer, copy_weights=True)
     outside = OutsideStateWatch(recipe.train_step, model)  # an EMA teacher's update ran (a review)
     try:
         return _scanned_copy(trial_model, batch, recipe)

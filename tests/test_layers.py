@@ -560,6 +560,27 @@ class _Fp32Autocast(nn.Module):
             torch.set_autocast_dtype("cpu", dtype)
 
 
+class _KeptInFp32(nn.Module):
+    """An autocast around a head whose forward turns it off: nothing runs lowered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = _Fp32Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.head(x)
+
+
+class _Fp32Head(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 4)
+
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
 def test_a_forward_entering_an_autocast_of_its_own_is_found_where_it_runs() -> None:
     """Found by a hunt replaying the seeds: such a forward set the fp32 reference's dtype. A
     review: a first version looked only at Linear, conv and embedding calls, and missed the
@@ -583,3 +604,4 @@ def test_a_forward_entering_an_autocast_of_its_own_is_found_where_it_runs() -> N
     wrapped = nn.Sequential(_AutocastLinear(8, 4))
     assert scan_model(wrapped, x).forward_autocast == "bfloat16 autocast on cpu at 0"
     assert scan_model(_Fp32Autocast(), x).forward_autocast is None
+    assert scan_model(_KeptInFp32(), x).forward_autocast is None  # a second review

@@ -3141,6 +3141,39 @@ def test_a_train_step_under_an_autocast_of_its_own_is_refused(way: str) -> None:
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # torch's default, put back
 
 
+def test_a_train_steps_autocast_after_its_own_gradient_call_is_refused() -> None:
+    """A second review: the scan ran the train_step under no_grad, where a gradient penalty's
+    autograd.grad raised, and an autocast around a later call escaped ("safe")."""
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        (slope,) = torch.autograd.grad(plan.model(x).sum(), x, create_graph=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = plan.model(x).float()
+        return torch.nn.functional.mse_loss(output, y) + slope.pow(2).mean()
+
+    with pytest.raises(ValueError, match=r"autocast of its own \(bfloat16 autocast on cpu at"):
+        autoprec.check(_TwoPart(), batches, train_step=train_step, steps=4, modes=["amp_bf16"])
+
+
+def test_a_forwards_own_autocast_under_a_train_step_gets_the_forwards_refusal() -> None:
+    """A second review: with the whole train_step watched, a forward's own autocast was
+    refused in the train_step's words, telling Lightning users to edit their training_step."""
+    from tests.test_layers import _OwnAutocast
+
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(6)]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(batch[0]).float(), batch[1])
+
+    with pytest.raises(ValueError, match=r"^The model's forward enters an autocast of its own"):
+        autoprec.check(_OwnAutocast(), batches, train_step=train_step, steps=4,
+                       modes=["amp_bf16"])  # fmt: skip
+
+
 def test_an_accelerate_prepared_model_is_told_to_pass_the_unwrapped_one() -> None:
     """A review: accelerate's prepare() sets an autocast-wrapped forward on the instance, and
     the refusal told the user to take an autocast out of a forward they never wrote."""
