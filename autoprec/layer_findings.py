@@ -36,8 +36,8 @@ def findings(mix: LayerMix) -> list[str]:
     if mix.forward_autocast is not None:
         found.append(
             f"the forward enters an autocast of its own ({mix.forward_autocast}): it sets the "
-            "dtype of those layers in every mode's run, the fp32 reference's too, so tune and "
-            "check refuse the model. Take that torch.autocast out of forward: each mode's "
+            "dtype of what runs under it in every mode's run, the fp32 reference's too, so "
+            "tune and check refuse the model. Take that torch.autocast out of forward: each mode's "
             "plan.autocast() sets the precision"
         )
     return [

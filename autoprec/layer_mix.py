@@ -106,9 +106,9 @@ class LayerMix(BaseModel):
     non_fp32_weights``); None when all are fp32. tune, check and apply refuse such a model."""
     forward_autocast: str | None = None
     """The autocast the model's forward enters itself (``"bfloat16 autocast on cpu at
-    blocks.0.attn"``, where it first reached a Linear, conv or embedding); None: none, or no
-    forward ran. It sets the dtype of every run, the fp32 reference's too: tune and check
-    refuse such a model."""
+    blocks.0.attn"``: the module whose torch call first ran under it,
+    ``autoprec.own_autocast``); None: none, or no forward ran. It sets the dtype of every run,
+    the fp32 reference's too: tune and check refuse such a model."""
 
     def kept_for(self, reasons: str | tuple[str, ...]) -> tuple[str, ...]:
         """The modules of ``keep_fp32`` kept for a reason starting with ``reasons``, once each."""

@@ -8,8 +8,9 @@ teacher earlier runs had trained (found by a hunt). The calibration watches what
 reaches (its closure, its bound object, a partial's arguments, the module-level names its code
 reads, the same for the functions of yours it calls by name and the methods it calls on objects
 it reaches, two calls deep, the attributes of those objects, and one level into lists, tuples
-and dicts of those: the modules among them, and the tensors shaped like one of the model's
-parameters) and refuses a ``train_step`` that changes one, putting it back first.
+and dicts of those: the modules among them, and the bare tensors of a group that mirrors the
+model's parameters, an EMA's shadows) and refuses a ``train_step`` that changes one, putting
+it back first.
 """
 
 from __future__ import annotations

@@ -318,7 +318,6 @@ def apply_profile(trainer: Any, profile: Profile | str | Path) -> PrecisionPlan:
     create) go through ``profile.apply``; the plan then does the clipping (after unscaling),
     so ``trainer.args`` becomes a copy with ``max_grad_norm`` 0 (the caller's object is left
     as it was). Returns the plan."""
-
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
     # after train(), Accelerate wraps the plan's optimizer (AcceleratedOptimizer.optimizer):
     # the second call was refused for a scheduler instead (found by a hunt)

@@ -373,7 +373,6 @@ class AutoprecPrecision(Precision):
     Lightning clip, then steps with the loss scaler's skip and update."""
 
     def __init__(self, profile: Profile | str | Path) -> None:
-
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         self.plan: PrecisionPlan | None = None
         self._pending_state: dict[str, Any] | None = None
