@@ -315,13 +315,30 @@ _INPUT_ERRORS: dict[str, type[ValueError]] = {"LossError": LossError, "BatchErro
 ``autoprec.LossError``; a plain ValueError said "raised by autoprec's own code: report it")."""
 
 
-def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
+def reference_failed(
+    result: TrialResult, setup: RunSetup, label: str = "fp32 reference"
+) -> ValueError:
+    """The refusal of a failed fp32 run, named by ``label`` (the reference, or a noise run on
+    another seed and batch order: a noise run's divergence read "The fp32 reference failed",
+    found by a hunt); a divergence is said to be fp32's own, not the batches'."""
     failure = result.record.failure
     assert failure is not None
     where = "" if failure.step is None else f" at step {failure.step}"
     name, _, text = failure.message.partition(": ")
     if name in _INPUT_ERRORS and text:
-        return _INPUT_ERRORS[name](f"The fp32 reference failed{where}: {text}")
+        return _INPUT_ERRORS[name](f"The {label} failed{where}: {text}")
+    if failure.kind.startswith("non_finite"):
+        other = (
+            ""
+            if label == REFERENCE_RUN.label
+            else " on another seed and batch order (the reference itself trained)"
+        )
+        return ValueError(
+            f"The {label} failed{where}: {failure.located()}. fp32 training itself diverged "
+            f"here{other}, so no mode can be judged against it: your recipe is unstable at "
+            "this learning rate. Lower the lr, add warm-up (scheduler=) or clip gradients "
+            "(clip_grad_norm=), as your real run would need to, and tune again."
+        )
     if failure.kind == "eval_failed":
         hint = EVAL_FN_HINT
     elif failure.kind == "out_of_memory":  # read as a shape problem (found by a hunt)
@@ -336,7 +353,7 @@ def reference_failed(result: TrialResult, setup: RunSetup) -> ValueError:
         )
     else:
         hint = _reference_hint(failure.message, setup)
-    return ValueError(f"The fp32 reference failed{where}: {failure.located()}. {hint}".rstrip())
+    return ValueError(f"The {label} failed{where}: {failure.located()}. {hint}".rstrip())
 
 
 def _reference_still(result: TrialResult) -> ValueError:
@@ -850,7 +867,7 @@ def reference_runs(
         if watched is not None and watched.changed():  # inputs changed in eval mode only
             setup.fresh_batches = True
         if result.record.failure is not None:
-            raise reference_failed(result, setup)
+            raise reference_failed(result, setup, label)
         if result.record.stopped is not None:
             raise BudgetTooSmallError(
                 budget_minutes, f"is too small for the {label} ({result.record.stopped})."

@@ -1134,3 +1134,19 @@ def test_a_figure_past_its_limit_reads_apart_from_it() -> None:
 
     assert _apart(0.1004, 0.1) == ("10.04%", "10.00%")
     assert _apart(0.277, 0.1) == ("27.7%", "10.0%")
+
+
+def test_unbiased_rounding_with_no_weight_still_is_no_update_lost() -> None:
+    """Found by a hunt: at the edge of stability (SGD lr 0.178, the reference's loss swinging
+    0.08-3.8) bf16_sr and bf16_kahan took 49% and 68% of fp32's movement with no weight left
+    standing, and were said to have lost updates to rounding, which they do not on average."""
+    from autoprec.drift_movement import _shortfall
+
+    for mode in ("bf16_sr", "bf16_kahan", "bf16_sr_kahan"):
+        called, cause = _shortfall(ModeSpec(mode=mode), never_moved=0.0)
+        assert called == "weight movement short of fp32's" and "edge of stability" in cause
+        assert _shortfall(ModeSpec(mode=mode), never_moved=0.2)[0] == "updates lost to rounding"
+    assert _shortfall(ModeSpec(mode="bf16_pure"), never_moved=0.0)[0] == "updates lost to rounding"
+    assert _shortfall(ModeSpec(mode="amp_bf16"), never_moved=0.0)[0] == (
+        "weight movement short of fp32's"
+    )

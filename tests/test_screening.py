@@ -3214,3 +3214,55 @@ def test_a_model_whose_forward_enters_an_autocast_of_its_own_is_refused() -> Non
     report = autoprec.check(_OwnAutocast(enabled=False), batches, steps=4, modes=["amp_bf16"],
                             loss_fn=torch.nn.functional.mse_loss)  # fmt: skip
     assert report.verdict("amp_bf16").status == "safe"
+
+
+def test_a_diverging_fp32_run_is_named_and_said_to_be_fp32s_own() -> None:
+    """Found by a hunt: at the edge of stability only the noise run (another seed and batch
+    order) diverged, and the error read "The fp32 reference failed ... Check that the loader's
+    batches fit the model"; a reference diverging itself was blamed on the batches too."""
+    from types import SimpleNamespace
+
+    from autoprec.run_setup import reference_failed
+    from autoprec.trial_records import TrialFailure
+
+    failure = TrialFailure(kind="non_finite_loss", step=10, message="loss is inf at step 10")
+    result: Any = SimpleNamespace(record=SimpleNamespace(failure=failure))
+    noise = str(reference_failed(result, None, "fp32 noise run"))  # type: ignore[arg-type]
+    assert noise.startswith("The fp32 noise run failed at step 10: loss is inf")
+    assert "another seed and batch order (the reference itself trained)" in noise
+    assert "batches fit" not in noise
+
+    batches = [(10 * x, 10 * y) for x, y in tasks.regression().batches]
+    with pytest.raises(ValueError, match=r"^The fp32 reference failed at step \d+.*fp32 training "
+                       r"itself diverged here, so.*Lower the lr") as caught:  # fmt: skip
+        autoprec.check(tasks.regression().model, batches, steps=20, modes=["amp_bf16"],
+                       loss_fn=torch.nn.functional.mse_loss,
+                       optimizer=lambda p: torch.optim.SGD(p, lr=10.0))  # fmt: skip
+    assert "batches fit" not in str(caught.value)
+
+
+def test_a_leg_where_the_reference_moved_no_weight_is_said_not_judged() -> None:
+    """Found by a hunt: a hinge loss reaching exactly 0 left the schedule's floor leg with no
+    reference movement, and that leg's movement check was dropped without a note."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(16, generator=generator)
+    batches = []
+    for _ in range(24):
+        x = torch.randn(32, 16, generator=generator)
+        x = x + 3 * torch.sign(x @ w)[:, None] * w / w.norm()  # a margin: the loss reaches 0
+        batches.append((x, torch.sign(x @ w)))
+
+    def hinge(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(1 - target * output.squeeze(-1), min=0).mean()
+
+    torch.manual_seed(0)
+    report = autoprec.check(
+        torch.nn.Linear(16, 1), batches, steps=80, modes=["bf16_pure"], loss_fn=hinge,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0), total_steps=1000,
+        scheduler=lambda o, total_steps: torch.optim.lr_scheduler.CosineAnnealingLR(o, total_steps),
+    )  # fmt: skip
+    notes = report.verdict("bf16_pure").notes
+    assert any(
+        "weight movement not judged at lr 0.0245" in note and "moved no weight there" in note
+        for note in notes
+    ), notes
