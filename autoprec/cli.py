@@ -523,6 +523,8 @@ CLI_WORDS: tuple[tuple[str, str], ...] = (
     ("or pass None for every mode", "or leave --modes out for every mode"),
     ("Pass scheduler=None (tune_module and tune_trainer take it too)", "Leave --scheduler out"),
     ("budget_minutes (", "--budget ("),
+    ("warm-up (scheduler=)", "warm-up (--scheduler)"),
+    ("clip gradients (clip_grad_norm=)", "clip gradients (--clip)"),
     (
         "max_trial_minutes must be a number of minutes > 0 (or None)",
         "--max-trial-minutes must be > 0",

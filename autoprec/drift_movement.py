@@ -156,12 +156,13 @@ def _shortfall(spec: ModeSpec, never_moved: float) -> tuple[str, str]:
     the edge of stability (SGD at lr 0.178 on an MLP, its loss swinging 0.08-3.8) bf16_sr and
     bf16_kahan took 49% and 68% of fp32's movement, amp_bf16 53%, and were called "lost to
     rounding" (found by a hunt)."""
-    if spec.mode in _UNBIASED_ROUNDING and never_moved < 0.005:  # what reads "0%" beside it
+    if spec.mode in _UNBIASED_ROUNDING and never_moved <= 0.005:  # what reads "0%" beside it
         return (
             "weight movement short of fp32's",
-            "; no weight the reference moved stood still, and stochastic rounding and Kahan "
-            "summation lose no update on average: the bf16 weights' rounding noise steered "
-            "the run elsewhere, as any perturbation steers a run at the edge of stability",
+            "; at most 0.5% of the weights the reference moved stood still, and stochastic "
+            "rounding and Kahan summation lose no update on average: the bf16 weights' "
+            "rounding noise steered the run elsewhere, as any perturbation steers a run at the "
+            "edge of stability",
         )
     if issubclass(MODE_CLASSES[spec.mode], Bf16PureMode):
         return "updates lost to rounding", ""
@@ -189,7 +190,7 @@ def movement_checks(
     count = len({leg.point for leg in legs + still}), len({leg.groups for leg in legs + still})
     still_notes = [
         f"weight movement not judged{leg.describe(*count)}: the fp32 reference moved no "
-        "weight there (its loss gave no gradient)"
+        "weight there (no gradient there, or updates below fp32's own precision)"
         for leg in still
     ]
     if not legs:

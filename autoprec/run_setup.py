@@ -327,17 +327,14 @@ def reference_failed(
     name, _, text = failure.message.partition(": ")
     if name in _INPUT_ERRORS and text:
         return _INPUT_ERRORS[name](f"The {label} failed{where}: {text}")
-    if failure.kind.startswith("non_finite"):
-        other = (
-            ""
-            if label == REFERENCE_RUN.label
-            else " on another seed and batch order (the reference itself trained)"
-        )
+    if failure.kind.startswith("non_finite") and failure.step:  # no update before step 0
         return ValueError(
             f"The {label} failed{where}: {failure.located()}. fp32 training itself diverged "
-            f"here{other}, so no mode can be judged against it: your recipe is unstable at "
-            "this learning rate. Lower the lr, add warm-up (scheduler=) or clip gradients "
-            "(clip_grad_norm=), as your real run would need to, and tune again."
+            f"here{_how_it_differs(label)}, or a batch or the loss holds a non-finite "
+            "value: no mode can be judged against it. If the loss was finite until then, your "
+            "recipe is unstable at this learning rate: lower the lr, add warm-up (scheduler=) "
+            "or clip gradients (clip_grad_norm=), as your real run would need to, and run "
+            "again."
         )
     if failure.kind == "eval_failed":
         hint = EVAL_FN_HINT
@@ -354,6 +351,17 @@ def reference_failed(
     else:
         hint = _reference_hint(failure.message, setup)
     return ValueError(f"The {label} failed{where}: {failure.located()}. {hint}".rstrip())
+
+
+def _how_it_differs(label: str) -> str:
+    """How the fp32 run named ``label`` differs from the reference, for its divergence's
+    refusal (a review: the paired run was said to run on another batch order)."""
+    differs = {
+        NOISE_RUN.label: "on another seed and batch order",
+        PAIRED_RUN.label: "with other random draws on the same batches",
+        NUDGED_RUN.label: "from weights nudged 2^-12, on the reference's seed and batches",
+    }
+    return f" {differs[label]} (the reference itself trained)" if label in differs else ""
 
 
 def _reference_still(result: TrialResult) -> ValueError:

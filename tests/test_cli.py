@@ -1242,3 +1242,14 @@ def test_main_in_a_process_of_your_own_leaves_its_path_and_loggers() -> None:
         before
     )
     assert logging.getLogger("torchao").filters == filters and sys.path == path
+
+
+def test_a_divergence_refusal_names_the_cli_flags() -> None:
+    """A review: the CLI's refusal of a diverging fp32 run named scheduler= and
+    clip_grad_norm=, the Python arguments, not --scheduler and --clip."""
+    from autoprec.cli import in_cli_words
+
+    said = in_cli_words(
+        "lower the lr, add warm-up (scheduler=) or clip gradients (clip_grad_norm=)"
+    )
+    assert said == "lower the lr, add warm-up (--scheduler) or clip gradients (--clip)"

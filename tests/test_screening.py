@@ -3225,16 +3225,27 @@ def test_a_diverging_fp32_run_is_named_and_said_to_be_fp32s_own() -> None:
     from autoprec.run_setup import reference_failed
     from autoprec.trial_records import TrialFailure
 
-    failure = TrialFailure(kind="non_finite_loss", step=10, message="loss is inf at step 10")
-    result: Any = SimpleNamespace(record=SimpleNamespace(failure=failure))
-    noise = str(reference_failed(result, None, "fp32 noise run"))  # type: ignore[arg-type]
+    def said(label: str, step: int = 10) -> str:
+        message = f"loss is inf at step {step}"
+        failure = TrialFailure(kind="non_finite_loss", step=step, message=message)
+        result: Any = SimpleNamespace(record=SimpleNamespace(failure=failure))
+        setup: Any = SimpleNamespace(recipe=SimpleNamespace(train_step=None, loss_fn=None),
+                                     train=[torch.zeros(2)])  # fmt: skip
+        return str(reference_failed(result, setup, label))
+
+    noise = said("fp32 noise run")
     assert noise.startswith("The fp32 noise run failed at step 10: loss is inf")
     assert "another seed and batch order (the reference itself trained)" in noise
     assert "batches fit" not in noise
+    paired = said("fp32 paired noise run")  # a review: said to run on another batch order
+    assert "with other random draws on the same batches" in paired
+    assert "batch order" not in paired
+    at_step_0 = said("fp32 reference", step=0)  # a review: no update yet, nothing diverged
+    assert "diverged" not in at_step_0 and "batches fit" in at_step_0
 
     batches = [(10 * x, 10 * y) for x, y in tasks.regression().batches]
     with pytest.raises(ValueError, match=r"^The fp32 reference failed at step \d+.*fp32 training "
-                       r"itself diverged here, so.*Lower the lr") as caught:  # fmt: skip
+                       r"itself diverged here, or a batch.*lower the lr") as caught:  # fmt: skip
         autoprec.check(tasks.regression().model, batches, steps=20, modes=["amp_bf16"],
                        loss_fn=torch.nn.functional.mse_loss,
                        optimizer=lambda p: torch.optim.SGD(p, lr=10.0))  # fmt: skip
@@ -3263,6 +3274,7 @@ def test_a_leg_where_the_reference_moved_no_weight_is_said_not_judged() -> None:
     )  # fmt: skip
     notes = report.verdict("bf16_pure").notes
     assert any(
-        "weight movement not judged at lr 0.0245" in note and "moved no weight there" in note
+        "weight movement not judged at lr 0.0245" in note
+        and "moved no weight there (no gradient there, or updates below fp32's own" in note
         for note in notes
     ), notes
