@@ -9,6 +9,7 @@ Beside it, a note when pure bf16's weight decay rounds away entirely (``decay_no
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -101,20 +102,27 @@ def leg_movements(trial: TrialResult, reference: TrialResult) -> list[LegMovemen
     """Per lr leg and lr class of parameter groups, the movement check's figures. Legs (and
     classes) the reference did not move in are left out (:func:`still_legs` names them); a
     trial with other legs than the reference's has none."""
-    return [leg for leg in _legs(trial, reference) if leg.fraction == leg.fraction]
+    return _split(_legs(trial, reference))[0]
 
 
 def still_legs(trial: TrialResult, reference: TrialResult) -> list[LegMovement]:
     """The legs and lr classes at a nonzero lr where the reference moved no sampled weight
-    (its loss gave no gradient there: a hinge loss at 0), so movement was not judged; they
-    were left out without a word (found by a hunt)."""
-    return [
+    (no gradient there: a hinge loss at 0; or updates below fp32's precision), so movement
+    was not judged; they were left out without a word (found by a hunt)."""
+    return _split(_legs(trial, reference))[1]
+
+
+def _split(legs: list[LegMovement]) -> tuple[list[LegMovement], list[LegMovement]]:
+    """(the legs the reference moved in, those at a nonzero lr it did not move in)."""
+    moved = [leg for leg in legs if not math.isnan(leg.fraction)]
+    still = [
         leg
-        for leg in _legs(trial, reference)
-        if leg.fraction != leg.fraction
+        for leg in legs
+        if math.isnan(leg.fraction)
         and leg.point is not None
         and any(leg.point.lrs[group] for group in (leg.groups or range(len(leg.point.lrs))))
     ]
+    return moved, still
 
 
 def _legs(trial: TrialResult, reference: TrialResult) -> list[LegMovement]:
@@ -185,8 +193,7 @@ def movement_checks(
     trial's projection onto the reference's movement, relative to the paired fp32 run's (1
     without one), which ``paired_label`` names in them (found by a hunt: "other random draws"
     was said of the run from nudged weights too, which draws the reference's)."""
-    legs = leg_movements(trial, reference)
-    still = still_legs(trial, reference)
+    legs, still = _split(_legs(trial, reference))  # once: each leg's projection is a pass
     count = len({leg.point for leg in legs + still}), len({leg.groups for leg in legs + still})
     still_notes = [
         f"weight movement not judged{leg.describe(*count)}: the fp32 reference moved no "

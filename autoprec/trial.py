@@ -22,6 +22,7 @@ from autoprec.batching import EvalFn
 from autoprec.eligibility import Situation, model_device
 from autoprec.interrupts import raise_if_interrupted
 from autoprec.model_copies import carry_unsaved_state, deep_copy, nudge_weights
+from autoprec.own_autocast import autocast_state_kept
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe
@@ -39,7 +40,6 @@ from autoprec.trial_loop import (
 )
 from autoprec.trial_measures import (
     MOVEMENT_SAMPLE_ELEMENTS,
-    autocast_state_kept,
     compile_counts,
     compiled_graph_count,
     memory_now,
@@ -334,7 +334,7 @@ def run_trial(
     gc.collect()
     raise_if_interrupted()  # one the collector swallowed (its weakref callbacks: a hunt)
     baseline = memory_now(device)
-    with seeded_streams(device, seed), autocast_state_kept(device), torch_settings_kept():
+    with seeded_streams(device, seed), autocast_state_kept(), torch_settings_kept():
         run = _train_copy(inputs, result, baseline)
     raise_if_interrupted()  # the run's last collection may have swallowed one too
     if "peak" not in run.figures:  # failed or stopped before the end: the peak so far

@@ -333,23 +333,6 @@ def max_abs_gradient(plan: PrecisionPlan, kept: Collection[int] = ()) -> torch.T
 
 
 @contextlib.contextmanager
-def autocast_state_kept(device: torch.device) -> Iterator[None]:
-    """Leave ``device``'s global autocast switch and dtype as they were, whatever the trial
-    does: a forward that raises between a mode's two island hooks (autocast entered in one,
-    left in the other) would otherwise leave autocast on for every later run, the fp32
-    reference's included. Seen on the first GPU run (H100, torch 2.11): after compiled pure-bf16
-    trials failed in those hooks, tune()'s fp32 reference timed 1571 samples/s, amp_bf16's speed,
-    where fp32 runs 460."""
-    kind = device.type
-    enabled, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-    try:
-        yield
-    finally:
-        torch.set_autocast_enabled(kind, enabled)
-        torch.set_autocast_dtype(kind, dtype)
-
-
-@contextlib.contextmanager
 def torch_settings_kept() -> Iterator[None]:
     """torch's process-wide settings user code may change (the default dtype, the thread
     count, fp32 matmul precision and TF32 flags, cuDNN's benchmark and deterministic flags,
