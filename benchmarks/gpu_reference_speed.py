@@ -86,7 +86,7 @@ def leak_after_failed_trial(model: torch.nn.Module, batches: list, steps: int) -
         EagerHook.__call__ = lambda self, *args: self.function(*args)  # traced: before the fix
         for guarded in (False, True):
             trial_module.autocast_state_kept = (
-                guard if guarded else (lambda device: contextlib.nullcontext())
+                guard if guarded else (lambda: contextlib.nullcontext())
             )
             failed = run_trial(
                 pure.model_copy(update={"compile": True}), model, batches[:-4], **common
