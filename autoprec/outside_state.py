@@ -202,12 +202,17 @@ def reachable_tensors(function: Any, model: nn.Module) -> dict[str, torch.Tensor
     EMA's shadow weights, diffusers' ``EMAModel.shadow_params``: missed before, found by a
     hunt), by name. Other bare tensors are left alone: a step counter, a loss log or a running
     total changes nothing a run measures."""
+    return _tensors_of(list(_reached(function)), model)
+
+
+def _tensors_of(reached: list[tuple[str, Any]], model: nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`reachable_tensors` of the (name, object) pairs ``_reached`` gave."""
     inside = {id(module) for module in model.modules()}
     inside |= {id(tensor) for tensor in model.state_dict(keep_vars=True).values()}
     shapes = collections.Counter(tuple(p.shape) for p in model.parameters())
     found: dict[str, torch.Tensor] = {}
     watched: set[int] = set()  # tensors, each once, whatever names reach it
-    for name, value in _reached(function):
+    for name, value in reached:
         tensors = list(_mirrored(name, value, shapes))
         for shown, item in _with_contents(name, value):
             if isinstance(item, nn.Module) and id(item) not in inside:
@@ -260,11 +265,12 @@ class OutsideStateWatch:
     EMA object's step count, which sets its decay: a change of them alone is no refusal)."""
 
     def __init__(self, function: Any, model: nn.Module) -> None:
-        self.tensors = reachable_tensors(function, model) if function is not None else {}
+        reached = list(_reached(function)) if function is not None else []  # one traversal
+        self.tensors = _tensors_of(reached, model)
         self.saved = {
             name: tensor.detach().to("cpu", copy=True) for name, tensor in self.tensors.items()
         }
-        self.numbers = _numbers_beside(function, self.tensors) if self.tensors else []
+        self.numbers = _numbers_beside(reached, self.tensors) if self.tensors else []
 
     def changed(self) -> list[str]:
         """The names whose values are not what they were."""
@@ -288,14 +294,14 @@ class OutsideStateWatch:
 
 
 def _numbers_beside(
-    function: Any, tensors: dict[str, torch.Tensor]
+    reached: list[tuple[str, Any]], tensors: dict[str, torch.Tensor]
 ) -> list[tuple[Any, str, int | float | None]]:
     """(object, attribute, value) for the int, float, bool and None attributes of the plain
     objects whose attributes hold one of ``tensors`` (diffusers' ``EMAModel.optimization_step``;
     its ``cur_decay_value``, None until a step: a review)."""
     ids = {id(tensor) for tensor in tensors.values()}
     numbers: dict[tuple[int, str], tuple[Any, str, int | float | None]] = {}
-    for _, value in _reached(function):
+    for _, value in reached:
         if not _plain_object(value):
             continue
         attributes = _own_attributes(value) or {}
