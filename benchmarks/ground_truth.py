@@ -27,9 +27,11 @@ restore`` fills the cache with the runs measured on autoprec's development CPU, 
     python -m benchmarks.ground_truth [--tasks a,b] [--steps 2000] [--trial-steps 200]
     python -m benchmarks.ground_truth --quick     # 2 tasks, short runs: the CI variant
     python -m benchmarks.ground_truth --heldout   # the 4 held-out tasks (ground_truth_heldout)
+    python -m benchmarks.ground_truth --fresh     # the 4 of the second set (ground_truth_fresh)
 
 The tuned tasks' matrix is in-sample: the gate's defaults were chosen on them. The held-out
 tasks were written after the defaults were frozen; their matrix is the out-of-sample figure.
+The second held-out set was written on 2026-11-29, after the gate's later changes: a fresh one.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from autoprec.errors import OptimizerRebuiltWarning
 from autoprec.plan import PrecisionPlan, prepare
 from autoprec.screening import QualityReport
 from autoprec.specs import ModeSpec
+from benchmarks.ground_truth_fresh import FRESH_QUICK_TASKS, FRESH_TASKS
 from benchmarks.ground_truth_heldout import HELDOUT_QUICK_TASKS, HELDOUT_TASKS
 from benchmarks.ground_truth_tasks import QUICK_TASKS, TASKS, GroundTask
 
@@ -110,9 +113,10 @@ of each mode (2 so the paired reading still pools a spread), 27 runs of a quick 
 44 when it had 12 modes (29 and 47 since ``bf16_sr+8bit-optim`` is the 13th). Measured on our
 2-core CPU, one thread: ``--quick`` from an empty cache 186 s -> 127 s, ``--heldout --quick``
 111 s -> 83 s."""
-ALL_TASKS = {**TASKS, **HELDOUT_TASKS}
+ALL_TASKS = {**TASKS, **HELDOUT_TASKS, **FRESH_TASKS}
 """The tuned tasks (the gate's defaults were chosen on them) and the held-out ones
-(``benchmarks.ground_truth_heldout``: scored once, after the defaults were frozen)."""
+(``benchmarks.ground_truth_heldout``: scored once, after the defaults were frozen; and
+``benchmarks.ground_truth_fresh``, written on 2026-11-29 after the gate's later changes)."""
 TRUTH_VERSION = 2
 """Part of every cache key: bump it when the long-run loop changes (a task's own changes bump
 its ``GroundTask.revision``)."""
@@ -618,6 +622,11 @@ def heldout_option(parser: argparse.ArgumentParser) -> None:
         help=f"the held-out tasks ({', '.join(HELDOUT_TASKS)}) instead of the tuned ones",
     )
     parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help=f"the second held-out set ({', '.join(FRESH_TASKS)}), written 2026-11-29",
+    )
+    parser.add_argument(
         "--modes",
         help="comma-separated mode labels to score (default: every mode check() screens); "
         "a new mode's pairs without the others' long runs (bf16_sr+8bit-optim)",
@@ -628,11 +637,17 @@ def main(argv: list[str] | None = None) -> list[Pair]:
     pre = argparse.ArgumentParser(add_help=False)
     heldout_option(pre)
     known, rest = pre.parse_known_args(argv)
+    if known.heldout and known.fresh:
+        pre.error("--heldout and --fresh name two sets: pick one, or list tasks with --tasks")
+    default_tasks = FRESH_TASKS if known.fresh else HELDOUT_TASKS if known.heldout else TASKS
+    quick_tasks = (
+        FRESH_QUICK_TASKS if known.fresh else HELDOUT_QUICK_TASKS if known.heldout else QUICK_TASKS
+    )
     names, steps, trial_steps, cache, seeds, _ = scoring_arguments(
         __doc__,
         rest,
-        default=tuple(HELDOUT_TASKS if known.heldout else TASKS),
-        quick=HELDOUT_QUICK_TASKS if known.heldout else QUICK_TASKS,
+        default=tuple(default_tasks),
+        quick=quick_tasks,
         more_options=heldout_option,
         known=ALL_TASKS,
     )

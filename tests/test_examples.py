@@ -439,6 +439,37 @@ def test_ground_truth_heldout_tasks_are_scored_apart_from_the_tuned_ones(
     assert "unknown task(s) ['recommender']" in capsys.readouterr().err
 
 
+def test_ground_truth_fresh_tasks_train_in_every_family_and_are_scored_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--fresh scores the second held-out set (written 2026-11-29) alone; each of its four
+    tasks trains a few steps in fp32 and in pure bf16 to a finite metric, the VAE draws only
+    in training (its metric reads the posterior mean), and --heldout with --fresh is refused."""
+    from benchmarks import ground_truth
+    from benchmarks.ground_truth_fresh import FRESH_QUICK_TASKS, FRESH_TASKS
+    from benchmarks.ground_truth_heldout import HELDOUT_TASKS
+    from benchmarks.ground_truth_tasks import TASKS
+
+    assert not set(FRESH_TASKS) & (set(TASKS) | set(HELDOUT_TASKS))
+    for name, make in FRESH_TASKS.items():
+        task = make(20)
+        for mode in ("fp32", "bf16_pure"):
+            run = ground_truth.long_run(task, ModeSpec(mode=mode), 0, 3)
+            assert run.failure is None and math.isfinite(run.metric), (name, mode)
+    vae = FRESH_TASKS["vae_digits"](20)
+    images = vae.test[0][0]
+    vae.model.eval()
+    with torch.no_grad():
+        assert torch.equal(vae.model(images)[0], vae.model(images)[0])
+    only = ["--modes", "amp_bf16"]
+    pairs = ground_truth.main(["--fresh", "--quick", "--cache", str(tmp_path), *only])
+    assert {p.task for p in pairs} == set(FRESH_QUICK_TASKS)
+    assert "false accepts" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ground_truth.main(["--fresh", "--heldout", "--quick", "--cache", str(tmp_path)])
+    assert "pick one" in capsys.readouterr().err
+
+
 def test_ground_truth_judges_every_mode_on_the_mean_of_its_seeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
