@@ -259,7 +259,12 @@ def schedule_points(
     # more, so a step schedule whose lowest lr lasted exactly its last 10% was judged a step
     # earlier, at 10x that lr, or on its peak leg alone.
     rank = max(1, math.ceil(round(floor_quantile * len(ranked), 9)))
-    floor = ranked[rank - 1]
+    # the last step at that lr: HF's warm-up + linear decay passes 1e-4 at warm-up step 9 and
+    # again at decay step 1810 of 2000, and the floor read "at step 9", which apply() then
+    # matched against a decay 50x steeper without a warning (found by a hunt)
+    floor = max(
+        s for s in moving if math.isclose(lowest[s], lowest[ranked[rank - 1]], rel_tol=1e-9)
+    )
 
     def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
         return LrPoint(

@@ -353,7 +353,7 @@ class TrainingLoop:
             samples, counted = self._counts(index, batch)
             self.micro += 1
             counting = self.micro == 1 and self.counts_activations
-            saved = SavedForBackward(plan.model) if counting else None
+            saved = SavedForBackward(plan.model, tensors_in(batch)) if counting else None
             hooks = (
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
                 if saved is not None

@@ -7,7 +7,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -247,15 +247,25 @@ class SavedForBackward:
     """Counts the bytes autograd saves for backward during a forward pass (saved-tensor hooks
     see every saved tensor, exactly): each storage once, the parameters' own left out (they
     are state, counted in :class:`StateBytes`). An autocast copy of a weight is counted: it
-    is held until backward."""
+    is held until backward. A saved view holds its whole storage (a chunk of a fused
+    projection keeps the projection), except a view of the batch's own tensors (``inputs``):
+    those count the bytes the views span. A batch sliced from one tensor of the whole data
+    set (``X[i : i + B]``, ``X.split(B)``), saved as it is by fp32's first Linear, counted the
+    data set, which the trial does not hold, and every autocast mode, which saves a copy of
+    the slice, read a 94% saving where 19% was real (found by a hunt, on a contrastive
+    encoder)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, inputs: Iterable[torch.Tensor] = ()) -> None:
         self._parameters = {_saved_key(p) for p in model.parameters()}
+        self._inputs = {_saved_key(tensor) for tensor in inputs}
         self._saved: dict[object, int] = {}
+        self._spans: dict[object, list[tuple[int, int]]] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _saved_key(tensor)
-        if key not in self._parameters:
+        if key in self._inputs:
+            self._spans.setdefault(key, []).append(_byte_span(tensor))
+        elif key not in self._parameters:
             self._saved[key] = _storage_bytes(tensor)
         return tensor
 
@@ -265,7 +275,8 @@ class SavedForBackward:
 
     @property
     def bytes(self) -> int:
-        return sum(self._saved.values())
+        spanned = sum(_union_length(spans) for spans in self._spans.values())
+        return sum(self._saved.values()) + spanned
 
 
 def _saved_key(tensor: torch.Tensor) -> object:
@@ -274,11 +285,39 @@ def _saved_key(tensor: torch.Tensor) -> object:
     return ("tensor", id(tensor)) if key is None else key
 
 
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``tensor`` reaches in its storage, [first, past the last): its offset, and
+    one element plus each dimension's last step along its stride. A tensor without a storage
+    (a wrapper subclass) spans its own elements."""
+    size = tensor.element_size()
+    try:
+        start = tensor.storage_offset() * size
+    except (RuntimeError, NotImplementedError):
+        return 0, tensor.numel() * size
+    if tensor.numel() == 0:
+        return start, start
+    reach = sum((n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (reach + 1) * size
+
+
 def _storage_bytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return tensor.numel() * tensor.element_size()
+
+
+def _union_length(spans: list[tuple[int, int]]) -> int:
+    """How many bytes the spans cover together (two views of one storage: a byte once)."""
+    covered, end = 0, None
+    for first, last in sorted(spans):
+        if end is None or first >= end:
+            covered += last - first
+            end = last
+        elif last > end:
+            covered += last - end
+            end = last
+    return covered
 
 
 def rss_bytes() -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -124,6 +125,41 @@ def test_the_floor_is_the_lr_the_last_tenth_of_a_step_schedule_runs_at(
     peak, floor = recipe.lr_points(model)
     assert (peak.lr, floor.role) == (1e-3, "floor")
     assert floor.lr == pytest.approx(floor_lr) and floor.schedule_step >= 900
+
+
+def test_a_warmup_and_linear_decays_floor_is_read_in_the_decay_not_the_warmup() -> None:
+    """HF's warm-up + linear decay passes its 10th-percentile lr twice, at warm-up step 9 and
+    at decay step 1810 of 2000: the floor was said "at step 9", and apply() compared a decay
+    50x steeper there and found the same lr (found by a hunt). The floor is the last step at
+    that lr: a steeper decay is named."""
+    from autoprec.recipe_match import recipe_differences
+
+    def warmup_linear(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: (s + 1) / 100 if s < 100 else (total_steps - s) / 1900
+        )
+
+    def steeper(optimizer: torch.optim.Optimizer) -> Any:  # the same warm-up, then to 1e-3x
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: (s + 1) / 100 if s < 100 else 1e-3 ** ((s - 100) / 1900)
+        )
+
+    model = _model()
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        scheduler=warmup_linear,
+        total_steps=2000,
+    )
+    peak, floor = recipe.lr_points(model)
+    assert (peak.schedule_step, floor.schedule_step) == (99, 1810)
+    assert floor.lr == pytest.approx(1e-4) and "step 1810 of 2000" in floor.describe()
+    summary = recipe.summary(model)
+    for make, warned in ((lambda o: warmup_linear(o, 2000), False), (steeper, True)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        found = recipe_differences(
+            summary, optimizer, make(optimizer), grad_accumulation_steps=1, clip_grad_norm=None
+        )
+        assert bool(found) == warned, found
 
 
 def test_a_scheduler_function_gets_the_runs_length_whatever_its_second_argument_is_named() -> None:

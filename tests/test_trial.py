@@ -979,6 +979,47 @@ def test_cpu_trial_counts_the_bytes_saved_for_backward_exactly() -> None:
     ).record.activation_bytes == 2 * (1024 + 2048 + 2048)
 
 
+def test_cpu_trial_counts_a_batch_sliced_from_the_data_set_by_the_slice_alone() -> None:
+    """Batches sliced from one tensor of the whole data set (``X.split(B)``) count what the
+    slices span, as cloned batches do: the whole storage made fp32's saved input read as the
+    data set (found by a hunt). A saved chunk of the model's own output still holds its whole
+    storage: ``chunk`` keeps the fused projection alive until backward."""
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 3 * 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, _k, _v = self.qkv(x).chunk(3, dim=-1)
+            return q.relu()  # relu saves its output: a fresh (8, 64) tensor
+
+    torch.manual_seed(0)
+    data, targets = torch.randn(400 * 8, 32), torch.randn(400 * 8, 64)
+    sliced = list(zip(data.split(8)[:4], targets.split(8)[:4], strict=True))
+    cloned = [(x.clone(), y.clone()) for x, y in sliced]
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=lambda output, target: (output - target).pow(2).mean(),
+    )
+    counts = [
+        run_trial(
+            ModeSpec(mode="fp32"), Fused(), batches, recipe=recipe, steps=4
+        ).record.activation_bytes
+        for batches in (sliced, cloned)
+    ]
+    # x for the weight's gradient (1024 B), relu's output and the difference it squares
+    assert counts == [1024 + 2048 + 2048] * 2
+
+    class SavesAChunk(Fused):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, _v = self.qkv(x).chunk(3, dim=-1)
+            return q * k  # mul saves q and k: views of the (8, 192) projection
+
+    saved = run_trial(ModeSpec(mode="fp32"), SavesAChunk(), cloned, recipe=recipe, steps=4)
+    assert saved.record.activation_bytes == 1024 + 6144 + 2048
+
+
 class _LeavesAutocastOn(nn.Module):
     """A forward that raises after turning autocast on, as a mode's island hook does when the
     module between its two hooks raises (seen on the first GPU run: autocast left on, the fp32
