@@ -227,6 +227,21 @@ def step_schedule(
     return lrs, momenta
 
 
+def _floor_step(picked: int, peak: int, moving: list[int], lowest: dict[int, float]) -> int:
+    """Where the floor leg is read: ``picked`` (the step at the floor's rank), or, when that
+    step is in the warm-up before the peak and the decay after it comes down that far, the
+    decay's first step at or below its lr. A warm-up passes the floor's lr on its way up:
+    HF's warm-up + linear decay at step 9 (1e-4, again at step 1810 of 2000), OneCycleLR at
+    step 4 of 600. The floor then read "at step 9", with the warm-up's momentum, and apply()
+    compared a schedule at those warm-up steps, letting a decay 50x steeper (or OneCycleLR's
+    three phases, 7x lower) through without a warning (found by two hunts)."""
+    if picked > peak:
+        return picked
+    target = lowest[picked] * (1 + 1e-9)
+    decay = [step for step in moving if step > peak and lowest[step] <= target]
+    return decay[0] if decay else picked
+
+
 def schedule_points(
     lrs: list[tuple[float, ...]],
     momenta: list[tuple[float, ...]] | None,
@@ -259,12 +274,7 @@ def schedule_points(
     # more, so a step schedule whose lowest lr lasted exactly its last 10% was judged a step
     # earlier, at 10x that lr, or on its peak leg alone.
     rank = max(1, math.ceil(round(floor_quantile * len(ranked), 9)))
-    # the last step at that lr: HF's warm-up + linear decay passes 1e-4 at warm-up step 9 and
-    # again at decay step 1810 of 2000, and the floor read "at step 9", which apply() then
-    # matched against a decay 50x steeper without a warning (found by a hunt)
-    floor = max(
-        s for s in moving if math.isclose(lowest[s], lowest[ranked[rank - 1]], rel_tol=1e-9)
-    )
+    floor = _floor_step(ranked[rank - 1], peak, moving, lowest)
 
     def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
         return LrPoint(

@@ -163,7 +163,11 @@ def _schedule_differences(
                 # every profile written before 2026-11-28 warned of its own schedule); not a
                 # schedule cycling a momentum the proven one left alone (found by a review)
                 ahead = _points_ahead(proven, 0, lrs, momenta)
-                if len(ahead[0]) == len(proven) and _same_points(*ahead):
+                if (
+                    len(ahead[0]) == len(proven)
+                    and _same_points(*ahead)
+                    and _legs_near(proven, applied)
+                ):
                     return found
         else:  # a run resumed or switched mid-way: the points it has passed are history
             proven, applied = _points_ahead(proven, position, lrs, momenta)
@@ -210,6 +214,30 @@ def _points_ahead(
         ahead.append(point)
         applied.append(point.model_copy(update={"lrs": lrs[index], "momenta": momentum}))
     return tuple(ahead), tuple(applied)
+
+
+def _legs_near(proven: tuple[LrPoint, ...], applied: tuple[LrPoint, ...]) -> bool:
+    """The applied schedule's own legs at the proven legs' lrs within a factor of
+    ``LEG_LR_FACTOR``: what lets a profile whose floor an earlier rule read elsewhere match its
+    own schedule, and not a schedule that only passes the same lrs there. A floor read at a
+    warm-up step (before 2026-11-29) matched OneCycleLR's three phases, whose floor is 7x
+    lower, at that warm-up step (found by a hunt)."""
+    if [point.role for point in proven] != [point.role for point in applied]:
+        return False
+    return all(
+        all(
+            (a == b == 0) or (a > 0 and b > 0 and max(a, b) / min(a, b) <= LEG_LR_FACTOR)
+            for a, b in zip(mine.lrs, theirs.lrs, strict=True)
+        )
+        for mine, theirs in zip(proven, applied, strict=True)
+    )
+
+
+LEG_LR_FACTOR = 1.5
+"""How far an old profile's legs may sit from its own schedule's legs as read today: the floor
+rule's changes moved a cosine's floor one step (179 to 180 of 200, its lr 9% apart) and a
+OneCycleLR's from a warm-up step to the decay's (2% apart); a changed schedule moves it by
+factors (7x, 50x)."""
 
 
 def _same_points(proven: tuple[LrPoint, ...], applied: tuple[LrPoint, ...]) -> bool:

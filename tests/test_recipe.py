@@ -162,6 +162,60 @@ def test_a_warmup_and_linear_decays_floor_is_read_in_the_decay_not_the_warmup() 
         assert bool(found) == warned, found
 
 
+def test_a_one_cycle_floor_is_read_in_its_decay_and_an_old_warmup_floor_still_matches() -> None:
+    """OneCycleLR's warm-up passes the floor's lr too, never exactly as its decay does: the
+    floor was read at warm-up step 4 of 600, and apply() let OneCycleLR's three phases (a
+    floor 7x lower) through (found by a hunt). The floor is the decay's first step at or below
+    that lr; a profile written before, its floor at step 4, still matches its own schedule and
+    now warns of the three phases."""
+    from autoprec.recipe_match import recipe_differences
+
+    def one_cycle(optimizer: torch.optim.Optimizer, **options: Any) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=2e-3, total_steps=600, **options
+        )
+
+    model = _model()
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3),
+        scheduler=lambda optimizer, total_steps: one_cycle(optimizer),
+        total_steps=600,
+    )
+    peak, floor = recipe.lr_points(model)
+    assert peak.schedule_step == 179 and floor.schedule_step > 500
+    assert floor.lr == pytest.approx(8.2e-5, rel=0.03)
+    summary = recipe.summary(model)
+    old = summary.model_copy(  # as the rule before read it: the warm-up's step 4
+        update={"lr_points": (peak, floor.model_copy(update={"schedule_step": 4}))}
+    )
+    old = old.model_copy(update={"lr_points": _at_steps(recipe, model, old.lr_points)})
+    for proven in (summary, old):
+        for options, warned in (({}, False), ({"three_phase": True}, True)):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+            found = recipe_differences(
+                proven,
+                optimizer,
+                one_cycle(optimizer, **options),
+                grad_accumulation_steps=1,
+                clip_grad_norm=None,
+            )
+            assert bool(found) == warned, (proven.lr_points, options, found)
+
+
+def _at_steps(recipe: TrainingRecipe, model: nn.Module, points: tuple) -> tuple:
+    """``points`` with the lrs and momenta ``recipe``'s schedule sets at their steps."""
+    from autoprec.recipe import step_schedule
+
+    optimizer = recipe.make_optimizer(model, model)
+    lrs, momenta = step_schedule(optimizer, recipe.make_scheduler(optimizer), 600)
+    return tuple(
+        point.model_copy(
+            update={"lrs": lrs[point.schedule_step], "momenta": momenta[point.schedule_step]}
+        )
+        for point in points
+    )
+
+
 def test_a_scheduler_function_gets_the_runs_length_whatever_its_second_argument_is_named() -> None:
     """Found by a hunt: `lambda opt, steps: CosineAnnealingLR(opt, steps)` was called with the
     optimizer alone and failed; only a parameter named total_steps received the run's length.
