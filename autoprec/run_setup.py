@@ -192,6 +192,15 @@ _BOTH_GRADIENTS = (
 )
 
 
+def _shape_of(value: Any) -> str:
+    """A batch element as a message shows it: a tensor by its shape, a tuple by its parts."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_shape_of(part) for part in value) + ")"
+    return type(value).__name__
+
+
 def _reference_hint(message: str, setup: RunSetup) -> str:
     """What to do about a failing fp32 reference, from what failed (the trial's one-line
     message: exception type and first line)."""
@@ -246,6 +255,17 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
                 f"{sorted(batch)}. Pass loss_fn(output, batch) (CLI: --loss module:fn) or "
                 "train_step(plan, batch) -> loss."
             )
+    tupled = isinstance(batch, tuple | list) and len(batch) >= 2
+    if positional and tupled and recipe.loss_fn is not None and recipe.train_step is None:
+        # ((src, tgt_in), labels) called model((src, tgt_in)): the error named only the
+        # missing argument (found by a hunt, on a seq2seq model)
+        inputs = ", ".join(_shape_of(value) for value in batch[:-1])
+        return (
+            f"With loss_fn, a tuple batch is (*inputs, target): autoprec called "
+            f"model({inputs}) with all but the last of its {len(batch)} elements, and "
+            "passed the last to loss_fn as the target. Give the batch as flat "
+            "(input, ..., target) tuples, or pass train_step(plan, batch) -> loss."
+        )
     return (
         "Check that the loader's batches fit the model (and loss_fn / train_step): nothing "
         "can be compared without it."

@@ -1342,6 +1342,34 @@ def test_a_batch_without_a_tensor_is_the_users_to_fix_not_autoprecs() -> None:
     assert "please report" not in str(raised.value)
 
 
+def test_a_nested_tuple_batch_is_told_how_the_model_was_called() -> None:
+    """A seq2seq batch ((src, tgt_in), labels) with loss_fn calls model((src, tgt_in)), the
+    (*inputs, target) convention: the refusal named only the missing argument (found by a
+    hunt). It now says how the model was called and what to pass instead."""
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return self.a(src) + self.b(tgt)
+
+    batches = [((torch.randn(4, 8), torch.randn(4, 8)), torch.randn(4, 8)) for _ in range(8)]
+    with pytest.raises(ValueError, match=r"missing 1 required positional") as raised:
+        autoprec.check(
+            TwoInputs(), batches, steps=4, loss_fn=torch.nn.functional.mse_loss, modes=["amp_bf16"]
+        )
+    said = str(raised.value)
+    assert "called model((Tensor(4, 8), Tensor(4, 8))) with all but the last" in said
+    assert "flat (input, ..., target) tuples" in said and "batches fit the model" not in said
+    flat = [(src, tgt, y) for (src, tgt), y in batches]  # as the message says: it runs
+    report = autoprec.check(
+        TwoInputs(), flat, steps=4, loss_fn=torch.nn.functional.mse_loss, modes=["amp_bf16"]
+    )
+    assert report.verdicts[0].status in ("safe", "unsafe")
+
+
 def test_a_broken_eval_fn_is_found_before_the_fp32_reference() -> None:
     task = tasks.regression(lr=1e-2)
     phases: list[str] = []
