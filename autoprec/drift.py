@@ -132,6 +132,24 @@ def loss_floor_units(reference: TrialRecord, thresholds: DriftThresholds) -> flo
     return max(thresholds.loss_floor_absolute, thresholds.loss_floor_start * start)
 
 
+def loss_scale(reference: TrialRecord, mean: float) -> float:
+    """What the loss checks' and the forward cost's shares are taken of: the loss's ``mean``,
+    or, for a loss the reference saw go negative, how far it came down from its first step.
+    A loss that goes negative has no meaningful zero (a continuous density's negative
+    log-likelihood, whose zero the data's units set; a loss with a constant subtracted), so
+    its mean is no scale: a normalizing flow whose held-out NLL sat at 0.017 in one choice of
+    units and at -0.149 in another 2% apart rejected amp_bf16 for "+3.81%" of the first and
+    passed it at +0.49% of the second, for the same cost of 0.0007 nats (found by a hunt). A
+    loss that never goes negative keeps its mean: an exact fit's falls to 0 for real, and a
+    precision floor there is a real cost (``loss_floor_start``)."""
+    seen = [*reference.losses, *reference.heldout_losses]
+    finite = [value for value in seen if math.isfinite(value)]
+    first = reference.losses[0] if reference.losses else math.nan
+    if finite and min(finite) < 0 and math.isfinite(first) and math.isfinite(mean):
+        return abs(first - mean)
+    return abs(mean)
+
+
 def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThresholds) -> float:
     """Loss units one fp32 run differs from another, floored (see DriftThresholds)."""
     ref, other = reference.record.heldout_losses, noise.record.heldout_losses
@@ -139,14 +157,14 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     if not ref:  # no held-out batches: the late training windows, averaged over their batches
         late = max(1, int(len(reference.record.losses) * thresholds.late_fraction))
         ref, other = reference.record.losses[-late:], noise.record.losses[-late:]
-        scale = abs(statistics.fmean(ref)) if ref else 0.0
+        scale = loss_scale(reference.record, statistics.fmean(ref)) if ref else 0.0
         floor = max(in_units, thresholds.loss_floor_relative * scale)
         # the noise run trains on another batch order: step-paired losses are of different
         # batches, so compare the windows' means, not their last losses
         if not ref or not other:
             return floor
         return max(floor, abs(statistics.fmean(other) - statistics.fmean(ref)))
-    scale = abs(statistics.fmean(ref))
+    scale = loss_scale(reference.record, statistics.fmean(ref))
     floor = max(in_units, thresholds.loss_floor_relative * scale)
     if len(other) != len(ref):
         return floor
@@ -272,25 +290,31 @@ def shown_forward_cost(drift: Mapping[str, float]) -> str:
 
 
 def _forward_cost_check(
-    record: TrialRecord, floor: float, limits: DriftThresholds, metrics: dict[str, float | None]
+    record: TrialRecord,
+    reference: TrialRecord,
+    floor: float,
+    limits: DriftThresholds,
+    metrics: dict[str, float | None],
 ) -> list[str]:
     """The mode's forward pass against the same weights read in fp32: a cost without seed
-    noise, which training longer does not remove (see max_forward_cost). Near a loss of zero
-    (or a negative one) the loss checks' ``floor`` in loss units applies."""
+    noise, which training longer does not remove (see max_forward_cost), as a share of the
+    loss (of how far it fell, for a loss that goes negative: :func:`loss_scale`). Near a loss
+    of zero the loss checks' ``floor`` in loss units applies."""
     read, own = record.heldout_losses_fp32_read, record.heldout_losses
     if not read or len(read) != len(own):
         return []
     read_mean, own_mean = statistics.fmean(read), statistics.fmean(own)
     difference = own_mean - read_mean
-    share_line = limits.max_forward_cost * abs(read_mean)
+    scale = loss_scale(reference, read_mean)
+    share_line = limits.max_forward_cost * scale
     allowed = max(share_line, floor)
     cost = f"{difference:+.4g}"
     metrics["forward_cost_absolute"] = difference
     metrics["forward_cost_line"] = allowed
-    if read_mean:
-        metrics["forward_cost"] = difference / abs(read_mean)
+    if scale:
+        metrics["forward_cost"] = difference / scale
         if share_line > floor:
-            cost = f"{difference / abs(read_mean):+.2%} ({cost})"
+            cost = f"{difference / scale:+.2%} ({cost})"
     if math.isfinite(difference) and difference <= allowed:
         return []
     if not math.isfinite(difference):  # an fp32 read of +inf gave -inf: it passed (a hunt)
@@ -299,10 +323,11 @@ def _forward_cost_check(
             f"held-out loss read by the mode's forward ({own_mean:.5g}) or by fp32 from the same "
             f"trained weights ({read_mean:.5g}) is not finite"
         ]
+    of = "" if scale == abs(read_mean) else f" of how far the loss fell ({scale:.4g})"
     return [
         f"the mode's forward pass alone costs {cost} held-out loss ({own_mean:.5g} vs "
         f"{read_mean:.5g} for the same trained weights read in fp32), beyond {allowed:.3g} "
-        f"({limits.max_forward_cost * 100:.3g}%, at least the loss floor {floor:.3g}): a "
+        f"({limits.max_forward_cost * 100:.3g}%{of}, at least the loss floor {floor:.3g}): a "
         "precision floor that training longer does not remove"
     ]
 
@@ -421,7 +446,7 @@ def judge(
     reasons += state_rule_reasons(record, limits, metrics)
     reasons += outside_state_reasons(trial, reference)
     metrics["loss_floor_units"] = in_units = loss_floor_units(reference.record, limits)
-    reasons += _forward_cost_check(record, in_units, limits, metrics)
+    reasons += _forward_cost_check(record, reference.record, in_units, limits, metrics)
     reasons += _output_check(trial, reference, noise, paired, limits, metrics)
     if record.spec.mode == "amp_fp16":
         reasons += fp16_risks(record, reference, limits, metrics)
