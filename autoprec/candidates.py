@@ -232,9 +232,16 @@ def _parse_modes(modes: Sequence[str]) -> tuple[set[str], set[str]]:
     )
     if unknown:
         with_8bit = ", ".join(m + EIGHT_BIT_SUFFIX for m in EIGHT_BIT_MODES)
+        # a label copied from a report ("fp8_torchao+tensorwise"): name its mode (a hunt)
+        labels = {m: m.split("+")[0] for m in unknown if m.split("+")[0] in known}
+        hint = "".join(
+            f" {label!r} is a trial's label (its mode and knobs): pass its mode, {mode!r}, "
+            "whose variants are tried."
+            for label, mode in labels.items()
+        )
         raise ValueError(
             f"Unknown mode(s) {unknown}; modes: {', '.join(MODE_NAMES)}; with 8-bit optimizer "
-            f"states: {with_8bit}."
+            f"states: {with_8bit}.{hint}"
         )
     return plain, eight_bit
 

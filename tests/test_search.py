@@ -473,8 +473,12 @@ def test_candidates_restricted_and_unknown() -> None:
     restricted = candidate_specs(report, ["bf16_kahan", "tf32"])
     assert [s.label for s in restricted.specs][:2] == ["fp32", "bf16_kahan"]
     assert [s.spec.mode for s in restricted.skipped] == ["tf32"]
-    with pytest.raises(ValueError, match=r"Unknown mode\(s\) \['fp64'\]"):
+    with pytest.raises(ValueError, match=r"Unknown mode\(s\) \['fp64'\]") as raised:
         candidate_specs(report, ["fp64"])
+    assert "label" not in str(raised.value)
+    # a label copied from a report names its mode (found by a hunt)
+    with pytest.raises(ValueError, match="pass its mode, 'fp8_torchao', whose variants"):
+        candidate_specs(report, ["fp8_torchao+tensorwise+emulated"])
 
 
 def test_unopenable_storage_is_a_clear_error(tmp_path: Path) -> None:
