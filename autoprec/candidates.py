@@ -203,6 +203,18 @@ def with_user_keep_fp32(
 EIGHT_BIT_SUFFIX = "+8bit-optim"
 
 
+def _label_hint(label: str) -> str:
+    """What to pass for a trial's label copied from a report (``fp8_torchao+tensorwise``):
+    its mode, with ``+8bit-optim`` where the label holds it; ``compiled`` is ``compile=``'s
+    (a hunt, then a review: the first hint dropped the 8-bit states)."""
+    parts = label.split("+")
+    mode = parts[0] + (EIGHT_BIT_SUFFIX if EIGHT_BIT_SUFFIX.lstrip("+") in parts else "")
+    hint = f" {label!r} is a trial's label (its mode and knobs): pass {mode!r}"
+    if "compiled" in parts:
+        hint += ", and compile=True (CLI: --compile) for compiled runs"
+    return hint + "; tune() and check() try its variants themselves."
+
+
 def _parse_modes(modes: Sequence[str]) -> tuple[set[str], set[str]]:
     """(compute modes, modes wanted with 8-bit optimizer states) from canonical names and
     ``<mode>+8bit-optim`` labels."""
@@ -233,12 +245,7 @@ def _parse_modes(modes: Sequence[str]) -> tuple[set[str], set[str]]:
     if unknown:
         with_8bit = ", ".join(m + EIGHT_BIT_SUFFIX for m in EIGHT_BIT_MODES)
         # a label copied from a report ("fp8_torchao+tensorwise"): name its mode (a hunt)
-        labels = {m: m.split("+")[0] for m in unknown if m.split("+")[0] in known}
-        hint = "".join(
-            f" {label!r} is a trial's label (its mode and knobs): pass its mode, {mode!r}, "
-            "whose variants are tried."
-            for label, mode in labels.items()
-        )
+        hint = "".join(_label_hint(m) for m in unknown if m.split("+")[0] in known)
         raise ValueError(
             f"Unknown mode(s) {unknown}; modes: {', '.join(MODE_NAMES)}; with 8-bit optimizer "
             f"states: {with_8bit}.{hint}"

@@ -132,22 +132,25 @@ def loss_floor_units(reference: TrialRecord, thresholds: DriftThresholds) -> flo
     return max(thresholds.loss_floor_absolute, thresholds.loss_floor_start * start)
 
 
-def loss_scale(reference: TrialRecord, mean: float) -> float:
-    """What the loss checks' and the forward cost's shares are taken of: the loss's ``mean``,
-    or, for a loss the reference saw go negative, how far it came down from its first step.
-    A loss that goes negative has no meaningful zero (a continuous density's negative
-    log-likelihood, whose zero the data's units set; a loss with a constant subtracted), so
-    its mean is no scale: a normalizing flow whose held-out NLL sat at 0.017 in one choice of
-    units and at -0.149 in another 2% apart rejected amp_bf16 for "+3.81%" of the first and
-    passed it at +0.49% of the second, for the same cost of 0.0007 nats (found by a hunt). A
-    loss that never goes negative keeps its mean: an exact fit's falls to 0 for real, and a
-    precision floor there is a real cost (``loss_floor_start``)."""
-    seen = [*reference.losses, *reference.heldout_losses]
-    finite = [value for value in seen if math.isfinite(value)]
-    first = reference.losses[0] if reference.losses else math.nan
-    if finite and min(finite) < 0 and math.isfinite(first) and math.isfinite(mean):
-        return abs(first - mean)
-    return abs(mean)
+def loss_scale(reference: TrialRecord, mean: float, late_fraction: float) -> float:
+    """What the loss checks' and the forward cost's 1% shares are taken of: the loss's
+    ``mean``, or, for a loss the reference saw go negative, at least how far it fell (its
+    first ``late_fraction`` of training steps' mean against ``mean``). A loss that goes
+    negative has no meaningful zero (a density's negative log-likelihood, whose zero the data's
+    units set), so a mean near 0 is no scale: a normalizing flow whose held-out NLL sat at
+    0.017 in one choice of units rejected amp_bf16 for "+3.81%" and passed it at a mean of
+    -0.149 in units 2% apart, for the same cost of 0.0007 nats (found by a hunt). At least:
+    the fall alone collapsed on a loss that hardly moves in a trial (a review), so the mean
+    still counts. A loss that never goes negative keeps its mean: an exact fit's falls to 0
+    for real, and a precision floor there is a real cost (``loss_floor_start``)."""
+    level = abs(mean)
+    finite = [v for v in (*reference.losses, *reference.heldout_losses) if math.isfinite(v)]
+    if not finite or min(finite) >= 0 or not math.isfinite(mean):
+        return level
+    first = reference.losses[: max(1, int(len(reference.losses) * late_fraction))]
+    early = [v for v in first if math.isfinite(v)]
+    fell = abs(statistics.fmean(early) - mean) if early else 0.0
+    return max(level, fell)
 
 
 def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThresholds) -> float:
@@ -157,14 +160,18 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     if not ref:  # no held-out batches: the late training windows, averaged over their batches
         late = max(1, int(len(reference.record.losses) * thresholds.late_fraction))
         ref, other = reference.record.losses[-late:], noise.record.losses[-late:]
-        scale = loss_scale(reference.record, statistics.fmean(ref)) if ref else 0.0
+        scale = (
+            loss_scale(reference.record, statistics.fmean(ref), thresholds.late_fraction)
+            if ref
+            else 0.0
+        )
         floor = max(in_units, thresholds.loss_floor_relative * scale)
         # the noise run trains on another batch order: step-paired losses are of different
         # batches, so compare the windows' means, not their last losses
         if not ref or not other:
             return floor
         return max(floor, abs(statistics.fmean(other) - statistics.fmean(ref)))
-    scale = loss_scale(reference.record, statistics.fmean(ref))
+    scale = loss_scale(reference.record, statistics.fmean(ref), thresholds.late_fraction)
     floor = max(in_units, thresholds.loss_floor_relative * scale)
     if len(other) != len(ref):
         return floor
@@ -305,7 +312,7 @@ def _forward_cost_check(
         return []
     read_mean, own_mean = statistics.fmean(read), statistics.fmean(own)
     difference = own_mean - read_mean
-    scale = loss_scale(reference, read_mean)
+    scale = loss_scale(reference, read_mean, limits.late_fraction)
     share_line = limits.max_forward_cost * scale
     allowed = max(share_line, floor)
     cost = f"{difference:+.4g}"

@@ -27,7 +27,8 @@ class DriftThresholds(BaseModel):
     loss_floor_relative: float = Field(0.01, ge=0)
     """Noise floor of at least 1% of the reference loss: deterministic models have ~0 noise, and
     a gap below 1% after a short trial is not evidence of harm. For a loss the reference sees
-    go negative, 1% of how far it fell (``drift.loss_scale``): its zero means nothing."""
+    go negative, 1% of at least how far it fell (``drift.loss_scale``): its zero means
+    nothing."""
     loss_floor_start: float = Field(2**-48, ge=0)
     """...and of at least this share of the reference's first training loss: a floor for a loss
     that reaches 0 (an exact fit, a hinge), where 1% of it is nothing. Scale-free, as the
@@ -48,8 +49,9 @@ class DriftThresholds(BaseModel):
     loss_floor_absolute: float = Field(0.0, ge=0)
     """...and of at least this much in loss units: off by default. Set it for a loss whose
     mean is not its scale and never goes negative: one with a large positive constant (a
-    likelihood with its normaliser), whose 1% is wider than any harm. A loss that goes
-    negative is judged by how far it fell instead (``drift.loss_scale``)."""
+    likelihood with its normaliser), whose 1% is wider than any harm, or a small positive mean
+    with a constant subtracted. A loss that goes negative is judged by at least how far it
+    fell (``drift.loss_scale``)."""
     late_fraction: float = Field(0.25, gt=0, le=1)
     """The trial's "last part": the final quarter of steps, paired step by step (0.1 to 1: the
     same verdicts against the ground truth)."""

@@ -247,6 +247,8 @@ def schedule_points(
     momenta: list[tuple[float, ...]] | None,
     total_steps: int,
     floor_quantile: float = FLOOR_QUANTILE,
+    *,
+    floor_in_decay: bool = True,
 ) -> tuple[LrPoint, ...]:
     """The peak and, when it is below ``SEPARATE_FLOOR_BELOW`` of the peak, the floor
     (``floor_quantile`` of the steps with lr > 0) of a schedule read step by step.
@@ -274,7 +276,9 @@ def schedule_points(
     # more, so a step schedule whose lowest lr lasted exactly its last 10% was judged a step
     # earlier, at 10x that lr, or on its peak leg alone.
     rank = max(1, math.ceil(round(floor_quantile * len(ranked), 9)))
-    floor = _floor_step(ranked[rank - 1], peak, moving, lowest)
+    floor = ranked[rank - 1]
+    if floor_in_decay:  # False: the rule before 2026-11-29, to match profiles it wrote
+        floor = _floor_step(floor, peak, moving, lowest)
 
     def point(role: Literal["peak", "floor"], step: int) -> LrPoint:
         return LrPoint(

@@ -255,8 +255,13 @@ def _reference_hint(message: str, setup: RunSetup) -> str:
                 f"{sorted(batch)}. Pass loss_fn(output, batch) (CLI: --loss module:fn) or "
                 "train_step(plan, batch) -> loss."
             )
-    tupled = isinstance(batch, tuple | list) and len(batch) >= 2
-    if positional and tupled and recipe.loss_fn is not None and recipe.train_step is None:
+    nested = (
+        isinstance(batch, tuple | list)
+        and len(batch) >= 2
+        and any(isinstance(value, tuple | list) for value in batch[:-1])
+    )  # a flat batch's missing argument may be loss_fn's own, or a mask (a review)
+    missing = "positional argument" in message
+    if missing and nested and recipe.loss_fn is not None and recipe.train_step is None:
         # ((src, tgt_in), labels) called model((src, tgt_in)): the error named only the
         # missing argument (found by a hunt, on a seq2seq model)
         inputs = ", ".join(_shape_of(value) for value in batch[:-1])

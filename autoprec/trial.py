@@ -146,7 +146,9 @@ def _fp32_reader(inputs: _TrialInputs, plan: PrecisionPlan) -> PrecisionPlan | N
     Built before the mode's held-out pass, which calls your ``train_step`` or forward again
     and may move a buffer (a running baseline, a target's mean): built after it, the two reads
     started from different state, and amp_bf16 read "+40.9%" with a running mean moved in
-    eval mode (found by a hunt). None for fp32, where the mode's weights do not map back onto
+    eval mode (found by a hunt). State a ``train_step`` keeps outside the model (a closure's
+    baseline) is not the model's: it still moves between the two reads (a review). None for
+    fp32, where the mode's weights do not map back onto
     the user's model (a module swap that renames parameters), and where the extra copy does not
     fit in memory: the trial itself is not failed for it."""
     if inputs.spec.mode == "fp32" or not inputs.heldout:

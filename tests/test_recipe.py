@@ -202,6 +202,48 @@ def test_a_one_cycle_floor_is_read_in_its_decay_and_an_old_warmup_floor_still_ma
             assert bool(found) == warned, (proven.lr_points, options, found)
 
 
+def test_a_profile_whose_floor_the_earlier_rule_read_matches_its_own_schedule() -> None:
+    """A head frozen (lr 0) for its first 50 steps beside a warmed-up backbone: the rule before
+    2026-11-29 read the floor at warm-up step 9 (the head at 0 there), today's at step 1810.
+    The profile the earlier rule wrote warned of its own schedule (a review); it now matches,
+    and a steeper decay still warns."""
+    from autoprec.recipe import schedule_points, step_schedule
+    from autoprec.recipe_match import recipe_differences
+
+    def warmup_linear(step: int) -> float:
+        return (step + 1) / 100 if step < 100 else (2000 - step) / 1900
+
+    def frozen_first(step: int) -> float:
+        return 0.0 if step < 50 else warmup_linear(step)
+
+    def two_groups(params: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        return torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    recipe = TrainingRecipe(
+        optimizer=two_groups,
+        scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, [warmup_linear, frozen_first]),
+        total_steps=2000,
+    )
+    optimizer = recipe.make_optimizer(model, model)
+    lrs, _ = step_schedule(optimizer, recipe.make_scheduler(optimizer), 2000)
+    earlier = schedule_points(lrs, None, 2000, floor_in_decay=False)
+    assert earlier[1].schedule_step < 100 < recipe.lr_points(model)[1].schedule_step
+    old = recipe.summary(model).model_copy(update={"lr_points": earlier})
+    for steeper, warned in ((1.0, False), (3.0, True)):
+        optimizer = two_groups(model.parameters())
+        factors = [
+            lambda s, power=steeper: warmup_linear(s) ** power,
+            lambda s, power=steeper: frozen_first(s) ** power,
+        ]
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+        found = recipe_differences(
+            old, optimizer, schedule, grad_accumulation_steps=1, clip_grad_norm=None
+        )
+        assert bool(found) == warned, found
+
+
 def _at_steps(recipe: TrainingRecipe, model: nn.Module, points: tuple) -> tuple:
     """``points`` with the lrs and momenta ``recipe``'s schedule sets at their steps."""
     from autoprec.recipe import step_schedule

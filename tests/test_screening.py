@@ -1364,6 +1364,17 @@ def test_a_nested_tuple_batch_is_told_how_the_model_was_called() -> None:
     assert "called model((Tensor(4, 8), Tensor(4, 8))) with all but the last" in said
     assert "flat (input, ..., target) tuples" in said and "batches fit the model" not in said
     flat = [(src, tgt, y) for (src, tgt), y in batches]  # as the message says: it runs
+    # a flat batch whose loss_fn misses an argument is not told to flatten it (a review)
+
+    def weighted(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (weight * (output - target) ** 2).mean()
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return weighted(output, target)  # type: ignore[call-arg]  # the user's slip
+
+    with pytest.raises(ValueError, match=r"missing 1 required positional") as raised:
+        autoprec.check(TwoInputs(), flat, steps=4, loss_fn=loss_fn, modes=["amp_bf16"])
+    assert "a tuple batch is (*inputs, target)" not in str(raised.value)
     report = autoprec.check(
         TwoInputs(), flat, steps=4, loss_fn=torch.nn.functional.mse_loss, modes=["amp_bf16"]
     )

@@ -1002,14 +1002,17 @@ def test_cpu_trial_counts_a_batch_sliced_from_the_data_set_by_the_slice_alone() 
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         loss_fn=lambda output, target: (output - target).pow(2).mean(),
     )
+    # feature-major data cut by columns: each batch spans nearly the whole tensor (a review)
+    by_columns = data.T.contiguous().split(8, dim=1)[:4]
+    columns = [(x.T, y) for x, (_, y) in zip(by_columns, sliced, strict=True)]
     counts = [
         run_trial(
             ModeSpec(mode="fp32"), Fused(), batches, recipe=recipe, steps=4
         ).record.activation_bytes
-        for batches in (sliced, cloned)
+        for batches in (sliced, columns, cloned)
     ]
     # x for the weight's gradient (1024 B), relu's output and the difference it squares
-    assert counts == [1024 + 2048 + 2048] * 2
+    assert counts == [1024 + 2048 + 2048] * 3
 
     class SavesAChunk(Fused):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
