@@ -157,8 +157,7 @@ def _schedule_differences(
             carried = any(point.momenta is not None for point in proven)
             varying = momenta if carried or any(m != momenta[0] for m in momenta) else None
             applied = schedule_points(lrs, varying, length)  # type: ignore[arg-type]
-            earlier = schedule_points(lrs, varying, length, floor_in_decay=False)  # type: ignore[arg-type]
-            if not _same_points(proven, applied) and _same_points(proven, earlier):
+            if not _same_points(proven, applied) and _read_earlier(proven, lrs, varying, length):
                 return found  # a profile whose floor the rule before 2026-11-29 read (a review)
             if not _same_points(proven, applied) and (varying is None or carried):
                 # a profile whose floor an earlier rule chose (step 179 of 200, today's 180):
@@ -185,6 +184,17 @@ def _schedule_differences(
         return found
     reached = "; ".join(point.describe() for point in applied)
     return [*found, f"learning rates: proven at {shown}; the applied schedule reaches {reached}"]
+
+
+def _read_earlier(
+    proven: tuple[LrPoint, ...],
+    lrs: list[tuple[float, ...]],
+    momenta: list[tuple[float, ...]] | None,
+    length: int,
+) -> bool:
+    """Whether the rule before 2026-11-29, which read a floor in a warm-up, reads ``proven``
+    from the applied schedule: a profile it wrote matches its own schedule."""
+    return _same_points(proven, schedule_points(lrs, momenta, length, floor_in_decay=False))
 
 
 def _schedule_position(scheduler: Any) -> int:

@@ -261,15 +261,16 @@ class SavedForBackward:
         self._parameters = {_saved_key(p) for p in model.parameters()}
         self._inputs = {_saved_key(tensor) for tensor in inputs}
         self._saved: dict[object, int] = {}
-        self._spans: dict[object, list[tuple[int, int]]] = {}
-        self._views: dict[object, dict[tuple[object, ...], int]] = {}
+        # per batch storage, each distinct view: (the bytes it spans, its own elements')
+        self._views: dict[object, dict[tuple[object, ...], tuple[tuple[int, int], int]]] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _saved_key(tensor)
         if key in self._inputs:
-            self._spans.setdefault(key, []).append(_byte_span(tensor))
-            view = (_offset(tensor), tuple(tensor.shape), tuple(tensor.stride()))
-            self._views.setdefault(key, {})[view] = tensor.numel() * tensor.element_size()
+            span = _byte_span(tensor)
+            view = (span[0], tuple(tensor.shape), tuple(tensor.stride()))
+            own = tensor.numel() * tensor.element_size()
+            self._views.setdefault(key, {})[view] = (span, own)
         elif key not in self._parameters:
             self._saved[key] = _storage_bytes(tensor)
         return tensor
@@ -281,8 +282,8 @@ class SavedForBackward:
     @property
     def bytes(self) -> int:
         spanned = sum(
-            min(_union_length(spans), sum(self._views[key].values()))
-            for key, spans in self._spans.items()
+            min(_union_length([span for span, _ in views]), sum(own for _, own in views))
+            for views in (list(each.values()) for each in self._views.values())
         )
         return sum(self._saved.values()) + spanned
 
@@ -291,13 +292,6 @@ def _saved_key(tensor: torch.Tensor) -> object:
     """The tensor's storage; a wrapper subclass (FP8) without one counts by identity."""
     key = storage_key(tensor)
     return ("tensor", id(tensor)) if key is None else key
-
-
-def _offset(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor.storage_offset()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
