@@ -245,33 +245,24 @@ def state_bytes(plan: PrecisionPlan) -> StateBytes:
 
 class SavedForBackward:
     """Counts the bytes autograd saves for backward during a forward pass (saved-tensor hooks
-    see every saved tensor, exactly): each storage once, the parameters' own left out (they
-    are state, counted in :class:`StateBytes`). An autocast copy of a weight is counted: it
-    is held until backward. A saved view holds its whole storage (a chunk of a fused
-    projection keeps the projection), except a view of the batch's own tensors (``inputs``):
-    those count the bytes the views span, or their own elements' bytes where those are fewer
-    (a column slice ``X[:, i : i + B]`` spans nearly the whole data set: a review). A batch
-    sliced from one tensor of the whole data
-    set (``X[i : i + B]``, ``X.split(B)``), saved as it is by fp32's first Linear, counted the
-    data set, which the trial does not hold, and every autocast mode, which saves a copy of
-    the slice, read a 94% saving where 19% was real (found by a hunt, on a contrastive
-    encoder)."""
+    see every saved tensor, exactly): each storage once, what every mode holds anyway left
+    out: the parameters (state, counted in :class:`StateBytes`), the model's buffers and the
+    batch's own tensors (``inputs``; a training loop holds its batch through backward). A
+    copy is counted: an autocast copy of a weight, a buffer or the batch is held until
+    backward. Counting the batch a first Linear saves as it is counted a batch sliced from one
+    tensor of the data set as the whole data set (found by a hunt: amp_bf16 read a 94% saving
+    where 19% was real), and its spans alone still credited autocast, whose bf16 copy of the
+    batch is new memory, with halving it: on a Linear(4096, 4) fp32 holds nothing beyond the
+    batch and bf16_sr a 4 MiB copy, and the memory objective chose bf16_sr (a hunt)."""
 
     def __init__(self, model: nn.Module, inputs: Iterable[torch.Tensor] = ()) -> None:
-        self._parameters = {_saved_key(p) for p in model.parameters()}
-        self._inputs = {_saved_key(tensor) for tensor in inputs}
+        held = [*model.parameters(), *model.buffers(), *inputs]
+        self._held = {_saved_key(tensor) for tensor in held}
         self._saved: dict[object, int] = {}
-        # per batch storage, each distinct view: (the bytes it spans, its own elements')
-        self._views: dict[object, dict[tuple[object, ...], tuple[tuple[int, int], int]]] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _saved_key(tensor)
-        if key in self._inputs:
-            span = _byte_span(tensor)
-            view = (span[0], tuple(tensor.shape), tuple(tensor.stride()))
-            own = tensor.numel() * tensor.element_size()
-            self._views.setdefault(key, {})[view] = (span, own)
-        elif key not in self._parameters:
+        if key not in self._held:
             self._saved[key] = _storage_bytes(tensor)
         return tensor
 
@@ -281,11 +272,7 @@ class SavedForBackward:
 
     @property
     def bytes(self) -> int:
-        spanned = sum(
-            min(_union_length([span for span, _ in views]), sum(own for _, own in views))
-            for views in (list(each.values()) for each in self._views.values())
-        )
-        return sum(self._saved.values()) + spanned
+        return sum(self._saved.values())
 
 
 def _saved_key(tensor: torch.Tensor) -> object:
@@ -294,39 +281,11 @@ def _saved_key(tensor: torch.Tensor) -> object:
     return ("tensor", id(tensor)) if key is None else key
 
 
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``tensor`` reaches in its storage, [first, past the last): its offset, and
-    one element plus each dimension's last step along its stride. A tensor without a storage
-    (a wrapper subclass) spans its own elements."""
-    size = tensor.element_size()
-    try:
-        start = tensor.storage_offset() * size
-    except (RuntimeError, NotImplementedError):
-        return 0, tensor.numel() * size
-    if tensor.numel() == 0:
-        return start, start
-    reach = sum((n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride(), strict=True))
-    return start, start + (reach + 1) * size
-
-
 def _storage_bytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return tensor.numel() * tensor.element_size()
-
-
-def _union_length(spans: list[tuple[int, int]]) -> int:
-    """How many bytes the spans cover together (two views of one storage: a byte once)."""
-    covered, end = 0, None
-    for first, last in sorted(spans):
-        if end is None or first >= end:
-            covered += last - first
-            end = last
-        elif last > end:
-            covered += last - end
-            end = last
-    return covered
 
 
 def rss_bytes() -> int | None:

@@ -962,65 +962,65 @@ def test_trial_copies_do_not_run_the_users_compiled_forward() -> None:
 
 def test_cpu_trial_counts_the_bytes_saved_for_backward_exactly() -> None:
     """x (8x32) -> Linear without bias -> ReLU -> squared error: autograd keeps x for the
-    weight's gradient (1024 B), ReLU's output (2048 B) and the difference it squares
-    (2048 B); the weight itself is state, not an activation."""
+    weight's gradient, ReLU's output (2048 B) and the difference it squares (2048 B). x is
+    the batch's, held through backward in any loop, and the weight is state: neither is an
+    activation. amp_bf16 saves a bf16 copy of x (512 B): new memory, counted."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU())
     batches = [(torch.randn(8, 32), torch.randn(8, 64)) for _ in range(4)]
     recipe = TrainingRecipe(
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        loss_fn=lambda output, target: (output - target).pow(2).mean(),
+        loss_fn=lambda output, target: (output.float() - target).pow(2).mean(),
     )
     record = run_trial(ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=4).record
-    assert record.activation_bytes == 1024 + 2048 + 2048
+    assert record.activation_bytes == 2048 + 2048
     double = [(torch.cat([x, x]), torch.cat([y, y])) for x, y in batches]
     assert run_trial(
         ModeSpec(mode="fp32"), model, double, recipe=recipe, steps=4
-    ).record.activation_bytes == 2 * (1024 + 2048 + 2048)
+    ).record.activation_bytes == 2 * (2048 + 2048)
+    amp = run_trial(ModeSpec(mode="amp_bf16"), model, batches, recipe=recipe, steps=4).record
+    # x's bf16 copy (the weight's gradient; x needs none, so the weight's copy is not
+    # saved), ReLU's bf16 output, the fp32 difference
+    assert amp.activation_bytes == 512 + 1024 + 2048
 
 
-def test_cpu_trial_counts_a_batch_sliced_from_the_data_set_by_the_slice_alone() -> None:
-    """Batches sliced from one tensor of the whole data set (``X.split(B)``) count what the
-    slices span, as cloned batches do: the whole storage made fp32's saved input read as the
-    data set (found by a hunt). A saved chunk of the model's own output still holds its whole
-    storage: ``chunk`` keeps the fused projection alive until backward."""
+def test_cpu_trial_leaves_the_batch_and_buffers_out_of_saved_bytes_however_sliced() -> None:
+    """A batch sliced from one tensor of the data set, by rows or by columns, counts as a
+    cloned one: fp32's first Linear saves the batch as it is, which every loop holds anyway.
+    Counted, the whole data set read as activations (a hunt), then its span still credited
+    autocast, whose bf16 copy is new memory, with a saving (a hunt). A buffer is state too.
+    A saved chunk of the model's own output holds its whole storage: ``chunk`` keeps the fused
+    projection alive until backward."""
 
     class Fused(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.qkv = nn.Linear(32, 3 * 64, bias=False)
+            self.register_buffer("mix", torch.eye(64))  # 16 KiB, saved by the matmul: state
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            q, _k, _v = self.qkv(x).chunk(3, dim=-1)
-            return q.relu()  # relu saves its output: a fresh (8, 64) tensor
+            q, k, _v = self.qkv(x).chunk(3, dim=-1)
+            return ((q * k) @ self.mix).relu()  # mul saves q and k; relu its output
 
     torch.manual_seed(0)
     data, targets = torch.randn(400 * 8, 32), torch.randn(400 * 8, 64)
     sliced = list(zip(data.split(8)[:4], targets.split(8)[:4], strict=True))
     cloned = [(x.clone(), y.clone()) for x, y in sliced]
+    by_columns = data.T.contiguous().split(8, dim=1)[:4]
+    columns = [(x.T, y) for x, (_, y) in zip(by_columns, sliced, strict=True)]
     recipe = TrainingRecipe(
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         loss_fn=lambda output, target: (output - target).pow(2).mean(),
     )
-    # feature-major data cut by columns: each batch spans nearly the whole tensor (a review)
-    by_columns = data.T.contiguous().split(8, dim=1)[:4]
-    columns = [(x.T, y) for x, (_, y) in zip(by_columns, sliced, strict=True)]
     counts = [
         run_trial(
             ModeSpec(mode="fp32"), Fused(), batches, recipe=recipe, steps=4
         ).record.activation_bytes
         for batches in (sliced, columns, cloned)
     ]
-    # x for the weight's gradient (1024 B), relu's output and the difference it squares
-    assert counts == [1024 + 2048 + 2048] * 3
-
-    class SavesAChunk(Fused):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            q, k, _v = self.qkv(x).chunk(3, dim=-1)
-            return q * k  # mul saves q and k: views of the (8, 192) projection
-
-    saved = run_trial(ModeSpec(mode="fp32"), SavesAChunk(), cloned, recipe=recipe, steps=4)
-    assert saved.record.activation_bytes == 1024 + 6144 + 2048
+    # relu's output, the difference it squares; q and k (chunks of the (8, 192) projection)
+    # hold the projection (6144 B); the buffer, 16384 B, is not counted
+    assert counts == [2048 + 2048 + 6144] * 3
 
 
 def test_the_fp32_read_of_the_trained_weights_starts_from_the_state_training_left() -> None:
