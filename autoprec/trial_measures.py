@@ -259,20 +259,27 @@ class SavedForBackward:
         held = [*model.parameters(), *model.buffers(), *inputs]
         self._held = {_saved_key(tensor) for tensor in held}
         self._saved: dict[object, int] = {}
+        self._live = self._peak = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _saved_key(tensor)
-        if key not in self._held:
+        if key not in self._held and key not in self._saved:
             self._saved[key] = _storage_bytes(tensor)
+            self._live += self._saved[key]
+            self._peak = max(self._peak, self._live)
         return tensor
 
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A saved tensor read by backward, which frees it after: a ``train_step`` running
+        its own backward between two forwards (a GAN's, SAM's) holds one pass's at a time,
+        and the two were summed (a hunt)."""
+        self._live -= self._saved.pop(_saved_key(tensor), 0)
         return tensor
 
     @property
     def bytes(self) -> int:
-        return sum(self._saved.values())
+        """The most held at once."""
+        return self._peak
 
 
 def _saved_key(tensor: torch.Tensor) -> object:

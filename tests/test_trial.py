@@ -984,6 +984,41 @@ def test_cpu_trial_counts_the_bytes_saved_for_backward_exactly() -> None:
     assert amp.activation_bytes == 512 + 1024 + 2048
 
 
+def test_a_train_step_with_its_own_backward_counts_the_saved_bytes_held_at_once() -> None:
+    """A train_step running its own backward between two forwards (a GAN's, SAM's): the first
+    pass's saved tensors are freed before the second's are saved, and the two were summed
+    (found by a hunt). The count is the most held at once: here the first pass's."""
+
+    def one_pass(plan: autoprec.PrecisionPlan, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        with plan.autocast():
+            return (plan.model(x) - y).pow(2).mean()
+
+    def two_passes(plan: autoprec.PrecisionPlan, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        with plan.autocast():
+            first = (plan.model(x + 0.01) - y).pow(2).mean()  # x + 0.01 is saved: 1024 B
+        plan.backward(first)
+        return one_pass(plan, batch)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU())
+    batches = [(torch.randn(8, 32), torch.randn(8, 64)) for _ in range(4)]
+    counts = [
+        run_trial(
+            ModeSpec(mode="fp32"),
+            model,
+            batches,
+            recipe=TrainingRecipe(
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1), train_step=step
+            ),
+            steps=4,
+        ).record.activation_bytes
+        for step in (one_pass, two_passes)
+    ]
+    assert counts == [2048 + 2048, 1024 + 2048 + 2048]  # not 2 x 4096 + 1024
+
+
 def test_cpu_trial_leaves_the_batch_and_buffers_out_of_saved_bytes_however_sliced() -> None:
     """A batch sliced from one tensor of the data set, by rows or by columns, counts as a
     cloned one: fp32's first Linear saves the batch as it is, which every loop holds anyway.
