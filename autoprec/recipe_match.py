@@ -157,9 +157,10 @@ def _schedule_differences(
             carried = any(point.momenta is not None for point in proven)
             varying = momenta if carried or any(m != momenta[0] for m in momenta) else None
             applied = schedule_points(lrs, varying, length)  # type: ignore[arg-type]
-            if not _same_points(proven, applied) and _read_earlier(proven, lrs, varying, length):
+            differs = not _same_points(proven, applied)
+            if differs and _read_earlier(proven, lrs, varying, length):
                 return found  # a profile whose floor the rule before 2026-11-29 read (a review)
-            if not _same_points(proven, applied) and (varying is None or carried):
+            if differs and (varying is None or carried):
                 # a profile whose floor an earlier rule chose (step 179 of 200, today's 180):
                 # the same schedule sets the proven lrs at the proven steps (found by a hunt:
                 # every profile written before 2026-11-28 warned of its own schedule); not a
