@@ -59,6 +59,18 @@ FP8_SHAPE_HINT = (
     "batch (DataLoader(drop_last=True)), or pass FP8 over)"
 )
 
+_LOW_PRECISION_KERNEL_ERRORS = re.compile(
+    r"Unsupported dtype (BFloat16|Half)|not implemented for '(BFloat16|Half)'"
+)
+"""torch's errors for an op that has no kernel for bf16 or fp16 tensors on this device:
+``torch.fft.rfft`` on bf16 on our CPUs ("Unsupported dtype BFloat16"), and kernels
+dispatched by dtype ("\"addmm_impl_cpu_\" not implemented for 'Half'")."""
+LOW_PRECISION_KERNEL_HINT = (
+    " (an op in your model has no kernel for the low-precision tensors this mode hands it: "
+    "keep the module that calls it in fp32 (keep_fp32=['name'], --keep-fp32 name), or cast "
+    "around the op (op(x.float()).to(x.dtype)))"
+)
+
 
 def failure_of(error: Exception, step: int | None) -> TrialFailure:
     """The failure ``error`` raised at ``step`` (None: before training) records."""
@@ -78,6 +90,8 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
         message = f"torch.compile failed: {message} (run this mode eager: compile=False)"
     if _FP8_SHAPE_ERRORS.search(message):
         message += FP8_SHAPE_HINT
+    elif _LOW_PRECISION_KERNEL_ERRORS.search(message):
+        message += LOW_PRECISION_KERNEL_HINT
     frames = traceback.extract_tb(error.__traceback__)
     return TrialFailure(
         kind=kind,

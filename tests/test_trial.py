@@ -1390,6 +1390,41 @@ def test_an_fp8_shape_failure_says_what_to_do(raised: str) -> None:
     )
 
 
+class _Spectral(nn.Module):
+    """A Fourier layer as an FNO writes it: FFT of its input, no cast around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(torch.fft.irfft(torch.fft.rfft(x, dim=-1) * 0.5, n=16, dim=-1))
+
+
+def test_an_op_without_a_bf16_kernel_names_keep_fp32_and_keep_fp32_runs_it() -> None:
+    # a hunt: pure bf16 on an FNO failed with torch's bare "Unsupported dtype BFloat16"
+    try:
+        torch.fft.rfft(torch.ones(4, dtype=torch.bfloat16))
+        pytest.skip("this torch has a bf16 FFT kernel on this CPU")
+    except RuntimeError:
+        pass
+    from autoprec.trial_failures import LOW_PRECISION_KERNEL_HINT, failure_of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _Spectral(), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(4)]
+    screen = {"loss_fn": nn.functional.mse_loss, "modes": ["bf16_sr"], "steps": 4}
+    failed = autoprec.check(model, data, optimizer=optimizer, **screen).verdicts[0]
+    assert failed.status == "failed"
+    assert "Unsupported dtype BFloat16" in failed.reasons[0]
+    assert LOW_PRECISION_KERNEL_HINT in failed.reasons[0]
+    kept = autoprec.check(model, data, optimizer=optimizer, keep_fp32=["1"], **screen)
+    assert kept.verdicts[0].status != "failed", kept.verdicts[0].reasons
+    other = failure_of(RuntimeError("CUDA error: illegal access"), 0)
+    assert LOW_PRECISION_KERNEL_HINT not in other.message
+
+
 def test_stochastic_rounding_draws_from_the_seed_torch_was_given() -> None:
     # its own stream was always seeded 0: every run seed rounded with the same noise
     from autoprec.stochastic_optim import StochasticAdamW
