@@ -204,6 +204,8 @@ _UNFIT_CAUSES = {
     "cannot take",
     "swap_drops": "with a forward, methods, tensors, attributes or hooks of its own (a LoRA "
     "Linear), which a swap would drop",
+    "under_transform": "called under torch.vmap or another torch.func transform, where FP8 "
+    "swaps cannot run",
 }
 """``LinearInfo`` flags that keep a Linear out of FP8 whatever its dimensions, as said."""
 

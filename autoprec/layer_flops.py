@@ -65,6 +65,9 @@ class FlopAttribution(TorchDispatchMode):
         self.autocast_at: str | None = None
         """The autocast the forward enters itself, where it was first seen
         (``autoprec.own_autocast``); None: none."""
+        self.under_transform: dict[str, None] = {}
+        """Linears called under ``torch.vmap`` or another ``torch.func`` transform (an ordered
+        set): FP8 module swaps cannot run there."""
 
     def reset(self) -> None:
         """Forget what a failed forward counted, before another runs."""
@@ -74,6 +77,7 @@ class FlopAttribution(TorchDispatchMode):
         self.raw_params.clear()
         self.compute_order.clear()
         self.autocast_at = None
+        self.under_transform.clear()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -137,6 +141,8 @@ class FlopAttribution(TorchDispatchMode):
                 self.stack.append((fqn, kind))
                 if kind in ("linear", "conv", "embedding"):
                     self.compute_order[fqn] = None
+                if kind == "linear" and torch._C._functorch.maybe_current_level() is not None:
+                    self.under_transform[fqn] = None
 
             def pop(_module: nn.Module, _args: Any, _out: Any) -> None:
                 self.stack.pop()

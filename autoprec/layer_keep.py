@@ -70,7 +70,10 @@ def loaded_in_low_precision(module: nn.Module) -> bool:
 
 
 def default_keep_fp32(
-    model: nn.Module, compute_order: list[str], running: tuple[str, ...] = ()
+    model: nn.Module,
+    compute_order: list[str],
+    running: tuple[str, ...] = (),
+    under_transform: tuple[str, ...] = (),
 ) -> tuple[KeepFp32, ...]:
     keep: dict[str, str] = {}
     compute_layers = compute_order or [
@@ -99,6 +102,12 @@ def default_keep_fp32(
     elif matmul_layers:
         keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
         keep.setdefault(matmul_layers[-1], "last layer: produces the outputs the loss sees")
+    for fqn in under_transform:
+        keep.setdefault(
+            fqn,
+            "Linear called under torch.vmap or another torch.func transform: FP8 module "
+            "swaps cannot run there (their autograd function has no rule for it)",
+        )
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) and computes_weight(module):
             keep.setdefault(

@@ -46,6 +46,11 @@ class LinearInfo(BaseModel):
     """An FP8 swap would drop part of it: a subclass's own forward or methods, tensors beside
     weight and bias, public attributes, or hooks (not compatible;
     ``layer_kinds.swap_would_drop``)."""
+    under_transform: bool = False
+    """The scan's forward called it under ``torch.vmap`` or another ``torch.func`` transform
+    (an ensemble, a per-element network): an FP8 swap's autograd function has no rule for
+    them ("it must override the setup_context staticmethod") and the trial failed at its
+    first step (found by a hunt). Not compatible."""
     already_fp8: bool = False
     """Already an FP8 module (torchao's Float8Linear, converted before autoprec saw it)."""
     fp8_worthwhile: bool

@@ -136,7 +136,8 @@ def _linear_infos(model: nn.Module, attribution: FlopAttribution | None) -> tupl
         if module_kind(module) != "linear":
             continue
         dims = linear_dims(module)
-        compatible = fp8_linear_fits(module)
+        transformed = attribution is not None and fqn in attribution.under_transform
+        compatible = fp8_linear_fits(module) and not transformed
         infos.append(
             LinearInfo(
                 fqn=fqn,
@@ -150,6 +151,7 @@ def _linear_infos(model: nn.Module, attribution: FlopAttribution | None) -> tupl
                 computed_weight=computes_weight(module),
                 swap_drops=swap_would_drop(module) is not None,
                 already_fp8=is_fp8_linear(module),
+                under_transform=transformed,
             )
         )
     return tuple(infos)
@@ -220,7 +222,9 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         linears=linears,
         fp8_eligible_flop_share=fraction(eligible_flops, forward_flops or 0) if ran else None,
         raw_param_matmuls=tuple(attribution.raw_params),
-        keep_fp32=default_keep_fp32(model, list(attribution.compute_order), running),
+        keep_fp32=default_keep_fp32(
+            model, list(attribution.compute_order), running, tuple(attribution.under_transform)
+        ),
         findings=(),
         complex_parameters=tuple(
             fqn for fqn, p in named_parameters.items() if p.requires_grad and p.is_complex()

@@ -8,7 +8,7 @@ import contextlib
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autoprec._files import check_writable
+from autoprec._wording import first_names
 from autoprec.batching import (
     MAIN_INPUT_RANKS,
     as_plain,
@@ -398,17 +399,54 @@ def checked_keep_fp32(model: nn.Module, keep_fp32: Any) -> tuple[str, ...]:
     return tuple(sorted(dict.fromkeys(patterns)))  # in any order: the same study (a hunt)
 
 
-def _refuse_keeping_everything(model: nn.Module, patterns: tuple[str, ...]) -> None:
-    """Patterns that keep every trainable parameter in fp32 (``*``) leave nothing in lower
-    precision: every mode would be the fp32 reference under another name, called safe."""
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+def _refuse_meta(model: nn.Module) -> None:
+    """Parameters on the meta device (shapes without values) cannot train. Where only some are
+    (a ``torch.func`` ensemble's template registered as a submodule beside the stacked real
+    weights), the message names them, and ``to_empty()``, which would overwrite the real
+    weights with uninitialised memory, is not the advice (found by a hunt)."""
+    parameters = dict(model.named_parameters())
+    meta = [name for name, p in parameters.items() if p.is_meta]
+    if not meta:
+        return
+    if len(meta) == len(parameters):
+        raise ValueError(
+            "The model's parameters are on the meta device (shapes without values): nothing "
+            "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
+            "initialize it or load a checkpoint."
+        )
+    raise ValueError(
+        f"{len(meta)} of the model's {len(parameters)} parameters are on the meta device "
+        f"(shapes without values): {first_names(meta)}. A meta template for torch.func "
+        "(functional_call over stacked weights) registered as a submodule is one: keep it out "
+        "of the model's submodules (e.g. in a plain list or a non-Module attribute), or "
+        "materialize those parameters; the others hold values and are left as they are."
+    )
+
+
+def keeps_every_trainable(
+    model: nn.Module, patterns: Sequence[str], frozen_too: bool = False
+) -> bool:
+    """Whether keep_fp32 ``patterns`` keep every trainable parameter of ``model`` (with
+    ``frozen_too``, every floating-point one) in fp32 (a parameter is kept when a module that
+    owns it is; the root's own are never kept)."""
+    trainable = [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad or (frozen_too and p.is_floating_point())
+    ]
 
     def kept(name: str) -> bool:
         parts = name.split(".")[:-1]
         owners = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
-        return any(matches_keep_fp32(owner, patterns) for owner in owners)
+        return any(matches_keep_fp32(owner, tuple(patterns)) for owner in owners)
 
-    if trainable and all(kept(name) for name in trainable):
+    return bool(trainable) and all(kept(name) for name in trainable)
+
+
+def _refuse_keeping_everything(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Patterns that keep every trainable parameter in fp32 (``*``) leave nothing in lower
+    precision: every mode would be the fp32 reference under another name, called safe."""
+    if keeps_every_trainable(model, patterns):
         raise ValueError(
             f"keep_fp32 {list(patterns)} keeps every trainable parameter of "
             f"{type(model).__name__} in fp32: no mode would lower the precision of anything, "
@@ -517,12 +555,7 @@ def check_model(model: Any) -> None:
             "reference would never move. Unfreeze the parameters your run trains."
         )
     refuse_lazy(model)
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(
-            "The model's parameters are on the meta device (shapes without values): nothing "
-            "can train. Materialize it first, e.g. model.to_empty(device='cpu') and then "
-            "initialize it or load a checkpoint."
-        )
+    _refuse_meta(model)
     found = non_fp32_weights(model)
     if found is not None:
         raise ValueError(

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from autoprec._wording import first_names
 from autoprec.batching import (
     EvalFn,
     FreshBatches,
@@ -48,7 +49,7 @@ from autoprec.recipe import (
     refuse_wrong_arity,
     scheduled_lr_note,
 )
-from autoprec.run_inputs import MAX_BATCHES, check_seed, collect_batches
+from autoprec.run_inputs import MAX_BATCHES, check_seed, collect_batches, keeps_every_trainable
 from autoprec.search import make_stop_check
 from autoprec.search_events import EventSink, SearchEvent
 from autoprec.specs import ModeSpec
@@ -642,6 +643,32 @@ def _without_untranslatable(
     return candidates.model_copy(update={"specs": tuple(kept), "skipped": tuple(skipped)})
 
 
+def _without_lowering_nothing(candidates: CandidateList, model: nn.Module) -> CandidateList:
+    """Move the pure-bf16 candidates whose keep-list (the probe's norms and embeddings, and
+    the user's ``keep_fp32``) holds every parameter to the skipped, with the reason (a frozen
+    Linear outside it computes in bf16: not fp32 under another name, a review):
+    on an embedding-only model (matrix factorisation, a recommender of lookups) they put
+    nothing in bf16, and were called safe and chosen by tune() for timing noise on the same
+    fp32 work (found by a hunt: "3.2x faster")."""
+    kept, skipped = [], list(candidates.skipped)
+    for spec in candidates.specs:
+        if not spec.mode.startswith("bf16") or not keeps_every_trainable(
+            model, spec.keep_fp32, frozen_too=True
+        ):
+            kept.append(spec)
+            continue
+        same = "fp32+8bit-optim" if spec.optimizer_bits == 8 else "fp32"
+        kept_names = first_names(spec.keep_fp32)
+        reason = (
+            f"it would put nothing in bf16: the modules it keeps in fp32 ({kept_names}) hold "
+            f"every parameter of {type(model).__name__} (pure bf16 keeps norms and "
+            f"embeddings in fp32, and your keep_fp32), so it would train as {same} under "
+            "another name"
+        )
+        skipped.append(Skipped(spec=spec, reasons=(reason,)))
+    return candidates.model_copy(update={"specs": tuple(kept), "skipped": tuple(skipped)})
+
+
 def _already_on(model: nn.Module, device: str | int | None) -> bool:
     """Whether the trials can run on ``model`` where it is: no ``device=``, or the one it is on.
     ``device="cpu"`` for a model on the CPU held a second copy through the whole run (found by
@@ -700,6 +727,7 @@ def setup_run(
     )
     candidates = (select or _tune_candidates)(report, situation, modes)
     candidates = with_user_keep_fp32(candidates, shared.get("keep_fp32", ()), report)
+    candidates = _without_lowering_nothing(candidates, model)
     candidates = _without_untranslatable(candidates, recipe.make_optimizer(model, trial_model))
     refuse_unrunnable(candidates, modes)
     if shared.get("compile"):

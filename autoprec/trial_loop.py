@@ -128,8 +128,9 @@ def _evaluate(
             parts = tensor.unbind() if tensor.is_nested else (tensor,)
             for part in parts:
                 if part.is_floating_point() and part.numel():
-                    maxima.append(_largest_finite(part.detach()))
-                    infinite.append(torch.isinf(part.detach()).any())
+                    whole = unwrapped(part.detach())
+                    maxima.append(_largest_finite(whole))
+                    infinite.append(torch.isinf(whole).any())
                     called.append(leaves[module])
 
     # eager, also where a compiled model is run eagerly: traced, the growing list in its
@@ -213,7 +214,7 @@ class _Fp16Watch(TorchFunctionMode):
                 and not output.is_nested
                 and output.numel()
             ):
-                self.maxima.append(_largest_finite(output.detach()))
+                self.maxima.append(_largest_finite(unwrapped(output.detach())))
         return result
 
 
@@ -232,6 +233,17 @@ MASK_FILL_SHARE = 0.995
 ``finfo.min`` added to fp16 scores rounds to about -65472 (a review), not exactly -65504. Kept
 narrow (0.5%, 327 in fp16): under keep_fp32 only the trial's range is read, and 3% hid a real
 activation at -64000 (a review)."""
+
+
+def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor: a module called under ``torch.vmap`` (an ensemble, a
+    per-element network) or ``torch.func.grad`` returns functorch wrappers, and a value
+    computed from one inside the transform and kept past it raised "maybe_level.has_value()
+    INTERNAL ASSERT FAILED" when the held-out pass stacked it, losing the whole run (found by
+    a hunt). Unwrapped, a vmapped output holds every element of its batch."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 def _largest_finite(tensor: torch.Tensor) -> torch.Tensor:

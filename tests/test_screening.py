@@ -321,6 +321,47 @@ def test_a_sparse_gradient_embedding_is_checked_in_every_mode_its_optimizer_take
                        modes=["amp_bf16"])  # fmt: skip
 
 
+class _Factorisation(torch.nn.Module):
+    """Matrix factorisation: embeddings only, as many recommenders are."""
+
+    def __init__(self, head: bool = False) -> None:
+        super().__init__()
+        self.users, self.items = torch.nn.Embedding(50, 16), torch.nn.Embedding(60, 16)
+        self.head = torch.nn.Linear(16, 1) if head else None
+
+    def forward(self, pairs: torch.Tensor) -> torch.Tensor:
+        joint = self.users(pairs[:, 0]) * self.items(pairs[:, 1])
+        return joint.sum(-1) if self.head is None else self.head(joint).squeeze(-1)
+
+
+def test_pure_bf16_that_would_keep_every_parameter_in_fp32_is_not_checked() -> None:
+    # a hunt: pure bf16 keeps embeddings in fp32, so on an embedding-only model it was fp32
+    # under another name, called safe and chosen by tune() for timing noise
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            torch.stack([torch.randint(0, 50, (16,), generator=generator),
+                         torch.randint(0, 60, (16,), generator=generator)], dim=1),
+            torch.randn(16, generator=generator),
+        )
+        for _ in range(8)
+    ]  # fmt: skip
+    screen = {"loss_fn": torch.nn.functional.mse_loss, "steps": 4}
+    report = autoprec.check(_Factorisation(), batches, **screen)
+    skipped = {skip.spec.label: skip.reasons[0] for skip in report.not_checked}
+    lowering = ["bf16_pure", "bf16_sr", "bf16_kahan", "bf16_sr_kahan"]
+    for label in [*lowering, "bf16_pure+8bit-optim", "bf16_sr+8bit-optim"]:
+        assert "it would put nothing in bf16" in skipped[label], report.summary()
+    assert "train as fp32+8bit-optim under" in skipped["bf16_sr+8bit-optim"]
+    assert "users, items" in skipped["bf16_sr"]
+    assert {v.spec.label for v in report.verdicts}.isdisjoint(lowering)
+    with pytest.raises(autoprec.UnsupportedModeError, match=r"bf16_sr: it would put nothing"):
+        autoprec.check(_Factorisation(), batches, modes=["bf16_sr"], **screen)
+    # one weight outside the kept modules: pure bf16 lowers it, and is checked
+    headed = autoprec.check(_Factorisation(head=True), batches, modes=["bf16_sr"], **screen)
+    assert [v.spec.label for v in headed.verdicts] == ["bf16_sr"]
+
+
 def test_a_qlora_model_is_checked_and_fp8_leaves_its_4bit_base_alone() -> None:
     """The scan repacked the 4-bit base for CPU inference and every trial failed; FP8 then
     swapped the 4-bit Linears for Float8Linears ("mat1 and mat2 shapes cannot be multiplied")."""

@@ -584,6 +584,12 @@ def test_a_meta_model_and_an_unusable_device_are_refused_up_front() -> None:
         meta = _Regressor()
     with pytest.raises(ValueError, match=r"meta device .*to_empty"):
         tune(meta, _regression_batches(), budget_minutes=0.2, loss_fn=_mse, device="cpu")
+    # a torch.func ensemble's meta template beside real weights: to_empty() would erase them
+    ensemble = _Regressor()
+    ensemble.template = meta  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"parameters are on the meta device") as caught:
+        tune(ensemble, _regression_batches(), budget_minutes=0.2, loss_fn=_mse)
+    assert "to_empty" not in str(caught.value) and "template." in str(caught.value)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device='cuda:0', but this torch .* CPU build|sees"):
             tune(_Regressor(), _regression_batches(), budget_minutes=0.2, device="cuda:0")
