@@ -63,11 +63,11 @@ failures from the literature (arXiv 2409.12517; early-warning signals in arXiv 2
 
 
 BF16_WEIGHT_AVERAGE = (
-    "your average of the weights (EMA), which no trial runs: made from the model after "
-    "apply() it is bf16 like the weights, and with decay 0.999 each update moves it by 0.1%, "
-    "below half a bf16 ulp, so it stops moving. Measured in bf16_sr (3000 steps, 3 seeds): "
-    "the average's held-out loss 0.405 in bf16 against 0.0157 in fp32 (`python -m "
-    "benchmarks.ema_rounding`). Keep it in fp32: AveragedModel(model, "
+    "an average of the weights (EMA) you keep, if any, which no trial runs: made from the "
+    "model after apply() it is bf16 like the weights, and with decay 0.999 each update "
+    "moves it by 0.1%, below half a bf16 ulp, so it stops moving. Measured in bf16_sr (3000 "
+    "steps, 3 seeds): the average's held-out loss 0.405 in bf16 against 0.0157 in fp32 "
+    "(`python -m benchmarks.ema_rounding`). Keep it in fp32: AveragedModel(model, "
     "avg_fn=get_ema_avg_fn(0.999)).float()"
 )
 """Measured on our CPU machines (docs/runtime.md, "Weight averages under bf16 weights"). Every mode

@@ -203,11 +203,23 @@ def renormed_weights_kept(model: nn.Module) -> Iterator[None]:
                 module.weight.copy_(weight)
 
 
+NEEDS_GRADIENTS = "does not have a grad_fn"
+"""torch.autograd.grad's error on an output computed without gradients: the forward
+differentiates by its inputs (forces as -dE/dpos, a physics residual) and cannot run without
+them (found by a hunt: the probe's scan and every trial's held-out pass failed)."""
+
+
 def run_forward(
-    model: nn.Module, example_input: Any, attribution: FlopAttribution, *, training: bool
+    model: nn.Module,
+    example_input: Any,
+    attribution: FlopAttribution,
+    *,
+    training: bool,
+    grad: bool = False,
 ) -> None:
-    """One forward without gradients under ``attribution``, in training mode (as trials and
-    training run it) or eval mode; the model's modes, buffers and RNG are put back."""
+    """One forward without gradients (with ``grad``: with them; nothing is stepped) under
+    ``attribution``, in training mode (as trials and training run it) or eval mode; the
+    model's modes, buffers and RNG are put back."""
     modes = {module: module.training for module in model.modules()}
     model.train(training)
     for module in modes:
@@ -232,7 +244,8 @@ def run_forward(
         tracked = attribution.tracking(model)
         streams = kept_streams(cuda)
         watch = OwnAutocastWatch(model)
-        with streams, torch.no_grad(), renormed_weights_kept(model), tracked, attribution, watch:
+        grads = torch.enable_grad() if grad else torch.no_grad()
+        with streams, grads, renormed_weights_kept(model), tracked, attribution, watch:
             call_model(model, example_input)
         attribution.autocast_at = watch.found
     finally:

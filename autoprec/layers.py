@@ -25,7 +25,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from autoprec.layer_findings import findings as scan_findings
 from autoprec.layer_findings import fraction
-from autoprec.layer_flops import FlopAttribution, run_forward, storage_key
+from autoprec.layer_flops import NEEDS_GRADIENTS, FlopAttribution, run_forward, storage_key
 from autoprec.layer_keep import default_keep_fp32
 from autoprec.layer_kinds import (
     BNB_MIN_8BIT_SIZE,
@@ -80,31 +80,37 @@ def _run_scans(
     if example_input is None:
         return False, None, (), None
     try:
-        _count_flops(model, example_input, attribution)
+        grad = _count_flops(model, example_input, attribution)
     except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised
         forward_error = f"{type(error).__name__}: {error}".splitlines()[0]
         logger.warning("forward pass for the model scan failed: %s", forward_error)
         return False, forward_error, (), None
     try:
-        return True, None, running_buffers(model, example_input), None
+        return True, None, running_buffers(model, example_input, grad), None
     except Exception as error:  # noqa: BLE001 - reported as a finding, not raised
         running_error = f"{type(error).__name__}: {error}".splitlines()[0]
         logger.warning("training-mode forward for the model scan failed: %s", running_error)
         return True, None, (), running_error
 
 
-def _count_flops(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> None:
+def _count_flops(model: nn.Module, example_input: Any, attribution: FlopAttribution) -> bool:
     """The FLOP-counting forward in training mode, as training runs the model: run in eval
     mode, a head only training calls (deep supervision, an auxiliary loss) counted no FLOPs,
     and FP8 called it "never called as a module" (found by a hunt). A forward training mode
-    refuses (BatchNorm on one example, a detector that wants targets) runs in eval mode."""
+    refuses (BatchNorm on one example, a detector that wants targets) runs in eval mode; one
+    that differentiates by its inputs, with gradients (``NEEDS_GRADIENTS``). Whether it ran
+    with gradients."""
     try:
         with warnings.catch_warnings():  # the eval-mode forward below says what matters
             warnings.simplefilter("ignore")
             run_forward(model, example_input, attribution, training=True)
-    except Exception:  # noqa: BLE001 - retried in eval mode, whose error is the one reported
+    except Exception as error:  # noqa: BLE001 - retried, and the retry's error is reported
         attribution.reset()
+        if NEEDS_GRADIENTS in str(error):
+            run_forward(model, example_input, attribution, training=True, grad=True)
+            return True
         run_forward(model, example_input, attribution, training=False)
+    return False
 
 
 def _kind_shares(

@@ -96,14 +96,19 @@ def seeded_streams(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
+def set_streams(device: torch.device, states: StreamStates) -> None:
+    """Set the global streams a run on ``device`` draws from to ``states``."""
+    torch.random.set_rng_state(states.torch_states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states.torch_states[1], device)
+    random.setstate(states.python_state)
+    numpy.random.set_state(states.numpy_state)
+
+
 @contextlib.contextmanager
 def replayed_streams(device: torch.device, states: StreamStates) -> Iterator[None]:
     """Run a block from the streams ``states`` (the caller's are kept): a second pass draws
     what the first drew."""
     with kept_streams(cuda_devices_of(device)):
-        torch.random.set_rng_state(states.torch_states[0])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(states.torch_states[1], device)
-        random.setstate(states.python_state)
-        numpy.random.set_state(states.numpy_state)
+        set_streams(device, states)
         yield

@@ -69,10 +69,11 @@ def power_iteration_vectors(model: nn.Module) -> frozenset[str]:
     return frozenset(entry.fqn for entry in buffer_slots(model) if _power_iteration(entry))
 
 
-def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
+def running_buffers(model: nn.Module, example_input: Any, grad: bool = False) -> tuple[str, ...]:
     """Names of the floating buffers one training-mode forward of ``example_input`` changes
     (a shared buffer under its first name), spectral norm's vectors left out; () on the meta
-    device. Raises what the forward pass raises; the model is restored either way."""
+    device. Raises what the forward pass raises; the model is restored either way. ``grad``:
+    with gradients (a forward that differentiates by its inputs needs them)."""
     entries = buffer_slots(model)
     if not any(is_floating(entry.buffer) for entry in entries):
         return ()
@@ -87,7 +88,7 @@ def running_buffers(model: nn.Module, example_input: Any) -> tuple[str, ...]:
         # layer run without gradients warns that none of its inputs requires grad)
         with (
             kept_streams(cuda),
-            torch.no_grad(),
+            torch.enable_grad() if grad else torch.no_grad(),
             warnings.catch_warnings(),
             renormed_weights_kept(model),
         ):

@@ -71,6 +71,17 @@ LOW_PRECISION_KERNEL_HINT = (
     "around the op (op(x.float()).to(x.dtype)))"
 )
 
+_FP8_MIXED_MATMUL = re.compile(r"Expecting\s+both Float8TrainingTensor for mm inputs")
+"""torchao's assertion when a matmul of a Float8Linear meets a plain tensor: a second
+derivative through it (autograd.grad with create_graph=True: a gradient penalty, a
+physics-informed loss) does this (found by a hunt: it was the whole reason given)."""
+FP8_TWICE_HINT = (
+    " (torchao's FP8 Linears cannot be differentiated twice: a gradient penalty or a "
+    "physics-informed loss (autograd.grad with create_graph=True) differentiates through them "
+    "again. Keep the Linears it passes through out of FP8 (keep_fp32=['name'], --keep-fp32 "
+    "name), or leave FP8 out)"
+)
+
 
 def failure_of(error: Exception, step: int | None) -> TrialFailure:
     """The failure ``error`` raised at ``step`` (None: before training) records."""
@@ -92,6 +103,8 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
         message += FP8_SHAPE_HINT
     elif _LOW_PRECISION_KERNEL_ERRORS.search(message):
         message += LOW_PRECISION_KERNEL_HINT
+    elif _FP8_MIXED_MATMUL.search(message):
+        message += FP8_TWICE_HINT
     frames = traceback.extract_tb(error.__traceback__)
     return TrialFailure(
         kind=kind,

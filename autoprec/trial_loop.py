@@ -4,14 +4,16 @@ no host read inside one, leg by leg at the recipe's learning rates; the held-out
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from autoprec.batching import (
@@ -24,10 +26,17 @@ from autoprec.batching import (
     tensors_in,
     to_device,
 )
+from autoprec.buffer_slots import (
+    buffer_slots,
+    empty_buffer_slots,
+    kept_values,
+    restore_buffer_slots,
+)
 from autoprec.interrupts import raise_if_interrupted
+from autoprec.layer_flops import NEEDS_GRADIENTS
 from autoprec.model_copies import compiled_in_place, inside_compile_wrapper
 from autoprec.plan import PrecisionPlan
-from autoprec.random_streams import cuda_devices_of, kept_streams
+from autoprec.random_streams import cuda_devices_of, kept_streams, set_streams, stream_states
 from autoprec.recipe import LrPoint, TrainingRecipe, set_group_momentum
 from autoprec.trial_failures import EvalFnError, StopCheckRaised, first_line
 from autoprec.trial_measures import (
@@ -63,6 +72,11 @@ MIN_WINDOWS = 5
 """Fewest measured windows a trial aims for: shorter trials time shorter windows."""
 
 
+_HOOKS_REFUSED = "support saved tensor hooks"
+"""torch.func's refusal of saved-tensor hooks ("torch.func.{grad, vjp, jacrev, hessian} don't
+yet support saved tensor hooks")."""
+
+
 def window_steps_for(steps: int, warmup_steps: int) -> int:
     """Steps per timed window: at most MAX_WINDOW_STEPS, and short enough for MIN_WINDOWS
     windows after warm-up."""
@@ -84,14 +98,42 @@ def heldout_pass(
     A compiled model gives its losses and outputs whole-graph, and its range in a second pass
     run eagerly (``torch.compiler.set_stance("force_eager")``): a hook on every leaf breaks the
     graph at each one, and dynamo compiled every leaf's forward again per instance (a 4-layer
-    TinyGPT: 14 graphs for the training's 1; on a 17-Linear model the recompile limit)."""
+    TinyGPT: 14 graphs for the training's 1; on a 17-Linear model the recompile limit).
+
+    With gradients where a ``train_step`` runs (it may differentiate by its inputs), and where
+    the model's forward does (forces as -dE/dpos, ``torch.autograd.grad`` in ``forward``):
+    without them it raised "does not have a grad_fn", and the trial was reported as a loss
+    without gradients at its last step (found by a hunt). Such a pass runs again with
+    gradients, from the same random streams; nothing is stepped."""
+    if train_step is not None:
+        return _pass(plan, heldout, device, loss_fn, train_step, grad=True)
+    drawn = stream_states(device)
+    try:
+        return _pass(plan, heldout, device, loss_fn, None, grad=False)
+    except RuntimeError as error:
+        if NEEDS_GRADIENTS not in str(error):
+            raise
+    set_streams(device, drawn)
+    return _pass(plan, heldout, device, loss_fn, None, grad=True)
+
+
+def _pass(
+    plan: PrecisionPlan,
+    heldout: Sequence[Any],
+    device: torch.device,
+    loss_fn: LossFn | None,
+    train_step: TrainStep | None,
+    grad: bool,
+) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
+    """:func:`heldout_pass`, with or without gradients."""
+    on = (plan, heldout, device, loss_fn, train_step, grad)
     if not _runs_compiled(plan):
-        return _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
-    losses, outputs, _ = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=False)
+        return _evaluate(*on, watch_range=True)
+    losses, outputs, _ = _evaluate(*on, watch_range=False)
     # its random draws (a train_step's, a diffusion loss's noise) put back: what follows
     # (eval_fn) draws as it would after one pass
     with kept_streams(cuda_devices_of(device)), torch.compiler.set_stance("force_eager"):
-        _, _, watched = _evaluate(plan, heldout, device, loss_fn, train_step, watch_range=True)
+        _, _, watched = _evaluate(*on, watch_range=True)
     return losses, outputs, watched
 
 
@@ -110,6 +152,7 @@ def _evaluate(
     device: torch.device,
     loss_fn: LossFn | None,
     train_step: TrainStep | None,
+    grad: bool,
     watch_range: bool,
 ) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
     """One held-out pass (see :func:`heldout_pass`); the range is empty unless ``watch_range``."""
@@ -152,10 +195,9 @@ def _evaluate(
     # mode, and its nested tensors have no max. Training never takes it; neither does this pass.
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
-    # a train_step may differentiate by its inputs (a physics-informed loss: autograd.grad of
-    # the output by x): without grad it failed here, reported as a loss without gradients at
-    # the last training step. Nothing is stepped: the graph goes with the loss.
-    grad_mode = torch.enable_grad() if train_step is not None else torch.no_grad()
+    # a train_step or forward may differentiate by its inputs (a physics-informed loss:
+    # autograd.grad of the output by x). Nothing is stepped: the graph goes with the loss.
+    grad_mode = torch.enable_grad() if grad else torch.no_grad()
     try:
         with grad_mode, plan.autocast(), inside:
             for batch in heldout:
@@ -364,17 +406,13 @@ class TrainingLoop:
             # before the forward: a train_step popping the batch's keys leaves none (a review)
             samples, counted = self._counts(index, batch)
             self.micro += 1
-            counting = self.micro == 1 and self.counts_activations
-            saved = SavedForBackward(plan.model, tensors_in(batch)) if counting else None
-            hooks = (
-                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
-                if saved is not None
-                else contextlib.nullcontext()
-            )
-            with hooks, plan.autocast():
-                loss, _ = forward_and_loss(plan, batch, self.recipe.loss_fn, self.recipe.train_step)
-            if saved is not None:  # the first micro-batch, a warm-up step: not timed
-                self.figures["activation_bytes"] = saved.bytes
+            if self.micro == 1 and self.counts_activations:  # a warm-up step: not timed
+                loss = self._counted_forward(batch)
+            else:
+                with plan.autocast():
+                    loss, _ = forward_and_loss(
+                        plan, batch, self.recipe.loss_fn, self.recipe.train_step
+                    )
             value = loss.detach().float().reshape(())
             summed = value if summed is None else summed + value
             self._samples += samples
@@ -398,6 +436,35 @@ class TrainingLoop:
             self.figures["moment"] = low_precision_moment(plan)
             self.figures["adam_beta2"] = nearest_adam_beta2(plan)
             self.figures["decay"] = nearest_rounded_decay(plan)  # at the first leg's (peak) lr
+
+    def _counted_forward(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch``, with the bytes its forward saves for backward counted
+        (``figures["activation_bytes"]``). torch.func's gradient transforms (``grad``,
+        ``jacrev``, ``hessian``: MAML, a physics residual by ``vmap(hessian(...))``) refuse
+        saved-tensor hooks, and every run failed at step 0 (found by a hunt): such a forward
+        runs again without them, from the same random streams and buffers, and this run's
+        saved activations are not counted (None, as for a compiled run)."""
+        plan, recipe = self.plan, self.recipe
+        saved = SavedForBackward(plan.model, tensors_in(batch))
+        drawn, slots = stream_states(self.device), buffer_slots(plan.model)
+        values, empty = kept_values(slots), empty_buffer_slots(plan.model)
+        try:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
+                plan.autocast(),
+            ):
+                loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
+        except RuntimeError as error:
+            if _HOOKS_REFUSED not in str(error):
+                raise
+            self.counts_activations = False
+            restore_buffer_slots(plan.model, slots, values, empty)
+            set_streams(self.device, drawn)
+            with plan.autocast():
+                loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
+            return loss
+        self.figures["activation_bytes"] = saved.bytes
+        return loss
 
     def _note_gradients(self) -> None:
         """Drop the parameters that got a gradient this step from ``never_reached``: after the
@@ -530,7 +597,7 @@ def settle(
     # 20-step trial, counted as skips (found by a hunt)
     first = list(dict.fromkeys(loop.order))[:SETTLE_BATCHES]
     try:
-        with kept_streams(cuda_devices_of(device)):
+        with kept_streams(cuda_devices_of(device)), optimizers_kept():
             for index in first:
                 plan.mode.settle(lambda index=index: compute_loss(index), plan.model)
         scale = plan.mode.loss_scale_tensor()
@@ -547,6 +614,28 @@ def settle(
             if started and source is not None:
                 _put_back_moved(plan.model, source)
     return None
+
+
+@contextlib.contextmanager
+def optimizers_kept() -> Iterator[None]:
+    """Run a block; an optimizer that steps in it (a ``train_step``'s own: a GAN's critic, a
+    SAM's inner step) gets back the state it had before its first step there. amp_fp16's
+    settle passes call the ``train_step``: its critic's weights were put back, its Adam's
+    state was not, and the trial began at Adam step 18 with averages of passes no run makes,
+    where every fp32 run began at step 0 (found by a hunt). Nothing to copy when none steps."""
+    before: dict[int, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}
+
+    def keep(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if id(optimizer) not in before:
+            before[id(optimizer)] = (optimizer, copy.deepcopy(optimizer.state_dict()))
+
+    handle = register_optimizer_step_pre_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for optimizer, state in before.values():
+            optimizer.load_state_dict(state)
 
 
 def _put_back_moved(model: nn.Module, source: nn.Module) -> None:

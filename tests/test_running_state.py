@@ -353,6 +353,49 @@ def test_amp_fp16s_settle_passes_leave_a_trainable_teacher_where_it_was() -> Non
     assert teachers == [0.0]
 
 
+def test_amp_fp16s_settle_passes_leave_a_train_steps_own_optimizer_where_it_was() -> None:
+    """Found by a hunt: a GAN's train_step steps its critic's Adam itself; the settle passes
+    put the critic's weights back but not that Adam's state, and the amp_fp16 trial began at
+    its step 18 where every fp32 run began at 0."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"g": torch.nn.Linear(8, 8), "d": torch.nn.Linear(8, 1)})
+    critics: dict[int, torch.optim.Optimizer] = {}
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        gan = plan.model
+        critic = critics.setdefault(id(gan), torch.optim.Adam(gan["d"].parameters(), lr=1e-3))
+        x, _ = batch
+        with plan.autocast():
+            fake = gan["g"](x)
+            critic_loss = gan["d"](fake.detach()).float().mean() - gan["d"](x).float().mean()
+        critic.zero_grad()
+        critic_loss.backward()
+        critic.step()
+        with plan.autocast():
+            return -gan["d"](gan["g"](x)).float().mean()
+
+    def critic_steps(gan: torch.nn.Module) -> int:  # over its weight and bias
+        return sum(int(entry["step"]) for entry in critics[id(gan)].state.values())
+
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), train_step=train_step
+    )
+    counts = []
+    settle = autoprec.trial.settle
+
+    def watched(loop: object, *args: object) -> object:
+        stopped = settle(loop, *args)
+        counts.append(critic_steps(loop.plan.model))  # type: ignore[attr-defined]
+        return stopped
+
+    batches = mean_teacher.make_batches()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autoprec.trial, "settle", watched)
+        result = run_trial(ModeSpec(mode="amp_fp16"), model, batches, recipe=recipe, steps=4)
+    assert result.record.failure is None, result.record.failure
+    assert counts == [0]  # 18 before: 9 passes, each stepping weight and bias
+
+
 def test_a_parameter_some_steps_reach_is_not_state_outside_the_optimizer() -> None:
     """A head the loss reaches on every fifth step only (a mixture's rarely routed expert) is
     stepped by the optimizer: not state outside it, under SGD without momentum too (no

@@ -1332,6 +1332,69 @@ def test_a_physics_informed_train_step_is_judged_on_held_out_batches_too() -> No
     assert all(x.grad is None and x.requires_grad for x in leaves)
 
 
+def test_fp8_under_a_second_derivative_says_what_to_keep_out_of_fp8() -> None:
+    """Found by a hunt: FP8 on a gradient penalty or a physics-informed loss failed with
+    torchao's bare "Expecting both Float8TrainingTensor for mm inputs"."""
+    from autoprec.trial_failures import FP8_TWICE_HINT
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 16),
+    )  # fmt: skip
+    batches = [torch.rand(32, 16) for _ in range(8)]
+
+    def pinn_step(plan, x):  # type: ignore[no-untyped-def]
+        x = x.clone().requires_grad_(True)
+        with plan.autocast():
+            u = plan.model(x)
+        du = torch.autograd.grad(u.float().sum(), x, create_graph=True)[0]
+        return ((du - torch.cos(x)) ** 2).mean()
+
+    report = autoprec.check(model, batches, steps=4, train_step=pinn_step, modes=["fp8_torchao"])
+    (verdict,) = report.verdicts
+    assert verdict.status == "failed" and FP8_TWICE_HINT in verdict.reasons[0], report.summary()
+    # the one Linear converted kept out as the hint says: nothing is left for FP8
+    with pytest.raises(autoprec.UnsupportedModeError, match=r"0, 2, 4 kept out of FP8"):
+        autoprec.check(model, batches, steps=4, train_step=pinn_step, modes=["fp8_torchao"],
+                       keep_fp32=["2"])  # fmt: skip
+
+
+class _ForceField(torch.nn.Module):
+    """An energy model whose forward returns forces, -dE/dpos, as learned force fields do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = torch.nn.Sequential(
+            torch.nn.Linear(3, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1)
+        )
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        pos = pos if pos.requires_grad else pos.clone().requires_grad_(True)
+        (slope,) = torch.autograd.grad(self.energy(pos).float().sum(), pos, create_graph=True)
+        return -slope
+
+
+def test_a_forward_that_differentiates_by_its_inputs_is_scanned_and_judged() -> None:
+    """Found by a hunt: with a loss_fn the held-out pass ran without grad, where such a forward
+    raises, and the reference was reported failed at its last step with "The loss has no
+    gradient"; the probe's scan failed the same way and counted no FLOPs."""
+    generator = torch.Generator().manual_seed(1)
+    positions = [torch.randn(32, 3, generator=generator) for _ in range(12)]
+    batches = [(pos, -(2 * pos + 0.4 * pos**3)) for pos in positions]
+    torch.manual_seed(0)
+    model = _ForceField()
+    layers = autoprec.probe(model, example_input=positions[0]).layers
+    assert layers is not None and layers.forward_error is None
+    assert layers.forward_flops and layers.kind("linear").flops
+    report = autoprec.check(
+        model, batches, steps=8, loss_fn=torch.nn.functional.mse_loss, modes=["amp_bf16"]
+    )
+    assert report.verdict("amp_bf16").status != "failed", report.summary()
+    assert report.verdict("amp_bf16").drift.get("heldout_loss_gap") is not None
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("returns", ["the loss", "the loss detached"])
 def test_a_train_step_that_runs_its_own_backward_is_told_what_a_train_step_does(
     returns: str,
