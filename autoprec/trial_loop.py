@@ -106,34 +106,37 @@ def heldout_pass(
     without gradients at its last step (found by a hunt). Such a pass runs again with
     gradients, from the same random streams; nothing is stepped."""
     if train_step is not None:
-        return _pass(plan, heldout, device, loss_fn, train_step, grad=True)
+        return _pass(_HeldoutPass(plan, heldout, device, loss_fn, train_step, grad=True))
     drawn = stream_states(device)
     try:
-        return _pass(plan, heldout, device, loss_fn, None, grad=False)
+        return _pass(_HeldoutPass(plan, heldout, device, loss_fn, None, grad=False))
     except RuntimeError as error:
         if NEEDS_GRADIENTS not in str(error):
             raise
     set_streams(device, drawn)
-    return _pass(plan, heldout, device, loss_fn, None, grad=True)
+    return _pass(_HeldoutPass(plan, heldout, device, loss_fn, None, grad=True))
 
 
-def _pass(
-    plan: PrecisionPlan,
-    heldout: Sequence[Any],
-    device: torch.device,
-    loss_fn: LossFn | None,
-    train_step: TrainStep | None,
-    grad: bool,
-) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
+class _HeldoutPass(NamedTuple):
+    """What a held-out pass runs on, and whether with gradients."""
+
+    plan: PrecisionPlan
+    heldout: Sequence[Any]
+    device: torch.device
+    loss_fn: LossFn | None
+    train_step: TrainStep | None
+    grad: bool
+
+
+def _pass(on: _HeldoutPass) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
     """:func:`heldout_pass`, with or without gradients."""
-    on = (plan, heldout, device, loss_fn, train_step, grad)
-    if not _runs_compiled(plan):
-        return _evaluate(*on, watch_range=True)
-    losses, outputs, _ = _evaluate(*on, watch_range=False)
+    if not _runs_compiled(on.plan):
+        return _evaluate(on, watch_range=True)
+    losses, outputs, _ = _evaluate(on, watch_range=False)
     # its random draws (a train_step's, a diffusion loss's noise) put back: what follows
     # (eval_fn) draws as it would after one pass
-    with kept_streams(cuda_devices_of(device)), torch.compiler.set_stance("force_eager"):
-        _, _, watched = _evaluate(*on, watch_range=True)
+    with kept_streams(cuda_devices_of(on.device)), torch.compiler.set_stance("force_eager"):
+        _, _, watched = _evaluate(on, watch_range=True)
     return losses, outputs, watched
 
 
@@ -147,15 +150,10 @@ def _runs_compiled(plan: PrecisionPlan) -> bool:
 
 
 def _evaluate(
-    plan: PrecisionPlan,
-    heldout: Sequence[Any],
-    device: torch.device,
-    loss_fn: LossFn | None,
-    train_step: TrainStep | None,
-    grad: bool,
-    watch_range: bool,
+    on: _HeldoutPass, watch_range: bool
 ) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
     """One held-out pass (see :func:`heldout_pass`); the range is empty unless ``watch_range``."""
+    plan, heldout, device, loss_fn, train_step, grad = on
     maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
     infinite: list[torch.Tensor] = []
     called: list[str] = []  # the leaf of each entry of ``infinite``
