@@ -93,6 +93,8 @@ def outside_state_reasons(trial: TrialResult, reference: TrialResult) -> list[st
             "your forward or train_step updates, such as a teacher's EMA), "
             f"and in {dtype} every update rounds to nearest, so an average's small ones vanish "
             "(a running mean of momentum 1e-3 stopped at 4.92 of fp32's 19.00: python -m "
-            f"benchmarks.running_state_rounding). {_way_out(names)}"
+            "benchmarks.running_state_rounding); state only ever copied whole (a target "
+            "network copied from the online one) loses nothing, but this rule cannot tell "
+            f"the two apart. {_way_out(names)}"
         )
     return reasons

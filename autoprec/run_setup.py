@@ -408,7 +408,7 @@ RUNNING_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 left in train mode (a review: the refusal spoke of an EMA teacher and never of ``.eval()``)."""
 
 
-def _changed_outside_the_model(names: list[str]) -> ValueError:
+def _changed_outside_the_model(names: list[str], during: str) -> ValueError:
     changed = f"Your train_step changes {_names(names)}, outside the model you hand autoprec"
     harm = (
         "every run would start from where the last one left it, and your object would come "
@@ -423,7 +423,7 @@ def _changed_outside_the_model(names: list[str]) -> ValueError:
         )
     return ValueError(
         f"{changed} (an EMA teacher, a target network or an EMA's shadow weights it reaches, "
-        f"found: it changed while the fp32 reference trained): {harm}. Make it a submodule of "
+        f"found: it changed during {during}): {harm}. Make it a submodule of "
         "the model and update plan.model's, so each run trains its own copy (keep_fp32="
         "['teacher'] keeps such a module in fp32); an EMA your loss does not read belongs in "
         "your own loop, after plan.step(), not in the train_step. It was put back as it was."
@@ -528,7 +528,33 @@ class RunSetup:
         return ModeSpec(mode="fp32", compile=self.compile)
 
     def run(
-        self, spec: ModeSpec, steps: int, *, batches: Sequence[Any] | None = None, **options: Any
+        self,
+        spec: ModeSpec,
+        steps: int,
+        *,
+        batches: Sequence[Any] | None = None,
+        watch_outside: bool = True,
+        **options: Any,
+    ) -> TrialResult:
+        """One run of ``spec`` (a trial, or an fp32 run) on the trial model. What the
+        ``train_step`` reaches outside the model is watched through every run, put back and
+        refused where a run changed it (``watch_outside=False``: the caller watches): the
+        fp32 calibration's 5 steps found a target network copied every 5 steps, not one
+        copied every 10, which came back changed and every run started from the last's (found
+        by a hunt)."""
+        outside = (
+            OutsideStateWatch(self.recipe.train_step, self.user_model) if watch_outside else None
+        )
+        try:
+            result = self._run(spec, steps, batches, options)
+        finally:
+            changed = outside.restore() if outside is not None else []
+        if changed:
+            raise _changed_outside_the_model(changed, f"the {spec.label} run of {steps} steps")
+        return result
+
+    def _run(
+        self, spec: ModeSpec, steps: int, batches: Sequence[Any] | None, options: dict[str, Any]
     ) -> TrialResult:
         options.setdefault("seed", self.seed)
         batches = self.train if batches is None else batches
@@ -781,6 +807,7 @@ def calibration_run(setup: RunSetup) -> Calibration:
             setup.reference_spec,
             CALIBRATION_STEPS,
             batches=watched,
+            watch_outside=False,  # watched here, after the check of the user's model
             eval_fn=setup.eval_fn,  # a broken eval_fn is found now, not after the reference
             stop=setup.events.watch(
                 make_stop_check(None, "speed", setup.deadline, setup.clock), "calibration (fp32)"
@@ -796,7 +823,9 @@ def calibration_run(setup: RunSetup) -> Calibration:
         raise _trained_the_users_model(touched, moved, user.restore(), setup)
     changed_outside = outside.restore()  # compared once, put back where changed
     if changed_outside:
-        raise _changed_outside_the_model(changed_outside)
+        raise _changed_outside_the_model(
+            changed_outside, f"the fp32 calibration's {CALIBRATION_STEPS} steps"
+        )
     del user, outside  # their host copies
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)

@@ -570,6 +570,7 @@ def settle(
     (``_put_back_moved``). Returns the stop's reason, or None."""
     plan, recipe = loop.plan, loop.recipe
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    numbers: list[tuple[nn.Module, str, Any]] = []
     started: list[float] = []  # when each pass began
 
     def check() -> None:
@@ -582,9 +583,10 @@ def settle(
     def compute_loss(index: int) -> torch.Tensor:  # called only by modes that calibrate
         check()
         started.append(time.perf_counter())
-        if not kept:
+        if len(started) == 1:  # before the first pass
             state = state_no_optimizer_steps(plan.model, plan.optimizer)
             kept.extend((tensor, tensor.detach().clone()) for _, tensor in state)
+            numbers.extend(_module_numbers(plan.model))
         batch = to_device(loop.batches[index], device)
         with plan.autocast():
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
@@ -609,9 +611,25 @@ def settle(
         with torch.no_grad():
             for tensor, before in kept:
                 tensor.copy_(before)
+            for module, key, number in numbers:
+                if vars(module).get(key, number) is not number:
+                    setattr(module, key, number)
             if started and source is not None:
                 _put_back_moved(plan.model, source)
     return None
+
+
+def _module_numbers(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """(module, attribute, value) for the int, float and bool attributes of ``model``'s modules:
+    a step count a ``train_step`` keeps on the model (a DQN copying its target network every
+    20 calls). The settle passes advanced it, and the amp_fp16 trial copied its target 8
+    steps before every other run did (found by a hunt)."""
+    return [
+        (module, key, value)
+        for module in model.modules()
+        for key, value in vars(module).items()
+        if isinstance(value, int | float) and key != "training"  # bool is an int
+    ]
 
 
 @contextlib.contextmanager

@@ -316,6 +316,7 @@ def test_an_ema_teacher_the_optimizer_holds_but_never_steps_is_state_outside_it(
     (reason,) = [r for r in report.verdict(mode).reasons if r.startswith("state outside")]
     assert "training changes teacher.0.weight, teacher.0.bias, teacher.2.weight" in reason
     assert "weights no loss reaches" in reason
+    assert "copied whole (a target network copied from the online one) loses nothing" in reason
     assert "Keep it in fp32: tune(..., keep_fp32=['teacher.0', 'teacher.2'])" in reason
     kept = autoprec.check(
         model, mean_teacher.make_batches(), modes=[mode], keep_fp32=["teacher"], **common
@@ -394,6 +395,42 @@ def test_amp_fp16s_settle_passes_leave_a_train_steps_own_optimizer_where_it_was(
         result = run_trial(ModeSpec(mode="amp_fp16"), model, batches, recipe=recipe, steps=4)
     assert result.record.failure is None, result.record.failure
     assert counts == [0]  # 18 before: 9 passes, each stepping weight and bias
+
+
+def test_amp_fp16s_settle_passes_leave_a_count_kept_on_the_model_where_it_was() -> None:
+    """Found by a hunt: a DQN's train_step counts its calls on the model and copies its target
+    network every 20; the settle passes advanced the count, and the amp_fp16 trial copied its
+    target 8 steps before every other run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model.calls, model.scale = 0, 1.0  # type: ignore[assignment]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        plan.model.calls += 1
+        plan.model.scale *= 0.5
+        x, y = batch
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y[:, :1])
+
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-2), train_step=train_step
+    )
+    seen = []
+    settle = autoprec.trial.settle
+
+    def watched(loop: object, *args: object) -> object:
+        stopped = settle(loop, *args)
+        trained = loop.plan.model  # type: ignore[attr-defined]
+        seen.append((trained.calls, trained.scale, trained.training))
+        return stopped
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autoprec.trial, "settle", watched)
+        result = run_trial(
+            ModeSpec(mode="amp_fp16"), model, mean_teacher.make_batches(), recipe=recipe, steps=4
+        )
+    assert result.record.failure is None, result.record.failure
+    assert seen == [(0, 1.0, True)]
 
 
 def test_a_parameter_some_steps_reach_is_not_state_outside_the_optimizer() -> None:

@@ -2835,6 +2835,37 @@ def test_a_train_step_that_changes_a_teacher_outside_the_model_is_refused() -> N
     assert torch.equal(before["ignored"].isnan(), after["ignored"].isnan())
 
 
+def test_a_target_network_copied_less_often_than_the_calibration_runs_is_refused_too() -> None:
+    """Found by a hunt: a DQN's target network outside the model, copied every 10 steps, was
+    never refused (only the 5-step calibration was watched); it came back changed, and each
+    run started from the target the last one left."""
+    from examples.mean_teacher import make_batches
+
+    torch.manual_seed(0)
+    online = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    target = copy.deepcopy(online).requires_grad_(False)
+    before = copy.deepcopy(target.state_dict())
+    calls = [0]
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if plan.model.training:
+            calls[0] += 1
+            if calls[0] % 10 == 0:
+                target.load_state_dict(plan.model.state_dict())
+        with plan.autocast():
+            out = plan.model(x).float()
+        return torch.nn.functional.mse_loss(out, y + 0.1 * target(x).detach().float())
+
+    with pytest.raises(
+        ValueError, match=r"changes target\.0\.weight.*during the fp32 run of 12 steps"
+    ):
+        autoprec.check(online, make_batches(), train_step=train_step, steps=12,
+                       modes=["amp_bf16"])  # fmt: skip
+    after = target.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
 _HELPERS_TEACHER = torch.nn.Linear(8, 4)
 
 
