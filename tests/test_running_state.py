@@ -7,6 +7,7 @@ import copy
 import warnings
 import weakref
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -381,20 +382,27 @@ def test_amp_fp16s_settle_passes_leave_a_train_steps_own_optimizer_where_it_was(
     recipe = TrainingRecipe(
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), train_step=train_step
     )
-    counts = []
+    counts = _read_after_settle(model, recipe, critic_steps)
+    assert counts == [0]  # 18 before: 9 passes, each stepping weight and bias
+
+
+def _read_after_settle(model: torch.nn.Module, recipe: TrainingRecipe, read: Any) -> list[Any]:
+    """``read(trial model)`` right after amp_fp16's settle passes, in a 4-step trial."""
+    seen = []
     settle = autoprec.trial.settle
 
-    def watched(loop: object, *args: object) -> object:
+    def watched(loop: Any, *args: Any) -> Any:
         stopped = settle(loop, *args)
-        counts.append(critic_steps(loop.plan.model))  # type: ignore[attr-defined]
+        seen.append(read(loop.plan.model))
         return stopped
 
-    batches = mean_teacher.make_batches()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(autoprec.trial, "settle", watched)
-        result = run_trial(ModeSpec(mode="amp_fp16"), model, batches, recipe=recipe, steps=4)
+        result = run_trial(
+            ModeSpec(mode="amp_fp16"), model, mean_teacher.make_batches(), recipe=recipe, steps=4
+        )
     assert result.record.failure is None, result.record.failure
-    assert counts == [0]  # 18 before: 9 passes, each stepping weight and bias
+    return seen
 
 
 def test_amp_fp16s_settle_passes_leave_a_count_kept_on_the_model_where_it_was() -> None:
@@ -415,21 +423,11 @@ def test_amp_fp16s_settle_passes_leave_a_count_kept_on_the_model_where_it_was() 
     recipe = TrainingRecipe(
         optimizer=lambda params: torch.optim.SGD(params, lr=1e-2), train_step=train_step
     )
-    seen = []
-    settle = autoprec.trial.settle
 
-    def watched(loop: object, *args: object) -> object:
-        stopped = settle(loop, *args)
-        trained = loop.plan.model  # type: ignore[attr-defined]
-        seen.append((trained.calls, trained.scale, trained.training))
-        return stopped
+    def read(trained: Any) -> tuple[int, float, bool]:
+        return trained.calls, trained.scale, trained.training
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(autoprec.trial, "settle", watched)
-        result = run_trial(
-            ModeSpec(mode="amp_fp16"), model, mean_teacher.make_batches(), recipe=recipe, steps=4
-        )
-    assert result.record.failure is None, result.record.failure
+    seen = _read_after_settle(model, recipe, read)
     assert seen == [(0, 1.0, True)]
 
 
