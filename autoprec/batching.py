@@ -384,17 +384,20 @@ def forward_and_loss(
 
 
 def first_model_call(train_step: TrainStep, plan: PrecisionPlan, batch: Any) -> ModelCall | None:
-    """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with, for the
-    probe's scan, from one run of it on the scan's copy. None when it raises
-    first or never calls ``plan.model`` itself (then the scan runs without a forward, and the
-    fp32 calibration reports the error). Refuses a ``train_step`` that runs the model or a
-    submodule inside an autocast of its own, at any call (:func:`own_autocast_refusal`): the
-    run goes on past the first call for that (it stopped there before, and a second call
-    under an autocast escaped: a review)."""
+    """The arguments ``train_step(plan, batch)`` first calls ``plan.model`` with outside a
+    ``torch.func`` transform, for the probe's scan, from one run of it on the scan's copy.
+    None when it raises first or never calls ``plan.model`` itself (then the scan runs without
+    a forward, and the fp32 calibration reports the error). Refuses a ``train_step`` that
+    runs the model or a submodule inside an autocast of its own, at any call
+    (:func:`own_autocast_refusal`): the run goes on past the first call for that (it stopped
+    there before, and a second call under an autocast escaped: a review)."""
     calls: list[ModelCall] = []
 
     def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not calls:
+        # not a call under torch.vmap or torch.func.hessian (a physics residual per point):
+        # its arguments are the transform's wrappers, and the scan's replay of them outside
+        # it raised "your tensor may have escaped" (found by a hunt)
+        if not calls and torch._C._functorch.maybe_current_level() is None:
             calls.append(ModelCall(tuple(args), dict(kwargs)))
 
     handle = plan.model.register_forward_pre_hook(record, with_kwargs=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -115,3 +116,31 @@ def test_a_torch_func_gradient_in_the_forward_trains_its_saved_bytes_not_counted
     plain = run_trial(ModeSpec(mode="fp32"), model.net, [(s, t) for s, t, _, _ in batches],
                       recipe=TrainingRecipe(loss_fn=nn.functional.mse_loss), steps=2)  # fmt: skip
     assert plain.record.activation_bytes
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_the_scan_replays_a_train_steps_first_call_outside_a_transform() -> None:
+    # a physics residual per point, vmap(hessian(u)): the scan replayed the first call's
+    # arguments, vmap's wrappers, outside it ("your tensor may have escaped") and counted no
+    # FLOPs; the boundary call after it is a plain one
+    from autoprec.batching import first_model_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    plan = autoprec.profile_for(ModeSpec(mode="fp32")).apply(
+        model, torch.optim.SGD(model.parameters(), lr=0.0)
+    )
+    boundary = torch.tensor([[0.0], [1.0]])
+
+    def train_step(plan: autoprec.PrecisionPlan, x: torch.Tensor) -> torch.Tensor:
+        params = dict(plan.model.named_parameters())
+
+        def u(point: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(plan.model, params, (point.unsqueeze(0),)).squeeze()
+
+        curvature = torch.vmap(torch.func.hessian(u))(x).reshape(-1, 1)
+        return (curvature**2).mean() + (plan.model(boundary) ** 2).mean()
+
+    call = first_model_call(train_step, plan, torch.rand(8, 1))
+    assert call is not None and len(call.args) == 1
+    assert torch.equal(call.args[0], boundary)
