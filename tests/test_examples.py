@@ -1246,3 +1246,13 @@ def test_ground_truth_never_caches_the_machines_errors_and_refuses_what_it_canno
     assert ground_truth._with_paired_truth([one_run], 1) == [one_run]  # no reading, no line
     with pytest.raises(SystemExit):
         ground_truth.scoring_arguments("doc", ["--quick", "--steps", "500"])
+
+
+def test_bf16_converged_cost_benchmark_runs_in_quick_mode() -> None:
+    """The measurement behind the bf16-weight modes' converged-cost note; --quick for CI."""
+    from benchmarks import bf16_converged_cost
+
+    result = bf16_converged_cost.main(["--quick"])
+    assert result.start.fp32 > result.end.fp32 > 0  # fp32 trained
+    assert set(result.from_start) == set(result.from_end) == {"bf16_sr", "bf16_kahan"}
+    assert all(cost is not None for _, cost in result.from_end.values())

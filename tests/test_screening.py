@@ -24,6 +24,7 @@ from autoprec.candidates import Skipped
 from autoprec.cli import main
 from autoprec.display import quality_table
 from autoprec.drift_blind_spots import (
+    BF16_CONVERGED_COST,
     BF16_LATE_ROUNDING,
     BF16_WEIGHT_AVERAGE,
     FP8_CONVERGED_COST,
@@ -112,7 +113,10 @@ def test_check_judges_modes_tune_would_prune_for_speed() -> None:
     assert any(n.startswith("weight decay never applies") for n in pure.notes)
     assert not any("weight decay" in n for n in report.verdict("bf16_sr").notes)
     assert "    note: weight decay never applies" in report.summary()
-    assert report.verdict("bf16_sr").blind_spots == (BF16_WEIGHT_AVERAGE,)  # bf16 weights
+    assert report.verdict("bf16_sr").blind_spots == (  # bf16 weights
+        BF16_CONVERGED_COST,
+        BF16_WEIGHT_AVERAGE,
+    )
     assert not report.not_checked  # exactly the modes asked for, all runnable here
     for name, value in task.model.state_dict().items():
         assert torch.equal(value, before[name])  # the user's model is untouched
@@ -676,13 +680,15 @@ def test_blind_spots_are_named_for_the_modes_they_were_found_in() -> None:
     assert blind_spots(ModeSpec(mode="amp_fp16")) == (FP16_LATE_GROWTH,)
     assert blind_spots(ModeSpec(mode="bf16_pure", optimizer_bits=8)) == (
         BF16_LATE_ROUNDING,
+        BF16_CONVERGED_COST,
         BF16_WEIGHT_AVERAGE,
     )
     for mode in ("bf16_sr", "bf16_kahan", "bf16_sr_kahan"):  # bf16 weights: an EMA freezes
-        assert blind_spots(ModeSpec(mode=mode)) == (BF16_WEIGHT_AVERAGE,)
+        assert blind_spots(ModeSpec(mode=mode)) == (BF16_CONVERGED_COST, BF16_WEIGHT_AVERAGE)
     for mode in ("amp_bf16", "fp32"):
         assert blind_spots(ModeSpec(mode=mode, optimizer_bits=8 if mode == "fp32" else 32)) == ()
     assert "ema_rounding" in BF16_WEIGHT_AVERAGE and "get_ema_avg_fn" in BF16_WEIGHT_AVERAGE
+    assert "bf16_converged_cost" in BF16_CONVERGED_COST and "+1.84%" in BF16_CONVERGED_COST
     assert "+2.1%" in FP8_CONVERGED_COST and "fp8_cost_split" in FP8_CONVERGED_COST
     assert "late_checkpoint" in FP8_CONVERGED_COST  # and what to run instead
     assert "+58.8%" in BF16_LATE_ROUNDING and "+12.5%" in BF16_LATE_ROUNDING  # the misses

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.drift_blind_spots import BF16_WEIGHT_AVERAGE
+from autoprec.drift_blind_spots import BF16_CONVERGED_COST, BF16_WEIGHT_AVERAGE
 from autoprec.model_copies import CompiledForward
 from autoprec.outcomes import TrialOutcome
 from autoprec.report import outcomes_from_study
@@ -67,7 +67,7 @@ def test_memory_objective_picks_an_accepted_lean_mode_and_rejects_lost_updates()
     assert result.profile.evidence.chosen.activation_bytes == chosen.activation_bytes
     assert result.profile.evidence.drift["update_fraction"] == pytest.approx(1.0, abs=0.05)
     # none known for stochastic rounding's trial; its bf16 weights carry the EMA note
-    assert result.profile.evidence.blind_spots == (BF16_WEIGHT_AVERAGE,)
+    assert result.profile.evidence.blind_spots == (BF16_CONVERGED_COST, BF16_WEIGHT_AVERAGE)
     # the user's model is unchanged
     assert all(torch.equal(v, task.model.state_dict()[k]) for k, v in before.items())
     assert not task.optimizer.state
