@@ -1256,3 +1256,12 @@ def test_bf16_converged_cost_benchmark_runs_in_quick_mode() -> None:
     assert result.start.fp32 > result.end.fp32 > 0  # fp32 trained
     assert set(result.from_start) == set(result.from_end) == {"bf16_sr", "bf16_kahan"}
     assert all(cost is not None for _, cost in result.from_end.values())
+
+
+def test_fp16_skipped_steps_benchmark_runs_in_quick_mode() -> None:
+    """The measurement behind amp_fp16's skipped-steps output note; --quick for CI."""
+    from benchmarks import fp16_skipped_steps
+
+    runs = fp16_skipped_steps.main(["--quick"])
+    assert [run.mode for run in runs] == ["fp32", "fp32", "amp_fp16", "amp_fp16"]
+    assert all(run.clean_mse > 0 and run.median_error > 0 for run in runs)

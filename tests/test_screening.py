@@ -2569,6 +2569,31 @@ def test_accumulating_more_micro_batches_than_the_runs_hold_is_said(
     )
 
 
+def test_amp_fp16_outputs_parted_by_skipped_steps_are_a_note_not_a_reject() -> None:
+    """Found by a hunt: on heavy-tailed (Cauchy) targets the loss scaler skips a few outlier
+    batches; the runs part by those dropped updates (outputs ~20% apart against a paired
+    0.06%) and amp_fp16 was rejected, though trained 2000 steps it ended 1.5% below fp32
+    (benchmarks.fp16_skipped_steps, whose data this is)."""
+    generator = torch.Generator().manual_seed(4)
+    weights = torch.randn(16, 1, generator=generator)
+    batches = []
+    for _ in range(32):
+        x = torch.randn(32, 16, generator=generator)
+        noise = torch.tan(math.pi * (torch.rand(32, 1, generator=generator) - 0.5))  # Cauchy
+        batches.append((x, x @ weights + noise))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    report = autoprec.check(
+        model, batches, loss_fn=torch.nn.functional.mse_loss, modes=["amp_fp16"],
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+    )  # fmt: skip
+    verdict = report.verdict("amp_fp16")
+    assert verdict.drift["skipped_step_rate"] and verdict.drift["output_error"] > 0.10
+    assert verdict.status == "safe", verdict.reasons
+    (note,) = [note for note in verdict.notes if "after the loss scaler skipped" in note]
+    assert note.startswith("held-out outputs differ from fp32 by")
+
+
 def test_amp_fp16_settles_its_loss_scale_on_the_trials_first_batches() -> None:
     """Found by a hunt: the loss scale was settled on the first batch alone; batches whose
     gradients ran up to 6x its backed it off during a 20-step check, and the gate counted
