@@ -39,7 +39,7 @@ from autoprec.errors import BatchError, BudgetTooSmallError, LossError, Unsuppor
 from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
-from autoprec.outside_state import OutsideStateWatch
+from autoprec.outside_state import OutsideStateWatch, same_digest
 from autoprec.plan import build_plan
 from autoprec.probing import ProbeReport, probe
 from autoprec.recipe import (
@@ -521,6 +521,9 @@ class RunSetup:
     tail_seconds: float = 0.0
     """What a run spends after its last step (held-out pass, ``eval_fn``), the slowest of the
     runs so far, calibration's first: the budget's stop checks reserve it."""
+    outside: OutsideStateWatch | None = None
+    """The calibration's watch of what the ``train_step`` reaches outside the model, kept with
+    its one host copy for the runs after it (None before calibration)."""
 
     @property
     def reference_spec(self) -> ModeSpec:
@@ -542,13 +545,22 @@ class RunSetup:
         fp32 calibration's 5 steps found a target network copied every 5 steps, not one
         copied every 10, which came back changed and every run started from the last's (found
         by a hunt)."""
-        outside = (
-            OutsideStateWatch(self.recipe.train_step, self.user_model) if watch_outside else None
-        )
+        outside = self.outside if watch_outside else None
+        if outside is None and watch_outside:
+            outside = OutsideStateWatch(self.recipe.train_step, self.user_model)
+        before = outside.digest() if outside is not None and outside.tensors else None
         try:
             result = self._run(spec, steps, batches, options)
-        finally:
-            changed = outside.restore() if outside is not None else []
+        finally:  # a step counter it reaches is put back every run (a hunt)
+            changed: list[str] = []
+            if (
+                before is not None
+                and outside is not None
+                and not same_digest(before, outside.digest())
+            ):
+                changed = outside.restore()
+            if outside is not None:
+                outside.restore_numbers()
         if changed:
             raise _changed_outside_the_model(changed, f"the {spec.label} run of {steps} steps")
         return result
@@ -826,7 +838,8 @@ def calibration_run(setup: RunSetup) -> Calibration:
         raise _changed_outside_the_model(
             changed_outside, f"the fp32 calibration's {CALIBRATION_STEPS} steps"
         )
-    del user, outside  # their host copies
+    setup.outside = outside  # its host copy puts back what a later run changes
+    del user  # its host copy
     if calibration.record.failure is not None:
         raise reference_failed(calibration, setup)
     setup.fresh_batches = watched.changed()

@@ -61,10 +61,13 @@ FP8_SHAPE_HINT = (
 
 _LOW_PRECISION_KERNEL_ERRORS = re.compile(
     r"Unsupported dtype (BFloat16|Half)|not implemented for '(BFloat16|Half)'"
+    r"|MKL FFT doesn't support tensors of type: (BFloat16|Half)|Low precision dtypes not supported"
 )
 """torch's errors for an op that has no kernel for bf16 or fp16 tensors on this device:
-``torch.fft.rfft`` on bf16 on our CPUs ("Unsupported dtype BFloat16"), and kernels
-dispatched by dtype ("\"addmm_impl_cpu_\" not implemented for 'Half'")."""
+``torch.fft.rfft`` on bf16 on our CPUs ("Unsupported dtype BFloat16"), ``torch.stft`` ("MKL
+FFT doesn't support tensors of type: BFloat16"), ``torch.linalg.inv`` ("Low precision dtypes
+not supported"; these two found by a review), and kernels dispatched by dtype
+("\"addmm_impl_cpu_\" not implemented for 'Half'")."""
 LOW_PRECISION_KERNEL_HINT = (
     " (an op in your model has no kernel for the low-precision tensors this mode hands it: "
     "keep the module that calls it in fp32 (keep_fp32=['name'], --keep-fp32 name), or cast "

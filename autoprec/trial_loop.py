@@ -7,12 +7,14 @@ import contextlib
 import copy
 import math
 import numbers
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
@@ -182,9 +184,15 @@ def _evaluate(
     fp16 = watch_range and plan.spec.mode == "amp_fp16"
     inside = _Fp16Watch(maxima) if fp16 else contextlib.nullcontext()
     returned: list[Any] = []  # what the model returned to train_step, call by call
+
+    def keep_returned(_module: nn.Module, _args: Any, output: Any) -> None:
+        # not a call under torch.vmap or torch.func (a residual per point): its output is the
+        # transform's wrapper, and reducing it after the transform raised (a review)
+        if torch._C._functorch.maybe_current_level() is None:
+            returned.append(output)
+
     if train_step is not None:
-        keep = torch.compiler.disable(lambda _module, _args, output: returned.append(output))
-        handles.append(plan.model.register_forward_hook(keep))
+        handles.append(plan.model.register_forward_hook(torch.compiler.disable(keep_returned)))
     was_training = plan.model.training
     plan.model.eval()
     losses, outputs = [], []
@@ -611,25 +619,60 @@ def settle(
         with torch.no_grad():
             for tensor, before in kept:
                 tensor.copy_(before)
-            for module, key, number in numbers:
-                if vars(module).get(key, number) is not number:
-                    setattr(module, key, number)
+            _put_back_numbers(numbers)
             if started and source is not None:
                 _put_back_moved(plan.model, source)
     return None
 
 
+_SMALL_TENSOR = 16
+"""Elements of the largest plain tensor attribute :func:`_module_numbers` keeps: a count or a
+step held as a tensor, not a cache."""
+
+
 def _module_numbers(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
-    """(module, attribute, value) for the int, float and bool attributes of ``model``'s modules:
-    a step count a ``train_step`` keeps on the model (a DQN copying its target network every
-    20 calls). The settle passes advanced it, and the amp_fp16 trial copied its target 8
-    steps before every other run did (found by a hunt)."""
-    return [
-        (module, key, value)
-        for module in model.modules()
-        for key, value in vars(module).items()
-        if isinstance(value, int | float) and key != "training"  # bool is an int
-    ]
+    """(module, attribute, value) for the int and float attributes of ``model``'s modules, and
+    copies of their small plain tensor attributes (not parameters or buffers): a step count a
+    ``train_step`` keeps on the model (a DQN copying its target network every 20 calls). The
+    settle passes advanced it, and the amp_fp16 trial copied its target 8 steps before every
+    other run did (found by a hunt; the tensor count and one the passes create, a review).
+    Each module's attribute names come along (value ``_NAMES``): one the passes add goes."""
+    found: list[tuple[nn.Module, str, Any]] = []
+    for module in model.modules():
+        attributes = vars(module)
+        found.append((module, _NAMES, set(attributes)))
+        for key, value in attributes.items():
+            if isinstance(value, int | float) and key != "training":  # bool is an int
+                found.append((module, key, value))
+            elif isinstance(value, torch.Tensor) and value.numel() <= _SMALL_TENSOR:
+                found.append((module, key, (value, value.detach().clone())))
+    return found
+
+
+_NAMES = ""
+"""The key under which :func:`_module_numbers` keeps a module's attribute names."""
+
+
+def _put_back_numbers(numbers: list[tuple[nn.Module, str, Any]]) -> None:
+    """Put back what :func:`_module_numbers` read, and drop int, float and small tensor
+    attributes the passes added (``getattr(model, "calls", 0) + 1``)."""
+    for module, key, value in numbers:
+        if key == _NAMES:
+            for added in set(vars(module)) - value:
+                new = vars(module)[added]
+                if isinstance(new, int | float) or (
+                    isinstance(new, torch.Tensor) and new.numel() <= _SMALL_TENSOR
+                ):
+                    delattr(module, added)
+        elif isinstance(value, tuple):
+            tensor, before = value
+            with torch.no_grad():
+                if vars(module).get(key) is tensor:
+                    tensor.copy_(before)  # changed in place (+= on a tensor)
+                else:
+                    setattr(module, key, tensor.copy_(before))
+        elif vars(module).get(key, value) is not value:
+            setattr(module, key, value)
 
 
 @contextlib.contextmanager
@@ -638,20 +681,37 @@ def optimizers_kept() -> Iterator[None]:
     SAM's inner step) gets back the state it had before its first step there. amp_fp16's
     settle passes call the ``train_step``: its critic's weights were put back, its Adam's
     state was not, and the trial began at Adam step 18 with averages of passes no run makes,
-    where every fp32 run began at step 0 (found by a hunt). Nothing to copy when none steps."""
-    before: dict[int, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}
+    where every fp32 run began at step 0 (found by a hunt). So does an lr scheduler it steps
+    (``LRScheduler.step``; a subclass with a ``step`` of its own, ReduceLROnPlateau or
+    SequentialLR, is not seen): a critic's StepLR decayed 9 calls early (a review). Nothing to
+    copy when none steps; another thread's are left alone (the hooks are process-wide)."""
+    before: dict[int, tuple[Any, dict[str, Any]]] = {}
+    thread = threading.get_ident()
 
-    def keep(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if id(optimizer) not in before:
-            before[id(optimizer)] = (optimizer, copy.deepcopy(optimizer.state_dict()))
+    def keep(stepped: Any) -> None:
+        if threading.get_ident() == thread and id(stepped) not in before:
+            before[id(stepped)] = (stepped, copy.deepcopy(stepped.state_dict()))
 
-    handle = register_optimizer_step_pre_hook(keep)
+    scheduler_step = LRScheduler.step
+
+    def step_kept(scheduler: LRScheduler, *args: Any, **kwargs: Any) -> Any:
+        if getattr(scheduler, "_step_count", 0):  # not the step its construction takes
+            keep(scheduler)
+        return scheduler_step(scheduler, *args, **kwargs)
+
+    handle = register_optimizer_step_pre_hook(lambda optimizer, _args, _kwargs: keep(optimizer))
+    LRScheduler.step = step_kept  # type: ignore[method-assign]
     try:
         yield
     finally:
         handle.remove()
-        for optimizer, state in before.values():
-            optimizer.load_state_dict(state)
+        LRScheduler.step = scheduler_step  # type: ignore[method-assign]
+        for stepped, state in before.values():  # optimizers first: a scheduler sets their lr
+            if isinstance(stepped, torch.optim.Optimizer):
+                stepped.load_state_dict(state)
+        for stepped, state in before.values():
+            if not isinstance(stepped, torch.optim.Optimizer):
+                stepped.load_state_dict(state)
 
 
 def _put_back_moved(model: nn.Module, source: nn.Module) -> None:
@@ -685,8 +745,18 @@ def measure_trained(
     figures["infinite_leaves"] = activation.infinite_leaves if heldout else None
     if eval_fn is not None:
         plan.model.eval()
-        with torch.no_grad(), plan.autocast():
-            figures["eval"] = _eval_score(eval_fn, plan.model)
+        drawn = stream_states(loop.device)
+        try:
+            with torch.no_grad(), plan.autocast():
+                figures["eval"] = _eval_score(eval_fn, plan.model)
+        except EvalFnError as error:
+            # a forward that differentiates by its inputs needs gradients, as the held-out
+            # pass does (a review): again with them, from the same streams
+            if NEEDS_GRADIENTS not in str(error):
+                raise
+            set_streams(loop.device, drawn)
+            with torch.enable_grad(), plan.autocast():
+                figures["eval"] = _eval_score(eval_fn, plan.model)
         plan.model.train()
     return outputs
 

@@ -91,20 +91,25 @@ class _InnerStep(nn.Module):
         return torch.func.functional_call(self.net, adapted, (query,))
 
 
+def _tasks(seed: int, count: int) -> list[tuple[torch.Tensor, ...]]:
+    """Few-shot sine tasks: (support, its targets, query, its targets)."""
+    generator = torch.Generator().manual_seed(seed)
+    tasks = []
+    for _ in range(count):
+        support, query = torch.rand(2, 10, 1, generator=generator)
+        tasks.append((support, torch.sin(3 * support), query, torch.sin(3 * query)))
+    return tasks
+
+
+_INNER_RECIPE = TrainingRecipe(loss_fn=lambda out, y: nn.functional.mse_loss(out.float(), y))
+
+
 def test_a_torch_func_gradient_in_the_forward_trains_its_saved_bytes_not_counted() -> None:
     # torch.func.grad refuses saved-tensor hooks: the CPU count of saved activations failed
     # every run at step 0 ("don't yet support saved tensor hooks"), blamed on the batches
-    generator = torch.Generator().manual_seed(2)
-    batches = []
-    for _ in range(8):
-        support, query = (
-            torch.rand(10, 1, generator=generator),
-            torch.rand(10, 1, generator=generator),
-        )
-        batches.append((support, torch.sin(3 * support), query, torch.sin(3 * query)))
+    batches, recipe = _tasks(seed=2, count=8), _INNER_RECIPE
     torch.manual_seed(0)
     model = _InnerStep()
-    recipe = TrainingRecipe(loss_fn=lambda out, y: nn.functional.mse_loss(out.float(), y))
     fp32 = run_trial(ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=6)
     assert fp32.record.failure is None, fp32.record.failure
     assert fp32.record.activation_bytes is None and fp32.record.steps_run == 6
@@ -144,3 +149,55 @@ def test_the_scan_replays_a_train_steps_first_call_outside_a_transform() -> None
     call = first_model_call(train_step, plan, torch.rand(8, 1))
     assert call is not None and len(call.args) == 1
     assert torch.equal(call.args[0], boundary)
+
+
+def test_a_train_step_that_calls_the_model_only_under_vmap_is_judged() -> None:
+    # a review: the held-out pass kept what the model returned to the train_step, vmap's
+    # wrapper, and reduced it after the transform ("your tensor may have escaped")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    batches = [torch.rand(8, 4) for _ in range(8)]
+
+    def train_step(plan: autoprec.PrecisionPlan, x: torch.Tensor) -> torch.Tensor:
+        with plan.autocast():
+            out = torch.vmap(lambda row: plan.model(row.unsqueeze(0)).squeeze(0))(x)
+        return (out.float() - x.sum(-1, keepdim=True)).pow(2).mean()
+
+    report = autoprec.check(model, batches, train_step=train_step, steps=6, modes=["amp_bf16"])
+    assert report.verdict("amp_bf16").status == "safe", report.summary()
+
+
+class _Noisy(_InnerStep):
+    """:class:`_InnerStep` on a net that draws (dropout), with a running buffer its forward
+    updates first: what the retry without saved-tensor hooks must leave as a plain run would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 16), nn.Dropout(0.3), nn.Linear(16, 1))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, support: torch.Tensor, targets: torch.Tensor, query: torch.Tensor) -> Any:
+        self.seen += support.mean()
+        return super().forward(support, targets, query) + 0.01 * self.seen
+
+
+def test_the_retry_without_saved_tensor_hooks_draws_and_updates_as_a_plain_run() -> None:
+    # a review: the retry's restore of random streams and buffers went untested
+    import autoprec.trial_loop as trial_loop
+
+    batches, recipe = _tasks(seed=3, count=6), _INNER_RECIPE
+    torch.manual_seed(0)
+    model = _Noisy()
+    retried = run_trial(ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=4)
+    assert retried.record.failure is None and retried.record.activation_bytes is None
+    with pytest.MonkeyPatch.context() as patch:  # a run that never counts: no retry
+        patch.setattr(trial_loop.TrainingLoop, "_counted_forward", _plain_forward)
+        plain = run_trial(ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=4)
+    assert retried.record.losses == plain.record.losses
+
+
+def _plain_forward(loop: Any, batch: Any) -> torch.Tensor:
+    from autoprec.batching import forward_and_loss
+
+    with loop.plan.autocast():
+        return forward_and_loss(loop.plan, batch, loop.recipe.loss_fn, loop.recipe.train_step)[0]

@@ -431,6 +431,64 @@ def test_amp_fp16s_settle_passes_leave_a_count_kept_on_the_model_where_it_was() 
     assert seen == [(0, 1.0, True)]
 
 
+def test_amp_fp16s_settle_leaves_lazy_and_tensor_counts_and_a_critics_scheduler_as_fp32() -> None:
+    """A review: a count created on first use (getattr(model, "calls", 0) + 1), a count kept
+    as a tensor attribute, and a train_step's own critic scheduler were left 8-9 calls on."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"g": torch.nn.Linear(8, 8), "d": torch.nn.Linear(8, 1)})
+    model.ticks = torch.zeros((), dtype=torch.long)  # type: ignore[assignment]
+    critics: dict[int, tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]] = {}
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        gan = plan.model
+        gan.calls = getattr(gan, "calls", 0) + 1
+        gan.ticks += 1
+        if id(gan) not in critics:
+            critic = torch.optim.SGD(gan["d"].parameters(), lr=1e-3)
+            critics[id(gan)] = (critic, torch.optim.lr_scheduler.StepLR(critic, 4, 0.1))
+        critic, schedule = critics[id(gan)]
+        x, _ = batch
+        with plan.autocast():
+            critic_loss = gan["d"](gan["g"](x).detach()).float().mean()
+        critic.zero_grad()
+        critic_loss.backward()
+        critic.step()
+        schedule.step()
+        with plan.autocast():
+            return -gan["d"](gan["g"](x)).float().mean()
+
+    def read(trained: Any) -> tuple[Any, int, int]:
+        schedule = critics[id(trained)][1]
+        return getattr(trained, "calls", None), int(trained.ticks), schedule.last_epoch
+
+    recipe = TrainingRecipe(
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-2), train_step=train_step
+    )
+    assert _read_after_settle(model, recipe, read) == [(None, 0, 0)]
+
+
+def test_amp_fp16s_settle_leaves_another_threads_optimizer_alone() -> None:
+    """A review: the optimizer step hook is process-wide; a background thread's Adam, stepped
+    while a check ran, was rolled back to its state before."""
+    import threading
+
+    from autoprec.trial_loop import optimizers_kept
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    other = torch.optim.Adam([weight], lr=1e-3)
+
+    def step_other() -> None:
+        for _ in range(5):
+            weight.grad = torch.ones(4)
+            other.step()
+
+    with optimizers_kept():
+        thread = threading.Thread(target=step_other)
+        thread.start()
+        thread.join()
+    assert int(other.state[weight]["step"]) == 5
+
+
 def test_a_parameter_some_steps_reach_is_not_state_outside_the_optimizer() -> None:
     """A head the loss reaches on every fifth step only (a mixture's rarely routed expert) is
     stepped by the optimizer: not state outside it, under SGD without momentum too (no

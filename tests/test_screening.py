@@ -1393,11 +1393,18 @@ def test_a_forward_that_differentiates_by_its_inputs_is_scanned_and_judged() -> 
     layers = autoprec.probe(model, example_input=positions[0]).layers
     assert layers is not None and layers.forward_error is None
     assert layers.forward_flops and layers.kind("linear").flops
+
+    def force_error(trained: torch.nn.Module) -> float:  # an eval_fn runs the forward too
+        pos, forces = batches[-1]
+        return float(torch.nn.functional.mse_loss(trained(pos).float(), forces).detach())
+
     report = autoprec.check(
-        model, batches, steps=8, loss_fn=torch.nn.functional.mse_loss, modes=["amp_bf16"]
-    )
+        model, batches, steps=8, loss_fn=torch.nn.functional.mse_loss, modes=["amp_bf16"],
+        eval_fn=force_error,
+    )  # fmt: skip
     assert report.verdict("amp_bf16").status != "failed", report.summary()
     assert report.verdict("amp_bf16").drift.get("heldout_loss_gap") is not None
+    assert report.verdict("amp_bf16").drift.get("eval_gap") is not None
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -2895,6 +2902,70 @@ def test_a_target_network_copied_less_often_than_the_calibration_runs_is_refused
                        modes=["amp_bf16"])  # fmt: skip
     after = target.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+    # one host copy serves every run (a review: one per run cost 23% of a distillation check)
+    import autoprec.run_setup as run_setup
+
+    built = []
+
+    class Counted(run_setup.OutsideStateWatch):
+        def __init__(self, *args: Any) -> None:
+            built.append(1)
+            super().__init__(*args)
+
+    def frozen_target(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with plan.autocast():
+            out = plan.model(x).float()
+        return torch.nn.functional.mse_loss(out, y + 0.1 * target(x).detach().float())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_setup, "OutsideStateWatch", Counted)
+        autoprec.check(online, make_batches(), train_step=frozen_target, steps=12,
+                       modes=["amp_bf16"])  # fmt: skip
+    assert len(built) == 2  # the probe's scan and the calibration
+
+
+_STEP = 0
+"""A module-level step counter, as a schedule read by a train_step keeps one."""
+
+
+class _Schedule:
+    def __init__(self) -> None:
+        self.step = 0
+
+
+_SCHEDULE = _Schedule()
+
+
+def _advance() -> None:
+    global _STEP
+    _STEP += 1
+    _SCHEDULE.step += 1
+
+
+def test_a_step_counter_outside_the_model_starts_every_run_where_it_stood() -> None:
+    """Found by a hunt: a train_step's schedule counter kept at module level (a Gumbel
+    temperature's, a KL warm-up's) ran on from run to run: each trial trained further along
+    its schedule, every mode was rejected for the offset, and the counter came back 1814 on."""
+    from examples.mean_teacher import make_batches
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    starts: dict[int, tuple[int, int]] = {}
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        if plan.model.training:  # a run's first training call
+            starts.setdefault(id(plan.model), (_STEP, _SCHEDULE.step))
+        x, y = batch
+        weight = min(1.0, _STEP / 1000)  # a warm-up read from the counter
+        if plan.model.training:
+            _advance()
+        with plan.autocast():
+            return torch.nn.functional.mse_loss(plan.model(x).float(), y) * (1 + weight)
+
+    autoprec.check(model, make_batches(), train_step=train_step, steps=12, modes=["amp_bf16"])
+    assert (_STEP, _SCHEDULE.step) == (0, 0)
+    assert len(starts) >= 4 and set(starts.values()) == {(0, 0)}, starts
 
 
 _HELPERS_TEACHER = torch.nn.Linear(8, 4)

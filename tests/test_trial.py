@@ -1423,6 +1423,12 @@ def test_an_op_without_a_bf16_kernel_names_keep_fp32_and_keep_fp32_runs_it() -> 
     assert kept.verdicts[0].status != "failed", kept.verdicts[0].reasons
     other = failure_of(RuntimeError("CUDA error: illegal access"), 0)
     assert LOW_PRECISION_KERNEL_HINT not in other.message
+    for said in (  # torch.stft's and linalg.inv's words (a review)
+        "MKL FFT doesn't support tensors of type: BFloat16",
+        "linalg.inv: Low precision dtypes not supported. Got Half",
+        "\"cdist\" not implemented for 'Half'",
+    ):
+        assert failure_of(RuntimeError(said), 0).message.endswith(LOW_PRECISION_KERNEL_HINT)
 
 
 def test_stochastic_rounding_draws_from_the_seed_torch_was_given() -> None:
