@@ -17,7 +17,7 @@ from autoprec._models import FROZEN_RECORD
 from autoprec._wording import first_names
 from autoprec.eligibility import Situation, mode_eligibility, mxfp8_reason
 from autoprec.layer_keep import FP8_SKIP_REASONS, PURE_BF16_KEEP_REASONS
-from autoprec.layer_kinds import MXFP8_BLOCK, fp8_worthwhile
+from autoprec.layer_kinds import BNB_MIN_8BIT_SIZE, MXFP8_BLOCK, fp8_worthwhile
 from autoprec.probing import ProbeReport
 from autoprec.specs import MODE_NAMES, ModeName, ModeSpec, matches_keep_fp32
 
@@ -314,14 +314,16 @@ def candidate_specs(report: ProbeReport, modes: Sequence[str] | None = None) -> 
 def _eight_bit_specs(
     report: ProbeReport, eligible: list[ModeSpec], wanted: set[str], skipped: list[Skipped]
 ) -> list[ModeSpec]:
-    """The 8-bit optimizer-state variants of the wanted, eligible modes (in their order)."""
+    """The 8-bit optimizer-state variants of the wanted, eligible modes (in their order); none
+    where no trainable tensor is large enough for an 8-bit state (:func:`no_8bit_state`)."""
     verdict = report.optimizer_8bit
     if not wanted:
         return []
-    if not verdict.eligible:
+    reasons = verdict.reasons or tuple(filter(None, [no_8bit_state(report)]))
+    if reasons:
         for mode in sorted(wanted):
             spec = ModeSpec(mode=mode, optimizer_bits=8)  # type: ignore[arg-type]
-            skipped.append(Skipped(spec=spec, reasons=verdict.reasons))
+            skipped.append(Skipped(spec=spec, reasons=reasons))
         return []
     bases = [ModeSpec(mode="fp32")] if "fp32" in wanted else []
     return [
@@ -329,6 +331,21 @@ def _eight_bit_specs(
         for spec in bases + eligible
         if spec.mode in wanted and spec.mode in EIGHT_BIT_MODES
     ]
+
+
+def no_8bit_state(report: ProbeReport) -> str | None:
+    """Why no state would be 8-bit on the scanned model, or None: with no trainable tensor of
+    ``BNB_MIN_8BIT_SIZE`` elements every state stays 32-bit (bitsandbytes' ``min_8bit_size``), and
+    check() called the ``+8bit-optim`` variants safe having run the base mode (found by a hunt
+    on a VQ-VAE). A profile applied by hand still runs them (``apply`` is not refused)."""
+    layers = report.layers
+    if layers is None or not layers.trainable_parameters or layers.parameters_in_large_tensors:
+        return None
+    return (
+        f"8-bit optimizer states keep no state in 8 bit here: no trainable tensor has "
+        f"{BNB_MIN_8BIT_SIZE} elements or more (bitsandbytes' min_8bit_size), so every state "
+        "stays 32-bit and it would train as its base mode"
+    )
 
 
 SCREEN_ORDER: tuple[ModeName, ...] = (

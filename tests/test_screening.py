@@ -330,7 +330,8 @@ class _Factorisation(torch.nn.Module):
 
     def __init__(self, head: bool = False) -> None:
         super().__init__()
-        self.users, self.items = torch.nn.Embedding(50, 16), torch.nn.Embedding(60, 16)
+        # tables of 4096 elements or more: 8-bit states hold them (a smaller one stays 32-bit)
+        self.users, self.items = torch.nn.Embedding(300, 16), torch.nn.Embedding(260, 16)
         self.head = torch.nn.Linear(16, 1) if head else None
 
     def forward(self, pairs: torch.Tensor) -> torch.Tensor:
@@ -344,8 +345,8 @@ def test_pure_bf16_that_would_keep_every_parameter_in_fp32_is_not_checked() -> N
     generator = torch.Generator().manual_seed(0)
     batches = [
         (
-            torch.stack([torch.randint(0, 50, (16,), generator=generator),
-                         torch.randint(0, 60, (16,), generator=generator)], dim=1),
+            torch.stack([torch.randint(0, 300, (16,), generator=generator),
+                         torch.randint(0, 260, (16,), generator=generator)], dim=1),
             torch.randn(16, generator=generator),
         )
         for _ in range(8)
@@ -364,6 +365,22 @@ def test_pure_bf16_that_would_keep_every_parameter_in_fp32_is_not_checked() -> N
     # one weight outside the kept modules: pure bf16 lowers it, and is checked
     headed = autoprec.check(_Factorisation(head=True), batches, modes=["bf16_sr"], **screen)
     assert [v.spec.label for v in headed.verdicts] == ["bf16_sr"]
+
+
+def test_8bit_states_are_not_checked_where_no_tensor_would_hold_one() -> None:
+    # a hunt: a VQ-VAE of tensors under 4096 elements; bitsandbytes kept every state 32-bit
+    # and check() called fp32+8bit-optim safe (outputs 1.7e-07 apart: fp32's own run)
+    from examples.mean_teacher import make_batches
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    report = autoprec.check(model, make_batches(), loss_fn=torch.nn.functional.mse_loss, steps=4)
+    skipped = {skip.spec.label: skip.reasons[0] for skip in report.not_checked}
+    assert "no trainable tensor has 4096 elements or more" in skipped["fp32+8bit-optim"]
+    assert not [v for v in report.verdicts if v.spec.optimizer_bits == 8]
+    with pytest.raises(autoprec.UnsupportedModeError, match=r"keep no state in 8 bit"):
+        autoprec.check(model, make_batches(), loss_fn=torch.nn.functional.mse_loss, steps=4,
+                       modes=["amp_bf16+8bit-optim"])  # fmt: skip
 
 
 def test_a_qlora_model_is_checked_and_fp8_leaves_its_4bit_base_alone() -> None:
