@@ -540,11 +540,13 @@ class RunSetup:
         **options: Any,
     ) -> TrialResult:
         """One run of ``spec`` (a trial, or an fp32 run) on the trial model. What the
-        ``train_step`` reaches outside the model is watched through every run, put back and
-        refused where a run changed it (``watch_outside=False``: the caller watches): the
-        fp32 calibration's 5 steps found a target network copied every 5 steps, not one
-        copied every 10, which came back changed and every run started from the last's (found
-        by a hunt)."""
+        ``train_step`` reaches outside the model is watched through every run (the
+        calibration's host copy, compared by on-device sums), put back and refused where a run
+        changed it, and the numbers it counts with are put back after every run
+        (``watch_outside=False``: the caller watches). The calibration's 5 steps alone found a
+        target network copied every 5 steps, not one copied every 10, which came back changed
+        and every run started from the last's; a step counter ran on from run to run (both
+        found by hunts)."""
         outside = self.outside if watch_outside else None
         if outside is None and watch_outside:
             outside = OutsideStateWatch(self.recipe.train_step, self.user_model)
@@ -683,11 +685,11 @@ def _without_untranslatable(
 
 def _without_lowering_nothing(candidates: CandidateList, model: nn.Module) -> CandidateList:
     """Move the pure-bf16 candidates whose keep-list (the probe's norms and embeddings, and
-    the user's ``keep_fp32``) holds every parameter to the skipped, with the reason (a frozen
-    Linear outside it computes in bf16: not fp32 under another name, a review):
-    on an embedding-only model (matrix factorisation, a recommender of lookups) they put
-    nothing in bf16, and were called safe and chosen by tune() for timing noise on the same
-    fp32 work (found by a hunt: "3.2x faster")."""
+    the user's ``keep_fp32``) holds every parameter, frozen ones too (a frozen Linear left out
+    computes in bf16), to the skipped, with the reason: on an embedding-only model (matrix
+    factorisation, a recommender of lookups) they put nothing in bf16, and were called safe
+    and chosen by tune() for timing noise on the same fp32 work (found by a hunt: "3.2x
+    faster"). The 8-bit states' like case is the candidates' (``no_8bit_state``)."""
     kept, skipped = [], list(candidates.skipped)
     for spec in candidates.specs:
         if not spec.mode.startswith("bf16") or not keeps_every_trainable(
