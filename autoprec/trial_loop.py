@@ -682,9 +682,9 @@ def optimizers_kept() -> Iterator[None]:
     settle passes call the ``train_step``: its critic's weights were put back, its Adam's
     state was not, and the trial began at Adam step 18 with averages of passes no run makes,
     where every fp32 run began at step 0 (found by a hunt). So does an lr scheduler it steps
-    (``LRScheduler.step``; a subclass with a ``step`` of its own, ReduceLROnPlateau or
-    SequentialLR, is not seen): a critic's StepLR decayed 9 calls early (a review). Nothing to
-    copy when none steps; another thread's are left alone (the hooks are process-wide)."""
+    (``LRScheduler.step`` and the subclasses' own, ReduceLROnPlateau's, SequentialLR's): a
+    critic's StepLR decayed 9 calls early (a review). Nothing to copy when none steps;
+    another thread's are left alone (the hooks are process-wide)."""
     before: dict[int, tuple[Any, dict[str, Any]]] = {}
     thread = threading.get_ident()
 
@@ -692,26 +692,37 @@ def optimizers_kept() -> Iterator[None]:
         if threading.get_ident() == thread and id(stepped) not in before:
             before[id(stepped)] = (stepped, copy.deepcopy(stepped.state_dict()))
 
-    scheduler_step = LRScheduler.step
+    def kept_step(step: Callable[..., Any]) -> Callable[..., Any]:
+        def step_kept(scheduler: LRScheduler, *args: Any, **kwargs: Any) -> Any:
+            if getattr(scheduler, "_step_count", 1):  # not the step its construction takes
+                keep(scheduler)
+            return step(scheduler, *args, **kwargs)
 
-    def step_kept(scheduler: LRScheduler, *args: Any, **kwargs: Any) -> Any:
-        if getattr(scheduler, "_step_count", 0):  # not the step its construction takes
-            keep(scheduler)
-        return scheduler_step(scheduler, *args, **kwargs)
+        return step_kept
 
+    steps = {cls: vars(cls)["step"] for cls in _scheduler_classes() if "step" in vars(cls)}
     handle = register_optimizer_step_pre_hook(lambda optimizer, _args, _kwargs: keep(optimizer))
-    LRScheduler.step = step_kept  # type: ignore[method-assign]
+    for cls, step in steps.items():
+        cls.step = kept_step(step)  # type: ignore[method-assign]
     try:
         yield
     finally:
         handle.remove()
-        LRScheduler.step = scheduler_step  # type: ignore[method-assign]
+        for cls, step in steps.items():
+            cls.step = step  # type: ignore[method-assign]
         for stepped, state in before.values():  # optimizers first: a scheduler sets their lr
             if isinstance(stepped, torch.optim.Optimizer):
                 stepped.load_state_dict(state)
         for stepped, state in before.values():
             if not isinstance(stepped, torch.optim.Optimizer):
                 stepped.load_state_dict(state)
+
+
+def _scheduler_classes(cls: type = LRScheduler) -> Iterator[type]:
+    """``cls`` and every subclass of it loaded."""
+    yield cls
+    for subclass in cls.__subclasses__():
+        yield from _scheduler_classes(subclass)
 
 
 def _put_back_moved(model: nn.Module, source: nn.Module) -> None:

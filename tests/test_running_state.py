@@ -437,7 +437,7 @@ def test_amp_fp16s_settle_leaves_lazy_and_tensor_counts_and_a_critics_scheduler_
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"g": torch.nn.Linear(8, 8), "d": torch.nn.Linear(8, 1)})
     model.ticks = torch.zeros((), dtype=torch.long)  # type: ignore[assignment]
-    critics: dict[int, tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]] = {}
+    critics: dict[int, tuple[torch.optim.Optimizer, Any, Any]] = {}
 
     def train_step(plan: autoprec.PrecisionPlan, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         gan = plan.model
@@ -445,8 +445,9 @@ def test_amp_fp16s_settle_leaves_lazy_and_tensor_counts_and_a_critics_scheduler_
         gan.ticks += 1
         if id(gan) not in critics:
             critic = torch.optim.SGD(gan["d"].parameters(), lr=1e-3)
-            critics[id(gan)] = (critic, torch.optim.lr_scheduler.StepLR(critic, 4, 0.1))
-        critic, schedule = critics[id(gan)]
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(critic, patience=100)
+            critics[id(gan)] = (critic, torch.optim.lr_scheduler.StepLR(critic, 4, 0.1), plateau)
+        critic, schedule, plateau = critics[id(gan)]
         x, _ = batch
         with plan.autocast():
             critic_loss = gan["d"](gan["g"](x).detach()).float().mean()
@@ -454,17 +455,19 @@ def test_amp_fp16s_settle_leaves_lazy_and_tensor_counts_and_a_critics_scheduler_
         critic_loss.backward()
         critic.step()
         schedule.step()
+        plateau.step(float(critic_loss.detach()))  # a subclass with a step of its own
         with plan.autocast():
             return -gan["d"](gan["g"](x)).float().mean()
 
-    def read(trained: Any) -> tuple[Any, int, int]:
-        schedule = critics[id(trained)][1]
-        return getattr(trained, "calls", None), int(trained.ticks), schedule.last_epoch
+    def read(trained: Any) -> tuple[Any, int, int, int]:
+        _, schedule, plateau = critics[id(trained)]
+        calls = getattr(trained, "calls", None)
+        return calls, int(trained.ticks), schedule.last_epoch, plateau.last_epoch
 
     recipe = TrainingRecipe(
         optimizer=lambda params: torch.optim.SGD(params, lr=1e-2), train_step=train_step
     )
-    assert _read_after_settle(model, recipe, read) == [(None, 0, 0)]
+    assert _read_after_settle(model, recipe, read) == [(None, 0, 0, 0)]
 
 
 def test_amp_fp16s_settle_leaves_another_threads_optimizer_alone() -> None:
