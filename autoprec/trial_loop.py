@@ -10,7 +10,7 @@ import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -74,6 +74,8 @@ MIN_WINDOWS = 5
 """Fewest measured windows a trial aims for: shorter trials time shorter windows."""
 
 
+_T = TypeVar("_T")
+
 _HOOKS_REFUSED = "support saved tensor hooks"
 """torch.func's refusal of saved-tensor hooks ("torch.func.{grad, vjp, jacrev, hessian} don't
 yet support saved tensor hooks")."""
@@ -109,14 +111,23 @@ def heldout_pass(
     gradients, from the same random streams; nothing is stepped."""
     if train_step is not None:
         return _pass(_HeldoutPass(plan, heldout, device, loss_fn, train_step, grad=True))
+    return with_gradients_if_needed(
+        device, lambda grad: _pass(_HeldoutPass(plan, heldout, device, loss_fn, None, grad))
+    )
+
+
+def with_gradients_if_needed(device: torch.device, run: Callable[[bool], _T]) -> _T:
+    """``run(False)`` (without gradients); where that raised "does not have a grad_fn" (a
+    forward that differentiates by its inputs: forces as -dE/dpos), ``run(True)`` from the
+    same random streams. The held-out pass and ``eval_fn`` run so; nothing is stepped."""
     drawn = stream_states(device)
     try:
-        return _pass(_HeldoutPass(plan, heldout, device, loss_fn, None, grad=False))
-    except RuntimeError as error:
+        return run(False)
+    except (RuntimeError, EvalFnError) as error:
         if NEEDS_GRADIENTS not in str(error):
             raise
     set_streams(device, drawn)
-    return _pass(_HeldoutPass(plan, heldout, device, loss_fn, None, grad=True))
+    return run(True)
 
 
 class _HeldoutPass(NamedTuple):
@@ -578,7 +589,7 @@ def settle(
     (``_put_back_moved``). Returns the stop's reason, or None."""
     plan, recipe = loop.plan, loop.recipe
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-    numbers: list[tuple[nn.Module, str, Any]] = []
+    numbers: list[_ModuleNumbers] = []
     started: list[float] = []  # when each pass began
 
     def check() -> None:
@@ -594,7 +605,7 @@ def settle(
         if len(started) == 1:  # before the first pass
             state = state_no_optimizer_steps(plan.model, plan.optimizer)
             kept.extend((tensor, tensor.detach().clone()) for _, tensor in state)
-            numbers.extend(_module_numbers(plan.model))
+            numbers.append(_ModuleNumbers(plan.model))
         batch = to_device(loop.batches[index], device)
         with plan.autocast():
             loss, _ = forward_and_loss(plan, batch, recipe.loss_fn, recipe.train_step)
@@ -619,60 +630,60 @@ def settle(
         with torch.no_grad():
             for tensor, before in kept:
                 tensor.copy_(before)
-            _put_back_numbers(numbers)
+            for kept_numbers in numbers:
+                kept_numbers.put_back()
             if started and source is not None:
                 _put_back_moved(plan.model, source)
     return None
 
 
 _SMALL_TENSOR = 16
-"""Elements of the largest plain tensor attribute :func:`_module_numbers` keeps: a count or a
+"""Elements of the largest plain tensor attribute :class:`_ModuleNumbers` keeps: a count or a
 step held as a tensor, not a cache."""
 
 
-def _module_numbers(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
-    """(module, attribute, value) for the int and float attributes of ``model``'s modules, and
-    copies of their small plain tensor attributes (not parameters or buffers): a step count a
-    ``train_step`` keeps on the model (a DQN copying its target network every 20 calls). The
-    settle passes advanced it, and the amp_fp16 trial copied its target 8 steps before every
-    other run did (found by a hunt; the tensor count and one the passes create, a review).
-    Each module's attribute names come along (value ``_NAMES``): one the passes add goes."""
-    found: list[tuple[nn.Module, str, Any]] = []
-    for module in model.modules():
-        attributes = vars(module)
-        found.append((module, _NAMES, set(attributes)))
-        for key, value in attributes.items():
-            if isinstance(value, int | float) and key != "training":  # bool is an int
-                found.append((module, key, value))
-            elif isinstance(value, torch.Tensor) and value.numel() <= _SMALL_TENSOR:
-                found.append((module, key, (value, value.detach().clone())))
-    return found
+def _counted(value: Any) -> bool:
+    """An int, float (not a bool's ``training``: bool is an int, and it stays) or small tensor:
+    what a module may count with."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() <= _SMALL_TENSOR
+    return isinstance(value, int | float)
 
 
-_NAMES = ""
-"""The key under which :func:`_module_numbers` keeps a module's attribute names."""
+class _ModuleNumbers:
+    """The int and float attributes of a model's modules, and copies of their small plain
+    tensor attributes (not parameters or buffers): a step count a ``train_step`` keeps on the
+    model (a DQN copying its target network every 20 calls). The settle passes advanced it,
+    and the amp_fp16 trial copied its target 8 steps before every other run did (found by a
+    hunt; the tensor count, and one the passes create, a review). :meth:`put_back` puts them
+    back and drops such attributes the passes added (``getattr(model, "calls", 0) + 1``)."""
 
+    def __init__(self, model: nn.Module) -> None:
+        self.names = [(module, set(vars(module))) for module in model.modules()]
+        self.values = [
+            (
+                module,
+                key,
+                (value, value.detach().clone()) if isinstance(value, torch.Tensor) else value,
+            )
+            for module in model.modules()
+            for key, value in vars(module).items()
+            if key != "training" and _counted(value)
+        ]
 
-def _put_back_numbers(numbers: list[tuple[nn.Module, str, Any]]) -> None:
-    """Put back what :func:`_module_numbers` read, and drop int, float and small tensor
-    attributes the passes added (``getattr(model, "calls", 0) + 1``)."""
-    for module, key, value in numbers:
-        if key == _NAMES:
-            for added in set(vars(module)) - value:
-                new = vars(module)[added]
-                if isinstance(new, int | float) or (
-                    isinstance(new, torch.Tensor) and new.numel() <= _SMALL_TENSOR
-                ):
+    def put_back(self) -> None:
+        for module, names in self.names:
+            for added in [key for key in vars(module) if key not in names]:
+                if _counted(vars(module)[added]):
                     delattr(module, added)
-        elif isinstance(value, tuple):
-            tensor, before = value
-            with torch.no_grad():
-                if vars(module).get(key) is tensor:
-                    tensor.copy_(before)  # changed in place (+= on a tensor)
-                else:
-                    setattr(module, key, tensor.copy_(before))
-        elif vars(module).get(key, value) is not value:
-            setattr(module, key, value)
+        for module, key, value in self.values:
+            if isinstance(value, tuple):  # a tensor: changed in place (+=) or replaced
+                tensor, before = value
+                with torch.no_grad():
+                    tensor.copy_(before)
+                value = tensor
+            if vars(module).get(key) is not value:
+                setattr(module, key, value)
 
 
 @contextlib.contextmanager
@@ -756,18 +767,12 @@ def measure_trained(
     figures["infinite_leaves"] = activation.infinite_leaves if heldout else None
     if eval_fn is not None:
         plan.model.eval()
-        drawn = stream_states(loop.device)
-        try:
-            with torch.no_grad(), plan.autocast():
-                figures["eval"] = _eval_score(eval_fn, plan.model)
-        except EvalFnError as error:
-            # a forward that differentiates by its inputs needs gradients, as the held-out
-            # pass does (a review): again with them, from the same streams
-            if NEEDS_GRADIENTS not in str(error):
-                raise
-            set_streams(loop.device, drawn)
-            with torch.enable_grad(), plan.autocast():
-                figures["eval"] = _eval_score(eval_fn, plan.model)
+
+        def score(grad: bool) -> float:  # with gradients where it needs them (a review)
+            with torch.set_grad_enabled(grad), plan.autocast():
+                return _eval_score(eval_fn, plan.model)
+
+        figures["eval"] = with_gradients_if_needed(loop.device, score)
         plan.model.train()
     return outputs
 
