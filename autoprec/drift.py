@@ -446,14 +446,21 @@ def judge(
     metrics: dict[str, float | None] = {}
     paired, shared_note = _paired_for(trial, reference, paired, nudged)
     reasons = _loss_checks(trial, reference, noise, limits, metrics)
+    metrics["loss_floor_units"] = in_units = loss_floor_units(reference.record, limits)
+    forward_reasons = _forward_cost_check(record, reference.record, in_units, limits, metrics)
     movement_reasons, movement_notes = movement_checks(
-        trial, reference, paired, limits, metrics, _paired_label(reference, paired, nudged)
+        trial,
+        reference,
+        paired,
+        limits,
+        metrics,
+        _paired_label(reference, paired, nudged),
+        forward_too_costly=bool(forward_reasons),
     )
     reasons += movement_reasons
     reasons += state_rule_reasons(record, limits, metrics)
     reasons += outside_state_reasons(trial, reference)
-    metrics["loss_floor_units"] = in_units = loss_floor_units(reference.record, limits)
-    reasons += _forward_cost_check(record, reference.record, in_units, limits, metrics)
+    reasons += forward_reasons
     output_reasons = _output_check(trial, reference, noise, paired, limits, metrics)
     skip_notes = _parted_by_skips(record, output_reasons, metrics)
     reasons += [] if skip_notes else output_reasons

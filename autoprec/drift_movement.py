@@ -154,7 +154,7 @@ dominate the trajectory and the movement check is not run (said in the verdict's
 _UNBIASED_ROUNDING = ("bf16_sr", "bf16_kahan", "bf16_sr_kahan")
 
 
-def _shortfall(spec: ModeSpec, never_moved: float) -> tuple[str, str]:
+def _shortfall(spec: ModeSpec, never_moved: float, forward_too_costly: bool) -> tuple[str, str]:
     """(what a movement shortfall is called, what caused it) for this mode: only bf16 weights
     round updates away. Under a mode that keeps fp32 weights (AMP, FP8, 8-bit states) the
     shortfall is the mode's forward, gradients or optimizer state changing the updates' size or
@@ -163,7 +163,17 @@ def _shortfall(spec: ModeSpec, never_moved: float) -> tuple[str, str]:
     or Kahan summation with no weight left standing, nothing was lost on average either: at
     the edge of stability (SGD at lr 0.178 on an MLP, its loss swinging 0.08-3.8) bf16_sr and
     bf16_kahan took 49% and 68% of fp32's movement, amp_bf16 53%, and were called "lost to
-    rounding" (found by a hunt)."""
+    rounding" (found by a hunt). Where the mode's forward alone costs beyond its line, bf16
+    weights are not named either: a NeRF whose sin/cos(2^10 pi x) encoding ran in bf16 (forward
+    cost +121%) took 78% of fp32's movement under bf16_sr, called "lost to rounding", and 99.7%
+    once the encoding was kept in fp32, 0.7% of its weights still standing (a hunt)."""
+    if forward_too_costly:
+        return (
+            "weight movement short of fp32's",
+            "; the mode's forward alone also costs beyond its line (another reason here), so "
+            "its gradients are not fp32's: the shortfall may be the forward's as much as any "
+            "rounding's",
+        )
     if spec.mode in _UNBIASED_ROUNDING and never_moved <= 0.005:  # what reads "0%" beside it
         return (
             "weight movement short of fp32's",
@@ -188,11 +198,15 @@ def movement_checks(
     limits: DriftThresholds,
     metrics: dict[str, float | None],
     paired_label: str = "a second fp32 run with other random draws",
+    *,
+    forward_too_costly: bool = False,
 ) -> tuple[list[str], list[str]]:
     """(reasons, notes) of the weight-movement check, leg by leg and lr class by lr class: the
     trial's projection onto the reference's movement, relative to the paired fp32 run's (1
     without one), which ``paired_label`` names in them (found by a hunt: "other random draws"
-    was said of the run from nudged weights too, which draws the reference's)."""
+    was said of the run from nudged weights too, which draws the reference's).
+    ``forward_too_costly``: the forward-cost check rejected the same trial (see
+    :func:`_shortfall`)."""
     legs, still = _split(_legs(trial, reference))  # once: each leg's projection is a pass
     count = len({leg.point for leg in legs + still}), len({leg.groups for leg in legs + still})
     still_notes = [
@@ -224,7 +238,7 @@ def movement_checks(
     class_count = len({leg.groups for leg in legs})
     reasons, notes = [], still_notes
     for leg, ceiling in judged:
-        shortfall, cause = _shortfall(trial.record.spec, leg.never_moved)
+        shortfall, cause = _shortfall(trial.record.spec, leg.never_moved, forward_too_costly)
         at = leg.describe(leg_count, class_count)
         if ceiling < MIN_PAIRED_MOVEMENT:
             notes.append(
