@@ -167,33 +167,7 @@ def _evaluate(
 ) -> tuple[list[float], list[OutputSummary | None], ActivationRange]:
     """One held-out pass (see :func:`heldout_pass`); the range is empty unless ``watch_range``."""
     plan, heldout, device, loss_fn, train_step, grad = on
-    maxima: list[torch.Tensor] = []  # reduced once at the end: no device sync per layer
-    infinite: list[torch.Tensor] = []
-    called: list[str] = []  # the leaf of each entry of ``infinite``
-
-    leaves = {  # modules kept in fp32 run in fp32: their range is not the mode's
-        module: fqn
-        for fqn, module in plan.model.named_modules()
-        if watch_range and next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
-    }
-
-    def watch(module: nn.Module, _args: Any, output: Any) -> None:
-        for tensor in tensors_in(output):  # a leaf may return (y, aux) or a dict
-            parts = tensor.unbind() if tensor.is_nested else (tensor,)
-            for part in parts:
-                if part.is_floating_point() and part.numel():
-                    whole = unwrapped(part.detach())
-                    maxima.append(_largest_finite(whole))
-                    infinite.append(torch.isinf(whole).any())
-                    called.append(leaves[module])
-
-    # eager, also where a compiled model is run eagerly: traced, the growing list in its
-    # closure recompiles every call (seen on an H100: the recompile limit hit in every pass)
-    watch_eagerly = torch.compiler.disable(watch)
-    handles = [leaf.register_forward_hook(watch_eagerly) for leaf in leaves]
-    # only amp_fp16 computes in fp16: every other run would pay the per-op reads for nothing
-    fp16 = watch_range and plan.spec.mode == "amp_fp16"
-    inside = _Fp16Watch(maxima) if fp16 else contextlib.nullcontext()
+    ranges = _RangeWatch(plan, watch_range)
     returned: list[Any] = []  # what the model returned to train_step, call by call
 
     def keep_returned(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -202,21 +176,15 @@ def _evaluate(
         if torch._C._functorch.maybe_current_level() is None:
             returned.append(output)
 
+    handles = ranges.attach()
     if train_step is not None:
         handles.append(plan.model.register_forward_hook(torch.compiler.disable(keep_returned)))
-    was_training = plan.model.training
-    plan.model.eval()
-    losses, outputs = [], []
-    # nn.MultiheadAttention / TransformerEncoder take a fused fast path in eval mode without
-    # grad in fp32 only (autocast turns it off): padded rows come out 0 in fp32 and not in the
-    # mode, and its nested tensors have no max. Training never takes it; neither does this pass.
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
     # a train_step or forward may differentiate by its inputs (a physics-informed loss:
     # autograd.grad of the output by x). Nothing is stepped: the graph goes with the loss.
     grad_mode = torch.enable_grad() if grad else torch.no_grad()
+    losses, outputs = [], []
     try:
-        with grad_mode, plan.autocast(), inside:
+        with _eval_mode(plan.model), grad_mode, plan.autocast(), ranges.inside():
             for batch in heldout:
                 returned.clear()
                 loss, output = forward_and_loss(plan, to_device(batch, device), loss_fn, train_step)
@@ -226,25 +194,74 @@ def _evaluate(
                 predicted = prediction(output)
                 outputs.append(None if predicted is None else summarize_output(predicted))
     finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-        plan.model.train(was_training)
         for handle in handles:
             handle.remove()
-    watched = ActivationRange(
-        largest=float(torch.stack(maxima).max()) if maxima else 0.0,
-        infinite_leaves=tuple(
-            sorted(
-                {
-                    name
-                    for name, hit in zip(called, torch.stack(infinite).tolist(), strict=True)
-                    if hit
-                }
-            )
+    return losses, outputs, ranges.reading()
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode without torch's fused attention fast path, as it was after.
+    nn.MultiheadAttention / TransformerEncoder take that path in eval mode without grad in
+    fp32 only (autocast turns it off): padded rows come out 0 in fp32 and not in the mode, and
+    its nested tensors have no max. Training never takes it; neither does the held-out pass."""
+    was_training = model.training
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    model.eval()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        model.train(was_training)
+
+
+class _RangeWatch:
+    """The largest finite |value| and the infinities of the mode's leaf modules' outputs in a
+    held-out pass, and under amp_fp16 of every op's fp16 output (:class:`_Fp16Watch`), kept
+    on the device and read once at the end: no device sync per layer. Watches nothing unless
+    ``on``."""
+
+    def __init__(self, plan: PrecisionPlan, on: bool) -> None:
+        self.leaves = {  # modules kept in fp32 run in fp32: their range is not the mode's
+            module: fqn
+            for fqn, module in plan.model.named_modules()
+            if on and next(module.children(), None) is None and not plan.mode.keeps_fp32(fqn)
+        }
+        # only amp_fp16 computes in fp16: every other run would pay the per-op reads for nothing
+        self.fp16 = on and plan.spec.mode == "amp_fp16"
+        self.maxima: list[torch.Tensor] = []
+        self.infinite: list[torch.Tensor] = []
+        self.called: list[str] = []  # the leaf of each entry of ``infinite``
+
+    def _watch(self, module: nn.Module, _args: Any, output: Any) -> None:
+        for tensor in tensors_in(output):  # a leaf may return (y, aux) or a dict
+            parts = tensor.unbind() if tensor.is_nested else (tensor,)
+            for part in parts:
+                if part.is_floating_point() and part.numel():
+                    whole = unwrapped(part.detach())
+                    self.maxima.append(_largest_finite(whole))
+                    self.infinite.append(torch.isinf(whole).any())
+                    self.called.append(self.leaves[module])
+
+    def attach(self) -> list[torch.utils.hooks.RemovableHandle]:
+        """A forward hook on every watched leaf, run eagerly, also where a compiled model is
+        run eagerly: traced, the growing lists recompile every call (seen on an H100: the
+        recompile limit hit in every pass)."""
+        eagerly = torch.compiler.disable(self._watch)
+        return [leaf.register_forward_hook(eagerly) for leaf in self.leaves]
+
+    def inside(self) -> contextlib.AbstractContextManager[Any]:
+        return _Fp16Watch(self.maxima) if self.fp16 else contextlib.nullcontext()
+
+    def reading(self) -> ActivationRange:
+        hits = torch.stack(self.infinite).tolist() if self.infinite else []
+        return ActivationRange(
+            largest=float(torch.stack(self.maxima).max()) if self.maxima else 0.0,
+            infinite_leaves=tuple(
+                sorted({name for name, hit in zip(self.called, hits, strict=True) if hit})
+            ),
         )
-        if infinite
-        else (),
-    )
-    return losses, outputs, watched
 
 
 class _Fp16Watch(TorchFunctionMode):
