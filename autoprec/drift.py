@@ -597,8 +597,8 @@ def _checks_not_run(
         )
     record = trial.record
     if record.spec.mode != "fp32" and record.heldout_losses and not record.heldout_losses_fp32_read:
-        notes.append(
-            "the mode's forward cost not measured: its trained weights did not load into your "
-            "model (the mode renamed parameters), or the fp32 copy did not fit in memory"
+        why = record.fp32_read_failure or (
+            "its trained weights did not load into your model (the mode renamed parameters)"
         )
+        notes.append(f"the mode's forward cost not measured: {why}")
     return tuple(notes)

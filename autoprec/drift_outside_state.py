@@ -25,11 +25,15 @@ WIDE_DTYPES = ("torch.float32", "torch.float64")
 
 
 def changed_state(result: TrialResult) -> list[str]:
-    """Names of the state outside the optimizer that ``result``'s training changed."""
+    """Names of the state outside the optimizer that ``result``'s training changed, or created:
+    a buffer registered as None and set at the first batch (a running mean, a memory) had no
+    digest at the start, and the rule never saw it (found by a hunt: bf16_sr accepted with
+    the buffer None at the start, rejected with it zeros)."""
     if len(result.outside_state) < 2:
         return []
     start, end = result.outside_state[0], result.outside_state[-1]
-    return [name for name, digest in start.items() if not _same(end.get(name, digest), digest)]
+    changed = [name for name, digest in start.items() if not _same(end.get(name, digest), digest)]
+    return changed + [name for name in end if name not in start]
 
 
 def _same(first: StateDigest, second: StateDigest) -> bool:
@@ -44,13 +48,14 @@ def _narrowed(trial: TrialResult, reference: TrialResult) -> dict[str, list[str]
     """dtype -> names the reference changed in fp32 that the trial holds in that dtype."""
     if not trial.outside_state or not reference.outside_state:
         return {}
-    held: dict[str, StateDigest] = trial.outside_state[0]
-    reference_start = reference.outside_state[0]
+    # at the start, or at the end for state training created
+    held = {**trial.outside_state[-1], **trial.outside_state[0]}
+    reference_held = {**reference.outside_state[-1], **reference.outside_state[0]}
     narrowed: dict[str, list[str]] = {}
     for name in changed_state(reference):
         digest = held.get(name)
         # float64 state too (a running mean kept in double): held in bf16 it was not flagged
-        if digest is None or reference_start[name].dtype not in WIDE_DTYPES:
+        if digest is None or reference_held[name].dtype not in WIDE_DTYPES:
             continue
         if digest.dtype in NARROW_DTYPES:
             narrowed.setdefault(digest.dtype.removeprefix("torch."), []).append(name)

@@ -325,33 +325,66 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _carried_attribute(value: Any, current: Any) -> Any:
-    """``value`` (a trained module's plain attribute) for the fp32 reader: tensors in the
-    reader's own dtype, other values copied."""
+def _carried_attribute(value: Any, current: Any, floating: torch.dtype) -> Any:
+    """``value`` (a trained module's plain attribute or buffer) for the fp32 reader: tensors in
+    the dtype of the reader's own tensor in the same place (``current``), floating tensors with
+    none there (None before the first batch, a new key) no narrower than ``floating``, the
+    reader's; tuples, lists and dicts item by item; other values copied. A truncated-BPTT
+    LSTM's ``(h, c)`` carried in bf16 into the fp32 reader failed every bf16 mode at its last
+    step (found by a hunt)."""
     if isinstance(value, torch.Tensor):
         dtype = current.dtype if isinstance(current, torch.Tensor) else value.dtype
+        if not isinstance(current, torch.Tensor) and value.is_floating_point():
+            dtype = max(value.dtype, floating, key=lambda each: torch.finfo(each).bits)
         return value.detach().to(dtype=dtype, copy=True)
+    if isinstance(value, list | tuple):
+        alike = type(current) is type(value) and len(current) == len(value)
+        items = [
+            _carried_attribute(item, current[index] if alike else None, floating)
+            for index, item in enumerate(value)
+        ]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        mine = current if isinstance(current, dict) else {}
+        return type(value)(
+            (key, _carried_attribute(item, mine.get(key), floating)) for key, item in value.items()
+        )
     return copy.deepcopy(value)
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first floating parameter (torch's default without one)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.get_default_dtype()
 
 
 def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
     """Give ``reader`` (a fresh copy of the user's model holding ``trained``'s
     ``state_dict()``) what a state dict leaves out but a forward may read: non-persistent
-    buffers, and the plain attributes training changed (a step counter an annealed
-    temperature follows), module by module where names and classes match. Modules a mode
-    swapped (FP8 Linears) and attributes a mode added are left alone, and so is anything but
-    plain data (:func:`_plain`): an instance ``forward`` (a ``torch.compile`` wrapper's, or one
-    bound on the instance) deep-copied the trained module it is bound to, so the "fp32" reader
-    ran the trained mode's copy (bf16_sr failed on a regionally compiled model, and the
-    forward-cost check read 0; found by a hunt)."""
+    buffers, buffers registered as None that training set (a memory, a running statistic set
+    at the first batch), and the plain attributes training changed (a step counter an
+    annealed temperature follows, a recurrent state carried from batch to batch), module by
+    module where names and classes match. Modules a mode swapped (FP8 Linears) and attributes
+    a mode added are left alone, and so is anything but plain data (:func:`_plain`): an
+    instance ``forward`` (a ``torch.compile`` wrapper's, or one bound on the instance)
+    deep-copied the trained module it is bound to, so the "fp32" reader ran the trained mode's
+    copy (bf16_sr failed on a regionally compiled model, and the forward-cost check read 0;
+    found by a hunt)."""
     sources = dict(trained.named_modules())
+    floating = _floating_dtype(reader)
     for name, module in reader.named_modules():
         source = sources.get(name)
         if source is None or type(source) is not type(module):
             continue
-        for buffer in module._non_persistent_buffers_set:
-            value, mine = source._buffers.get(buffer), module._buffers.get(buffer)
-            if value is not None and mine is not None and value.shape == mine.shape:
+        for buffer, value in source._buffers.items():
+            if value is None or buffer not in module._buffers:
+                continue
+            mine = module._buffers[buffer]
+            if mine is None or mine.shape != value.shape:  # a buffer None until training set it
+                module._buffers[buffer] = _carried_attribute(value, mine, floating)
+            elif buffer in module._non_persistent_buffers_set:
                 with torch.no_grad():
                     mine.copy_(value)
         own = vars(module)
@@ -360,7 +393,7 @@ def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
                 continue
             if value is own[key] or not _plain(value):
                 continue
-            own[key] = _carried_attribute(value, own[key])
+            own[key] = _carried_attribute(value, own[key], floating)
 
 
 NUDGE = 2.0**-12

@@ -272,6 +272,7 @@ class OutsideStateWatch:
         }
         self.numbers = _numbers_beside(reached, self.tensors) if self.tensors else []
         self.counters = _counters(function, reached)
+        self.tables = [(table, dict(table)) for table in _tables(reached)]
 
     def digest(self) -> torch.Tensor:
         """Per tensor, its sum and its sum of |values| in float64, on the host (one read):
@@ -312,8 +313,14 @@ class OutsideStateWatch:
         return changed
 
     def restore_numbers(self) -> None:
-        """Put back the numbers beside the tensors (an EMA's step count), and the counters
-        (:func:`_counters`)."""
+        """Put back the numbers beside the tensors (an EMA's step count), the counters and
+        carried state (:func:`_counters`) and the tables of it (:func:`_tables`)."""
+        for table, saved in self.tables:
+            if not all(map(_carried, table.values())):  # a log of the runs (a test's own)
+                continue
+            if table.keys() != saved.keys() or any(table[key] is not saved[key] for key in saved):
+                table.clear()
+                table.update(saved)
         for owner, key, number in [*self.numbers, *self.counters]:
             if isinstance(owner, dict):  # a module's globals
                 if owner.get(key, number) is not number:
@@ -330,16 +337,28 @@ def same_digest(first: torch.Tensor, second: torch.Tensor) -> bool:
     return bool(torch.allclose(first, second, rtol=0, atol=0, equal_nan=True))
 
 
+def _carried(value: Any) -> bool:
+    """A value a ``train_step`` rebinds from step to step: an int or float (a step counter),
+    None, a tensor, or a tuple or list of tensors (a recurrent state carried between batches,
+    None before the first)."""
+    if value is None or type(value) in (int, float) or isinstance(value, torch.Tensor):
+        return True
+    return type(value) in (tuple, list) and all(isinstance(item, torch.Tensor) for item in value)
+
+
 def _counters(function: Any, reached: list[tuple[str, Any]]) -> list[tuple[Any, str, Any]]:
-    """(owner, name, value) for the int and float numbers a ``train_step`` can count with
-    outside the model: the module-level names its code reads (owner: the module's globals),
-    its closure's variables (owner: the cell), and the attributes of the plain objects it
-    reaches (a ``Schedule()`` with a ``step``). A step counter there (a Gumbel temperature's,
-    a KL warm-up's) ran on from run to run: the reference trained at steps 6-206, the noise
-    run at 210-414, each trial further along its schedule, and every mode was rejected (or
-    every gap blinded) by the schedule's offset, not by its precision; the user's counter came
-    back thousands of steps on (found by a hunt). Put back after every run, each run starts
-    where the user's counter stood."""
+    """(owner, name, value) for the counters and carried state (:func:`_carried`) a
+    ``train_step`` keeps outside the model: the module-level names its code reads (owner: the
+    module's globals), its closure's variables (owner: the cell), and the attributes of the
+    plain objects it reaches (a ``Schedule()`` with a ``step``). A step counter there (a Gumbel
+    temperature's, a KL warm-up's) ran on from run to run: the reference trained at steps
+    6-206, the noise run at 210-414, each trial further along its schedule, and every mode was
+    rejected (or every gap blinded) by the schedule's offset, not by its precision; the user's
+    counter came back thousands of steps on (found by a hunt). A truncated-BPTT hidden state
+    in a closure (``nonlocal h``) the same: no run but the first started from the user's None,
+    bf16_sr's bf16 state failed the next trial at step 0, and the user's own loop after
+    ``check()`` (a hunt). Put back after every run (the objects themselves, rebound: no copy),
+    each run starts where the user's stood."""
     found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     base = function.func if isinstance(function, functools.partial) else function
     functions = [base, *(value for _, value in reached if _followed(value))]  # its helpers too
@@ -348,25 +367,38 @@ def _counters(function: Any, reached: list[tuple[str, Any]]) -> list[tuple[Any, 
     for _, value in reached:
         if _plain_object(value):
             for key, number in (_own_attributes(value) or {}).items():
-                if type(number) in (int, float):
+                if _carried(number):
                     found.setdefault((id(value), key), (value, key, number))
     return list(found.values())
 
 
+def _tables(reached: list[tuple[str, Any]]) -> list[dict[Any, Any]]:
+    """The plain dicts a ``train_step`` reaches whose values are all carried state
+    (:func:`_carried`; an empty one too): ``STATE["h"] = h`` carried a bf16 hidden state from
+    run to run and into the user's loop like a closure's (a hunt). Put back after a run that
+    left only carried state in it too: a table a run filled with anything else is a log the
+    user keeps of the runs (a test's own record of where each run started was emptied)."""
+    found: dict[int, dict[Any, Any]] = {}
+    for _, value in reached:
+        if type(value) in (dict, collections.OrderedDict) and all(map(_carried, value.values())):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
 def _function_counters(base: Any, found: dict[tuple[int, str], tuple[Any, str, Any]]) -> None:
-    """The int and float globals ``base``'s code reads and its closure's, into ``found``."""
+    """The carried globals ``base``'s code reads and its closure's, into ``found``."""
     if inspect.isfunction(base):
         names = code_names(base.__code__)
         for name in names & set(base.__globals__):
             value = base.__globals__[name]
-            if type(value) in (int, float):
+            if _carried(value):
                 found[(id(base.__globals__), name)] = (base.__globals__, name, value)
         for name, cell in zip(base.__code__.co_freevars, base.__closure__ or (), strict=False):
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if type(value) in (int, float):
+            if _carried(value):
                 found[(id(cell), name)] = (cell, name, value)
 
 

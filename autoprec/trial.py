@@ -28,7 +28,7 @@ from autoprec.random_streams import drew_between, replayed_streams, seeded_strea
 from autoprec.recipe import LrPoint, TrainingRecipe
 from autoprec.specs import ModeSpec
 from autoprec.stochastic_optim import pin_rounding_seed
-from autoprec.trial_failures import StopCheckRaised, failure_of, is_oom
+from autoprec.trial_failures import StopCheckRaised, failure_of, first_line, is_oom
 from autoprec.trial_loop import (
     TrainingLoop,
     heldout_pass,
@@ -139,7 +139,9 @@ def _plan_for(inputs: _TrialInputs) -> PrecisionPlan:
     return plan
 
 
-def _fp32_reader(inputs: _TrialInputs, plan: PrecisionPlan) -> PrecisionPlan | None:
+def _fp32_reader(
+    inputs: _TrialInputs, plan: PrecisionPlan, figures: dict[str, Any]
+) -> PrecisionPlan | None:
     """A plain fp32 model (a fresh copy of the user's, no autocast) holding the trained copy's
     own weights, buffers and plain attributes, to read the held-out batches beside the mode's
     own held-out losses: what the mode's forward pass alone costs, with no seed noise in it.
@@ -149,8 +151,8 @@ def _fp32_reader(inputs: _TrialInputs, plan: PrecisionPlan) -> PrecisionPlan | N
     eval mode (found by a hunt). State a ``train_step`` keeps outside the model (a closure's
     baseline) is not the model's: it still moves between the two reads (a review). None for
     fp32, where the mode's weights do not map back onto
-    the user's model (a module swap that renames parameters), and where the extra copy does not
-    fit in memory: the trial itself is not failed for it."""
+    the user's model (a module swap that renames parameters), and where building it raised or
+    did not fit in memory (why, in ``figures``): the trial itself is not failed for it."""
     if inputs.spec.mode == "fp32" or not inputs.heldout:
         return None
     try:
@@ -168,15 +170,26 @@ def _fp32_reader(inputs: _TrialInputs, plan: PrecisionPlan) -> PrecisionPlan | N
             torch.optim.SGD(reader.parameters(), lr=0.0),  # never stepped: the plan needs one
             situation=inputs.situation,
         )
-    except Exception as error:
-        if not is_oom(error):
-            raise
+    except Exception as error:  # noqa: BLE001 - said in the verdict's notes, not the mode's
+        figures["fp32_read_failure"] = _read_failure(error)
         return None
 
 
-def _heldout_read_in_fp32(inputs: _TrialInputs, reader: PrecisionPlan | None) -> list[float] | None:
+def _read_failure(error: Exception) -> str:
+    """Why the fp32 read of a trial's trained weights did not run: the trial itself is not
+    failed for it (a truncated-BPTT LSTM's state, carried in bf16 into the reader, failed
+    every bf16 mode "at step 199"; found by a hunt), and the verdict says the forward cost
+    was not measured, and why."""
+    if is_oom(error):
+        return "the fp32 copy did not fit in memory"
+    return f"reading them in fp32 raised {type(error).__name__}: {first_line(error)}"
+
+
+def _heldout_read_in_fp32(
+    inputs: _TrialInputs, reader: PrecisionPlan | None, figures: dict[str, Any]
+) -> list[float] | None:
     """The held-out losses of ``reader`` (:func:`_fp32_reader`), None without one or when the
-    pass does not fit in memory."""
+    pass raised (its reason in the figures)."""
     if reader is None:
         return None
     try:
@@ -184,9 +197,8 @@ def _heldout_read_in_fp32(inputs: _TrialInputs, reader: PrecisionPlan | None) ->
         losses, _, _ = heldout_pass(
             reader, inputs.heldout, inputs.device, recipe.loss_fn, recipe.train_step
         )
-    except Exception as error:
-        if not is_oom(error):
-            raise
+    except Exception as error:  # noqa: BLE001 - said in the verdict's notes, not the mode's
+        figures["fp32_read_failure"] = _read_failure(error)
         return None
     return losses
 
@@ -249,11 +261,13 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
             _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
             tail_started = time.perf_counter()
-            reader = _fp32_reader(inputs, plan)  # the trained state, before the pass moves it
+            # the trained state, before the pass moves it
+            reader = _fp32_reader(inputs, plan, loop.figures)
             drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
             with replayed_streams(inputs.device, drawn):
-                loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, reader)
+                read = _heldout_read_in_fp32(inputs, reader, loop.figures)
+                loop.figures["heldout_fp32_read"] = read
             del reader
             result.tail_seconds = time.perf_counter() - tail_started
         if "state" not in loop.figures:  # no step stepped: measure what there is
@@ -425,6 +439,7 @@ def _record(
         settled_loss_scale=figures.get("settled_loss_scale"),
         heldout_losses=tuple(figures.get("heldout", ())),
         heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),
+        fp32_read_failure=figures.get("fp32_read_failure"),
         low_precision_moment=figures.get("moment"),
         nearest_adam_beta2=figures.get("adam_beta2"),
         nearest_rounded_decay=figures.get("decay"),

@@ -180,6 +180,9 @@ class TrialRecord(BaseModel):
     """The held-out losses of the trial's own trained weights read by the user's model in plain
     fp32 (empty for fp32 itself): against ``heldout_losses``, the mode's forward-pass cost alone,
     free of seed noise (the same weights, the same batches)."""
+    fp32_read_failure: str | None = None
+    """Why that fp32 read did not run where it was tried (the copy did not fit in memory, or
+    the read raised: its error), said in the verdict's notes."""
     eval_score: float | None = None
     speed_is_meaningful: bool = True
     """False for emulated FP8: its numerics are real, its speed is not."""

@@ -1,0 +1,183 @@
+"""State carried from batch to batch (truncated BPTT, a memory set at the first batch), on the
+model or in a ``train_step``'s reach: every run starts from the user's, the fp32 read of a
+trial's weights gets it in fp32, and the user's state comes back as it was (found by a hunt)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import autoprec
+
+VOCAB, STREAMS, LENGTH = 24, 4, 8
+
+
+def _token_batches(count: int = 40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive windows of ``STREAMS`` token streams, as truncated BPTT reads them."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (STREAMS, count * LENGTH + 1), generator=generator)
+    return [
+        (tokens[:, i * LENGTH : (i + 1) * LENGTH], tokens[:, i * LENGTH + 1 : (i + 1) * LENGTH + 1])
+        for i in range(count)
+    ]
+
+
+class _CarriedLm(nn.Module):
+    """An LSTM (or GRU) language model keeping its detached hidden state on itself."""
+
+    def __init__(self, cell: type[nn.Module] = nn.LSTM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.rnn = cell(16, 32, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+        self.hidden: Any = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, hidden = self.rnn(self.embed(tokens), self.hidden)
+        detached = [h.detach() for h in hidden] if isinstance(hidden, tuple) else hidden.detach()
+        self.hidden = tuple(detached) if isinstance(detached, list) else detached
+        return self.head(out)
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_hidden_state_carried_on_the_model_is_read_in_fp32(cell: type[nn.Module]) -> None:
+    """The fp32 read of a trial's weights took the trained copy's bf16 ``(h, c)`` as it was:
+    an fp32 LSTM given a bf16 state raised, and every bf16 mode "failed at step 199"."""
+    torch.manual_seed(0)
+    model = _CarriedLm(cell)
+    report = autoprec.check(
+        model, _token_batches(), loss_fn=_lm_loss, steps=12, modes=["amp_bf16", "bf16_sr"]
+    )
+    for verdict in report.verdicts:
+        assert verdict.status != "failed", verdict.reasons
+        assert verdict.drift["forward_cost"] is not None, verdict.label
+        assert not any("forward cost not measured" in note for note in verdict.notes)
+    assert model.hidden is None  # the user's model: untouched
+
+
+class _LazyMean(nn.Module):
+    """A running mean of the input registered as None and set at the first batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", None)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            batch_mean = x.mean(0).detach()
+            if self.mean is None:
+                self.mean = batch_mean.clone()
+            else:
+                self.mean = self.mean + 1e-3 * (batch_mean.to(self.mean.dtype) - self.mean)
+        return self.net(x - self.mean.to(x.dtype))
+
+
+def _shifted_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(40):
+        x = torch.randn(32, 8, generator=generator) + 5.0
+        batches.append((x, x.sum(1, keepdim=True) / 4))
+    return batches
+
+
+def test_a_buffer_set_at_the_first_batch_is_read_and_judged() -> None:
+    """A buffer None until training set it: the fp32 read had None there ("'NoneType' object
+    has no attribute 'to'", bf16_sr failed at its last step), and the rule on state outside
+    the optimizer never saw it (bf16_sr accepted where the same buffer made zeros at
+    construction was rejected)."""
+    torch.manual_seed(0)
+    report = autoprec.check(
+        _LazyMean(), _shifted_batches(), loss_fn=F.mse_loss, steps=12, modes=["bf16_sr"]
+    )
+    [verdict] = report.verdicts
+    assert verdict.status == "unsafe", verdict.reasons
+    assert any(
+        r.startswith("state outside the optimizer held in bfloat16") and "mean" in r
+        for r in verdict.reasons
+    ), verdict.reasons
+    assert verdict.drift["forward_cost"] is not None
+
+
+def test_an_fp32_read_that_raises_is_a_note_not_the_modes_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fp32 read is the gate's own measurement: what it raises leaves the trial judged,
+    the forward cost said not measured, with the error."""
+    import autoprec.trial as trial_module
+
+    def raises(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("mat1 and mat2 must have the same dtype")
+
+    monkeypatch.setattr(trial_module, "heldout_pass", raises)
+    torch.manual_seed(0)
+    report = autoprec.check(
+        _CarriedLm(), _token_batches(), loss_fn=_lm_loss, steps=8, modes=["amp_bf16"]
+    )
+    [verdict] = report.verdicts
+    assert verdict.status != "failed", verdict.reasons
+    assert (
+        "the mode's forward cost not measured: reading them in fp32 raised RuntimeError: mat1 "
+        "and mat2 must have the same dtype"
+    ) in verdict.notes
+
+
+_STATE: dict[str, Any] = {}
+"""A module-level table a train_step keeps its hidden state in."""
+
+
+class _Rnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.rnn = nn.GRU(16, 32, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> Any:
+        out, hidden = self.rnn(self.embed(tokens), hidden)
+        return self.head(out), hidden
+
+
+@pytest.mark.parametrize("kept_in", ["closure", "table"])
+def test_a_hidden_state_a_train_step_carries_starts_every_run_where_it_stood(kept_in: str) -> None:
+    """A closure's ``nonlocal h`` (or ``STATE["h"]``) ran on from run to run: no run but the
+    probe's started from the user's None, bf16_sr's bf16 state failed the next trial at step
+    0, and the user's own loop after ``check()`` raised on it."""
+    hidden: torch.Tensor | None = None
+    starts: list[bool] = []
+    seen: set[int] = set()
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        nonlocal hidden
+        carried = hidden if kept_in == "closure" else _STATE.get("h")
+        if plan.model.training and id(plan.model) not in seen:  # a run's first training call
+            seen.add(id(plan.model))
+            starts.append(carried is None)
+        tokens, targets = batch
+        with plan.autocast():
+            logits, new = plan.model(tokens, carried)
+        if plan.model.training:
+            if kept_in == "closure":
+                hidden = new.detach()
+            else:
+                _STATE["h"] = new.detach()
+        return _lm_loss(logits, targets)
+
+    torch.manual_seed(0)
+    report = autoprec.check(
+        _Rnn(), _token_batches(), train_step=train_step, steps=8, modes=["bf16_sr", "amp_bf16"]
+    )
+    assert all(verdict.status != "failed" for verdict in report.verdicts), [
+        (verdict.label, verdict.reasons) for verdict in report.verdicts
+    ]
+    assert len(starts) >= 5 and all(starts), starts
+    assert hidden is None and _STATE == {}
