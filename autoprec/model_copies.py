@@ -352,7 +352,7 @@ def _carried_attribute(value: Any, current: Any, floating: torch.dtype) -> Any:
     return copy.deepcopy(value)
 
 
-def _floating_dtype(model: nn.Module) -> torch.dtype:
+def floating_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of ``model``'s first floating parameter (torch's default without one)."""
     for parameter in model.parameters():
         if parameter.is_floating_point():
@@ -373,7 +373,7 @@ def carry_unsaved_state(trained: nn.Module, reader: nn.Module) -> None:
     copy (bf16_sr failed on a regionally compiled model, and the forward-cost check read 0;
     found by a hunt)."""
     sources = dict(trained.named_modules())
-    floating = _floating_dtype(reader)
+    floating = floating_dtype(reader)
     for name, module in reader.named_modules():
         source = sources.get(name)
         if source is None or type(source) is not type(module):

@@ -271,8 +271,7 @@ class OutsideStateWatch:
             name: tensor.detach().to("cpu", copy=True) for name, tensor in self.tensors.items()
         }
         self.numbers = _numbers_beside(reached, self.tensors) if self.tensors else []
-        self.counters = _counters(function, reached)
-        self.tables = [(table, dict(table)) for table in _tables(reached)]
+        self.carried = CarriedState(function, reached)
 
     def digest(self) -> torch.Tensor:
         """Per tensor, its sum and its sum of |values| in float64, on the host (one read):
@@ -313,23 +312,62 @@ class OutsideStateWatch:
         return changed
 
     def restore_numbers(self) -> None:
-        """Put back the numbers beside the tensors (an EMA's step count), the counters and
-        carried state (:func:`_counters`) and the tables of it (:func:`_tables`)."""
+        """Put back the numbers beside the tensors (an EMA's step count) and the carried state
+        (:class:`CarriedState`)."""
+        _rebind(self.numbers)
+        self.carried.restore()
+
+
+class CarriedState:
+    """The counters and carried state a ``train_step`` keeps outside the model
+    (:func:`_counters`) and the plain dicts of it (:func:`_tables`), as they stood: the objects
+    themselves, no copies, put back by rebinding them."""
+
+    def __init__(self, function: Any, reached: list[tuple[str, Any]] | None = None) -> None:
+        if reached is None:
+            reached = list(_reached(function)) if function is not None else []
+        self.counters = _counters(function, reached) if function is not None else []
+        self.tables = [(table, dict(table)) for table in _tables(reached)]
+
+    def restore(self, widened_to: torch.dtype | None = None) -> None:
+        """Put back what a run rebound; ``widened_to``: floating tensors narrower than it as
+        copies in it (for a plain fp32 read of a mode's trained weights, which started from the
+        state the mode's own held-out pass started from: a bf16 hidden state raised there)."""
         for table, saved in self.tables:
             if not all(map(_carried, table.values())):  # a log of the runs (a test's own)
                 continue
-            if table.keys() != saved.keys() or any(table[key] is not saved[key] for key in saved):
+            wanted = {key: _widened(value, widened_to) for key, value in saved.items()}
+            if table.keys() != wanted.keys() or any(table[key] is not wanted[key] for key in saved):
                 table.clear()
-                table.update(saved)
-        for owner, key, number in [*self.numbers, *self.counters]:
-            if isinstance(owner, dict):  # a module's globals
-                if owner.get(key, number) is not number:
-                    owner[key] = number
-            elif isinstance(owner, types.CellType):  # a closure's variable
-                if owner.cell_contents is not number:
-                    owner.cell_contents = number
-            elif getattr(owner, key, number) is not number:
-                setattr(owner, key, number)
+                table.update(wanted)
+        _rebind([(owner, key, _widened(value, widened_to)) for owner, key, value in self.counters])
+
+
+def _widened(value: Any, dtype: torch.dtype | None) -> Any:
+    """``value`` (:func:`_carried`) with its floating tensors narrower than ``dtype`` copied
+    in it; as it is without one."""
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        narrower = value.is_floating_point() and value.dtype.itemsize < dtype.itemsize
+        return value.to(dtype) if narrower else value
+    if type(value) in (tuple, list):
+        return type(value)(_widened(item, dtype) for item in value)
+    return value
+
+
+def _rebind(bindings: list[tuple[Any, str, Any]]) -> None:
+    """Bind each (owner, name, value) where another object stands: a module's globals (a
+    dict), a closure's cell, or an object's attribute."""
+    for owner, key, value in bindings:
+        if isinstance(owner, dict):  # a module's globals
+            if owner.get(key, value) is not value:
+                owner[key] = value
+        elif isinstance(owner, types.CellType):  # a closure's variable
+            if owner.cell_contents is not value:
+                owner.cell_contents = value
+        elif getattr(owner, key, value) is not value:
+            setattr(owner, key, value)
 
 
 def same_digest(first: torch.Tensor, second: torch.Tensor) -> bool:

@@ -21,7 +21,8 @@ from torch import nn
 from autoprec.batching import EvalFn
 from autoprec.eligibility import Situation, model_device
 from autoprec.interrupts import raise_if_interrupted
-from autoprec.model_copies import carry_unsaved_state, deep_copy, nudge_weights
+from autoprec.model_copies import carry_unsaved_state, deep_copy, floating_dtype, nudge_weights
+from autoprec.outside_state import CarriedState
 from autoprec.own_autocast import autocast_state_kept
 from autoprec.plan import PrecisionPlan, build_plan
 from autoprec.random_streams import drew_between, replayed_streams, seeded_streams, stream_states
@@ -148,8 +149,9 @@ def _fp32_reader(
     Built before the mode's held-out pass, which calls your ``train_step`` or forward again
     and may move a buffer (a running baseline, a target's mean): built after it, the two reads
     started from different state, and amp_bf16 read "+40.9%" with a running mean moved in
-    eval mode (found by a hunt). State a ``train_step`` keeps outside the model (a closure's
-    baseline) is not the model's: it still moves between the two reads (a review). None for
+    eval mode (found by a hunt). Counters and carried state a ``train_step`` keeps outside the
+    model (:class:`CarriedState`) are put back between the two reads, in fp32; a tensor it
+    changes in place (a closure's baseline) still moves between them (a review). None for
     fp32, where the mode's weights do not map back onto
     the user's model (a module swap that renames parameters), and where building it raised or
     did not fit in memory (why, in ``figures``): the trial itself is not failed for it."""
@@ -264,7 +266,10 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
             # the trained state, before the pass moves it
             reader = _fp32_reader(inputs, plan, loop.figures)
             drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
+            carried = CarriedState(inputs.recipe.train_step if reader is not None else None)
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
+            if reader is not None:  # as the mode's pass found it, in the reader's dtype
+                carried.restore(widened_to=floating_dtype(reader.model))
             with replayed_streams(inputs.device, drawn):
                 read = _heldout_read_in_fp32(inputs, reader, loop.figures)
                 loop.figures["heldout_fp32_read"] = read

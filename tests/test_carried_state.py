@@ -181,3 +181,32 @@ def test_a_hidden_state_a_train_step_carries_starts_every_run_where_it_stood(kep
     ]
     assert len(starts) >= 5 and all(starts), starts
     assert hidden is None and _STATE == {}
+    for verdict in report.verdicts:  # the fp32 read took the mode's trained state, in fp32
+        assert verdict.drift.get("forward_cost") is not None, verdict.notes
+        assert abs(verdict.drift["forward_cost"]) < 0.05, verdict.drift
+
+
+_CALLS = 0
+"""A count of every call of a train_step, held-out passes too."""
+
+
+def test_a_counter_moved_in_eval_mode_is_put_back_between_the_two_reads() -> None:
+    """The mode's held-out pass ran on a counter the fp32 read then found further on: the
+    forward cost compared two reads of the same weights at other points of a schedule."""
+    from examples.mean_teacher import make_batches
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        global _CALLS
+        _CALLS += 1  # in eval mode too
+        x, y = batch
+        with plan.autocast():
+            out = plan.model(x).float()
+        return F.mse_loss(out, y) * (1 + _CALLS / 10)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    report = autoprec.check(model, make_batches(), train_step=train_step, steps=8,
+                            modes=["amp_bf16"])  # fmt: skip
+    [verdict] = report.verdicts
+    assert abs(verdict.drift["forward_cost"]) < 0.01, verdict.reasons
+    assert _CALLS == 0
