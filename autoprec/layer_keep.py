@@ -74,7 +74,16 @@ def default_keep_fp32(
     compute_order: list[str],
     running: tuple[str, ...] = (),
     under_transform: tuple[str, ...] = (),
+    *,
+    raw_matmuls: tuple[str, ...] = (),
+    ends_in_raw_matmul: bool = False,
 ) -> tuple[KeepFp32, ...]:
+    """What pure bf16 keeps in fp32 and FP8 keeps out of FP8, with why. ``raw_matmuls``: the
+    parameters the forward multiplies raw (:class:`LayerMix`); an embedding whose weight is
+    among them (a head tied by ``F.linear(x, self.embed.weight)``) is not kept: its fp32
+    weight met bf16 activations in that matmul, and every pure-bf16 mode failed at step 0
+    (found by a hunt). ``ends_in_raw_matmul``: the forward's last matmul is such a one, so
+    the last module called is an inner layer, not the one producing the outputs."""
     keep: dict[str, str] = {}
     compute_layers = compute_order or [
         fqn for fqn, module in model.named_modules() if module_kind(module) in ("linear", "conv")
@@ -88,13 +97,18 @@ def default_keep_fp32(
             continue  # a frozen base loaded in bf16 (LoRA): no fp32 weights to keep
         if kind == "norm":
             keep[fqn] = "normalisation: statistics need full precision"
-        elif kind == "embedding":
+        elif kind == "embedding" and not any(
+            f"{fqn}.{name}".removeprefix(".") in raw_matmuls
+            for name, _ in module.named_parameters()
+        ):
             # frozen ones too, though a plain frozen lookup would train alike in bf16 (a LoRA
             # base's vocabulary, 2 bytes a parameter): a frozen table the forward changes (an
             # EMA codebook, max_norm's in-place renorm) is state outside the optimizer, and
             # an EmbeddingBag sums rows rounded first (found by a review of that change)
             keep[fqn] = "embedding: a lookup, nothing for low precision to speed up"
-    if len(matmul_layers) == 1:
+    if matmul_layers and ends_in_raw_matmul:  # the last one called is inner: not "last layer"
+        keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
+    elif len(matmul_layers) == 1:
         keep.setdefault(
             matmul_layers[0],
             "first and last layer: sees raw inputs and produces the outputs the loss sees",

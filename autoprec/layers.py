@@ -229,7 +229,12 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
         fp8_eligible_flop_share=fraction(eligible_flops, forward_flops or 0) if ran else None,
         raw_param_matmuls=tuple(attribution.raw_params),
         keep_fp32=default_keep_fp32(
-            model, list(attribution.compute_order), running, tuple(attribution.under_transform)
+            model,
+            list(attribution.compute_order),
+            running,
+            tuple(attribution.under_transform),
+            raw_matmuls=tuple(attribution.raw_params) if ran else (),
+            ends_in_raw_matmul=ran and attribution.ends_in_raw_matmul,
         ),
         findings=(),
         complex_parameters=tuple(

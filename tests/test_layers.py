@@ -605,3 +605,48 @@ def test_a_forward_entering_an_autocast_of_its_own_is_found_where_it_runs() -> N
     assert scan_model(wrapped, x).forward_autocast == "bfloat16 autocast on cpu at 0"
     assert scan_model(_Fp32Autocast(), x).forward_autocast is None
     assert scan_model(_KeptInFp32(), x).forward_autocast is None  # a second review
+
+
+class _TiedByMatmul(nn.Module):
+    """A token model whose head is the embedding read by a plain matmul (Gemma's reference
+    code, many blog GPTs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.block = nn.Sequential(
+            nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32)
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return nn.functional.linear(self.block(h) + h, self.embed.weight)
+
+
+def test_an_embedding_tied_by_a_plain_matmul_is_not_kept_and_runs_in_pure_bf16() -> None:
+    """Found by a hunt: the probe kept the embedding in fp32 ("a lookup"), the tied matmul met
+    bf16 activations with its fp32 weight, and every pure-bf16 mode failed at step 0 ("expected
+    m1 and m2 to have the same dtype"); the last Linear called, an inner one, was said to
+    produce the outputs the loss sees."""
+    import autoprec
+
+    model = _TiedByMatmul()
+    tokens = torch.randint(0, 64, (4, 8))
+    mix = scan_model(model, tokens)
+    reasons = {k.fqn: k.reason for k in mix.keep_fp32}
+    assert mix.raw_param_matmuls == ("embed.weight",)
+    assert "embed" not in reasons and "block.3" in reasons  # the norm
+    assert reasons["block.0"] == "first layer: sees raw inputs"
+    assert "block.2" not in reasons  # an inner layer, not the last
+    kept_module = scan_model(*tiny_gpt.make_model())  # a head tied through a module: kept
+    assert any(k.reason.startswith("embedding") for k in kept_module.keep_fp32)
+
+    def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [(t, t.roll(-1, 1)) for t in torch.randint(0, 64, (24, 4, 8), generator=generator)]
+    report = autoprec.check(model, batches, loss_fn=next_token_loss, steps=8, modes=["bf16_sr"])
+    [verdict] = report.verdicts
+    assert verdict.status != "failed", verdict.reasons
+    assert "embed" not in verdict.spec.keep_fp32
