@@ -74,6 +74,32 @@ LOW_PRECISION_KERNEL_HINT = (
     "around the op (op(x.float()).to(x.dtype)))"
 )
 
+LOW_PRECISION_LOSS_HINT = (
+    " (an op of your loss_fn or train_step, outside the model's modules, has no kernel for the "
+    "low-precision tensors this mode hands it: cast its input to fp32 there "
+    "(F.ctc_loss(log_probs.float(), ...)); keep_fp32 cannot reach it)"
+)
+
+
+def _raised_outside_the_model(error: Exception) -> bool:
+    """Did ``error`` rise with no module's forward on the stack but a loss module's: in a
+    ``loss_fn`` or ``train_step`` (``F.ctc_loss`` on a bf16 model's log-probabilities), where
+    keeping a module in fp32 cannot help (found by a hunt: it was advised, and failed the
+    same). False without a traceback."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    calls = [
+        frame.f_locals.get("self")
+        for frame in frames
+        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl")
+        and frame.f_code.co_filename.endswith("module.py")
+    ]
+    return bool(frames) and all(isinstance(m, torch.nn.modules.loss._Loss) for m in calls)
+
+
 _FP8_MIXED_MATMUL = re.compile(r"Expecting\s+both Float8TrainingTensor for mm inputs")
 """torchao's assertion when a matmul of a Float8Linear meets a plain tensor: a second
 derivative through it (autograd.grad with create_graph=True: a gradient penalty, a
@@ -105,7 +131,8 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
     if _FP8_SHAPE_ERRORS.search(message):
         message += FP8_SHAPE_HINT
     elif _LOW_PRECISION_KERNEL_ERRORS.search(message):
-        message += LOW_PRECISION_KERNEL_HINT
+        outside = _raised_outside_the_model(error)
+        message += LOW_PRECISION_LOSS_HINT if outside else LOW_PRECISION_KERNEL_HINT
     elif _FP8_MIXED_MATMUL.search(message):
         message += FP8_TWICE_HINT
     frames = traceback.extract_tb(error.__traceback__)

@@ -1431,6 +1431,30 @@ def test_an_op_without_a_bf16_kernel_names_keep_fp32_and_keep_fp32_runs_it() -> 
         assert failure_of(RuntimeError(said), 0).message.endswith(LOW_PRECISION_KERNEL_HINT)
 
 
+def _spectral_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss whose own op has no bf16 kernel on our CPUs (as ``F.ctc_loss``)."""
+    return (torch.fft.rfft(output, dim=0).abs() - torch.fft.rfft(target, dim=0).abs()).pow(2).mean()
+
+
+def test_an_op_without_a_bf16_kernel_in_the_loss_says_to_cast_there() -> None:
+    """Found by a hunt: ``F.ctc_loss`` in a loss_fn on pure bf16's log-probabilities was told
+    to keep "the module that calls it" in fp32; no module calls it, and keep_fp32 failed alike."""
+    try:
+        torch.fft.rfft(torch.ones(4, dtype=torch.bfloat16))
+        pytest.skip("this torch has a bf16 FFT kernel on this CPU")
+    except RuntimeError:
+        pass
+    from autoprec.trial_failures import LOW_PRECISION_LOSS_HINT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(4)]
+    report = autoprec.check(model, data, loss_fn=_spectral_loss, modes=["bf16_sr"], steps=4)
+    [failed] = report.verdicts
+    assert failed.status == "failed"
+    assert LOW_PRECISION_LOSS_HINT in failed.reasons[0], failed.reasons
+
+
 def test_stochastic_rounding_draws_from_the_seed_torch_was_given() -> None:
     # its own stream was always seeded 0: every run seed rounded with the same noise
     from autoprec.stochastic_optim import StochasticAdamW
