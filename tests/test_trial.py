@@ -1401,13 +1401,17 @@ class _Spectral(nn.Module):
         return self.mix(torch.fft.irfft(torch.fft.rfft(x, dim=-1) * 0.5, n=16, dim=-1))
 
 
-def test_an_op_without_a_bf16_kernel_names_keep_fp32_and_keep_fp32_runs_it() -> None:
-    # a hunt: pure bf16 on an FNO failed with torch's bare "Unsupported dtype BFloat16"
+def _skip_with_a_bf16_fft() -> None:
     try:
         torch.fft.rfft(torch.ones(4, dtype=torch.bfloat16))
-        pytest.skip("this torch has a bf16 FFT kernel on this CPU")
     except RuntimeError:
-        pass
+        return
+    pytest.skip("this torch has a bf16 FFT kernel on this CPU")
+
+
+def test_an_op_without_a_bf16_kernel_names_keep_fp32_and_keep_fp32_runs_it() -> None:
+    # a hunt: pure bf16 on an FNO failed with torch's bare "Unsupported dtype BFloat16"
+    _skip_with_a_bf16_fft()
     from autoprec.trial_failures import LOW_PRECISION_KERNEL_HINT, failure_of
 
     torch.manual_seed(0)
@@ -1439,11 +1443,7 @@ def _spectral_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def test_an_op_without_a_bf16_kernel_in_the_loss_says_to_cast_there() -> None:
     """Found by a hunt: ``F.ctc_loss`` in a loss_fn on pure bf16's log-probabilities was told
     to keep "the module that calls it" in fp32; no module calls it, and keep_fp32 failed alike."""
-    try:
-        torch.fft.rfft(torch.ones(4, dtype=torch.bfloat16))
-        pytest.skip("this torch has a bf16 FFT kernel on this CPU")
-    except RuntimeError:
-        pass
+    _skip_with_a_bf16_fft()
     from autoprec.trial_failures import LOW_PRECISION_LOSS_HINT
 
     torch.manual_seed(0)
