@@ -347,7 +347,12 @@ def _pack(result: TrialResult) -> dict[str, Any]:
         "heldout_outputs": [
             None
             if output is None
-            else {"shape": list(output.shape), "values": output.values, "top1": output.top1}
+            else {
+                "shape": list(output.shape),
+                "values": output.values,
+                "top1": output.top1,
+                "centered": output.centered,
+            }
             for output in result.heldout_outputs
         ],
     }
@@ -367,7 +372,10 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
             None
             if output is None
             else OutputSummary(
-                shape=tuple(output["shape"]), values=output["values"], top1=output["top1"]
+                shape=tuple(output["shape"]),
+                values=output["values"],
+                top1=output["top1"],
+                centered=output.get("centered"),
             )
             for output in data["heldout_outputs"]
         ],
