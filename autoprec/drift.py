@@ -38,7 +38,7 @@ from autoprec.drift_outside_state import outside_state_reasons
 from autoprec.drift_state_rule import state_rule_reasons
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.specs import PURE_BF16_MODES
-from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult
+from autoprec.trial_records import OutputSummary, TrialRecord, TrialResult, sample_stride
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,51 @@ def _sampled_error(
     return float((values - expected).norm()) / denominator
 
 
+MIN_ROW_SAMPLES = 8
+"""Sampled values a row needs for the row-centred comparison where rows are sampled, not read
+whole: a row's constant leaves any mean of its samples exactly, but a mean of n samples of a
+row of thousands removes 1/n of a real difference's square with it (n = 8: the centred error
+reads at least 93.5% of a difference that is no constant), and of one sample all of it. A
+row read whole is centred by its own mean, which is what a softmax ignores (two values of
+it at least)."""
+
+
+def _row_centered_error(
+    output: OutputSummary, expected: OutputSummary, fixed: torch.Tensor | None
+) -> float | None:
+    """Relative L2 error of the sampled values with each row's mean over the last dimension
+    removed, the means taken over the row's sampled positions compared (fixed positions, mask
+    fills, left out: averaged in, a fill of -1e9 swamped every row's mean and the centred
+    error of outputs 100% apart read 0; a review). None without a class dimension, where a
+    row holds fewer than ``MIN_ROW_SAMPLES`` such positions, or for a summary whose samples
+    are not at today's positions. Rows read whole need two such positions."""
+    shape = expected.shape
+    if len(shape) < 2 or shape[-1] < 2:
+        return None
+    count = math.prod(shape)
+    stride = sample_stride(count)
+    positions = torch.arange(0, count, stride)
+    values, reference = output.values, expected.values
+    if not len(positions) == len(values) == len(reference):
+        return None
+    finite = torch.isfinite(values) & torch.isfinite(reference)
+    if bool((~finite & ~((values == reference) | (values.isnan() & reference.isnan()))).any()):
+        return math.inf  # as _sampled_error: an overflow fp32 does not have
+    varying = finite if fixed is None else finite & ~fixed
+    compared = varying if bool(varying.any()) else finite
+    rows, inverse, counts = torch.unique(
+        positions[compared] // shape[-1], return_inverse=True, return_counts=True
+    )
+    if not len(rows) or int(counts.min()) < (2 if stride == 1 else MIN_ROW_SAMPLES):
+        return None
+    centred = []
+    for sampled in (values[compared].double(), reference[compared].double()):
+        means = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, inverse, sampled)
+        centred.append(sampled - (means / counts)[inverse])
+    denominator = float(centred[1].norm()) or 1.0
+    return float((centred[0] - centred[1]).norm()) / denominator
+
+
 def _fixed_positions(reference: OutputSummary, noise: OutputSummary | None) -> torch.Tensor | None:
     """Positions where the reference and the noise run (another batch order, so other trained
     weights) hold the very same non-zero value: a constant the model writes whatever its weights
@@ -226,8 +271,9 @@ def _relative_error(
     centered: bool = False,
 ) -> tuple[float | None, float | None]:
     """Mean relative L2 error over the held-out outputs' sampled values (``centered``: less
-    their rows' means, where both outputs have them), and top-1 agreement; positions fixed in
-    the reference and ``noise`` are left out of the error."""
+    their rows' means, :func:`_row_centered_error`; None unless every output has them), and
+    top-1 agreement; positions fixed in the reference and ``noise`` are left out of the
+    error."""
     errors, agreements = [], []
     noise_outputs = noise if noise is not None else [None] * len(reference)
     for output, expected, other in zip(outputs, reference, noise_outputs, strict=False):
@@ -235,9 +281,10 @@ def _relative_error(
             continue
         fixed = _fixed_positions(expected, other)
         if centered:
-            if output.centered is None or expected.centered is None:
-                continue
-            errors.append(_sampled_error(output.centered, expected.centered, fixed))
+            error = _row_centered_error(output, expected, fixed)
+            if error is None:  # no class dimension, or too few samples a row
+                return None, None
+            errors.append(error)
             continue
         errors.append(_sampled_error(output.values, expected.values, fixed))
         # (of one length, unless the reference was stored with every row's argmax, as before)

@@ -25,15 +25,22 @@ WIDE_DTYPES = ("torch.float32", "torch.float64")
 
 
 def changed_state(result: TrialResult) -> list[str]:
-    """Names of the state outside the optimizer that ``result``'s training changed, or created:
-    a buffer registered as None and set at the first batch (a running mean, a memory) had no
-    digest at the start, and the rule never saw it (found by a hunt: bf16_sr accepted with
-    the buffer None at the start, rejected with it zeros)."""
+    """Names of the state outside the optimizer that ``result``'s training changed, and of the
+    state it created that changed after its first step: a buffer registered as None and set
+    at the first batch (a running mean, a memory) had no digest at the start, and the rule
+    never saw it (found by a hunt: bf16_sr accepted with the buffer None at the start,
+    rejected with it zeros); one built once and kept (a causal mask) is no state that
+    training changes (a review: its first version rejected bf16_sr for it)."""
     if len(result.outside_state) < 2:
         return []
     start, end = result.outside_state[0], result.outside_state[-1]
     changed = [name for name, digest in start.items() if not _same(end.get(name, digest), digest)]
-    return changed + [name for name in end if name not in start]
+    first = result.outside_state[1] if len(result.outside_state) > 2 else {}
+    return changed + [
+        name
+        for name, digest in end.items()
+        if name not in start and name in first and not _same(first[name], digest)
+    ]
 
 
 def _same(first: StateDigest, second: StateDigest) -> bool:

@@ -347,12 +347,7 @@ def _pack(result: TrialResult) -> dict[str, Any]:
         "heldout_outputs": [
             None
             if output is None
-            else {
-                "shape": list(output.shape),
-                "values": output.values,
-                "top1": output.top1,
-                "centered": output.centered,
-            }
+            else {"shape": list(output.shape), "values": output.values, "top1": output.top1}
             for output in result.heldout_outputs
         ],
     }
@@ -372,10 +367,7 @@ def _unpack(data: dict[str, Any]) -> TrialResult:
             None
             if output is None
             else OutputSummary(
-                shape=tuple(output["shape"]),
-                values=output["values"],
-                top1=output["top1"],
-                centered=output.get("centered"),
+                shape=tuple(output["shape"]), values=output["values"], top1=output["top1"]
             )
             for output in data["heldout_outputs"]
         ],

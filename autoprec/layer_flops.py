@@ -68,9 +68,9 @@ class FlopAttribution(TorchDispatchMode):
         self.under_transform: dict[str, None] = {}
         """Linears called under ``torch.vmap`` or another ``torch.func`` transform (an ordered
         set): FP8 module swaps cannot run there."""
-        self.ends_in_raw_matmul = False
-        """The forward's last matmul was on a raw parameter, after every module's (a head
-        tied to the embedding by ``F.linear(x, self.embed.weight)``)."""
+        self.raw_at_end: tuple[str, ...] = ()
+        """The raw parameters of the forward's last matmul where it came after every module's
+        (a head tied to the embedding by ``F.linear(x, self.embed.weight)``); () otherwise."""
 
     def reset(self) -> None:
         """Forget what a failed forward counted, before another runs."""
@@ -81,7 +81,7 @@ class FlopAttribution(TorchDispatchMode):
         self.compute_order.clear()
         self.autocast_at = None
         self.under_transform.clear()
-        self.ends_in_raw_matmul = False
+        self.raw_at_end = ()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -118,7 +118,7 @@ class FlopAttribution(TorchDispatchMode):
             if kind is not None:
                 self.flops_by_kind[kind] += flops
                 self.flops_by_module[fqn] = self.flops_by_module.get(fqn, 0) + flops
-                self.ends_in_raw_matmul = False
+                self.raw_at_end = ()
                 return
         operands = [
             (self.parameter_storages[key], arg.dim())
@@ -133,7 +133,7 @@ class FlopAttribution(TorchDispatchMode):
             matrices = [name for name, dims in operands if dims >= 2]
             named = matrices or [name for name, _ in operands]
             self.raw_params.update(dict.fromkeys(named))
-            self.ends_in_raw_matmul = True
+            self.raw_at_end = tuple(named)
         else:
             self.flops_by_kind["other"] += flops
 

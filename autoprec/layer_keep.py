@@ -76,15 +76,22 @@ def default_keep_fp32(
     under_transform: tuple[str, ...] = (),
     *,
     raw_matmuls: tuple[str, ...] = (),
-    ends_in_raw_matmul: bool = False,
+    raw_at_end: tuple[str, ...] = (),
 ) -> tuple[KeepFp32, ...]:
     """What pure bf16 keeps in fp32 and FP8 keeps out of FP8, with why. ``raw_matmuls``: the
     parameters the forward multiplies raw (:class:`LayerMix`); an embedding whose weight is
     among them (a head tied by ``F.linear(x, self.embed.weight)``) is not kept: its fp32
     weight met bf16 activations in that matmul, and every pure-bf16 mode failed at step 0
-    (found by a hunt). ``ends_in_raw_matmul``: the forward's last matmul is such a one, so
-    the last module called is an inner layer, not the one producing the outputs."""
+    (found by a hunt). ``raw_at_end``: the raw parameters of the forward's last matmul; where
+    one is an embedding's (that tied head), the last module called is an inner layer, not the
+    one producing the outputs (a raw matmul after a classifier's head, a learned transition
+    matrix, leaves the head the last layer: a review)."""
     keep: dict[str, str] = {}
+    tied_head = any(
+        f"{fqn}.weight".removeprefix(".") in raw_at_end
+        for fqn, module in model.named_modules()
+        if module_kind(module) == "embedding"
+    )
     compute_layers = compute_order or [
         fqn for fqn, module in model.named_modules() if module_kind(module) in ("linear", "conv")
     ]
@@ -106,7 +113,7 @@ def default_keep_fp32(
             # EMA codebook, max_norm's in-place renorm) is state outside the optimizer, and
             # an EmbeddingBag sums rows rounded first (found by a review of that change)
             keep[fqn] = "embedding: a lookup, nothing for low precision to speed up"
-    if matmul_layers and ends_in_raw_matmul:  # the last one called is inner: not "last layer"
+    if matmul_layers and tied_head:  # the last one called is inner: not "last layer"
         keep.setdefault(matmul_layers[0], "first layer: sees raw inputs")
     elif len(matmul_layers) == 1:
         keep.setdefault(

@@ -234,7 +234,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             running,
             tuple(attribution.under_transform),
             raw_matmuls=tuple(attribution.raw_params) if ran else (),
-            ends_in_raw_matmul=ran and attribution.ends_in_raw_matmul,
+            raw_at_end=attribution.raw_at_end if ran else (),
         ),
         findings=(),
         complex_parameters=tuple(

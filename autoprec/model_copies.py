@@ -4,6 +4,7 @@ itself for the copy."""
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any
 
@@ -337,14 +338,14 @@ def _carried_attribute(value: Any, current: Any, floating: torch.dtype) -> Any:
         if not isinstance(current, torch.Tensor) and value.is_floating_point():
             dtype = max(value.dtype, floating, key=lambda each: torch.finfo(each).bits)
         return value.detach().to(dtype=dtype, copy=True)
-    if isinstance(value, list | tuple):
+    if type(value) in (list, tuple) or (isinstance(value, tuple) and hasattr(value, "_fields")):
         alike = type(current) is type(value) and len(current) == len(value)
         items = [
             _carried_attribute(item, current[index] if alike else None, floating)
             for index, item in enumerate(value)
         ]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
+    if type(value) in (dict, collections.OrderedDict):  # a defaultdict is copied (a review)
         mine = current if isinstance(current, dict) else {}
         return type(value)(
             (key, _carried_attribute(item, mine.get(key), floating)) for key, item in value.items()

@@ -320,27 +320,61 @@ class OutsideStateWatch:
 
 class CarriedState:
     """The counters and carried state a ``train_step`` keeps outside the model
-    (:func:`_counters`) and the plain dicts of it (:func:`_tables`), as they stood: the objects
+    (:func:`_counters`) and in small plain dicts (:func:`_tables`), as they stood: the objects
     themselves, no copies, put back by rebinding them."""
 
     def __init__(self, function: Any, reached: list[tuple[str, Any]] | None = None) -> None:
         if reached is None:
             reached = list(_reached(function)) if function is not None else []
         self.counters = _counters(function, reached) if function is not None else []
-        self.tables = [(table, dict(table)) for table in _tables(reached)]
+        self.tables = [(table, _carried_items(table)) for table in _tables(reached)]
+
+    def now(self) -> CarriedState:
+        """The same bindings as they stand now (no traversal of the ``train_step`` again: a
+        second one per trial took 6 s where it reached a 2M-entry vocabulary; a review)."""
+        current = object.__new__(CarriedState)
+        current.counters = [
+            (owner, key, value)
+            for owner, key, _ in self.counters
+            if (value := _bound(owner, key, _UNBOUND)) is not _UNBOUND
+        ]
+        current.tables = [(table, _carried_items(table)) for table, _ in self.tables]
+        return current
 
     def restore(self, widened_to: torch.dtype | None = None) -> None:
-        """Put back what a run rebound; ``widened_to``: floating tensors narrower than it as
-        copies in it (for a plain fp32 read of a mode's trained weights, which started from the
-        state the mode's own held-out pass started from: a bf16 hidden state raised there)."""
+        """Put back what a run rebound, key by key in the tables (a run's log beside a hidden
+        state stays; a key holding carried state the run added goes); ``widened_to``: floating
+        tensors narrower than it as copies in it (for a plain fp32 read of a mode's trained
+        weights, which started from the state the mode's own held-out pass started from: a
+        bf16 hidden state raised there)."""
         for table, saved in self.tables:
-            if not all(map(_carried, table.values())):  # a log of the runs (a test's own)
-                continue
-            wanted = {key: _widened(value, widened_to) for key, value in saved.items()}
-            if table.keys() != wanted.keys() or any(table[key] is not wanted[key] for key in saved):
-                table.clear()
-                table.update(wanted)
+            for key in [key for key, value in table.items() if key not in saved]:
+                if _carried(table[key]):
+                    del table[key]
+            for key, value in saved.items():
+                wanted = _widened(value, widened_to)
+                if table.get(key, _UNBOUND) is not wanted:
+                    table[key] = wanted
         _rebind([(owner, key, _widened(value, widened_to)) for owner, key, value in self.counters])
+
+
+_UNBOUND = object()
+
+
+def _bound(owner: Any, key: str, default: Any) -> Any:
+    """What (owner, key) binds now (see :func:`_rebind`), ``default`` if nothing."""
+    if isinstance(owner, dict):
+        return owner.get(key, default)
+    if isinstance(owner, types.CellType):
+        try:
+            return owner.cell_contents
+        except ValueError:  # emptied
+            return default
+    return getattr(owner, key, default)
+
+
+def _carried_items(table: dict[Any, Any]) -> dict[Any, Any]:
+    return {key: value for key, value in table.items() if _carried(value)}
 
 
 def _widened(value: Any, dtype: torch.dtype | None) -> Any:
@@ -410,15 +444,20 @@ def _counters(function: Any, reached: list[tuple[str, Any]]) -> list[tuple[Any, 
     return list(found.values())
 
 
+MAX_TABLE_KEYS = 64
+"""The most keys a dict a ``train_step`` reaches may hold to count as a table of its state: a
+state table holds a few (``STATE["h"]``); a vocabulary or a cache of thousands is no state a
+run carries, and copying one of 2M entries after every run cost 2 s (a review)."""
+
+
 def _tables(reached: list[tuple[str, Any]]) -> list[dict[Any, Any]]:
-    """The plain dicts a ``train_step`` reaches whose values are all carried state
-    (:func:`_carried`; an empty one too): ``STATE["h"] = h`` carried a bf16 hidden state from
-    run to run and into the user's loop like a closure's (a hunt). Put back after a run that
-    left only carried state in it too: a table a run filled with anything else is a log the
-    user keeps of the runs (a test's own record of where each run started was emptied)."""
+    """The small plain dicts a ``train_step`` reaches (``MAX_TABLE_KEYS``), whose carried state
+    (:func:`_carried`) is put back key by key: ``STATE["h"] = h`` carried a bf16 hidden state
+    from run to run and into the user's loop like a closure's (a hunt); other values in them
+    (a log of the runs) are left as the runs leave them."""
     found: dict[int, dict[Any, Any]] = {}
     for _, value in reached:
-        if type(value) in (dict, collections.OrderedDict) and all(map(_carried, value.values())):
+        if type(value) in (dict, collections.OrderedDict) and len(value) <= MAX_TABLE_KEYS:
             found.setdefault(id(value), value)
     return list(found.values())
 

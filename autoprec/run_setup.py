@@ -551,6 +551,8 @@ class RunSetup:
         if outside is None and watch_outside:
             outside = OutsideStateWatch(self.recipe.train_step, self.user_model)
         before = outside.digest() if outside is not None and outside.tensors else None
+        if outside is not None:
+            options.setdefault("carried", outside.carried)
         try:
             result = self._run(spec, steps, batches, options)
         finally:  # a step counter it reaches is put back every run (a hunt)

@@ -83,6 +83,9 @@ class _TrialInputs:
     stop: StopCheck | None
     nudge_seed: int | None = None
     """Nudge the copy's weights by 2^-12 from this seed (``nudge_weights``)."""
+    carried: CarriedState | None = None
+    """The counters and carried state the ``train_step`` keeps outside the model, as the
+    caller found them (None: found here, once training is done)."""
 
 
 @dataclass
@@ -177,6 +180,13 @@ def _fp32_reader(
         return None
 
 
+def _carried_now(inputs: _TrialInputs) -> CarriedState:
+    """The ``train_step``'s carried state as training left it."""
+    if inputs.carried is not None:
+        return inputs.carried.now()
+    return CarriedState(inputs.recipe.train_step)
+
+
 def _read_failure(error: Exception) -> str:
     """Why the fp32 read of a trial's trained weights did not run: the trial itself is not
     failed for it (a truncated-BPTT LSTM's state, carried in bf16 into the reader, failed
@@ -184,7 +194,7 @@ def _read_failure(error: Exception) -> str:
     was not measured, and why."""
     if is_oom(error):
         return "the fp32 copy did not fit in memory"
-    return f"reading them in fp32 raised {type(error).__name__}: {first_line(error)}"
+    return f"reading the trained weights in fp32 raised {type(error).__name__}: {first_line(error)}"
 
 
 def _heldout_read_in_fp32(
@@ -266,9 +276,9 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
             # the trained state, before the pass moves it
             reader = _fp32_reader(inputs, plan, loop.figures)
             drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
-            carried = CarriedState(inputs.recipe.train_step if reader is not None else None)
+            carried = _carried_now(inputs) if reader is not None else None
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
-            if reader is not None:  # as the mode's pass found it, in the reader's dtype
+            if carried is not None:  # as the mode's pass found it, in the reader's dtype
                 carried.restore(widened_to=floating_dtype(reader.model))
             with replayed_streams(inputs.device, drawn):
                 read = _heldout_read_in_fp32(inputs, reader, loop.figures)
@@ -280,7 +290,8 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
     except StopCheckRaised as raised:  # the caller's own callback failed: it stops the run
         raise raised.error from None
     except Exception as error:  # noqa: BLE001 - a failing trial is data, not a crash
-        run.failure = failure_of(error, loop.current_step if loop is not None else None)
+        step = loop.current_step if loop is not None else None
+        run.failure = failure_of(error, step, plan.model if plan is not None else None)
     finally:
         del plan, loop
         gc.collect()
@@ -306,6 +317,7 @@ def run_trial(
     situation: Situation | None = None,
     stop: StopCheck | None = None,
     nudge_seed: int | None = None,
+    carried: CarriedState | None = None,
 ) -> TrialResult:
     """Train a deep copy of ``model`` in ``spec`` for ``steps`` optimizer steps and measure it.
 
@@ -330,6 +342,9 @@ def run_trial(
             What it raises propagates as it is (the caller's code, not the mode's failure).
         nudge_seed: nudge the copy's initial weights by 2^-12 (the paired run of a
             model without random draws: how far chaos alone takes a second fp32 run).
+        carried: the ``train_step``'s counters and carried state outside the model
+            (:class:`CarriedState`, the caller's watch's); put back as training left them,
+            in fp32, between the mode's held-out pass and the fp32 read of its weights.
     """
     if not batches:
         raise ValueError("batches is empty: a trial needs at least one batch.")
@@ -353,6 +368,7 @@ def run_trial(
         eval_fn=eval_fn,
         stop=stop,
         nudge_seed=nudge_seed,
+        carried=carried,
     )
     device = inputs.device
     started = time.perf_counter()

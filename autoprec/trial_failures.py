@@ -81,11 +81,12 @@ LOW_PRECISION_LOSS_HINT = (
 )
 
 
-def _raised_outside_the_model(error: Exception) -> bool:
-    """Did ``error`` rise with no module's forward on the stack but a loss module's: in a
-    ``loss_fn`` or ``train_step`` (``F.ctc_loss`` on a bf16 model's log-probabilities), where
-    keeping a module in fp32 cannot help (found by a hunt: it was advised, and failed the
-    same). False without a traceback."""
+def _raised_outside_the_model(error: Exception, model: torch.nn.Module | None) -> bool:
+    """Did ``error`` rise with no module of ``model`` called on the stack (without a model: no
+    module but a loss module): in a ``loss_fn`` or ``train_step`` (``F.ctc_loss`` on a bf16
+    model's log-probabilities, a loss written as a module, a frozen perceptual network it
+    calls), where keeping a module in fp32 cannot help (found by a hunt: it was advised, and
+    failed the same; a review, the loss module). False without a traceback."""
     frames = []
     tb = error.__traceback__
     while tb is not None:
@@ -97,7 +98,10 @@ def _raised_outside_the_model(error: Exception) -> bool:
         if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl")
         and frame.f_code.co_filename.endswith("module.py")
     ]
-    return bool(frames) and all(isinstance(m, torch.nn.modules.loss._Loss) for m in calls)
+    if model is None:
+        return bool(frames) and all(isinstance(m, torch.nn.modules.loss._Loss) for m in calls)
+    ours = {id(module) for module in model.modules()}
+    return bool(frames) and not any(id(module) in ours for module in calls)
 
 
 _FP8_MIXED_MATMUL = re.compile(r"Expecting\s+both Float8TrainingTensor for mm inputs")
@@ -112,8 +116,11 @@ FP8_TWICE_HINT = (
 )
 
 
-def failure_of(error: Exception, step: int | None) -> TrialFailure:
-    """The failure ``error`` raised at ``step`` (None: before training) records."""
+def failure_of(
+    error: Exception, step: int | None, model: torch.nn.Module | None = None
+) -> TrialFailure:
+    """The failure ``error`` raised at ``step`` (None: before training) records; ``model``:
+    the trained copy (what its hints may name)."""
     if isinstance(error, UnsupportedModeError):
         return TrialFailure(
             kind="unsupported", step=None, message="; ".join(error.reasons) or str(error)
@@ -131,7 +138,7 @@ def failure_of(error: Exception, step: int | None) -> TrialFailure:
     if _FP8_SHAPE_ERRORS.search(message):
         message += FP8_SHAPE_HINT
     elif _LOW_PRECISION_KERNEL_ERRORS.search(message):
-        outside = _raised_outside_the_model(error)
+        outside = _raised_outside_the_model(error, model)
         message += LOW_PRECISION_LOSS_HINT if outside else LOW_PRECISION_KERNEL_HINT
     elif _FP8_MIXED_MATMUL.search(message):
         message += FP8_TWICE_HINT

@@ -49,6 +49,7 @@ from autoprec.trial_measures import (
     max_abs_gradient,
     nearest_adam_beta2,
     nearest_rounded_decay,
+    outside_state,
     rss_bytes,
     sampled_weights,
     state_bytes,
@@ -834,8 +835,8 @@ def train_in_windows(
 ) -> tuple[TrialFailure | None, str | None]:
     """Train every leg at its learning rates, in windows of steps (each warm-up step forms a
     window of its own, and so does the first step after them; no window crosses a leg);
-    (failure, stop reason). ``loop.current_step``
-    is the last step run."""
+    (failure, stop reason). ``loop.current_step`` is the last step run. The state outside
+    the optimizer is digested after the first window too (``TrialResult.outside_state``)."""
     step, total = 0, sum(legs)
     for point, leg in zip(points, legs, strict=True):
         _set_lrs(loop.plan.optimizer, point)
@@ -850,6 +851,8 @@ def train_in_windows(
             end = min(leg_end, step + 1 if warmup else step + length)
             failure = loop.run_window(step, end - step, warmup)
             raise_if_interrupted()  # a Ctrl-C the garbage collector swallowed in the window
+            if step == 0 and failure is None:  # state the first step created, as it made it
+                result.outside_state.append(outside_state(loop.plan.model, loop.plan.optimizer))
             step = end
             if failure is not None:
                 return failure, None

@@ -235,13 +235,9 @@ class OutputSummary:
     top1: torch.Tensor | None
     """argmax over the last dimension for up to ``OUTPUT_SAMPLE_ELEMENTS`` rows at evenly
     strided positions (None when there is no class dimension)."""
-    centered: torch.Tensor | None = None
-    """``values`` less the mean of their row's finite values over the last dimension, fp32
-    (None without a class dimension, and in summaries stored before it was kept): a constant
-    added to a row of logits changes no softmax, log-softmax or CRF score."""
 
 
-def _stride(count: int) -> int:
+def sample_stride(count: int) -> int:
     """The stride that takes at most ``OUTPUT_SAMPLE_ELEMENTS`` of ``count`` positions, spread
     over all of them: rounded up (rounded down, [:65536] cut the tail: an 8 x 16000 output
     kept rows 0-4, and a mode that changed only the last rows read as equal; found by a
@@ -256,34 +252,12 @@ def summarize_output(output: torch.Tensor) -> OutputSummary:
     of every row, 16 MB for 2M rows; found by a hunt)."""
     detached = output.detach()
     flat = detached.reshape(-1)
-    stride = _stride(flat.numel())
-    sampled = flat[::stride]
-    values = sampled.to("cpu", torch.float32, copy=True)
-    top1 = centered = None
+    values = flat[:: sample_stride(flat.numel())].to("cpu", torch.float32, copy=True)
+    top1 = None
     if detached.dim() >= 2 and detached.shape[-1] > 1:
         rows = detached.reshape(-1, detached.shape[-1])
-        top1 = rows[:: _stride(rows.shape[0])].argmax(-1).to("cpu", copy=True)
-        row_of = torch.arange(0, flat.numel(), stride, device=flat.device) // rows.shape[1]
-        means = _finite_row_means(rows)[row_of]
-        centered = (sampled.double() - means).to("cpu", torch.float32, copy=True)
-    return OutputSummary(shape=tuple(detached.shape), values=values, top1=top1, centered=centered)
-
-
-ROW_MEAN_CHUNK_ELEMENTS = 2**24
-"""Rows are averaged this many elements at a time: a float64 copy of 8 x 2048 tokens of a
-128k vocabulary's logits would take 17 GB at once."""
-
-
-def _finite_row_means(rows: torch.Tensor) -> torch.Tensor:
-    """The mean of each row's finite values, float64 (a row of -inf mask fills keeps its
-    finite ones; finfo.min fills sum in float64 without overflow), 0 for a row of none."""
-    per_chunk = max(1, ROW_MEAN_CHUNK_ELEMENTS // max(1, rows.shape[1]))
-    means = []
-    for chunk in rows.split(per_chunk):
-        finite = torch.isfinite(chunk)
-        total = torch.where(finite, chunk, 0).sum(-1, dtype=torch.float64)
-        means.append(total / finite.sum(-1).clamp(min=1))
-    return torch.cat(means)
+        top1 = rows[:: sample_stride(rows.shape[0])].argmax(-1).to("cpu", copy=True)
+    return OutputSummary(shape=tuple(detached.shape), values=values, top1=top1)
 
 
 class StateDigest(NamedTuple):
@@ -309,7 +283,8 @@ class TrialResult:
     heldout_outputs: list[OutputSummary | None] = field(default_factory=list)
     outside_state: list[dict[str, StateDigest]] = field(default_factory=list)
     """Floating buffers and frozen floating weights (state no optimizer steps), summarised
-    before and after training: the drift gate's state check (``drift_outside_state``)."""
+    before training, after its first step and after the last (two entries in results stored
+    before the middle one was kept): the drift gate's state check (``drift_outside_state``)."""
     tail_seconds: float = 0.0
     """Seconds the run spent after its last step: the held-out pass and ``eval_fn``."""
 

@@ -1265,7 +1265,6 @@ def test_a_constant_per_row_of_logits_is_no_output_difference(low_lr: dict) -> N
     # one output a row: no class dimension, judged raw as before
     single = [noise(32, 1) for _ in range(4)]
     moved = _with_outputs(low_lr["amp_bf16"], [x + 3.0 for x in single])
-    assert moved.heldout_outputs[0].centered is None
     assert any(
         r.startswith("held-out outputs")
         for r in judge(moved, _with_outputs(low_lr["reference"], single),
@@ -1273,21 +1272,41 @@ def test_a_constant_per_row_of_logits_is_no_output_difference(low_lr: dict) -> N
     )  # fmt: skip
 
 
-def test_row_means_skip_mask_fills_and_run_in_bounded_chunks(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Rows averaged over their finite values (a -inf mask keeps the rest), in float64 (fp32
-    finfo.min fills overflow an fp32 sum), a few rows at a time."""
-    import autoprec.trial_records as records
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, -math.inf])
+def test_a_row_constant_is_read_beside_mask_fills(low_lr: dict, fill: float) -> None:
+    """A review: a finite mask fill (a quarter of each row at -1e9, an invalid-action mask)
+    averaged into each row's mean left every centred value near -mean, and outputs 100% apart
+    passed on their centred error of 9e-9. Fills are left out of the means."""
+    generator = torch.Generator().manual_seed(0)
 
-    monkeypatch.setattr(records, "ROW_MEAN_CHUNK_ELEMENTS", 8)
-    lowest = torch.finfo(torch.float32).min
-    rows = torch.tensor(
-        [[1.0, 3.0, -math.inf, 2.0], [lowest, lowest, 0.0, 0.0], [-math.inf] * 4, [4.0] * 4]
-    )
-    means = records._finite_row_means(rows)
-    assert means.dtype == torch.float64
-    assert means.tolist() == [2.0, float(lowest) / 2, 0.0, 4.0]
-    summary = records.summarize_output(rows)
-    assert summary.centered is not None
-    assert summary.centered[:4].tolist() == [-1.0, 1.0, -math.inf, 0.0]
+    def masked(values: torch.Tensor) -> torch.Tensor:
+        values = values.clone()
+        values[:, :2] = fill
+        return values
+
+    logits = [torch.randn(32, 8, generator=generator) for _ in range(4)]
+    reference = _with_outputs(low_lr["reference"], [masked(x) for x in logits])
+    other = [masked(x + 0.5 * torch.randn(32, 8, generator=generator)) for x in logits]
+    other_order = _with_outputs(low_lr["noise"], other)
+    apart = [masked(x + torch.randn(32, 8, generator=generator)) for x in logits]
+    verdict = judge(_with_outputs(low_lr["amp_bf16"], apart), reference, other_order)
+    assert any(r.startswith("held-out outputs differ") for r in verdict.reasons), verdict.metrics
+    shifted = [masked(x + 3 * torch.randn(32, 1, generator=generator)) for x in logits]
+    verdict = judge(_with_outputs(low_lr["amp_bf16"], shifted), reference, other_order)
+    assert not any(r.startswith("held-out outputs") for r in verdict.reasons), verdict.reasons
+
+
+def test_rows_with_few_samples_are_compared_raw_only(low_lr: dict) -> None:
+    """Centring a row by the mean of its few sampled values removes a real difference with it
+    (all of it for one sample a row): the long rows of a large output are compared raw."""
+    from autoprec.drift import MIN_ROW_SAMPLES
+    from autoprec.trial_records import OUTPUT_SAMPLE_ELEMENTS
+
+    width = OUTPUT_SAMPLE_ELEMENTS // 4  # 4 rows of 16384: read whole
+    long_rows = [torch.randn(4, width)]
+    wide = [torch.randn(2 * OUTPUT_SAMPLE_ELEMENTS // MIN_ROW_SAMPLES, 2 * MIN_ROW_SAMPLES)]
+    reference = _with_outputs(low_lr["reference"], long_rows)
+    assert judge(reference, reference, reference).metrics.output_error_centered == 0.0
+    few = _with_outputs(low_lr["reference"], wide)  # a stride of 4: 4 samples a row
+    assert judge(few, few, few).metrics.output_error_centered is None
+    assert judge(few, few, few).metrics.output_error == 0.0

@@ -650,3 +650,23 @@ def test_an_embedding_tied_by_a_plain_matmul_is_not_kept_and_runs_in_pure_bf16()
     [verdict] = report.verdicts
     assert verdict.status != "failed", verdict.reasons
     assert "embed" not in verdict.spec.keep_fp32
+
+
+class _NoisyLabels(nn.Module):
+    """A classifier whose head is followed by a learned label-transition matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = nn.Linear(32, 8)
+        self.transition = nn.Parameter(torch.eye(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).softmax(-1) @ self.transition
+
+
+def test_a_raw_matmul_after_the_head_leaves_it_the_last_layer() -> None:
+    """A review: any raw matmul after the last module took the head out of FP8's last-layer
+    skip; only a head tied to an embedding makes the last Linear an inner one."""
+    reasons = {k.fqn: k.reason for k in scan_model(_NoisyLabels(), torch.randn(4, 16)).keep_fp32}
+    assert reasons["head"] == "last layer: produces the outputs the loss sees"

@@ -1454,6 +1454,13 @@ def test_an_op_without_a_bf16_kernel_in_the_loss_says_to_cast_there() -> None:
     assert failed.status == "failed"
     assert LOW_PRECISION_LOSS_HINT in failed.reasons[0], failed.reasons
 
+    class SpectralLoss(nn.Module):  # a loss written as a module (a review: told keep_fp32)
+        def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return _spectral_loss(output, target)
+
+    report = autoprec.check(model, data, loss_fn=SpectralLoss(), modes=["bf16_sr"], steps=4)
+    assert LOW_PRECISION_LOSS_HINT in report.verdicts[0].reasons[0], report.verdicts[0].reasons
+
 
 def test_stochastic_rounding_draws_from_the_seed_torch_was_given() -> None:
     # its own stream was always seeded 0: every run seed rounded with the same noise
