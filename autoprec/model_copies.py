@@ -111,10 +111,11 @@ def _uncompiled(model: nn.Module) -> nn.Module:
 
 
 def deep_copy(model: nn.Module) -> nn.Module:
-    """``copy.deepcopy(model)`` without in-place compilation, or a TypeError naming the
-    attribute that cannot be copied."""
+    """``copy.deepcopy(model)`` without in-place compilation, with its parameters' gradient
+    hooks (:func:`_with_parameter_hooks`), or a TypeError naming the attribute that cannot be
+    copied."""
     try:
-        return _uncompiled(copy.deepcopy(model))
+        return _with_parameter_hooks(model, _uncompiled(copy.deepcopy(model)))
     except Exception as error:
         culprit = _uncopyable_attribute(model)
         found = f"; the attribute {culprit} cannot be copied" if culprit else ""
@@ -123,6 +124,25 @@ def deep_copy(model: nn.Module) -> nn.Module:
             f"{type(model).__name__} failed ({type(error).__name__}: {error}){found}. "
             f"{_copy_advice(model)}"
         ) from error
+
+
+def _with_parameter_hooks(source: nn.Module, copied: nn.Module) -> nn.Module:
+    """``copied`` with the hooks registered on ``source``'s parameters
+    (``p.register_hook``, ``p.register_post_accumulate_grad_hook``), which a deep copy of a
+    parameter drops: no trial ran a pruning mask's ``g * mask`` or a per-element clamp, the
+    gate called amp_fp16 safe where the user's own loop clamped its loss-scaled gradients
+    and stalled, and bf16_sr safe where ``apply()`` then failed on the hook's fp32 mask
+    (found by a hunt)."""
+    copies = dict(copied.named_parameters())
+    for name, parameter in source.named_parameters():
+        twin = copies.get(name)
+        if twin is None:
+            continue
+        for hook in (parameter._backward_hooks or {}).values():
+            twin.register_hook(hook)
+        for hook in (getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values():
+            twin.register_post_accumulate_grad_hook(hook)
+    return copied
 
 
 def _copy_advice(model: nn.Module) -> str:

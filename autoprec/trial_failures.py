@@ -104,6 +104,16 @@ def _raised_outside_the_model(error: Exception, model: torch.nn.Module | None) -
     return bool(frames) and not any(id(module) in ours for module in calls)
 
 
+_HOOK_CHANGED_DTYPE = re.compile(r"hook '[^']*' has changed the type of value")
+"""torch's error when a tensor hook on a parameter returns a gradient of another dtype: a
+pruning mask's ``g * mask`` with an fp32 mask on pure bf16's bf16 gradients (a hunt)."""
+HOOK_DTYPE_HINT = (
+    " (a gradient hook on a parameter (register_hook) returned another dtype than the "
+    "gradient's: under pure bf16 the gradients are bf16; return it in the gradient's dtype, "
+    "g * mask.to(g.dtype))"
+)
+
+
 _FP8_MIXED_MATMUL = re.compile(r"Expecting\s+both Float8TrainingTensor for mm inputs")
 """torchao's assertion when a matmul of a Float8Linear meets a plain tensor: a second
 derivative through it (autograd.grad with create_graph=True: a gradient penalty, a
@@ -142,6 +152,8 @@ def failure_of(
         message += LOW_PRECISION_LOSS_HINT if outside else LOW_PRECISION_KERNEL_HINT
     elif _FP8_MIXED_MATMUL.search(message):
         message += FP8_TWICE_HINT
+    elif _HOOK_CHANGED_DTYPE.search(message):
+        message += HOOK_DTYPE_HINT
     frames = traceback.extract_tb(error.__traceback__)
     return TrialFailure(
         kind=kind,

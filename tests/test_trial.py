@@ -1554,3 +1554,38 @@ def test_a_run_measures_its_tail_after_the_last_step() -> None:
         ModeSpec(mode="fp32"), task.model, task.batches, recipe=recipe, steps=4, eval_fn=slow_eval
     )
     assert 0.3 <= result.tail_seconds < 2.0
+
+
+def test_parameter_gradient_hooks_run_in_every_trial() -> None:
+    """Found by a hunt: a deep copy drops hooks on parameters, so no trial ran a per-element
+    clamp (amp_fp16 called safe where the user's loop clamped its loss-scaled gradients and
+    stalled at its starting loss) or a pruning mask (bf16_sr called safe, then apply() failed
+    on the mask's fp32 gradient)."""
+    from autoprec.trial_failures import HOOK_DTYPE_HINT
+
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, 4, generator=generator)
+    batches = [(x, torch.tanh(x @ teacher)) for x in torch.randn(48, 64, 32, generator=generator)]
+    calls = []
+
+    def clamped() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+        for parameter in model.parameters():
+            parameter.register_hook(lambda g: calls.append(1) or g.clamp(-0.05, 0.05))
+        return model
+
+    report = autoprec.check(
+        clamped(), batches, loss_fn=nn.functional.mse_loss, steps=40, modes=["amp_fp16"],
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+    )  # fmt: skip
+    assert calls, "no trial ran the hooks"
+    assert report.verdicts[0].status == "unsafe", report.verdicts[0].reasons
+    torch.manual_seed(0)
+    pruned = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    mask = (torch.rand(64, 32) > 0.5).float()
+    pruned[0].weight.register_hook(lambda g: g * mask)
+    report = autoprec.check(pruned, batches, loss_fn=nn.functional.mse_loss, steps=8,
+                            modes=["bf16_sr"])  # fmt: skip
+    [verdict] = report.verdicts
+    assert verdict.status == "failed" and HOOK_DTYPE_HINT in verdict.reasons[0], verdict.reasons
