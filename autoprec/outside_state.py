@@ -22,6 +22,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -409,11 +410,18 @@ def same_digest(first: torch.Tensor, second: torch.Tensor) -> bool:
     return bool(torch.allclose(first, second, rtol=0, atol=0, equal_nan=True))
 
 
+def _number(value: Any) -> bool:
+    """An int or float, numpy's too (``np.linspace(...)[0]``, ``tau * np.exp(-r)``, an
+    ``np.int64`` step: such a temperature ran on from run to run and came back at its floor;
+    a hunt); not a bool."""
+    return type(value) in (int, float) or isinstance(value, np.integer | np.floating)
+
+
 def _carried(value: Any) -> bool:
     """A value a ``train_step`` rebinds from step to step: an int or float (a step counter),
     None, a tensor, or a tuple or list of tensors (a recurrent state carried between batches,
     None before the first)."""
-    if value is None or type(value) in (int, float) or isinstance(value, torch.Tensor):
+    if value is None or _number(value) or isinstance(value, torch.Tensor):
         return True
     return type(value) in (tuple, list) and all(isinstance(item, torch.Tensor) for item in value)
 
@@ -494,6 +502,6 @@ def _numbers_beside(
         held = (item for key in attributes for _, item in _with_contents(key, attributes[key]))
         if any(id(item) in ids for item in held):
             for key, number in attributes.items():
-                if type(number) in (int, float, bool, type(None)):
+                if number is None or type(number) is bool or _number(number):
                     numbers[(id(value), key)] = (value, key, number)
     return list(numbers.values())

@@ -278,3 +278,36 @@ def test_a_large_dict_a_train_step_reads_is_no_table_of_its_state() -> None:
     assert state["h"] is not None  # as it stood when now() read it
     carried.restore()
     assert state == {"h": None}
+
+
+_TAU = None
+"""A temperature as numpy keeps it (set in the test)."""
+_NUMPY_STEP = None
+
+
+def test_a_numpy_counter_outside_the_model_starts_every_run_where_it_stood() -> None:
+    """Found by a hunt: a temperature annealed as ``tau * np.exp(-r)`` (numpy float64) or an
+    ``np.int64`` step ran on from run to run, every mode was rejected, and the user's came back
+    at its floor."""
+    import numpy as np
+
+    from examples.mean_teacher import make_batches
+
+    global _TAU, _NUMPY_STEP
+    _TAU, _NUMPY_STEP = np.linspace(1.0, 0.1, 10)[0], np.int64(5)
+    starts: dict[int, tuple[float, int]] = {}
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        global _TAU, _NUMPY_STEP
+        if plan.model.training:
+            starts.setdefault(id(plan.model), (float(_TAU), int(_NUMPY_STEP)))
+            _TAU, _NUMPY_STEP = max(0.1, _TAU * np.exp(-0.02)), _NUMPY_STEP + 1
+        x, y = batch
+        with plan.autocast():
+            return F.mse_loss(plan.model(x).float() / float(_TAU), y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    autoprec.check(model, make_batches(), train_step=train_step, steps=12, modes=["amp_bf16"])
+    assert len(starts) >= 4 and set(starts.values()) == {(1.0, 5)}, starts
+    assert (float(_TAU), int(_NUMPY_STEP)) == (1.0, 5)
