@@ -7,17 +7,20 @@ any Linear/Conv module whose operand is a parameter held directly by a custom mo
 between activations (attention scores) are ``other``.
 
 The scan runs in eval mode under ``torch.no_grad()`` and restores every module's training
-flag, so the model's parameters, buffers (BatchNorm statistics), gradients and modes are left as
-they were (bitsandbytes' 4-bit Linears stay in training mode: in eval mode they repack their
-weights for CPU inference, and the model then fails to train). It runs wherever the model
+flag, so the model's parameters (rebound ones put back; one a forward writes in place is not),
+buffers (BatchNorm statistics), gradients and modes are left as they were (bitsandbytes'
+4-bit Linears stay in training mode: in eval mode they repack their weights for CPU inference,
+and the model then fails to train). It runs wherever the model
 lives: CPU, or the meta device for models too big to materialise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -79,6 +82,30 @@ def _run_scans(
     forward's error. A failed forward is reported (and logged), never raised."""
     if example_input is None:
         return False, None, (), None
+    with _parameters_kept(model):
+        return _scans(model, example_input, attribution)
+
+
+@contextlib.contextmanager
+def _parameters_kept(model: nn.Module) -> Iterator[None]:
+    """The parameters' tensors held through the scans, and put back where a forward rebound
+    them (a momentum encoder's ``p.data = m * p.data + ...``: MoCo's key encoder came back
+    changed from ``probe()``, and the storages it freed were reused by tensors the forward
+    made, which the scan then named as raw-parameter matmuls at random, 12 scans in 40;
+    found by a hunt). A parameter written in place is not put back."""
+    held = [(parameter, parameter.data) for parameter in model.parameters()]
+    try:
+        yield
+    finally:
+        for parameter, data in held:
+            if parameter.data_ptr() != data.data_ptr() or parameter.shape != data.shape:
+                parameter.data = data
+
+
+def _scans(
+    model: nn.Module, example_input: Any, attribution: FlopAttribution
+) -> tuple[bool, str | None, tuple[str, ...], str | None]:
+    """:func:`_run_scans` with an example input."""
     try:
         grad = _count_flops(model, example_input, attribution)
     except Exception as error:  # noqa: BLE001 - a failed forward is reported, not raised

@@ -670,3 +670,34 @@ def test_a_raw_matmul_after_the_head_leaves_it_the_last_layer() -> None:
     skip; only a head tied to an embedding makes the last Linear an inner one."""
     reasons = {k.fqn: k.reason for k in scan_model(_NoisyLabels(), torch.randn(4, 16)).keep_fp32}
     assert reasons["head"] == "last layer: produces the outputs the loss sees"
+
+
+class _MomentumTarget(nn.Module):
+    """An online network and a target its forward moves by rebinding ``.data`` (MoCo's key
+    encoder update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online = nn.Linear(16, 16)
+        self.target = nn.Linear(16, 16).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for mine, theirs in zip(
+                self.target.parameters(), self.online.parameters(), strict=True
+            ):
+                mine.data = 0.9 * mine.data + 0.1 * theirs.data
+        return self.online(x) + self.target(x)
+
+
+def test_the_scan_puts_back_parameters_a_forward_rebinds() -> None:
+    """Found by a hunt: probe() left MoCo's key encoder moved, and the storages the update
+    freed were reused by tensors the forward made, which the scan named as raw-parameter
+    matmuls at random."""
+    model = _MomentumTarget()
+    before = _state(model)
+    for _ in range(10):
+        mix = scan_model(model, torch.randn(4, 16))
+        assert mix.raw_param_matmuls == ()
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
