@@ -75,8 +75,10 @@ def _way_out(names: list[str]) -> str:
     owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names if "." in name))
     if not owners:
         return (
-            "Keep it in fp32 by holding it in a submodule (keep_fp32 names modules; the "
-            "model's root module cannot be kept apart from the model)"
+            "Keep it in fp32 by holding it in a submodule whose own forward reads and updates "
+            "it, then naming that in keep_fp32 (keep_fp32 names modules, which run in fp32 "
+            "where they are called; the model's root module cannot be kept apart from the "
+            "model)"
         )
     shown = first_names([repr(owner) for owner in owners], 4)
     on_root = [name for name in names if "." not in name]
@@ -84,13 +86,15 @@ def _way_out(names: list[str]) -> str:
     # rejected (found by a hunt)
     root = (
         f"; {', '.join(on_root[:4])} on the model's root module cannot be kept apart from the "
-        "model: move it into a submodule"
+        "model: move it into a submodule whose own forward reads and updates it"
         if on_root
         else ""
     )
     return (
         f"Keep it in fp32: tune(..., keep_fp32=[{shown}]) or check(...) alike (CLI: "
-        f"--keep-fp32 NAME), or a name matching their parent{root}"
+        f"--keep-fp32 NAME), or a name matching their parent (a kept module runs in fp32 "
+        f"where it is called: one nothing calls, whose owner reads its buffers, is kept by "
+        f"keeping that owner){root}"
     )
 
 

@@ -68,6 +68,8 @@ class FlopAttribution(TorchDispatchMode):
         self.under_transform: dict[str, None] = {}
         """Linears called under ``torch.vmap`` or another ``torch.func`` transform (an ordered
         set): FP8 module swaps cannot run there."""
+        self.called: dict[str, None] = {}
+        """Every module the forward called (an ordered set)."""
         self.raw_at_end: tuple[str, ...] = ()
         """The raw parameters of the forward's last matmul where it came after every module's
         (a head tied to the embedding by ``F.linear(x, self.embed.weight)``); () otherwise."""
@@ -81,6 +83,7 @@ class FlopAttribution(TorchDispatchMode):
         self.compute_order.clear()
         self.autocast_at = None
         self.under_transform.clear()
+        self.called.clear()
         self.raw_at_end = ()
 
     @classmethod
@@ -145,6 +148,7 @@ class FlopAttribution(TorchDispatchMode):
 
             def push(_module: nn.Module, _args: Any, fqn: str = fqn, kind: Any = kind) -> None:
                 self.stack.append((fqn, kind))
+                self.called[fqn] = None
                 if kind in ("linear", "conv", "embedding"):
                     self.compute_order[fqn] = None
                 if kind == "linear" and torch._C._functorch.maybe_current_level() is not None:

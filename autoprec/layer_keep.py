@@ -29,14 +29,20 @@ bf16 autocast already runs norms in fp32, and a lookup of fp32 weights stays fp3
 
 
 def _running_state_modules(
-    model: nn.Module, running: tuple[str, ...], kept: dict[str, str]
+    model: nn.Module,
+    running: tuple[str, ...],
+    kept: dict[str, str],
+    called: tuple[str, ...] | None = None,
 ) -> list[KeepFp32]:
     """A keep entry for each module below the root that owns a running buffer and is not kept
     already as a norm or embedding: in bf16 its updates round to nearest, whatever rounding the
     optimizer uses, and an EMA's small ones vanish (``benchmarks/running_state_rounding.py``).
     Not a module whose weights were all loaded in bf16 (a frozen backbone's BatchNorm), as the
     norm rule leaves it: prepare() refuses to keep it, and every pure-bf16 trial failed (found
-    by a hunt)."""
+    by a hunt). Nor one the forward never calls (``called``): an fp32 island converts at its
+    own calls, so a bare ``nn.Module()`` holding MoCo's queue, read by its parent, kept the
+    queue fp32 beside the parent's bf16 keys, and every pure-bf16 mode failed at step 0 (a
+    hunt); its buffers are then judged as state outside the optimizer."""
     owners: dict[str, list[str]] = {}
     for fqn in running:
         owner, _, name = fqn.rpartition(".")
@@ -47,6 +53,8 @@ def _running_state_modules(
         if kept.get(owner, "").startswith(PURE_BF16_KEEP_REASONS):
             continue
         if loaded_in_low_precision(model.get_submodule(owner)):
+            continue
+        if called is not None and owner not in called:
             continue
         entries.append(
             KeepFp32(
@@ -77,6 +85,7 @@ def default_keep_fp32(
     *,
     raw_matmuls: tuple[str, ...] = (),
     raw_at_end: tuple[str, ...] = (),
+    called: tuple[str, ...] | None = None,
 ) -> tuple[KeepFp32, ...]:
     """What pure bf16 keeps in fp32 and FP8 keeps out of FP8, with why. ``raw_matmuls``: the
     parameters the forward multiplies raw (:class:`LayerMix`); an embedding whose weight is
@@ -85,7 +94,9 @@ def default_keep_fp32(
     (found by a hunt). ``raw_at_end``: the raw parameters of the forward's last matmul; where
     one is an embedding's (that tied head), the last module called is an inner layer, not the
     one producing the outputs (a raw matmul after a classifier's head, a learned transition
-    matrix, leaves the head the last layer: a review)."""
+    matrix, leaves the head the last layer: a review). ``called``: the modules the forward
+    called (None: not known); a module owning a running buffer that is never called is not
+    kept (:func:`_running_state_modules`)."""
     keep: dict[str, str] = {}
     tied_head = any(
         f"{fqn}.weight".removeprefix(".") in raw_at_end
@@ -156,4 +167,4 @@ def default_keep_fp32(
                 f"by {FP8_DIM_MULTIPLE}, FP8 kernels cannot take it",
             )
     entries = [KeepFp32(fqn=fqn, reason=reason) for fqn, reason in keep.items()]
-    return tuple(entries + _running_state_modules(model, running, keep))
+    return tuple(entries + _running_state_modules(model, running, keep, called))

@@ -262,6 +262,7 @@ def scan_model(model: nn.Module, example_input: Any = None) -> LayerMix:
             tuple(attribution.under_transform),
             raw_matmuls=tuple(attribution.raw_params) if ran else (),
             raw_at_end=attribution.raw_at_end if ran else (),
+            called=tuple(attribution.called) if ran else None,
         ),
         findings=(),
         complex_parameters=tuple(

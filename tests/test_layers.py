@@ -701,3 +701,39 @@ def test_the_scan_puts_back_parameters_a_forward_rebinds() -> None:
         assert mix.raw_param_matmuls == ()
     after = model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+class _QueueInABareModule(nn.Module):
+    """MoCo's queue moved into a bare submodule nothing calls, read and written by its owner."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(16, 16)
+        self.bank = nn.Module()
+        self.bank.register_buffer("queue", torch.randn(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self.encoder(x)
+        scores = keys @ self.bank.queue.t()
+        if self.training:
+            with torch.no_grad():
+                self.bank.queue = torch.cat([keys.detach(), self.bank.queue])[:32]
+        return scores
+
+
+def test_a_running_buffer_in_a_module_nothing_calls_is_not_kept() -> None:
+    """Found by a hunt: the probe kept a bare module holding MoCo's queue in fp32; an fp32
+    island converts at its module's own calls, so the queue stayed fp32 beside the owner's
+    bf16 keys and every pure-bf16 mode failed at step 0. It is judged as state outside the
+    optimizer instead."""
+    import autoprec
+
+    model = _QueueInABareModule()
+    mix = scan_model(model, torch.randn(4, 16))
+    assert "bank" not in {k.fqn for k in mix.keep_fp32}
+    batches = [(torch.randn(4, 16), torch.randn(4, 32)) for _ in range(16)]
+    report = autoprec.check(model, batches, loss_fn=nn.functional.mse_loss, steps=8,
+                            modes=["bf16_sr"])  # fmt: skip
+    [verdict] = report.verdicts
+    assert verdict.status == "unsafe", verdict.reasons
+    assert any("bank.queue" in r and "keeping that owner" in r for r in verdict.reasons)
