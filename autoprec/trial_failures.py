@@ -114,6 +114,23 @@ HOOK_DTYPE_HINT = (
 )
 
 
+_MIXED_DTYPES = re.compile(
+    r"m1 and m2 to have the same dtype|mat1 and mat2 must have the same dtype"
+    r"|expected scalar type \w+ but found \w+|Input type \(.*\) and weight type \(.*\) should be"
+    r"|expected both .* to have the same dtype|must have the same dtype"
+)
+"""torch's errors when an op meets tensors of two dtypes: a custom autograd Function or
+custom op whose fp32 output or saved tensor meets the mode's bf16 ones (a hunt: torch's bare
+words, with no advice)."""
+MIXED_DTYPES_HINT = (
+    " (two tensors of different dtypes met in one op: something your code makes or keeps in "
+    "fp32 (a buffer, torch.zeros without a dtype, a custom autograd Function's output or "
+    "saved tensor) met the mode's bf16 or fp16 ones. Cast it where it is made "
+    "(.to(x.dtype)), keep the module that reads it in fp32 (keep_fp32), or under AMP wrap a "
+    "custom Function in torch.amp.custom_fwd / custom_bwd)"
+)
+
+
 _FP8_MIXED_MATMUL = re.compile(r"Expecting\s+both Float8TrainingTensor for mm inputs")
 """torchao's assertion when a matmul of a Float8Linear meets a plain tensor: a second
 derivative through it (autograd.grad with create_graph=True: a gradient penalty, a
@@ -154,6 +171,8 @@ def failure_of(
         message += FP8_TWICE_HINT
     elif _HOOK_CHANGED_DTYPE.search(message):
         message += HOOK_DTYPE_HINT
+    elif _MIXED_DTYPES.search(message):
+        message += MIXED_DTYPES_HINT
     frames = traceback.extract_tb(error.__traceback__)
     return TrialFailure(
         kind=kind,

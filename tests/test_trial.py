@@ -7,6 +7,7 @@ import re
 import statistics
 import traceback
 import types
+from typing import Any
 
 import numpy
 import pytest
@@ -1589,3 +1590,46 @@ def test_parameter_gradient_hooks_run_in_every_trial() -> None:
                             modes=["bf16_sr"])  # fmt: skip
     [verdict] = report.verdicts
     assert verdict.status == "failed" and HOOK_DTYPE_HINT in verdict.reasons[0], verdict.reasons
+
+
+class _Fp32Out(torch.autograd.Function):
+    """A custom Function that hands back fp32 whatever it is given."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x.float())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _RawAfterFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(16, 1) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fp32Out.apply(self.first(x)) @ self.w
+
+
+def test_tensors_of_two_dtypes_in_one_op_get_a_hint() -> None:
+    """Found by a hunt: a custom Function returning fp32 before a raw matmul on a bf16 weight
+    failed every pure-bf16 mode with torch's bare "expected m1 and m2 to have the same
+    dtype"."""
+    from autoprec.trial_failures import MIXED_DTYPES_HINT, failure_of
+
+    for said in (
+        "expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != float",
+        "expected scalar type Float but found BFloat16",
+        "Input type (c10::BFloat16) and weight type (float) should be the same",
+    ):
+        assert failure_of(RuntimeError(said), 0).message.endswith(MIXED_DTYPES_HINT), said
+    assert MIXED_DTYPES_HINT not in failure_of(RuntimeError("CUDA error"), 0).message
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(4)]
+    report = autoprec.check(_RawAfterFunction(), data, loss_fn=nn.functional.mse_loss,
+                            modes=["bf16_sr"], steps=4)  # fmt: skip
+    [verdict] = report.verdicts
+    assert verdict.status == "failed" and MIXED_DTYPES_HINT in verdict.reasons[0], verdict.reasons
