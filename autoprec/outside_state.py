@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from autoprec.model_copies import gradient_hooks
 from autoprec.weight_dtypes import same_values
 
 
@@ -266,13 +267,17 @@ class OutsideStateWatch:
     EMA object's step count, which sets its decay: a change of them alone is no refusal)."""
 
     def __init__(self, function: Any, model: nn.Module) -> None:
+        # the gradient hooks trial copies carry (model_copies.gradient_hooks) reach out too: a
+        # warm-up hook's step counter in its closure ran on from run to run (a review)
+        hooks = [hook for hooks in gradient_hooks(model).values() for hook in hooks]
         reached = list(_reached(function)) if function is not None else []  # one traversal
+        reached += [item for hook in hooks for item in _reached(hook)]
         self.tensors = _tensors_of(reached, model)
         self.saved = {
             name: tensor.detach().to("cpu", copy=True) for name, tensor in self.tensors.items()
         }
         self.numbers = _numbers_beside(reached, self.tensors) if self.tensors else []
-        self.carried = CarriedState(function, reached)
+        self.carried = CarriedState(function, reached, also=hooks)
 
     def digest(self) -> torch.Tensor:
         """Per tensor, its sum and its sum of |values| in float64, on the host (one read):
@@ -324,10 +329,16 @@ class CarriedState:
     (:func:`_counters`) and in small plain dicts (:func:`_tables`), as they stood: the objects
     themselves, no copies, put back by rebinding them."""
 
-    def __init__(self, function: Any, reached: list[tuple[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        function: Any,
+        reached: list[tuple[str, Any]] | None = None,
+        also: list[Any] | None = None,
+    ) -> None:
+        """``also``: more functions whose globals and closures count (gradient hooks)."""
         if reached is None:
             reached = list(_reached(function)) if function is not None else []
-        self.counters = _counters(function, reached) if function is not None else []
+        self.counters = _counters(function, reached, also or [])
         self.tables = [(table, _carried_items(table)) for table in _tables(reached)]
 
     def now(self) -> CarriedState:
@@ -426,7 +437,9 @@ def _carried(value: Any) -> bool:
     return type(value) in (tuple, list) and all(isinstance(item, torch.Tensor) for item in value)
 
 
-def _counters(function: Any, reached: list[tuple[str, Any]]) -> list[tuple[Any, str, Any]]:
+def _counters(
+    function: Any, reached: list[tuple[str, Any]], also: list[Any]
+) -> list[tuple[Any, str, Any]]:
     """(owner, name, value) for the counters and carried state (:func:`_carried`) a
     ``train_step`` keeps outside the model: the module-level names its code reads (owner: the
     module's globals), its closure's variables (owner: the cell), and the attributes of the
@@ -441,7 +454,8 @@ def _counters(function: Any, reached: list[tuple[str, Any]]) -> list[tuple[Any, 
     each run starts where the user's stood."""
     found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     base = function.func if isinstance(function, functools.partial) else function
-    functions = [base, *(value for _, value in reached if _followed(value))]  # its helpers too
+    helpers = [value for _, value in reached if _followed(value)]  # its helpers too
+    functions = [*([base] if function is not None else []), *also, *helpers]
     for each in functions:
         _function_counters(_unwrapped(each.__func__ if inspect.ismethod(each) else each), found)
     for _, value in reached:

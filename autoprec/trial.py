@@ -33,6 +33,7 @@ from autoprec.trial_failures import StopCheckRaised, failure_of, first_line, is_
 from autoprec.trial_loop import (
     TrainingLoop,
     heldout_pass,
+    ignores_row_constants,
     leg_steps,
     measure_trained,
     settle,
@@ -54,6 +55,7 @@ from autoprec.trial_measures import (
     unstepped_parameter_digests,
 )
 from autoprec.trial_records import (
+    OutputSummary,
     StopCheck,
     TrialFailure,
     TrialRecord,
@@ -180,6 +182,23 @@ def _fp32_reader(
         return None
 
 
+def _class_like(outputs: list[OutputSummary | None]) -> bool:
+    """Does the first held-out output have a class dimension (more than one value a row)?"""
+    return bool(outputs) and outputs[0] is not None and outputs[0].top1 is not None
+
+
+def _row_constants(inputs: _TrialInputs, plan: PrecisionPlan) -> bool | None:
+    """:func:`ignores_row_constants` on the first held-out batch; None where it raised (the
+    gate's own reading: the output check then compares outputs as they are)."""
+    recipe = inputs.recipe
+    try:
+        return ignores_row_constants(
+            plan, inputs.heldout[0], inputs.device, recipe.loss_fn, recipe.train_step
+        )
+    except Exception:  # noqa: BLE001 - a reading of the gate's, not the run's failure
+        return None
+
+
 def _carried_now(inputs: _TrialInputs) -> CarriedState:
     """The ``train_step``'s carried state as training left it."""
     if inputs.carried is not None:
@@ -278,6 +297,8 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
             drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
             carried = _carried_now(inputs) if reader is not None else None
             result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
+            if inputs.spec.mode == "fp32" and _class_like(result.heldout_outputs):
+                loop.figures["row_constants"] = _row_constants(inputs, plan)
             if carried is not None:  # as the mode's pass found it, in the reader's dtype
                 carried.restore(widened_to=floating_dtype(reader.model))
             with replayed_streams(inputs.device, drawn):
@@ -461,6 +482,7 @@ def _record(
         heldout_losses=tuple(figures.get("heldout", ())),
         heldout_losses_fp32_read=tuple(figures.get("heldout_fp32_read") or ()),
         fp32_read_failure=figures.get("fp32_read_failure"),
+        row_constants_ignored=figures.get("row_constants"),
         low_precision_moment=figures.get("moment"),
         nearest_adam_beta2=figures.get("adam_beta2"),
         nearest_rounded_decay=figures.get("decay"),

@@ -117,11 +117,18 @@ HOOK_DTYPE_HINT = (
 _MIXED_DTYPES = re.compile(
     r"m1 and m2 to have the same dtype|mat1 and mat2 must have the same dtype"
     r"|expected scalar type \w+ but found \w+|Input type \(.*\) and weight type \(.*\) should be"
-    r"|expected both .* to have the same dtype|must have the same dtype"
+    r"|to have the same dtype|dtypes match|Expected self\.dtype to be equal to src\.dtype"
+    r"|expected self and source to have same dtypes|input dtype .* does not match weight dtype"
+    r"|mixed dtype \(CPU\)"
 )
 """torch's errors when an op meets tensors of two dtypes: a custom autograd Function or
 custom op whose fp32 output or saved tensor meets the mode's bf16 ones (a hunt: torch's bare
-words, with no advice)."""
+words, with no advice); matmuls, convolutions, attention, index_put, scatter, RNNs and CPU
+norms each say it their way. Hinted only where the message names bf16 or fp16
+(``_LOW_PRECISION_NAMED``): a loader's int64 features meeting fp32 weights is the user's
+input, and an fp32 CPU tensor beside a CUDA weight the device's (a review)."""
+_LOW_PRECISION_NAMED = re.compile(r"BFloat16|bfloat16|Half|float16|mixed dtype \(CPU\)")
+"""(CPU norms' "mixed dtype" error is only ever about bf16 or fp16 input.)"""
 MIXED_DTYPES_HINT = (
     " (two tensors of different dtypes met in one op: something your code makes or keeps in "
     "fp32 (a buffer, torch.zeros without a dtype, a custom autograd Function's output or "
@@ -171,7 +178,7 @@ def failure_of(
         message += FP8_TWICE_HINT
     elif _HOOK_CHANGED_DTYPE.search(message):
         message += HOOK_DTYPE_HINT
-    elif _MIXED_DTYPES.search(message):
+    elif _MIXED_DTYPES.search(message) and _LOW_PRECISION_NAMED.search(message):
         message += MIXED_DTYPES_HINT
     frames = traceback.extract_tb(error.__traceback__)
     return TrialFailure(

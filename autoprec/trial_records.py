@@ -180,6 +180,9 @@ class TrialRecord(BaseModel):
     """The held-out losses of the trial's own trained weights read by the user's model in plain
     fp32 (empty for fp32 itself): against ``heldout_losses``, the mode's forward-pass cost alone,
     free of seed noise (the same weights, the same batches)."""
+    row_constants_ignored: bool | None = None
+    """fp32 runs: whether the loss ignores a constant added to a row of the prediction
+    (``trial_loop.ignores_row_constants``); None where not read."""
     fp32_read_failure: str | None = None
     """Why that fp32 read did not run where it was tried (the copy did not fit in memory, or
     the read raised: its error), said in the verdict's notes."""

@@ -674,7 +674,7 @@ def test_trials_record_outside_state_and_the_reference_cache_keeps_it(tmp_path) 
         run_trial(autoprec.ModeSpec(mode="fp32"), model, batches, recipe=recipe, steps=4, seed=s)
         for s in (0, 1)
     ]
-    start, _ = runs[0].outside_state
+    start, _first_step, _end = runs[0].outside_state  # before, after the first step, after
     assert set(start) == {"0.mean", "0.var"} and start["0.mean"].dtype == "torch.float32"
     assert changed_state(runs[0]) == ["0.mean", "0.var"]
     assert torch.equal(model[0].mean, torch.zeros(16))  # the trial trained a copy
