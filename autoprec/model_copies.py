@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autoprec._wording import first_names
+from autoprec.hook_copies import gradient_hooks, mappable, mapped, model_objects
 from autoprec.weight_dtypes import same_values
 
 
@@ -128,74 +129,19 @@ def deep_copy(model: nn.Module) -> nn.Module:
         ) from error
 
 
-def gradient_hooks(model: nn.Module) -> dict[str, list[Any]]:
-    """The hooks on ``model``'s trainable parameters that change their gradients
-    (``p.register_hook``: a pruning mask, a clamp), by parameter name, but those whose closure
-    holds one of the model's parameters or modules: on a copy they would act on the user's
-    model (torch's optimizer-in-backward hooks look the parameter up in a dict keyed by the
-    user's parameters: a KeyError failed the fp32 reference; a review). Hooks run after
-    accumulation (``register_post_accumulate_grad_hook``: an optimizer step fused into
-    backward, a log) are not among them: a trial steps its own optimizer."""
-    own = {id(item) for item in (*model.parameters(), *model.modules())}
-    found = {}
-    for name, parameter in model.named_parameters():
-        hooks = list((parameter._backward_hooks or {}).values())
-        kept = [hook for hook in hooks if parameter.requires_grad and not _reaches(hook, own)]
-        if kept:
-            found[name] = kept
-    return found
-
-
-def _reaches(hook: Any, own: set[int]) -> bool:
-    """Does a plain function ``hook`` hold, in its closure or defaults, one of ``own`` or a
-    list, tuple or dict of them (keys too)?"""
-    function = getattr(hook, "__func__", hook)
-    cells = [cell.cell_contents for cell in (getattr(function, "__closure__", None) or ())
-             if _filled(cell)]  # fmt: skip
-    held = [*cells, *(getattr(function, "__defaults__", None) or ())]
-    for value in held:
-        items = [value]
-        if isinstance(value, dict):
-            items += [*value.keys(), *value.values()]
-        elif isinstance(value, list | tuple):
-            items += list(value)
-        if any(id(item) in own for item in items):
-            return True
-    return False
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
-
-
 def _with_parameter_hooks(source: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """``copied`` with :func:`gradient_hooks` of ``source``, which a deep copy of a parameter
-    drops: no trial ran a pruning mask's ``g * mask`` or a per-element clamp, the gate called
-    amp_fp16 safe where the user's own loop clamped its loss-scaled gradients and stalled, and
-    bf16_sr safe where ``apply()`` then failed on the hook's fp32 mask (found by a hunt).
-    Copied in the model's ``memo``: a hook that is a method of the model is the copy's method
-    (a review: the user's own buffer was written by every run)."""
+    """``copied`` with the gradient hooks of ``source``'s trainable parameters that can be
+    carried (``autoprec.hook_copies``), mapped through the deep copy's ``memo``."""
+    own = model_objects(source)
     copies = dict(copied.named_parameters())
     for name, hooks in gradient_hooks(source).items():
         twin = copies.get(name)
         if twin is None or not twin.requires_grad:
             continue
         for hook in hooks:
-            twin.register_hook(_copied_hook(hook, memo))
+            if mappable(hook, own):
+                twin.register_hook(mapped(hook, memo))
     return copied
-
-
-def _copied_hook(hook: Any, memo: dict[int, Any]) -> Any:
-    """``hook`` in the model copy's ``memo`` (a plain function stays itself), or as it is
-    where it cannot be copied (a method of an object holding a lock)."""
-    try:
-        return copy.deepcopy(hook, memo)
-    except Exception:  # noqa: BLE001 - the user's object; the hook itself still runs
-        return hook
 
 
 def _copy_advice(model: nn.Module) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from autoprec.model_copies import gradient_hooks
+from autoprec.hook_copies import gradient_hooks
 from autoprec.weight_dtypes import same_values
 
 
@@ -455,7 +455,7 @@ def _counters(
     found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     base = function.func if isinstance(function, functools.partial) else function
     helpers = [value for _, value in reached if _followed(value)]  # its helpers too
-    functions = [*([base] if function is not None else []), *also, *helpers]
+    functions = [*([base] if function is not None else []), *map(_unpartial, also), *helpers]
     for each in functions:
         _function_counters(_unwrapped(each.__func__ if inspect.ismethod(each) else each), found)
     for _, value in reached:
@@ -482,6 +482,14 @@ def _tables(reached: list[tuple[str, Any]]) -> list[dict[Any, Any]]:
         if type(value) in (dict, collections.OrderedDict) and len(value) <= MAX_TABLE_KEYS:
             found.setdefault(id(value), value)
     return list(found.values())
+
+
+def _unpartial(function: Any) -> Any:
+    """``function`` without its ``functools.partial`` layers (a hook written as
+    ``partial(warm_up, over=100)``: its counter ran on; a review)."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    return function
 
 
 def _function_counters(base: Any, found: dict[tuple[int, str], tuple[Any, str, Any]]) -> None:

@@ -36,6 +36,7 @@ from autoprec.drift import Fp32Runs
 from autoprec.drift_thresholds import DriftThresholds
 from autoprec.eligibility import Situation, model_device, model_devices
 from autoprec.errors import BatchError, BudgetTooSmallError, LossError, UnsupportedModeError
+from autoprec.hook_copies import unmapped_hooks
 from autoprec.model_copies import UserModelWatch, deep_copy
 from autoprec.modes import mode_for
 from autoprec.outcomes import Objective
@@ -326,6 +327,14 @@ def setup_notes(setup: RunSetup) -> tuple[str, ...]:
     notes = (FRESH_BATCHES_NOTE,) if setup.fresh_batches else ()
     if setup.keep_fp32 and any(spec.mode == "tf32" for spec in setup.candidates.specs):
         notes += (TF32_KEEP_NOTE,)
+    unmapped = unmapped_hooks(setup.user_model)
+    if unmapped:
+        notes += (
+            f"gradient hooks not run in trials: those on {first_names(unmapped, 4)} hold your "
+            "model's parameters or modules inside a list, tuple or dict (or read them through "
+            "a module-level one, as an optimizer step fused into backward does), which a trial's "
+            "copy cannot map to its own; every run trained without them",
+        )
     return notes
 
 

@@ -115,16 +115,17 @@ HOOK_DTYPE_HINT = (
 
 
 _MIXED_DTYPES = re.compile(
-    r"m1 and m2 to have the same dtype|mat1 and mat2 must have the same dtype"
-    r"|expected scalar type \w+ but found \w+|Input type \(.*\) and weight type \(.*\) should be"
-    r"|to have the same dtype|dtypes match|Expected self\.dtype to be equal to src\.dtype"
-    r"|expected self and source to have same dtypes|input dtype .* does not match weight dtype"
-    r"|mixed dtype \(CPU\)"
+    r"m1 and m2 to have the same dtype|must have the same dtype"
+    r"|expected scalar type \w+ but found \w+|(Input|bias) type \(.*\) should be"
+    r"|to have the same dtype|to have same dtype|dtypes match|dtypes must be the same"
+    r"|same scalar type|expected self and source to have same dtypes"
+    r"|input dtype .* does not match weight dtype|mixed dtype \(CPU\)"
 )
 """torch's errors when an op meets tensors of two dtypes: a custom autograd Function or
 custom op whose fp32 output or saved tensor meets the mode's bf16 ones (a hunt: torch's bare
-words, with no advice); matmuls, convolutions, attention, index_put, scatter, RNNs and CPU
-norms each say it their way. Hinted only where the message names bf16 or fp16
+words, with no advice); matmuls (addmm's "self and mat2", a bias), convolutions, attention,
+index_put, index_add, masked_scatter, dot, baddbmm, RNNs and CPU norms each say it their way
+(scatter's names no dtype, and gets no hint). Hinted only where the message names bf16 or fp16
 (``_LOW_PRECISION_NAMED``): a loader's int64 features meeting fp32 weights is the user's
 input, and an fp32 CPU tensor beside a CUDA weight the device's (a review)."""
 _LOW_PRECISION_NAMED = re.compile(r"BFloat16|bfloat16|Half|float16|mixed dtype \(CPU\)")

@@ -200,10 +200,16 @@ def _evaluate(
     return losses, outputs, ranges.reading()
 
 
-ROW_CONSTANT_TOLERANCE = 1e-4
-"""How near zero each row's gradient sum must be, relative to the row's summed |gradient|,
-for the loss to ignore a constant added to the row: softmax cross-entropy's ``p - y`` sums to
-zero up to fp32 rounding (about 1e-7); BCE's, an ordinal (CORAL) head's or MSE's do not."""
+ROW_CONSTANT_TOLERANCE = 1e-2
+"""How near zero the rows' gradient sums must be for the loss to ignore a constant added to a
+row: the L2 norm over the batch of each row's sum, against that of each row's summed
+|gradient|. Measured on 64 rows of 10 classes (fp32): softmax cross-entropy 5e-8 to 1.5e-7
+from a loss of 1.1 down to 0.05 (label smoothing and a KL to soft targets alike), CE with a
+1e-4 z-loss 4e-4 (it barely sees the constant); BCE 0.33-1.0, MSE 0.40, a CORAL ordinal head
+0.62-0.96, CE plus 0.1 MSE on the logits 0.048. Per row, as first written, a row the model is
+sure of (p 0.9999) read 3e-4 from fp32 rounding alone, and a trained tagger's reference read
+False (a review). Where every row is that sure (a held-out loss near 1e-5) it reads False,
+and the outputs are compared as they are."""
 
 
 def ignores_row_constants(
@@ -214,8 +220,9 @@ def ignores_row_constants(
     train_step: TrainStep | None,
 ) -> bool | None:
     """Does the loss ignore a constant added to a row of the prediction (over its last
-    dimension), read on one held-out batch: every row of its gradient by the prediction sums
-    to zero, as softmax cross-entropy's, log-softmax's and a CRF's do. The output check
+    dimension), read on one held-out batch: the rows of its gradient by the prediction sum
+    to zero (``ROW_CONSTANT_TOLERANCE``), as softmax cross-entropy's, log-softmax's and a
+    CRF's do. The output check
     forgives such a constant only then: forgiven for any output, an ordinal (CORAL) head,
     whose input-dependent part is all in the row's mean, passed pure bf16 2000-step runs
     found 57% worse (a hunt). None where no prediction with a class dimension reaches the
@@ -245,8 +252,8 @@ def ignores_row_constants(
     if grad is None:
         return None
     rows = grad.detach().reshape(-1, grad.shape[-1]).double()
-    moved = rows.abs().sum(-1)
-    return bool(moved.any()) and bool((rows.sum(-1).abs() <= ROW_CONSTANT_TOLERANCE * moved).all())
+    spread = float(rows.abs().sum(-1).norm())
+    return spread > 0 and float(rows.sum(-1).norm()) <= ROW_CONSTANT_TOLERANCE * spread
 
 
 @contextlib.contextmanager

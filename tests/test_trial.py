@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import random
 import re
 import statistics
@@ -1759,6 +1760,10 @@ def test_a_loss_that_ignores_row_constants_is_told_apart() -> None:
 
     four = nn.Linear(8, 4)
     assert read(four, (x, classes), nn.functional.cross_entropy) is True
+    sure = nn.Linear(8, 4)  # a review: rows p 0.9999 read as not ignoring, from rounding
+    with torch.no_grad():
+        sure.weight.mul_(60)
+    assert read(sure, (x, sure(x).argmax(-1)), nn.functional.cross_entropy) is True
     multi_label = (x, (torch.rand(16, 4) > 0.5).float())
     assert read(four, multi_label, nn.functional.binary_cross_entropy_with_logits) is False
     assert read(four, (x, torch.randn(16, 4)), nn.functional.mse_loss) is False
@@ -1771,3 +1776,64 @@ def test_a_loss_that_ignores_row_constants_is_told_apart() -> None:
         return nn.functional.cross_entropy(plan.model(inputs), target)
 
     assert read(four, (x, classes), train_step=train_step) is True
+
+
+class _Warmup:
+    """An object outside the model that a train_step drives and a gradient hook reads."""
+
+    def __init__(self) -> None:
+        self.factor = 0.0
+
+    def apply(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self.factor
+
+
+_SCALES: dict[Any, float] = {}
+"""Per-parameter gradient scales, keyed by the user's parameters."""
+
+
+def _scaled(parameter: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return grad * _SCALES[parameter]
+
+
+def test_gradient_hooks_map_the_models_objects_and_share_the_rest() -> None:
+    """A review of carrying hooks by deep copy: a hook bound to an object the train_step drives
+    got a copy of it (every run's gradients scaled by 0); a partial reading a module-level dict
+    keyed by the user's parameters failed the reference with a KeyError; closures over the
+    model or a parameter were dropped. The model's objects a hook holds directly are mapped,
+    anything else shared, and a hook that reaches the model through a container is left out
+    with a note."""
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, 4, generator=generator)
+    batches = [(x, torch.tanh(x @ teacher)) for x in torch.randn(24, 16, 32, generator=generator)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    warm, seen = _Warmup(), []
+    model[2].weight.register_hook(warm.apply)
+    model[2].weight.register_hook(lambda g: seen.append(warm.factor) or g)
+
+    def train_step(plan: autoprec.PrecisionPlan, batch: Any) -> torch.Tensor:
+        if plan.model.training:
+            warm.factor = min(1.0, warm.factor + 0.25)
+        x, y = batch
+        with plan.autocast():
+            return nn.functional.mse_loss(plan.model(x).float(), y)
+
+    autoprec.check(model, batches, train_step=train_step, steps=8, modes=["amp_bf16"])
+    assert max(seen) == 1.0  # the train_step's object, not a copy of it
+
+    pruned = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    writes = []
+    for parameter in pruned.parameters():  # a closure's default, the parameter itself
+        parameter.register_hook(lambda g, p=parameter: writes.append(p) or g * (p != 0))
+    for parameter in pruned.parameters():
+        _SCALES[parameter] = 0.5
+    pruned[0].weight.register_hook(functools.partial(_scaled, pruned[0].weight))
+    report = autoprec.check(pruned, batches, loss_fn=nn.functional.mse_loss, steps=8,
+                            modes=["amp_bf16"])  # fmt: skip
+    assert report.verdicts[0].status != "failed", report.verdicts[0].reasons
+    own = {id(p) for p in pruned.parameters()}
+    assert writes and not any(id(p) in own for p in writes)  # the copies' parameters
+    [note] = [n for n in report.checks_not_run if n.startswith("gradient hooks not run")]
+    assert "0.weight" in note and "2.weight" not in note
+    _SCALES.clear()
