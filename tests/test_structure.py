@@ -26,7 +26,7 @@ ORDER = [
     "eight_bit_states", "stochastic_optim", "kahan_foreach", "kahan_adamw", "optim",
     "torch_state_form",
     "state_translation",
-    "modes", "model_copies", "outside_state", "plan", "testing",
+    "modes", "hook_copies", "model_copies", "outside_state", "plan", "testing",
     "probing", "candidates", "batching", "recipe", "recipe_match",  # pipeline
     "trial_records", "trial_failures", "trial_measures", "trial_loop", "trial", "drift_thresholds",
     "drift_movement", "drift_outside_state", "drift_state_rule", "drift_fp16", "drift",
