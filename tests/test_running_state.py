@@ -618,7 +618,9 @@ def test_user_keep_fp32_joins_every_candidate_that_lowers_precision() -> None:
     assert kept.specs[4].fp8_skip == ("head",)
     assert with_user_keep_fp32(candidates, ()) is candidates
     # where tf32 is a candidate (a GPU), the result's notes say it did not keep them
-    setup = SimpleNamespace(fresh_batches=False, keep_fp32=("head",), candidates=kept)
+    setup = SimpleNamespace(
+        fresh_batches=False, keep_fp32=("head",), candidates=kept, user_model=torch.nn.Linear(2, 2)
+    )
     assert setup_notes(setup) == (TF32_KEEP_NOTE,)  # type: ignore[arg-type]
     assert setup_notes(SimpleNamespace(**{**vars(setup), "keep_fp32": ()})) == ()  # type: ignore[arg-type]
 
