@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autoprec._wording import first_names
-from autoprec.hook_copies import gradient_hooks, mappable, mapped, model_objects
+from autoprec.hook_copies import HookMapping, gradient_hooks, mappable, model_objects
 from autoprec.weight_dtypes import same_values
 
 
@@ -133,6 +133,7 @@ def _with_parameter_hooks(source: nn.Module, copied: nn.Module, memo: dict[int, 
     """``copied`` with the gradient hooks of ``source``'s trainable parameters that can be
     carried (``autoprec.hook_copies``), mapped through the deep copy's ``memo``."""
     own = model_objects(source)
+    mapping = HookMapping(own, memo)
     copies = dict(copied.named_parameters())
     for name, hooks in gradient_hooks(source).items():
         twin = copies.get(name)
@@ -140,7 +141,7 @@ def _with_parameter_hooks(source: nn.Module, copied: nn.Module, memo: dict[int, 
             continue
         for hook in hooks:
             if mappable(hook, own):
-                twin.register_hook(mapped(hook, memo))
+                twin.register_hook(mapping.hook(hook))
     return copied
 
 

@@ -330,10 +330,10 @@ def setup_notes(setup: RunSetup) -> tuple[str, ...]:
     unmapped = unmapped_hooks(setup.user_model)
     if unmapped:
         notes += (
-            f"gradient hooks not run in trials: those on {first_names(unmapped, 4)} hold your "
-            "model's parameters or modules inside a list, tuple or dict (or read them through "
-            "a module-level one, as an optimizer step fused into backward does), which a trial's "
-            "copy cannot map to its own; every run trained without them",
+            f"gradient hooks not run in trials: those on {first_names(unmapped, 4)} read your "
+            "model's parameters, buffers or modules through a module-level name, a list, "
+            "tuple, set or dict, or an object outside the model, which a trial's copy cannot "
+            "map to its own; every run trained without them",
         )
     return notes
 
