@@ -271,6 +271,25 @@ def _train_legs(
         run.failure = TrialFailure(kind="non_finite_weight", step=step, message=message)
 
 
+def _measure_trained_copy(loop: TrainingLoop, inputs: _TrialInputs, result: TrialResult) -> None:
+    """After training: the held-out pass and ``eval_fn``, the fp32 read of the trained
+    weights (from the state the mode's pass started from: model, carried state, random
+    draws), and for fp32 whether the loss ignores a constant per row."""
+    started, plan = time.perf_counter(), loop.plan
+    reader = _fp32_reader(inputs, plan, loop.figures)  # the trained state, before the pass
+    drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
+    carried = _carried_now(inputs) if reader is not None else None
+    result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
+    if inputs.spec.mode == "fp32" and _class_like(result.heldout_outputs):
+        loop.figures["row_constants"] = _row_constants(inputs, plan)
+    if carried is not None and reader is not None:  # in the reader's dtype
+        carried.restore(widened_to=floating_dtype(reader.model))
+    with replayed_streams(inputs.device, drawn):
+        loop.figures["heldout_fp32_read"] = _heldout_read_in_fp32(inputs, reader, loop.figures)
+    del reader
+    result.tail_seconds = time.perf_counter() - started
+
+
 def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, int]) -> _CopyRun:
     """Train and measure a deep copy of the model; a failure is recorded in the run, never
     raised, and the copy's memory is freed."""
@@ -291,21 +310,7 @@ def _train_copy(inputs: _TrialInputs, result: TrialResult, baseline: dict[str, i
         if run.stopped is None:
             _train_legs(loop, inputs, run, result, baseline)
         if run.failure is None and run.stopped is None:
-            tail_started = time.perf_counter()
-            # the trained state, before the pass moves it
-            reader = _fp32_reader(inputs, plan, loop.figures)
-            drawn = stream_states(inputs.device)  # a loss that draws noise draws it alike twice
-            carried = _carried_now(inputs) if reader is not None else None
-            result.heldout_outputs = measure_trained(loop, inputs.heldout, inputs.eval_fn)
-            if inputs.spec.mode == "fp32" and _class_like(result.heldout_outputs):
-                loop.figures["row_constants"] = _row_constants(inputs, plan)
-            if carried is not None:  # as the mode's pass found it, in the reader's dtype
-                carried.restore(widened_to=floating_dtype(reader.model))
-            with replayed_streams(inputs.device, drawn):
-                read = _heldout_read_in_fp32(inputs, reader, loop.figures)
-                loop.figures["heldout_fp32_read"] = read
-            del reader
-            result.tail_seconds = time.perf_counter() - tail_started
+            _measure_trained_copy(loop, inputs, result)
         if "state" not in loop.figures:  # no step stepped: measure what there is
             loop.figures["state"] = state_bytes(plan)
     except StopCheckRaised as raised:  # the caller's own callback failed: it stops the run
