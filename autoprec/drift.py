@@ -186,6 +186,22 @@ def noise_floor(reference: TrialResult, noise: TrialResult, thresholds: DriftThr
     return max(floor, spread)
 
 
+def _compared_positions(
+    values: torch.Tensor, expected: torch.Tensor, fixed: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The positions finite in both and not ``fixed`` (all finite ones where every one is
+    fixed), or None where a value is not finite and fp32's differs there (an overflow fp32
+    does not have: infinite error)."""
+    finite = torch.isfinite(values) & torch.isfinite(expected)
+    same = (values == expected) | (torch.isnan(values) & torch.isnan(expected))
+    if bool((~finite & ~same).any()):
+        return None
+    # (found by a hunt: with a -inf mask beside fixed values the test read "not all fixed",
+    # left every finite position out and a trial 10x off read 0.0)
+    varying = finite if fixed is None else finite & ~fixed
+    return varying if bool(varying.any()) else finite
+
+
 def _sampled_error(
     values: torch.Tensor, expected: torch.Tensor, fixed: torch.Tensor | None = None
 ) -> float:
@@ -195,14 +211,9 @@ def _sampled_error(
     ``fixed`` marks positions that do not depend on the weights (see ``_fixed_positions``):
     they are left out, as long as something else is left to compare. Norms are taken in
     float64: fp32's overflowed on fill values near its largest float."""
-    finite = torch.isfinite(values) & torch.isfinite(expected)
-    same = (values == expected) | (torch.isnan(values) & torch.isnan(expected))
-    if bool((~finite & ~same).any()):
+    compared = _compared_positions(values, expected, fixed)
+    if compared is None:
         return math.inf
-    # (found by a hunt: with a -inf mask beside fixed values the test read "not all fixed",
-    # left every finite position out and a trial 10x off read 0.0)
-    varying = finite if fixed is None else finite & ~fixed
-    compared = varying if bool(varying.any()) else finite
     expected, values = expected[compared].double(), values[compared].double()
     denominator = float(expected.norm()) or 1.0
     return float((values - expected).norm()) / denominator
@@ -235,11 +246,9 @@ def _row_centered_error(
     values, reference = output.values, expected.values
     if not len(positions) == len(values) == len(reference):
         return None
-    finite = torch.isfinite(values) & torch.isfinite(reference)
-    if bool((~finite & ~((values == reference) | (values.isnan() & reference.isnan()))).any()):
-        return math.inf  # as _sampled_error: an overflow fp32 does not have
-    varying = finite if fixed is None else finite & ~fixed
-    compared = varying if bool(varying.any()) else finite
+    compared = _compared_positions(values, reference, fixed)
+    if compared is None:
+        return math.inf
     rows, inverse, counts = torch.unique(
         positions[compared] // shape[-1], return_inverse=True, return_counts=True
     )

@@ -170,16 +170,10 @@ def _evaluate(
     plan, heldout, device, loss_fn, train_step, grad = on
     ranges = _RangeWatch(plan, watch_range)
     returned: list[Any] = []  # what the model returned to train_step, call by call
-
-    def keep_returned(_module: nn.Module, _args: Any, output: Any) -> None:
-        # not a call under torch.vmap or torch.func (a residual per point): its output is the
-        # transform's wrapper, and reducing it after the transform raised (a review)
-        if torch._C._functorch.maybe_current_level() is None:
-            returned.append(output)
-
     handles = ranges.attach()
     if train_step is not None:
-        handles.append(plan.model.register_forward_hook(torch.compiler.disable(keep_returned)))
+        keep = torch.compiler.disable(_returned_into(returned))
+        handles.append(plan.model.register_forward_hook(keep))
     # a train_step or forward may differentiate by its inputs (a physics-informed loss:
     # autograd.grad of the output by x). Nothing is stepped: the graph goes with the loss.
     grad_mode = torch.enable_grad() if grad else torch.no_grad()
@@ -198,6 +192,18 @@ def _evaluate(
         for handle in handles:
             handle.remove()
     return losses, outputs, ranges.reading()
+
+
+def _returned_into(returned: list[Any]) -> Callable[[nn.Module, Any, Any], None]:
+    """A forward hook keeping what the model returns to a ``train_step`` in ``returned``, but
+    not a call under torch.vmap or torch.func (a residual per point): its output is the
+    transform's wrapper, and reducing it after the transform raised (a review)."""
+
+    def keep_returned(_module: nn.Module, _args: Any, output: Any) -> None:
+        if torch._C._functorch.maybe_current_level() is None:
+            returned.append(output)
+
+    return keep_returned
 
 
 ROW_CONSTANT_TOLERANCE = 1e-2
@@ -228,12 +234,8 @@ def ignores_row_constants(
     found 57% worse (a hunt). None where no prediction with a class dimension reaches the
     loss. Eval mode, the random streams put back, nothing stepped."""
     returned: list[Any] = []
-
-    def keep_returned(_module: nn.Module, _args: Any, output: Any) -> None:
-        if torch._C._functorch.maybe_current_level() is None:
-            returned.append(output)
-
-    handle = plan.model.register_forward_hook(keep_returned) if train_step is not None else None
+    keep = _returned_into(returned)
+    handle = plan.model.register_forward_hook(keep) if train_step is not None else None
     try:
         with _eval_mode(plan.model), torch.enable_grad(), kept_streams(cuda_devices_of(device)):
             loss, output = forward_and_loss(plan, to_device(batch, device), loss_fn, train_step)
